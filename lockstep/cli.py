@@ -1,0 +1,55 @@
+"""The `lockstep` console entry point.
+
+Each subcommand lives in `lockstep/commands/<name>.py` and exposes two functions:
+`add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their
+subcommand runs, so `lockstep --help` stays fast and a missing optional dependency of
+one command never breaks the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> one-line help. Order is the order `lockstep --help` lists them.
+SUBCOMMANDS: dict[str, str] = {
+    "train": "run RL post-training (GRPO and relatives); with no arguments, the embedded CPU default",
+    "sft": "supervised warm-start of a model on a prompt/answer set",
+    "generate": "sample completions from a model with the rollout engine",
+    "serve": "serve a model over HTTP (OpenAI-compatible + native endpoints)",
+    "eval": "evaluate a model on held-out sets with pass@k",
+    "align": "compare trainer and rollout log-probabilities token by token",
+    "plan": "find the parallel layouts (TP/PP/EP/CP) that fit a model on a cluster",
+    "convert": "convert checkpoints: GGUF -> HF directory, fp8/fp4 <-> bf16",
+    "plot": "plot a run's metrics into RUN_DIR/plots/",
+}
+
+
+def _load(name: str):
+    return importlib.import_module(f"lockstep.commands.{name}")
+
+
+def build_parser(names: list[str] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lockstep", description="lockstep: RL post-training for MoE language models.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if names is None or name in names:
+            _load(name).add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    chosen = [a for a in argv if a in SUBCOMMANDS][:1]
+    parser = build_parser(chosen)
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    return int(_load(args.command).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

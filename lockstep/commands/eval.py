@@ -1,0 +1,9 @@
+"""`lockstep eval`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep eval: not implemented yet")

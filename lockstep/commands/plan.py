@@ -1,0 +1,9 @@
+"""`lockstep plan`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep plan: not implemented yet")

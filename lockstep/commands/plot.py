@@ -1,0 +1,9 @@
+"""`lockstep plot`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep plot: not implemented yet")

@@ -1,0 +1,9 @@
+"""`lockstep serve`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep serve: not implemented yet")

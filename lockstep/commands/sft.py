@@ -1,0 +1,9 @@
+"""`lockstep sft`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep sft: not implemented yet")

@@ -1,0 +1,9 @@
+"""`lockstep train`: not implemented yet."""
+
+
+def add_arguments(parser):
+    pass
+
+
+def run(args):
+    raise SystemExit("lockstep train: not implemented yet")
