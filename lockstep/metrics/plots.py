@@ -1,0 +1,120 @@
+"""Plots of a run's metrics.jsonl into RUN_DIR/plots/ (matplotlib, Agg backend: no display needed).
+
+    train_rollout_logprob_abs_diff.png   train/train_rollout_logprob_abs_diff per step
+    raw_reward.png                       rollout/raw_reward per step, its trailing moving average
+                                         (window W = 10) and the least-squares line y = a + b * step
+    eval_<set>_pass_at_k.png             eval/<set>/pass@<k> over steps, one line per k
+
+The moving average at step i is the mean of the last min(W, i + 1) points. The least-squares slope
+is b = sum((x - mean x)(y - mean y)) / sum((x - mean x)^2) (reward gained per step). A metric
+absent from the file simply gets no plot; a missing / malformed file raises MetricsFileError.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from lockstep.metrics.sinks import METRICS_FILE, read_metrics
+
+ABS_DIFF_KEY = "train/train_rollout_logprob_abs_diff"
+REWARD_KEY = "rollout/raw_reward"
+_EVAL_RE = re.compile(r"^eval/(.+)/pass@(\d+)$")
+
+
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of the records that have a numeric value for key."""
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+    return np.array([p[0] for p in pairs], dtype=float), np.array([p[1] for p in pairs], dtype=float)
+
+
+def moving_average(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing mean over the last min(window, i + 1) values at each i."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    v = np.asarray(values, dtype=float)
+    csum = np.concatenate([[0.0], np.cumsum(v)])
+    idx = np.arange(1, len(v) + 1)
+    start = np.maximum(idx - window, 0)
+    return (csum[idx] - csum[start]) / (idx - start)
+
+
+def least_squares_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, float]:
+    """(slope, intercept) of the least-squares line through (x, y); slope 0 for fewer than 2 distinct x."""
+    x, y = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(x) == 0:
+        return 0.0, 0.0
+    dx = x - x.mean()
+    denom = float((dx * dx).sum())
+    if denom == 0.0:
+        return 0.0, float(y.mean())
+    slope = float((dx * (y - y.mean())).sum()) / denom
+    return slope, float(y.mean() - slope * x.mean())
+
+
+def eval_series(records: Sequence[dict[str, Any]]) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
+    """{set: {k: (steps, values)}} for every eval/<set>/pass@<k> key present."""
+    keys = sorted({k for r in records for k in r if _EVAL_RE.match(k)})
+    out: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
+    for key in keys:
+        m = _EVAL_RE.match(key)
+        out.setdefault(m.group(1), {})[int(m.group(2))] = series(records, key)
+    return out
+
+
+def _figure(title: str, ylabel: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.set_title(title)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, ax, path: Path) -> Path:
+    ax.legend(loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def plot_run(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
+    """Write the plots; returns {"files": [paths], "reward_slope": float | None}."""
+    run_dir = Path(run_dir)
+    records = read_metrics(run_dir / METRICS_FILE)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files: list[Path] = []
+    slope = None
+
+    steps, values = series(records, ABS_DIFF_KEY)
+    if len(steps):
+        plt, fig, ax = _figure("train/rollout log-prob mismatch", "mean |logp_train - logp_rollout|")
+        ax.plot(steps, values, marker=".", label=ABS_DIFF_KEY)
+        files.append(_save(plt, fig, ax, out_dir / "train_rollout_logprob_abs_diff.png"))
+
+    steps, values = series(records, REWARD_KEY)
+    if len(steps):
+        slope, intercept = least_squares_line(steps, values)
+        plt, fig, ax = _figure("rollout reward", "raw reward")
+        ax.plot(steps, values, marker=".", alpha=0.5, label=REWARD_KEY)
+        ax.plot(steps, moving_average(values, window), label=f"moving average ({window})")
+        ax.plot(steps, intercept + slope * steps, linestyle="--", label=f"least squares, slope {slope:.3g}/step")
+        files.append(_save(plt, fig, ax, out_dir / "raw_reward.png"))
+
+    for set_name, by_k in eval_series(records).items():
+        plt, fig, ax = _figure(f"eval {set_name}", "pass@k")
+        for k, (s, v) in sorted(by_k.items()):
+            ax.plot(s, v, marker="o", label=f"pass@{k}")
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", set_name)
+        files.append(_save(plt, fig, ax, out_dir / f"eval_{safe}_pass_at_k.png"))
+    return {"files": files, "reward_slope": slope}
