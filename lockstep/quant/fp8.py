@@ -1,0 +1,144 @@
+"""FP8 e4m3 weights with one scale per 128x128 block (DeepSeek-V3/V4's "fine-grained fp8").
+
+Layout: weight q [..., out, in] `torch.float8_e4m3fn`; scale [..., ceil(out/128), ceil(in/128)].
+Dequantisation: w = q * scale, the scale broadcast over its block. Quantisation of a block
+with absolute maximum amax (computed in float32):
+
+    scale = amax / 448                      scale_fmt="fp32"  (V3 style, any float32)
+    scale = 2 ** ceil(log2(amax / 448))     scale_fmt="ue8m0" (V4 style, a power of two,
+                                             rounded UP so no |w / scale| exceeds 448)
+    q = clamp(w / scale, -448, 448).to(float8_e4m3fn)   (round to nearest even)
+
+An all-zero block gets scale 1. UE8M0 scales may be carried as float32 or stored as
+`torch.float8_e8m0fnu` (the official checkpoints' dtype); `scale_to_e8m0` / `scale_from_e8m0`
+convert exactly.
+
+Round trips. With ue8m0 scales every dequantised value q * 2**k is exactly representable, so
+dequant(quant(x)) == x for any such x, and quant(dequant(q, s)) == (q, s) for every block whose
+max |q| exceeds 224 (= 448 / 2; that is the case for blocks quant produced unless the block's
+largest value rounded down to exactly 224, where quant returns (2q, s/2): the same values).
+With fp32 scales a quantised block's max |q| is 448 and fl(fl(448 * s) / 448) == s for
+s = fl(amax / 448), so quant(dequant(q, s)) == (q, s) holds as well when dequantising to
+float32 (not to bf16: q * s is generally not a bf16 value).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.quant.blocks import from_blocks, scale_shape, to_blocks
+from lockstep.quant.errors import QuantFormatError, where
+from lockstep.quant.scales import E8M0, round_up_pow2, scale_from_e8m0, scale_to_e8m0
+
+FP8_E4M3_MAX = 448.0
+FP8_BLOCK = (128, 128)
+SCALE_FMTS = ("ue8m0", "fp32")
+SCALE_DTYPES = (torch.float32, E8M0, torch.bfloat16, torch.float16, torch.float64)
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "FP8_BLOCK",
+    "quantize_fp8_block",
+    "dequantize_fp8_block",
+    "fp8_scale_shape",
+    "check_fp8_scale",
+    "scale_to_e8m0",
+    "scale_from_e8m0",
+]
+
+
+def fp8_scale_shape(weight_shape: tuple[int, ...], block: tuple[int, int] = FP8_BLOCK) -> tuple[int, ...]:
+    """[..., out, in] -> [..., ceil(out/block0), ceil(in/block1)]."""
+    return scale_shape(tuple(weight_shape), tuple(block))
+
+
+def _names(name: str | None) -> tuple[str | None, str | None]:
+    """(weight name, scale name) for messages: `x.weight` pairs with `x.scale`."""
+    if not name:
+        return None, None
+    for w_suffix, s_suffix in ((".weight", ".scale"), (".weight", ".weight_scale_inv")):
+        if name.endswith(s_suffix):
+            return name[: -len(s_suffix)] + w_suffix, name
+    if name.endswith(".weight"):
+        return name, name[: -len(".weight")] + ".scale"
+    return name, f"{name} (scale)"
+
+
+def check_fp8_scale(
+    q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = FP8_BLOCK, name: str | None = None
+) -> None:
+    """Raise QuantFormatError unless q is e4m3 and scale is a float tensor of the block-scale shape."""
+    w_name, s_name = _names(name)
+    if q.dtype != torch.float8_e4m3fn:
+        raise QuantFormatError(where(w_name, f"dtype {q.dtype} is not an fp8 e4m3 weight (torch.float8_e4m3fn)"))
+    if q.dim() < 2:
+        raise QuantFormatError(where(w_name, f"fp8 block weight must be at least 2-D, got shape {tuple(q.shape)}"))
+    if scale.dtype not in SCALE_DTYPES:
+        raise QuantFormatError(
+            where(s_name, f"dtype {scale.dtype} is not a block-scale dtype (float32 or float8_e8m0fnu)")
+        )
+    expected = fp8_scale_shape(tuple(q.shape), block)
+    if tuple(scale.shape) != expected:
+        raise QuantFormatError(
+            where(
+                s_name,
+                f"shape {tuple(scale.shape)} does not fit weight {tuple(q.shape)} with "
+                f"{block[0]}x{block[1]} blocks; expected {expected}",
+            )
+        )
+
+
+def quantize_fp8_block(
+    w: torch.Tensor,
+    block: tuple[int, int] = FP8_BLOCK,
+    scale_fmt: str = "ue8m0",
+    *,
+    scale_dtype: torch.dtype = torch.float32,
+    name: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., out, in] (any float dtype) -> (q float8_e4m3fn [..., out, in], scale [..., ceil(out/b0), ceil(in/b1)]).
+
+    `scale_dtype` is float32 (default) or torch.float8_e8m0fnu (ue8m0 only).
+    """
+    if scale_fmt == "float":  # transformers' spelling of fp32 scales
+        scale_fmt = "fp32"
+    if scale_fmt not in SCALE_FMTS:
+        raise ValueError(f"scale_fmt must be one of {SCALE_FMTS}, got {scale_fmt!r}")
+    if scale_dtype not in (torch.float32, E8M0):
+        raise ValueError(f"scale_dtype must be torch.float32 or torch.float8_e8m0fnu, got {scale_dtype}")
+    if scale_dtype == E8M0 and scale_fmt != "ue8m0":
+        raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0' (power-of-two scales)")
+    if w.dim() < 2 or not w.is_floating_point():
+        raise QuantFormatError(where(name, f"cannot fp8-quantise a {w.dtype} tensor of shape {tuple(w.shape)}"))
+    block = (int(block[0]), int(block[1]))
+    rows, cols = w.shape[-2:]
+    wb = to_blocks(w.float(), block)  # [..., nbr, br, nbc, bc]
+    amax = wb.abs().amax(dim=(-3, -1))  # [..., nbr, nbc]
+    scale = amax / FP8_E4M3_MAX
+    if scale_fmt == "ue8m0":
+        scale = round_up_pow2(scale)
+    else:
+        # A float32 scale that is subnormal would make w / scale overflow or lose bits.
+        scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    qb = (wb / scale[..., :, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = from_blocks(qb, rows, cols).to(torch.float8_e4m3fn)
+    if scale_dtype == E8M0:
+        scale = scale_to_e8m0(scale, name)
+    return q, scale
+
+
+def dequantize_fp8_block(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    name: str | None = None,
+    block: tuple[int, int] = FP8_BLOCK,
+) -> torch.Tensor:
+    """q float8_e4m3fn [..., out, in] * per-block scale -> out_dtype [..., out, in] (product in float32)."""
+    block = (int(block[0]), int(block[1]))
+    check_fp8_scale(q, scale, block, name)
+    rows, cols = q.shape[-2:]
+    s = scale_from_e8m0(scale) if scale.dtype == E8M0 else scale.float()
+    xb = to_blocks(q.float(), block) * s[..., :, None, :, None]
+    return from_blocks(xb, rows, cols).to(out_dtype)
