@@ -1,0 +1,70 @@
+"""config.json `model_type` -> (model class, config class, key map family).
+
+Classes are named as "module:attr" strings and imported on first use, so loading a Llama
+checkpoint never imports the DeepSeek-V4 model (and works before that module exists).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    model_cls: str
+    config_cls: str
+    key_map: str
+
+
+_LLAMA = ModelEntry("lockstep.models.llama:LlamaForCausalLM", "lockstep.models.llama_config:LlamaConfig", "llama")
+REGISTRY: dict[str, ModelEntry] = {
+    "llama": _LLAMA,
+    "qwen3": _LLAMA,
+    "deepseek_v4": ModelEntry("lockstep.models.deepseek_v4:DeepseekV4ForCausalLM",
+                              "lockstep.models.deepseek_v4_config:DeepseekV4Config", "deepseek_v4"),
+}
+
+
+def entry(model_type: str) -> ModelEntry:
+    try:
+        return REGISTRY[model_type]
+    except KeyError:
+        raise ValueError(f"unsupported model_type {model_type!r}; known: {sorted(REGISTRY)}") from None
+
+
+def _import(spec: str):
+    module, attr = spec.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def model_class(model_type: str):
+    return _import(entry(model_type).model_cls)
+
+
+def config_class(model_type: str):
+    return _import(entry(model_type).config_cls)
+
+
+def config_from_hf_dict(d: dict):
+    """The lockstep config for a config.json dict, chosen by its `model_type`."""
+    if "model_type" not in d:
+        raise ValueError("config.json has no 'model_type'")
+    return config_class(d["model_type"]).from_hf_dict(d)
+
+
+def keep_in_fp32_patterns(model_type: str) -> tuple[str, ...]:
+    """Name patterns the model keeps in fp32 whatever the load dtype; () if the model isn't importable."""
+    try:
+        cls = model_class(model_type)
+    except ImportError:
+        return ()
+    return fp32_patterns_of(cls)
+
+
+def fp32_patterns_of(model_or_cls) -> tuple[str, ...]:
+    # lockstep models declare `_keep_in_fp32`; HF-style `_keep_in_fp32_modules_strict` is accepted too
+    pats = []
+    for attr in ("_keep_in_fp32", "_keep_in_fp32_modules_strict"):
+        pats.extend(getattr(model_or_cls, attr, None) or ())
+    return tuple(dict.fromkeys(pats))
