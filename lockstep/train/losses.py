@@ -113,6 +113,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", cla
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim, float32, safe for -inf logits. [...]"""
     z = logits.float()
+    # Entropy is shift-invariant; shifting by the max keeps lse and sum(p * z) small, so their
+    # difference does not cancel catastrophically for large logits.
+    z = z - z.max(dim=-1, keepdim=True).values.detach()
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     p = torch.exp(z - lse)
     # Zero the logit itself (not the product) where p == 0, so neither the value nor the

@@ -1,0 +1,49 @@
+import pytest
+
+from lockstep.cli import main
+from lockstep.metrics.plots import least_squares_line, moving_average, plot_run
+from lockstep.metrics.sinks import JsonlSink
+
+
+def test_moving_average_and_least_squares():
+    assert moving_average([1, 2, 3, 4], 2).tolist() == [1.0, 1.5, 2.5, 3.5]
+    assert moving_average([4, 0, 2], 10).tolist() == [4.0, 2.0, 2.0]
+    slope, intercept = least_squares_line([0, 1, 2, 3], [1, 3, 2, 5])
+    # mean x 1.5, mean y 2.75; sum dx*dy = 5.5, sum dx^2 = 5
+    assert slope == pytest.approx(1.1) and intercept == pytest.approx(2.75 - 1.1 * 1.5)
+    assert least_squares_line([2, 2], [1, 3]) == (0.0, 2.0)
+
+
+def _write_run(run_dir, steps=12):
+    with JsonlSink(run_dir) as sink:
+        for i in range(steps):
+            m = {"rollout/raw_reward": 0.2 + 0.05 * i, "train/train_rollout_logprob_abs_diff": 0.01}
+            if i % 4 == 0:
+                m.update({"eval/math500/pass@1": 0.1 + 0.01 * i, "eval/math500/pass@4": 0.3 + 0.01 * i})
+            sink.log(m, step=i)
+
+
+def test_plot_command_writes_pngs_and_prints_slope(tmp_path, capsys):
+    _write_run(tmp_path)
+    assert main(["plot", str(tmp_path), "--window", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "rollout/raw_reward slope: 0.05 per step" in out
+    names = sorted(p.name for p in (tmp_path / "plots").iterdir())
+    assert names == ["eval_math500_pass_at_k.png", "raw_reward.png", "train_rollout_logprob_abs_diff.png"]
+    for name in names:
+        assert (tmp_path / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_reward_metric(tmp_path):
+    with JsonlSink(tmp_path) as sink:
+        sink.log({"train/train_rollout_logprob_abs_diff": 0.02}, step=0)
+    result = plot_run(tmp_path)
+    assert result["reward_slope"] is None and [p.name for p in result["files"]] == ["train_rollout_logprob_abs_diff.png"]
+
+
+def test_plot_command_reports_bad_file_and_line(tmp_path, capsys):
+    assert main(["plot", str(tmp_path)]) == 1
+    assert "metrics.jsonl: metrics file not found" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{oops\n')
+    assert main(["plot", str(tmp_path)]) == 1
+    assert f"{tmp_path / 'metrics.jsonl'}, line 3: not valid JSON" in capsys.readouterr().err
