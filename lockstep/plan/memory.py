@@ -1,0 +1,156 @@
+"""Actor memory per GPU, term by term, for each pipeline stage (Megatron-style training).
+
+For the stage's parameters on one GPU, P = Pd + Pe with
+  Pd = sum(tp groups) / TP + sum(replicated groups) + sum(vocab groups) / TP   (dense),
+  Pe = sum(expert groups) / EP                                                   (routed experts),
+the terms are
+  weights     P * param_bytes                         (bf16: 2 B; full copy, not sharded)
+  gradients   P * grad_bytes                          (Megatron's main-grad buffer, fp32: 4 B)
+  optimizer   (Pd / (DP*CP) + Pe / EDP) * (4 + 2*state_bytes)   with the distributed optimizer
+              (fp32 master + Adam m, v = 12 B per param), P * 12 B without it; with offload the
+              same bytes live in host memory plus a host copy of the gradient shard for the CPU step
+  activations inflight * layers * t * bytes_per_token(layer)   (see activations.py), where
+              t = max_tokens_per_gpu and inflight = min(PP - stage, micro-batches) under 1F1B
+  recompute working set   t * max layer bytes_per_token        (one layer rebuilt in backward)
+  MoE dispatch buffers    t * 2 * k * H * 2 / TP
+  logits (last stage)     t * V / TP * 6
+A layout fits when the worst stage's sum is within gpu_memory * (1 - reserve).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lockstep.plan import activations as act
+from lockstep.plan.cluster import DTYPE_BYTES, GB, ClusterSpec, TrainSpec
+from lockstep.plan.layout import Layout, stage_layers
+from lockstep.plan.model import ModelSpec
+from lockstep.plan.params import ParamGroup, embed_groups, head_groups, layer_groups
+
+
+@dataclass(frozen=True)
+class MemoryTerm:
+    name: str
+    bytes: float
+    formula: str
+    where: str = "gpu"  # "gpu" or "host"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    layers: tuple[int, ...]  # decoder layer indices on this stage
+    terms: tuple[MemoryTerm, ...]
+
+    @property
+    def gpu_bytes(self) -> float:
+        return sum(t.bytes for t in self.terms if t.where == "gpu")
+
+    @property
+    def host_bytes(self) -> float:
+        return sum(t.bytes for t in self.terms if t.where == "host")
+
+    def largest(self) -> MemoryTerm:
+        return max((t for t in self.terms if t.where == "gpu"), key=lambda t: t.bytes)
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.2f} GB"
+
+
+def stage_layer_indices(model: ModelSpec, layout: Layout, last: int | None) -> list[range]:
+    """Decoder layer indices of every pipeline stage."""
+    out, start = [], 0
+    for n in stage_layers(model.num_layers, layout.pp, last):
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def stage_groups(model: ModelSpec, layout: Layout, stage: int, layers: range) -> list[ParamGroup]:
+    """Parameter groups held by one pipeline stage (embedding on stage 0, head on the last)."""
+    out = embed_groups(model) if stage == 0 else []
+    for i in layers:
+        out += layer_groups(model, i)
+    if stage == layout.pp - 1:
+        heads = head_groups(model)
+        if model.tie_word_embeddings and layout.pp == 1:
+            heads = [g for g in heads if g.name != "head"]
+        out += heads
+    return out
+
+
+def per_gpu_params(groups: list[ParamGroup], layout: Layout) -> tuple[float, float]:
+    """(dense, expert) parameters on one GPU: tp and vocab groups / TP, experts / EP."""
+    dense = sum(g.count / layout.tp if g.shard in ("tp", "vocab") else g.count
+                for g in groups if g.shard != "expert")
+    expert = sum(g.count / layout.ep for g in groups if g.shard == "expert")
+    return dense, expert
+
+
+def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list[MemoryTerm]:
+    pb, gb, ob = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.grad_dtype], train.optimizer_bytes_per_param
+    p = pd + pe
+    terms = [
+        MemoryTerm("weights", p * pb, f"({pd / 1e9:.3f}B dense + {pe / 1e9:.3f}B expert) params x {pb:g} B"),
+        MemoryTerm("gradients", p * gb, f"{p / 1e9:.3f}B params x {gb:g} B ({train.grad_dtype} main grads)"),
+    ]
+    if train.distributed_optimizer:
+        shard = pd / (layout.dp * layout.cp) + pe / layout.edp
+        how = f"({pd / 1e9:.3f}B / DP*CP {layout.dp * layout.cp} + {pe / 1e9:.3f}B / EDP {layout.edp})"
+    else:
+        shard, how = p, f"{p / 1e9:.3f}B (not distributed)"
+    formula = f"{how} x {ob:g} B (master + m + v)"
+    if train.optimizer_offload:
+        terms.append(MemoryTerm("optimizer states (offloaded)", 0.0, f"on host: {_gb(shard * ob)}"))
+        terms.append(MemoryTerm("host: optimizer states", shard * ob, formula, "host"))
+        terms.append(MemoryTerm("host: gradient shard", shard * 4, f"{shard / 1e9:.3f}B x 4 B (fp32 for CPU Adam)",
+                                "host"))
+    else:
+        terms.append(MemoryTerm("optimizer states", shard * ob, formula))
+    return terms
+
+
+def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage: int,
+                      layers: range) -> list[MemoryTerm]:
+    t, tp = train.max_tokens_per_gpu, layout.tp
+    inflight = min(layout.pp - stage, train.micro_batches(layout.dp, layout.cp))
+    full = [act.layer_bytes_per_token(model, i, tp) for i in layers]
+    terms = []
+    if train.recompute:
+        per = act.recompute_bytes_per_token(model, tp)
+        terms.append(MemoryTerm("activations (recompute: layer inputs)", inflight * len(full) * t * per,
+                                f"{inflight} mb x {len(full)} layers x {t} tok x {per / 1e3:.1f} KB"))
+        if full:
+            terms.append(MemoryTerm("recompute working set", t * max(full),
+                                    f"1 layer x {t} tok x {max(full) / 1e3:.1f} KB"))
+    else:
+        avg = sum(full) / max(len(full), 1)
+        terms.append(MemoryTerm("activations", inflight * t * sum(full),
+                                f"{inflight} mb x {len(full)} layers x {t} tok x {avg / 1e3:.1f} KB"))
+    disp = act.dispatch_bytes_per_token(model, tp)
+    if disp and full:
+        terms.append(MemoryTerm("MoE dispatch buffers", t * disp, f"{t} tok x {disp / 1e3:.1f} KB (send + recv)"))
+    if stage == layout.pp - 1:
+        lg = act.logits_bytes_per_token(model, tp)
+        terms.append(MemoryTerm("logits", t * lg, f"{t} tok x V/TP {model.vocab_size // tp} x 6 B"))
+    return terms
+
+
+def stage_memory(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: Layout, stage: int,
+                 layers: range) -> StageMemory:
+    """All memory terms of one GPU of pipeline stage `stage`."""
+    pd, pe = per_gpu_params(stage_groups(model, layout, stage, layers), layout)
+    terms = _state_terms(pd, pe, train, layout)
+    terms += _activation_terms(model, train, layout, stage, layers)
+    return StageMemory(stage=stage, layers=tuple(layers), terms=tuple(terms))
+
+
+def actor_memory(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: Layout) -> list[StageMemory]:
+    """Memory of one GPU in every pipeline stage."""
+    ranges = stage_layer_indices(model, layout, train.decoder_last_pipeline_num_layers)
+    return [stage_memory(model, cluster, train, layout, s, r) for s, r in enumerate(ranges)]
+
+
+def worst_stage(stages: list[StageMemory]) -> StageMemory:
+    return max(stages, key=lambda s: s.gpu_bytes)
