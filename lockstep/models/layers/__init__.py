@@ -1,1 +1,1 @@
-"""lockstep.models.layers."""
+"""Building blocks of the DeepSeek-V4 model, one concept per file."""

@@ -1,0 +1,162 @@
+"""DeepSeek-V4, written once for the trainer and the rollout engine.
+
+    X = embed(ids) copied into hc_mult streams                         [N, S, n, H]
+    per layer:  X = mHC(attn, X);  X = mHC(MoE, X)
+    logits = lm_head(Norm(HyperHead(X)))
+
+Two entry points run the same modules:
+- `forward(input_ids)` — full sequences from position 0 (training; padded batches, or packed
+  ones through `cu_seqlens`), differentiable;
+- `forward_step(input_ids, batch, cache)` — new tokens of many sequences appended to their
+  per-slot caches (rollout: chunked prefill and decode), see `StepBatch`.
+Parameter names are transformers' (5.23) in-memory names, so state dicts move freely between
+the two. Routed experts are returned per layer for routing replay, and can be forced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .deepseek_v4_config import DeepseekV4Config
+from .layers.attention import DeepseekV4Attention, LayerCache
+from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
+from .layers.moe import MoE
+from .layers.norm import RMSNorm
+
+
+@dataclass
+class StepBatch:
+    """Metadata of one incremental step: N sequences, row i has num_new[i] new tokens.
+
+    slots [N] cache slot of each sequence; start_pos [N] position of its first new token;
+    num_new [N]; positions [N, S] = start_pos + t; valid [N, S] = t < num_new (rows padded to S).
+    """
+
+    slots: torch.Tensor
+    start_pos: torch.Tensor
+    num_new: torch.Tensor
+    positions: torch.Tensor = field(init=False)
+    valid: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        S = int(self.num_new.max().item()) if len(self.num_new) else 0
+        t = torch.arange(S, device=self.start_pos.device)
+        self.positions = self.start_pos.unsqueeze(1) + t
+        self.valid = t.unsqueeze(0) < self.num_new.unsqueeze(1)
+
+
+@dataclass
+class Routing:
+    """Routed experts per MoE layer. `forced` [N, S, L, k] replays a rollout's choices;
+    after a forward, `chosen` holds one [N, S, k] tensor per layer."""
+
+    forced: torch.Tensor | None = None
+    chosen: list[torch.Tensor] = field(default_factory=list)
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.chosen, dim=-2)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV4Config, layer_idx: int):
+        super().__init__()
+        c = config
+        self.layer_idx = layer_idx
+        self.self_attn = DeepseekV4Attention(c, layer_idx)
+        self.mlp = MoE(c, layer_idx)
+        self.input_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        hc = (c.hc_mult, c.hidden_size, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams, token_ids, routing: Routing | None, attend) -> torch.Tensor:
+        collapsed, post, comb = self.attn_hc(streams)
+        streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
+        collapsed, post, comb = self.ffn_hc(streams)
+        forced = routing.forced[..., self.layer_idx, :] if routing is not None and routing.forced is not None else None
+        out, experts = self.mlp(self.post_attention_layernorm(collapsed), token_ids, forced)
+        if routing is not None:
+            routing.chosen.append(experts)
+        return hc_combine(streams, out, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        c = config
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(c, i) for i in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
+        self.hc_mult = c.hc_mult
+
+    def run(self, input_ids, routing, attend_for) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, routing, attend_for(layer))
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    config_class = DeepseekV4Config
+    # kept in fp32 whatever the model dtype (as DeepSeek ships them)
+    keep_in_fp32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias",
+                    "norm.weight", "layernorm.weight")
+
+    def __init__(self, config: DeepseekV4Config):
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV4Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, routing: Routing | None = None,
+                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S] -> logits [B, S, V] (fp32). Rows start at position 0 and are causal,
+        so right padding never changes the real tokens. With cu_seqlens, input_ids is a packed
+        [T] (or [1, T]) of several sequences and the logits come back packed [T, V]."""
+        if cu_seqlens is not None:
+            return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
+        hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
+        return self.lm_head(hidden).float()
+
+    def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing) -> torch.Tensor:
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
+        logits = self.forward(padded, routing)
+        keep = torch.arange(padded.shape[1], device=ids.device) < torch.tensor(lens, device=ids.device).unsqueeze(1)
+        return logits[keep]
+
+    @torch.no_grad()
+    def forward_step(self, input_ids: torch.Tensor, batch: StepBatch, cache: "DeepseekV4Cache",
+                     routing: Routing | None = None) -> torch.Tensor:
+        """input_ids [N, S] (rows padded past num_new) -> logits [N, S, V] fp32; appends to cache."""
+        hidden = self.model.run(
+            input_ids, routing,
+            lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, cache.layers[layer.layer_idx])))
+        return self.lm_head(hidden).float()
+
+    def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> "DeepseekV4Cache":
+        p = self.lm_head.weight
+        dtype, device = dtype or p.dtype, device or p.device
+        return DeepseekV4Cache([layer.self_attn.new_cache(num_slots, max_len, dtype, device)
+                                for layer in self.model.layers])
+
+
+@dataclass
+class DeepseekV4Cache:
+    """Rollout caches of every layer, indexed by slot (one slot per running sequence)."""
+
+    layers: list[LayerCache]
+
+    def reset(self, slots) -> None:
+        slots = torch.as_tensor(slots, device=self.layers[0].window.device)
+        for layer in self.layers:
+            layer.reset(slots)
+
+    def bytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for layer in self.layers for t in layer.tensors())

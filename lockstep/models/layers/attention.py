@@ -1,0 +1,190 @@
+"""DeepSeek-V4 hybrid attention: sliding window + (C4 top-k | C128 dense) compressed entries.
+
+    c_q = Norm(W_qa h);  q = RoPE(RMSNorm_per_head(W_qb c_q))         [S, H, D]
+    kv  = RoPE(Norm(W_kv h))                                           [S, D]  (K = V)
+    attended set of query p = window {p-W+1..p} ∪ visible compressed entries (no de-dup)
+    o   = RoPE^-1(sink_attention(q, keys, bias))   (K = V carried rope: undo it at p)
+    out = W_ob · grouped(W_oa, o)                   (o_groups independent low-rank blocks)
+Window-only layers rotate with the plain `main` frequencies, compressed layers with the
+(YaRN) `compress` ones. `forward_full` serves training (whole sequences from position 0),
+`forward_step` the rollout engine (new tokens appended to per-slot caches).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..deepseek_v4_config import CSA, HCA, SLIDING
+from .compressor import Compressor, CompressorState
+from .indexer import Indexer
+from .norm import RMSNorm, rms_norm
+from .rope import apply_rope, inv_freq_for, rope_cos_sin
+from .sink_attention import closed_block_bias, sink_attention, window_bias
+
+
+class CSACompressor(Compressor):
+    """C4 compressor: overlapping blocks, plus the lightning indexer that picks entries."""
+
+    def __init__(self, c):
+        super().__init__(c.hidden_size, c.head_dim, c.compress_rates[CSA], overlap=True, norm_eps=c.rms_norm_eps)
+        self.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim, c.index_topk,
+                               c.compress_rates[CSA], c.rms_norm_eps)
+
+
+def make_compressor(c, layer_type: str) -> Compressor | None:
+    if layer_type == CSA:
+        return CSACompressor(c)
+    if layer_type == HCA:
+        return Compressor(c.hidden_size, c.head_dim, c.compress_rates[HCA], overlap=False, norm_eps=c.rms_norm_eps)
+    return None
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal projection: each of n_groups input slices gets its own [out/n_groups, in] weight."""
+
+    def __init__(self, in_per_group: int, out_features: int, n_groups: int):
+        super().__init__()
+        self.n_groups = n_groups
+        self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., G, in] -> [..., G, out/G]."""
+        w = self.weight.view(self.n_groups, -1, self.weight.shape[-1])
+        return torch.einsum("...gi,goi->...go", x, w)
+
+
+@dataclass
+class LayerCache:
+    """One layer's rollout state: the sliding window ring and the compressors' state."""
+
+    window: torch.Tensor  # [slots, W, D], position p lives at p % W
+    compressor: CompressorState | None = None
+    indexer: CompressorState | None = None
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.window[slots] = 0
+        for s in (self.compressor, self.indexer):
+            if s is not None:
+                s.reset(slots)
+
+    def tensors(self) -> list[torch.Tensor]:
+        out = [self.window]
+        for s in (self.compressor, self.indexer):
+            if s is not None:
+                out += s.tensors()
+        return out
+
+
+class DeepseekV4Attention(nn.Module):
+    def __init__(self, c, layer_idx: int):
+        super().__init__()
+        self.layer_type = c.layer_types[layer_idx]
+        self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
+        self.o_groups = c.o_groups
+        self.scale = c.head_dim**-0.5
+        self.norm_eps = c.rms_norm_eps
+        self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(c.q_lora_rank, eps=c.rms_norm_eps)
+        self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, bias=False)
+        self.kv_proj = nn.Linear(c.hidden_size, c.head_dim, bias=False)
+        self.kv_norm = RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, c.o_groups)
+        self.o_b_proj = nn.Linear(c.o_groups * c.o_lora_rank, c.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(c.num_attention_heads))
+        self.compressor = make_compressor(c, self.layer_type)
+        compressed = self.layer_type != SLIDING
+        theta = c.compress_rope_theta if compressed else c.rope_theta
+        scaling = c.compress_rope_scaling if compressed else None
+        self.register_buffer("inv_freq", inv_freq_for(c.rope_head_dim, theta, scaling), persistent=False)
+
+    # ---- shared pieces ----------------------------------------------------------------
+
+    def _project(self, h: torch.Tensor, positions: torch.Tensor):
+        N, S, _ = h.shape
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        q_res = self.q_a_norm(self.q_a_proj(h))
+        q = rms_norm(self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim), self.norm_eps)
+        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        kv = apply_rope(self.kv_norm(self.kv_proj(h)), cos, sin)
+        return q_res, q, kv, cos, sin
+
+    def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        o = apply_rope(o, cos.unsqueeze(2), -sin.unsqueeze(2))  # undo the rope V carried
+        N, S = o.shape[:2]
+        grouped = self.o_a_proj(o.reshape(N, S, self.o_groups, -1))
+        return self.o_b_proj(grouped.flatten(2))
+
+    def _compressed_bias(self, h, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
+        if self.layer_type == CSA:
+            return self.compressor.indexer.select(h, q_res, positions, index_keys, self.inv_freq)
+        return closed_block_bias(positions, num_entries, self.compressor.m)
+
+    # ---- training: whole sequences from position 0 -----------------------------------
+
+    def forward_full(self, h: torch.Tensor) -> torch.Tensor:
+        N, S, _ = h.shape
+        positions = torch.arange(S, device=h.device).expand(N, S)
+        q_res, q, kv, cos, sin = self._project(h, positions)
+        keys, bias = kv, window_bias(positions, positions, torch.ones_like(positions, dtype=torch.bool), self.window)
+        if self.compressor is not None:
+            entries = self.compressor.forward_full(h, self.inv_freq)
+            index_keys = (self.compressor.indexer.forward_full(h, self.inv_freq)
+                          if self.layer_type == CSA else None)
+            comp_bias = self._compressed_bias(h, q_res, positions, entries.shape[1], index_keys)
+            keys, bias = torch.cat([kv, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
+        return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
+
+    # ---- rollout: new tokens appended to per-slot caches -------------------------------
+
+    def forward_step(self, h: torch.Tensor, batch, cache: LayerCache) -> torch.Tensor:
+        """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
+        q_res, q, kv, cos, sin = self._project(h, batch.positions)
+        ring_keys, ring_pos = self._read_window(cache, batch)
+        keys = torch.cat([ring_keys, kv], dim=1)
+        k_pos = torch.cat([ring_pos, batch.positions], dim=1)
+        k_valid = torch.cat([ring_pos >= 0, batch.valid], dim=1)
+        bias = window_bias(batch.positions, k_pos, k_valid, self.window)
+        self._write_window(cache, batch, kv)
+        if self.compressor is not None:
+            entries, index_keys = self._step_compressors(h, batch, cache)
+            comp_bias = self._compressed_bias(h, q_res, batch.positions, entries.shape[1], index_keys)
+            keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
+        return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
+
+    def _read_window(self, cache: LayerCache, batch):
+        W = self.window
+        last = (batch.start_pos - 1).unsqueeze(1)  # last position already in the ring
+        r = torch.arange(W, device=last.device)
+        ring_pos = last - torch.remainder(last - r, W)  # position held at ring index r (<0: empty)
+        return cache.window[batch.slots], ring_pos
+
+    def _write_window(self, cache: LayerCache, batch, kv: torch.Tensor) -> None:
+        # only the last W new tokens survive; writing just those keeps ring indices unique
+        t = torch.arange(kv.shape[1], device=kv.device)
+        keep = batch.valid & (t.unsqueeze(0) >= (batch.num_new - self.window).unsqueeze(1))
+        rows, cols = keep.nonzero(as_tuple=True)
+        cache.window[batch.slots[rows], batch.positions[rows, cols] % self.window] = kv[rows, cols].to(cache.window.dtype)
+
+    def _step_compressors(self, h, batch, cache: LayerCache):
+        end = batch.start_pos + batch.num_new
+        used = int(((end) // self.compressor.m).max().item()) if len(end) else 0
+        args = (batch.start_pos, batch.num_new)
+        self.compressor.forward_step(h, *args, cache.compressor, batch.slots, self.inv_freq)
+        entries = cache.compressor.entries[batch.slots, :used]
+        index_keys = None
+        if self.layer_type == CSA:
+            self.compressor.indexer.forward_step(h, *args, cache.indexer, batch.slots, self.inv_freq)
+            index_keys = cache.indexer.entries[batch.slots, :used]
+        return entries, index_keys
+
+    def new_cache(self, num_slots: int, max_len: int, dtype, device) -> LayerCache:
+        cache = LayerCache(torch.zeros(num_slots, self.window, self.head_dim, dtype=dtype, device=device))
+        if self.compressor is not None:
+            n = max_len // self.compressor.m + 1
+            cache.compressor = CompressorState(num_slots, n, self.compressor, dtype, device)
+            if self.layer_type == CSA:
+                cache.indexer = CompressorState(num_slots, n, self.compressor.indexer, dtype, device)
+        return cache

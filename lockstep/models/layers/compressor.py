@@ -1,0 +1,152 @@
+"""KV compressor of DeepSeek-V4's hybrid attention: one entry per closed block of m tokens.
+
+Each token t yields kv_t = W_kv h_t and gate_t = W_gate h_t + position_bias[t mod m].
+- Plain (C128, `overlap=False`): entry j = Norm( sum_{t in block j} softmax_t(gate_t) * kv_t ),
+  the softmax taken per channel over the block's tokens.
+- Overlapping (C4, `overlap=True`): kv and gate have 2*D channels; the first half (Ca) of a
+  block's tokens feeds the NEXT block's entry and the second half (Cb) feeds its own, so entry
+  j pools 2m slots: block j-1's Ca then block j's Cb. Before block 0 the slots are kv=0,
+  gate=-inf (softmax weight 0).
+RoPE (compress frequencies) rotates the entry's trailing dims at the block start j*m.
+A query at position p may use entry j only once block j has closed: j < floor((p+1)/m).
+
+Two callers share `pool_blocks`: `forward_full` over whole sequences (training) and
+`forward_step` over a chunk of new tokens with per-slot state (rollout): the open block's
+raw kv/gate (`buf_*`) and, for C4, the last closed block's Ca half (`prev_*`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .norm import RMSNorm
+from .rope import apply_rope, rope_cos_sin
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden_size: int, head_dim: int, compress_rate: int, overlap: bool, norm_eps: float):
+        super().__init__()
+        self.m, self.head_dim, self.overlap = compress_rate, head_dim, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.kv_proj = nn.Linear(hidden_size, width, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(compress_rate, width))
+        self.kv_norm = RMSNorm(head_dim, eps=norm_eps)
+
+    @property
+    def width(self) -> int:
+        return self.kv_proj.out_features
+
+    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_proj(h), self.gate_proj(h)
+
+    def pool_blocks(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                    prev_gate: torch.Tensor | None) -> torch.Tensor:
+        """kv/gate [N, nb, m, width] with position bias added -> pooled entries [N, nb, D] (pre-norm).
+
+        prev_kv/prev_gate [N, m, D]: Ca half of the block before block 0 (C4 only; None = none).
+        """
+        if self.overlap:
+            d = self.head_dim
+            ca_kv, ca_gate = kv[..., :d], gate[..., :d]
+            if prev_kv is None:
+                prev_kv = torch.zeros_like(ca_kv[:, 0])
+                prev_gate = torch.full_like(ca_gate[:, 0], float("-inf"))
+            shifted_kv = torch.cat([prev_kv.unsqueeze(1).to(kv.dtype), ca_kv[:, :-1]], dim=1)
+            shifted_gate = torch.cat([prev_gate.unsqueeze(1).to(gate.dtype), ca_gate[:, :-1]], dim=1)
+            kv = torch.cat([shifted_kv, kv[..., d:]], dim=2)
+            gate = torch.cat([shifted_gate, gate[..., d:]], dim=2)
+        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
+        return (kv * weights).sum(dim=2)
+
+    def finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Norm, then RoPE at each entry's block start. pooled [N, nb, D], block_starts [N, nb]."""
+        cos, sin = rope_cos_sin(inv_freq, block_starts)
+        return apply_rope(self.kv_norm(pooled), cos, sin)
+
+    def forward_full(self, h: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """h [B, S, H] from position 0 -> entries [B, S // m, D] of every closed block."""
+        B, S, _ = h.shape
+        nb = S // self.m
+        kv, gate = self.project(h[:, : nb * self.m])
+        kv = kv.view(B, nb, self.m, -1)
+        gate = gate.view(B, nb, self.m, -1) + self.position_bias
+        starts = (torch.arange(nb, device=h.device) * self.m).expand(B, nb)
+        return self.finish(self.pool_blocks(kv, gate, None, None), starts, inv_freq)
+
+    def forward_step(self, h: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
+                     state: "CompressorState", slots: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """Feed new tokens h [N, S, H] (row i: num_new[i] valid tokens from start_pos[i]) into the
+        per-slot state; every block that closes writes its entry to state.entries."""
+        N, S, _ = h.shape
+        m, dev = self.m, h.device
+        kv_new, gate_new = self.project(h)
+        fill = start_pos % m  # tokens already in the open block
+        nb = (m + S + m - 1) // m
+        # Lay the open block's buffered tokens and the new tokens out block-aligned.
+        kv = kv_new.new_zeros(N, nb * m, self.width)
+        gate = gate_new.new_zeros(N, nb * m, self.width)
+        kv[:, :m], gate[:, :m] = state.buf_kv[slots], state.buf_gate[slots]
+        t = torch.arange(S, device=dev)
+        valid = t.unsqueeze(0) < num_new.unsqueeze(1)
+        rows, cols = valid.nonzero(as_tuple=True)
+        dest = fill[rows] + cols
+        kv[rows, dest], gate[rows, dest] = kv_new[rows, cols], gate_new[rows, cols]
+        kv_b, raw_gate_b = kv.view(N, nb, m, -1), gate.view(N, nb, m, -1)
+        gate_b = raw_gate_b + self.position_bias
+        prev_kv = state.prev_kv[slots] if self.overlap else None
+        prev_gate = state.prev_gate[slots] if self.overlap else None
+        first_block = start_pos // m
+        starts = (first_block.unsqueeze(1) + torch.arange(nb, device=dev)) * m
+        entries = self.finish(self.pool_blocks(kv_b, gate_b, prev_kv, prev_gate), starts, inv_freq)
+        closed = (fill + num_new) // m  # blocks closed by this chunk, per row
+        self._write_state(state, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed)
+
+    def _write_state(self, state, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed) -> None:
+        N, nb = entries.shape[:2]
+        b = torch.arange(nb, device=entries.device)
+        done = b.unsqueeze(0) < closed.unsqueeze(1)
+        rows, blocks = done.nonzero(as_tuple=True)
+        state.entries[slots[rows], first_block[rows] + blocks] = entries[rows, blocks].to(state.entries.dtype)
+        open_rows = torch.arange(N, device=entries.device)
+        # the block left open becomes the buffer (raw gate: bias is re-added at pooling)
+        state.buf_kv[slots] = kv_b[open_rows, closed].to(state.buf_kv.dtype)
+        state.buf_gate[slots] = raw_gate_b[open_rows, closed].to(state.buf_gate.dtype)
+        if self.overlap:
+            d = self.head_dim
+            moved = closed > 0
+            last = (closed - 1).clamp(min=0)
+            new_prev_kv = kv_b[open_rows, last, :, :d]
+            new_prev_gate = gate_b[open_rows, last, :, :d]
+            keep = ~moved.view(N, 1, 1)
+            state.prev_kv[slots] = torch.where(keep, state.prev_kv[slots], new_prev_kv.to(state.prev_kv.dtype))
+            state.prev_gate[slots] = torch.where(keep, state.prev_gate[slots], new_prev_gate.to(state.prev_gate.dtype))
+
+
+class CompressorState:
+    """Per-slot rollout state of one compressor: closed entries and the open block.
+
+    entries [slots, max_entries, D]; buf_kv/buf_gate [slots, m, width] hold the open block's
+    raw projections (gate without position bias); prev_kv/prev_gate [slots, m, D] hold the Ca
+    half of the last closed block (C4 only; gate with bias, -inf before the first block).
+    """
+
+    def __init__(self, num_slots: int, max_entries: int, comp: Compressor, dtype, device):
+        m, d, w = comp.m, comp.head_dim, comp.width
+        self.entries = torch.zeros(num_slots, max_entries, d, dtype=dtype, device=device)
+        self.buf_kv = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
+        self.buf_gate = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
+        self.prev_kv = torch.zeros(num_slots, m, d, dtype=dtype, device=device) if comp.overlap else None
+        self.prev_gate = torch.full((num_slots, m, d), float("-inf"), dtype=dtype, device=device) if comp.overlap else None
+
+    def reset(self, slots: torch.Tensor) -> None:
+        self.entries[slots] = 0
+        self.buf_kv[slots] = 0
+        self.buf_gate[slots] = 0
+        if self.prev_kv is not None:
+            self.prev_kv[slots] = 0
+            self.prev_gate[slots] = float("-inf")
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.entries, self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate) if t is not None]

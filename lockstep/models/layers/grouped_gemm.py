@@ -1,0 +1,37 @@
+"""Grouped GEMM for MoE experts: tokens sorted by expert, one kernel over all groups.
+
+`torch._grouped_mm` runs every expert's GEMM in one launch on GPUs (and forward-only on CPU
+builds that have it; its CPU backward rejects empty groups, so training on CPU takes the
+reference loop). `grouped_mm_reference` is the pure-PyTorch definition both must match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [M, K] sorted by group, w [G, N, K] (out, in), counts [G] -> [M, N]; row block g uses w[g]."""
+    out = x.new_empty(x.shape[0], w.shape[1])
+    start = 0
+    for g, c in enumerate(counts.tolist()):
+        if c:
+            out[start:start + c] = x[start:start + c] @ w[g].t()
+        start += c
+    return out
+
+
+def _can_use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    aligned = 16 // x.element_size()  # the kernel wants 16-byte aligned row strides
+    return x.shape[1] % aligned == 0 and w.shape[1] % aligned == 0 and x.shape[0] > 0
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if _can_use_native(x, w):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    return grouped_mm_reference(x, w, counts)

@@ -1,0 +1,74 @@
+"""Manifold-constrained hyper-connections (mHC): hc_mult residual streams per token.
+
+Around each sub-block, from the flattened streams x = X.flatten() (fp32, unweighted RMSNorm):
+    m = fn @ x  -> pre (n), post (n), comb (n*n)
+    pre  = sigmoid(scale0 * m_pre + base_pre) + eps        collapses X into the block input
+    post = 2 * sigmoid(scale1 * m_post + base_post)        spreads the block output over streams
+    comb = Sinkhorn(softmax_rows(scale2 * m_comb + base_comb) + eps)   mixes the streams
+    X'_k = post_k * y + sum_j comb[j, k] * X_j
+comb is applied TRANSPOSED (sum over its first index); the opposite orientation is the
+known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: one column normalisation,
+then (iters - 1) x (rows, columns).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .norm import rms_norm
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        n = hc_mult
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
+        n = self.hc_mult
+        mixes = F.linear(rms_norm(streams.flatten(-2).float(), self.norm_eps), self.fn.float())
+        m_pre, m_post, m_comb = mixes.split([n, n, n * n], dim=-1)
+        b_pre, b_post, b_comb = self.base.float().split([n, n, n * n])
+        s_pre, s_post, s_comb = self.scale.float().unbind(0)
+        pre = torch.sigmoid(m_pre * s_pre + b_pre) + self.hc_eps
+        post = 2 * torch.sigmoid(m_post * s_post + b_post)
+        comb = torch.softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + self.hc_eps
+        comb = self._sinkhorn(comb)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        return collapsed, post, comb
+
+    def _sinkhorn(self, comb: torch.Tensor) -> torch.Tensor:
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.sinkhorn_iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return comb
+
+
+def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X'_k = post_k * y + sum_j comb[j, k] X_j   (streams [..., n, D], block_out [..., D])."""
+    dtype = streams.dtype
+    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the streams before the output norm: u = sum_i pre_i X_i."""
+
+    def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size))
+        self.hc_base = nn.Parameter(torch.zeros(hc_mult))
+        self.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        mixes = F.linear(rms_norm(streams.flatten(-2).float(), self.norm_eps), self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)

@@ -1,0 +1,59 @@
+"""Lightning indexer of the C4 (compressed sparse attention) layers.
+
+The indexer is itself an overlapping compressor at `index_head_dim` (its own kv/gate/position
+bias/norm), plus a query projection from the attention's low-rank c_q and per-head weights:
+    q_I = RoPE(W_qI c_q)            [S, H_I, D_I]
+    w   = W_w h * H_I^-0.5           [S, H_I]
+    score(p, j) = sum_h w_h * ReLU(q_I,h . k_j) * D_I^-0.5
+Entries a query may not see yet score -inf; each query keeps the top min(index_topk, E)
+entries and picks that land on -inf entries are dropped. Ties are broken towards the lower
+entry index (a stable sort), so every caller selects the same set whatever the tensor shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .compressor import Compressor
+from .rope import apply_rope, rope_cos_sin
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden_size: int, n_heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int,
+                 compress_rate: int, norm_eps: float):
+        super().__init__(hidden_size, head_dim, compress_rate, overlap=True, norm_eps=norm_eps)
+        self.n_heads, self.topk = n_heads, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
+        self.scorer = IndexerScorer(hidden_size, n_heads)
+
+    def select(self, h: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+               inv_freq: torch.Tensor) -> torch.Tensor:
+        """Additive bias [N, S, E] over the compressed entries: 0 where selected, -inf elsewhere.
+
+        h [N, S, H], q_res [N, S, q_lora_rank], positions [N, S], keys [N, E, D_I].
+        """
+        N, S, _ = h.shape
+        E = keys.shape[1]
+        cos, sin = rope_cos_sin(inv_freq, positions)
+        q = self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim)
+        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
+        w = self.scorer.weights_proj(h).float() * self.n_heads**-0.5
+        scores = (dots * w.unsqueeze(-1)).sum(dim=2)
+        visible = torch.arange(E, device=h.device) < ((positions + 1) // self.m).unsqueeze(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(self.topk, E)
+        picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+        keep = visible.gather(-1, picks)
+        bias = torch.full((N, S, E + 1), float("-inf"), device=h.device)
+        # invalid picks go to a spare column E that is dropped afterwards
+        bias.scatter_(-1, torch.where(keep, picks, torch.full_like(picks, E)), 0.0)
+        return bias[..., :E]

@@ -1,0 +1,121 @@
+"""DeepSeek-V4 mixture of experts: routers (top-k or hash), routed experts, shared expert.
+
+Router: score = sqrt(softplus(logits)) (`sqrtsoftplus`; `softmax` and `sigmoid` also
+accepted); experts = top-k of score + bias (the bias only selects), or tid2eid[token] for
+hash layers; weights = score / sum(selected scores) * routed_scaling_factor.
+Experts are SwiGLU with a clamp: gate <= limit, -limit <= up <= limit (the shared expert
+too). Each token's k expert outputs are added in ascending expert order, one at a time, so
+the sum does not depend on which other tokens share the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .grouped_gemm import grouped_mm
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    logits = logits.float()
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "softmax":
+        return logits.softmax(dim=-1)
+    return logits.sigmoid()
+
+
+class Router(nn.Module):
+    """Top-k router (`is_hash=False`, with selection bias) or hash router (tid2eid table)."""
+
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, vocab_size: int, is_hash: bool,
+                 scoring_func: str, routed_scaling_factor: float):
+        super().__init__()
+        self.top_k, self.is_hash = top_k, is_hash
+        self.scoring_func, self.routed_scaling_factor = scoring_func, routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        if is_hash:
+            # a buffer, not a parameter: weight sync must still carry it (Miles PR 2706)
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.long))
+        else:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
+                forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32)."""
+        scores = router_scores(F.linear(x, self.weight), self.scoring_func)
+        if forced is not None:
+            experts = forced.long()
+        elif self.is_hash:
+            experts = self.tid2eid[token_ids.reshape(-1)].long()
+        else:
+            biased = scores + self.e_score_correction_bias.float()
+            experts = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+        experts = experts.sort(dim=-1).values
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.routed_scaling_factor
+
+
+class Experts(nn.Module):
+    """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F]."""
+
+    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float):
+        super().__init__()
+        self.n_experts, self.limit = n_experts, swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        T, k = experts.shape
+        flat = experts.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.n_experts)
+        xs = x[order // k]
+        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
+        ys = grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
+        per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
+        out = torch.zeros_like(x)
+        for j in range(k):  # fixed order: ascending expert id
+            out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float):
+        super().__init__()
+        self.limit = swiglu_limit
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class MoE(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        c = config
+        self.gate = Router(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.vocab_size,
+                           c.mlp_layer_types[layer_idx] == "hash_moe", c.scoring_func, c.routed_scaling_factor)
+        self.experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, c.swiglu_limit)
+        self.shared_experts = (SharedExpert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit)
+                               if c.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
+                forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [..., H] -> (output [..., H], experts chosen [..., k])."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
+        experts, weights = self.gate(flat, token_ids, forced_flat)
+        out = self.experts(flat, experts, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape), experts.view(*shape[:-1], -1)

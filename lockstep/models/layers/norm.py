@@ -1,0 +1,29 @@
+"""RMSNorm, weighted and unweighted.
+
+The reduction runs in fp32 whatever the activation dtype, and the weight (kept in fp32, as
+DeepSeek ships it) multiplies before the single cast back, so bf16 and fp32 runs differ only
+by that final rounding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Unweighted RMSNorm over the last dim, computed in fp32, returned in x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)

@@ -1,0 +1,38 @@
+"""Core attention of DeepSeek-V4: one shared K=V head, a learnable per-head sink logit.
+
+    out_h(p) = sum_k softmax_k([l_h(p, k)..., sink_h]) v_k       (the sink only adds mass
+                                                                  to the denominator)
+with l_h(p, k) = q_h(p) . k_k * scale + bias(p, k). The softmax runs in fp32 with the max
+subtracted. The attended set is given entirely by the additive bias (0 or -inf), built from
+positions, so the training forward, a prefill chunk and a decode step use the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def window_bias(q_pos: torch.Tensor, k_pos: torch.Tensor, k_valid: torch.Tensor, window: int) -> torch.Tensor:
+    """[N, Sq, Sk] bias: key k is visible from query q iff q - window < k <= q (and k is valid)."""
+    diff = q_pos.unsqueeze(-1) - k_pos.unsqueeze(-2)
+    ok = (diff >= 0) & (diff < window) & k_valid.unsqueeze(-2)
+    return torch.zeros(ok.shape, device=q_pos.device).masked_fill(~ok, float("-inf"))
+
+
+def closed_block_bias(q_pos: torch.Tensor, num_entries: int, m: int) -> torch.Tensor:
+    """[N, Sq, E] bias: entry j is visible from position p iff its block closed: j < (p+1) // m."""
+    j = torch.arange(num_entries, device=q_pos.device)
+    ok = j < ((q_pos + 1) // m).unsqueeze(-1)
+    return torch.zeros(ok.shape, device=q_pos.device).masked_fill(~ok, float("-inf"))
+
+
+def sink_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """q [N, Sq, H, D], kv [N, Sk, D], bias [N, Sq, Sk], sinks [H] -> [N, Sq, H, D]."""
+    N, Sq, H, _ = q.shape
+    logits = torch.einsum("nqhd,nkd->nhqk", q, kv).float() * scale + bias.unsqueeze(1)
+    sink = sinks.float().view(1, H, 1, 1).expand(N, H, Sq, 1)
+    logits = torch.cat([logits, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1]
+    return torch.einsum("nhqk,nkd->nqhd", probs.to(kv.dtype), kv)
