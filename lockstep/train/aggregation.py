@@ -50,9 +50,21 @@ def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     return out.index_add(0, ids, values)
 
 
+def broadcast_to_tokens(per_sample: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Per-sample values [B] (e.g. advantages) repeated over each sample's tokens, [T]."""
+    return per_sample[segment_ids(cu_seqlens).to(per_sample.device)]
+
+
+def _normaliser(x: int | float | torch.Tensor) -> float | torch.Tensor:
+    # A tensor normaliser (e.g. all-reduced across ranks) stays a tensor: no device sync.
+    if isinstance(x, torch.Tensor):
+        return x.clamp_min(1.0)
+    return max(float(x), 1.0)
+
+
 def token_mean(values: torch.Tensor, mask: torch.Tensor, num_tokens: int | float | torch.Tensor) -> torch.Tensor:
     """sum(values * mask) / num_tokens, where num_tokens counts valid tokens of the whole global batch."""
-    return (values * mask).sum() / max(float(num_tokens), 1.0)
+    return (values * mask).sum() / _normaliser(num_tokens)
 
 
 def sequence_mean(
@@ -61,14 +73,14 @@ def sequence_mean(
     """Mean over valid tokens within each sample, summed over samples, / global num_samples."""
     per_sample_sum = segment_sum(values * mask, cu_seqlens)
     per_sample_count = segment_sum(mask.to(values.dtype), cu_seqlens).clamp_min(1.0)
-    return (per_sample_sum / per_sample_count).sum() / max(float(num_samples), 1.0)
+    return (per_sample_sum / per_sample_count).sum() / _normaliser(num_samples)
 
 
 def constant_normalized(
     values: torch.Tensor, mask: torch.Tensor, num_samples: int | float | torch.Tensor, max_len: int
 ) -> torch.Tensor:
     """Dr.GRPO: sum(values * mask) / (num_samples * max_len), a constant independent of lengths."""
-    return (values * mask).sum() / (max(float(num_samples), 1.0) * max_len)
+    return (values * mask).sum() / (_normaliser(num_samples) * max_len)
 
 
 def aggregate(

@@ -3,6 +3,7 @@ import torch
 
 from lockstep.train.aggregation import (
     aggregate,
+    broadcast_to_tokens,
     constant_normalized,
     pack,
     segment_ids,
@@ -20,10 +21,12 @@ def test_pack_and_segment_ids():
     assert flat.tolist() == [1, 2, 3, 4, 5, 6]
     assert cu.tolist() == [0, 2, 3, 6]
     assert segment_ids(cu).tolist() == [0, 0, 1, 2, 2, 2]
+    assert broadcast_to_tokens(torch.tensor([0.5, -1.0, 2.0]), cu).tolist() == [0.5, 0.5, -1.0, 2.0, 2.0, 2.0]
 
 
 def test_hand_values():
     assert token_mean(VALUES, MASK, 5).item() == pytest.approx(18 / 5)
+    assert token_mean(VALUES, MASK, torch.tensor(5.0)).item() == pytest.approx(18 / 5)
     # sample 0: (1 + 2) / 2 = 1.5; sample 1: (4 + 5 + 6) / 3 = 5
     assert sequence_mean(VALUES, MASK, CU, 2).item() == pytest.approx(3.25)
     assert constant_normalized(VALUES, MASK, 2, 4).item() == pytest.approx(18 / 8)
