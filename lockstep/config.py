@@ -1,0 +1,82 @@
+"""Frozen, keyword-only configuration shared across components.
+
+Each class validates itself in `__post_init__` and names the offending field. Component-
+specific configs live beside their component (`lockstep.train.config`, `lockstep.rl.config`);
+this file holds what crosses the engine seam.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _fail(cls: str, field_name: str, why: str):
+    raise ValueError(f"{cls}.{field_name}: {why}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How one request is sampled.
+
+    Logprob definition (the trainer uses the same): the log-probability of each sampled token
+    under softmax(logits / temperature) over the FULL vocabulary, i.e. before top-p / top-k
+    truncation. temperature == 0 means greedy; its logprobs are those of temperature 1.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: whole vocabulary
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    return_routed_experts: bool = False
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        name = "SamplingParams"
+        if not self.temperature >= 0:
+            _fail(name, "temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail(name, "top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            _fail(name, "top_k", f"must be -1 (off) or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            _fail(name, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        if self.n < 1:
+            _fail(name, "n", f"must be >= 1, got {self.n}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Rollout engine settings.
+
+    serving_format: weights as served — "bf16", "fp8" (block e4m3, ue8m0 scales, experts too)
+    or "fp8-fp4" (fp8 attention/shared, e2m1 routed experts with e8m0 scales).
+    batch_invariant: a sequence's logprobs do not depend on what else is in the batch.
+    """
+
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    max_prefill_tokens: int = 2048  # chunked prefill: at most this many prompt tokens per step
+    cache_memory_bytes: int | None = None  # None: room for max_num_seqs sequences of max_model_len
+    block_size: int = 128  # cache memory is accounted in blocks of this many token positions
+    serving_format: str = "bf16"
+    batch_invariant: bool = False
+    dtype: str = "float32"
+    device: str = "cpu"
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        name = "EngineConfig"
+        if self.serving_format not in ("bf16", "fp8", "fp8-fp4"):
+            _fail(name, "serving_format", f"must be bf16, fp8 or fp8-fp4, got {self.serving_format!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            _fail(name, "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
+        for f in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "block_size"):
+            if getattr(self, f) < 1:
+                _fail(name, f, f"must be >= 1, got {getattr(self, f)}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
