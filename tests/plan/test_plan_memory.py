@@ -1,0 +1,80 @@
+"""Actor memory terms of a tiny Llama on TP2 x PP2, worked out by hand."""
+
+from dataclasses import replace
+
+import pytest
+
+from lockstep.plan import activations as act
+from lockstep.plan.layout import make_layout
+from lockstep.plan.memory import actor_memory, per_gpu_params, stage_groups
+
+# Tiny Llama: H 64, 4 layers, 4 heads x 16, 2 KV heads, MLP 128, vocab 1000 (untied).
+TP_PER_LAYER = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k+v, o, MLP: split over TP
+REPL_PER_LAYER = 2 * 64  # the two RMSNorm weights
+STAGE0 = 1000 * 64 / 2 + 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER)  # embed/TP + layers 0, 1
+STAGE1 = 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER) + 64 + 1000 * 64 / 2  # layers 2, 3 + norm + head/TP
+# Per token per layer, bytes: (input + norm) x 2 sub-blocks, q/k/v, attention out + lse, SwiGLU.
+ACT_PER_TOKEN = 2 * (2 * 64 * 2) + (4 + 2 * 2) * 16 * 2 + (4 * 16 * 2 + 4 * 4) + 3 * 128 * 2
+
+
+def _terms(stage):
+    return {t.name: t.bytes for t in stage.terms}
+
+
+def test_activation_bytes_per_token(tiny_llama, tiny_v4):
+    assert sum(t.bytes_per_token for t in act.layer_terms(tiny_llama, 0)) == ACT_PER_TOKEN == 1680
+    assert act.layer_bytes_per_token(tiny_llama, 0, 2) == 840
+    # V4 with recompute keeps the n = 2 mHC streams: 2 * 64 * 2 B per token.
+    assert act.recompute_bytes_per_token(tiny_v4, 1) == 256
+    # V4 C4 layer, TP 1: mHC (4 streams-worth + fp32 + mixes + collapsed + norm) x 2, attention, MoE.
+    mhc = 2 * 64 * 2 + 2 * 64 * 4 + 8 * 4 + 64 * 2 + 64 * 2
+    attn = 2 * 16 * 2 + 2 * 128 * 2 + 2 * 32 * 2 + (128 * 2 + 4 * 4) + 128 * 2 + 16 * 2
+    c4 = 2 * 2 * 32 * 4 + 2 * 8 * 2 + 2 * 2 * 8 * 4 + 4 * 4
+    moe = 2 * 8 * 4 + 2 * 64 * 2 + 2 * 3 * 16 * 2 + 2 * 64 * 2 + 3 * 16 * 2
+    assert act.layer_bytes_per_token(tiny_v4, 2, 1) == 2 * mhc + attn + c4 + moe
+
+
+def test_params_per_gpu(tiny_llama, small_cluster, small_train):
+    lay = make_layout(tiny_llama, small_cluster, small_train, tp=2, pp=2, ep=1, cp=1)
+    assert (lay.dp, lay.edp) == (1, 2)
+    assert per_gpu_params(stage_groups(tiny_llama, lay, 0, range(0, 2)), lay) == (STAGE0, 0)
+    assert per_gpu_params(stage_groups(tiny_llama, lay, 1, range(2, 4)), lay) == (STAGE1, 0)
+
+
+def test_memory_terms_no_recompute(tiny_llama, small_cluster, small_train):
+    lay = make_layout(tiny_llama, small_cluster, small_train, tp=2, pp=2, ep=1, cp=1)
+    s0, s1 = actor_memory(tiny_llama, small_cluster, small_train, lay)
+    # 256 tokens per step / (DP 1 x 64 tokens) = 4 micro-batches; 1F1B: stage 0 holds 2, stage 1 holds 1.
+    t0, t1 = _terms(s0), _terms(s1)
+    assert t1["weights"] == STAGE1 * 2
+    assert t1["gradients"] == STAGE1 * 4
+    assert t1["optimizer states"] == STAGE1 * 12
+    assert t0["activations"] == 2 * 2 * 64 * ACT_PER_TOKEN / 2
+    assert t1["activations"] == 1 * 2 * 64 * ACT_PER_TOKEN / 2
+    assert t1["logits"] == 64 * 1000 / 2 * 6
+    assert "logits" not in t0
+    assert s1.gpu_bytes == STAGE1 * 18 + 2 * 64 * 840 + 64 * 500 * 6
+
+
+def test_memory_terms_recompute_offload_and_dp(tiny_llama, small_cluster, small_train):
+    train = replace(small_train, recompute=True, optimizer_offload=True)
+    lay = make_layout(tiny_llama, small_cluster, train, tp=1, pp=2, ep=1, cp=1)  # DP 2
+    s0, _ = actor_memory(tiny_llama, small_cluster, train, lay)
+    p0 = 1000 * 64 + 2 * (TP_PER_LAYER + REPL_PER_LAYER)
+    t0 = _terms(s0)
+    # 256 / (2 x 64) = 2 micro-batches, so stage 0 holds min(PP=2, 2) = 2 layer inputs per layer.
+    assert t0["activations (recompute: layer inputs)"] == 2 * 2 * 64 * 64 * 2
+    assert t0["recompute working set"] == 64 * ACT_PER_TOKEN
+    assert t0["optimizer states (offloaded)"] == 0
+    assert t0["host: optimizer states"] == pytest.approx(p0 / 2 * 12)
+    assert t0["host: gradient shard"] == pytest.approx(p0 / 2 * 4)
+    assert s0.gpu_bytes == pytest.approx(p0 * 6 + 2 * 2 * 64 * 128 + 64 * ACT_PER_TOKEN)
+
+
+def test_bf16_grads_and_plain_optimizer(tiny_llama, small_cluster, small_train):
+    train = replace(small_train, grad_dtype="bf16", distributed_optimizer=False, optimizer_dtype="bf16")
+    lay = make_layout(tiny_llama, small_cluster, train, tp=1, pp=1, ep=1, cp=1)  # DP 4
+    t = _terms(actor_memory(tiny_llama, small_cluster, train, lay)[0])
+    p = 276_032
+    assert t["gradients"] == p * 2
+    assert t["optimizer states"] == p * (4 + 2 + 2)  # not sharded over DP without the distributed optimizer

@@ -1,0 +1,80 @@
+"""Rollout memory, communication and compute terms against hand arithmetic."""
+
+from dataclasses import replace
+
+import pytest
+
+from lockstep.plan.cluster import RolloutSpec
+from lockstep.plan.comm import step_comm
+from lockstep.plan.compute import mean_min
+from lockstep.plan.layout import PlanError, make_layout
+from lockstep.plan.memory import stage_layer_indices
+from lockstep.plan.model import DEEPSEEK_V4_FLASH
+from lockstep.plan.rollout import SERVE_BYTES, cache_bytes_per_seq, push_bytes, rollout_memory
+
+
+def test_v4_cache_per_sequence_by_hand(tiny_v4):
+    # S = 32, bf16, d = 32, indexer d = 8, window 8: window on all 4 layers, C4 entries + indexer keys +
+    # fp32 kv/gate tail of 2*4 slots, C128 has no closed block yet but keeps a 128-token tail.
+    window = 4 * 8 * 32 * 2
+    c4 = 32 // 4 * (32 + 8) * 2 + 2 * 4 * (2 * 32 + 2 * 8) * 2 * 4
+    c128 = 0 + 128 * 32 * 2 * 4
+    assert cache_bytes_per_seq(tiny_v4, 32, "bf16") == window + c4 + c128 == 40_576
+    flash = 43 * 128 * 512 * 2 + 21 * (1024 * 640 * 2 + 8 * 1280 * 8) + 20 * (32 * 512 * 2 + 128 * 512 * 8)
+    assert cache_bytes_per_seq(DEEPSEEK_V4_FLASH, 4096, "bf16") == flash == 46_022_656
+
+
+def test_llama_cache_and_rollout_terms(tiny_llama, small_cluster):
+    assert cache_bytes_per_seq(tiny_llama, 32, "fp8") == 4 * 32 * 2 * 2 * 16 * 1
+    ro = RolloutSpec(concurrency=10, gpus_per_engine=4, attention="tp")
+    terms = {t.name: t.bytes for t in rollout_memory(tiny_llama, small_cluster, ro, 32).terms}
+    assert terms["dense weights"] == 4 * (4096 * 3 + 24576) * 2 / 4 + 4 * 128 * 2 + 64 * 2
+    assert terms["embedding + head"] == 2 * 1000 * 64 * 2 / 4
+    assert terms["caches"] == 10 * (4 * 32 * 2 * 2 * 16 * 2) / 2  # KV heads (2) split over the engine
+
+
+def test_v4_flash_rollout_weights():
+    from lockstep.plan.cluster import ClusterSpec
+    c = ClusterSpec(nodes=4, gpus_per_node=8, gpu_memory_gb=288, actor_nodes=2, rollout_nodes=2)
+    rm = rollout_memory(DEEPSEEK_V4_FLASH, c, RolloutSpec(), 4096)
+    terms = {t.name: t.bytes for t in rm.terms}
+    assert terms["routed experts"] == pytest.approx(277_025_390_592 * (0.5 + 1 / 32) / 8)
+    assert terms["caches"] == 32 * 46_022_656  # 256 sequences / 8 GPUs with data-parallel attention
+    assert rm.engines == 2
+    assert push_bytes(DEEPSEEK_V4_FLASH, RolloutSpec(push_format="serving")) < 0.3 * push_bytes(
+        DEEPSEEK_V4_FLASH, RolloutSpec())
+    assert SERVE_BYTES["fp4"] == 0.53125
+    with pytest.raises(PlanError, match="rollout EP 3"):
+        rollout_memory(DEEPSEEK_V4_FLASH, replace(c, gpus_per_node=3, rollout_nodes=1, actor_nodes=1),
+                       RolloutSpec(gpus_per_engine=3), 4096)
+
+
+def test_comm_terms_by_hand(tiny_llama, small_cluster, small_train, rollout):
+    lay = make_layout(tiny_llama, small_cluster, small_train, tp=2, pp=2, ep=1, cp=1)
+    stages = stage_layer_indices(tiny_llama, lay, None)
+    comm = {c.name: c for c in step_comm(tiny_llama, small_cluster, small_train, rollout, lay, stages)}
+    mb, L, passes, t, H = 4, 2, 2, 64, 64
+    # attention + MLP, each one all-reduce equivalent 2(TP-1)/TP of t*H*2 bytes.
+    assert comm["TP all-reduce"].bytes == mb * L * 2 * passes * 2 * (1 / 2) * t * H * 2
+    assert comm["TP all-reduce"].seconds == pytest.approx(comm["TP all-reduce"].bytes / 400e9)
+    assert comm["PP send/recv"].bytes == mb * 2 * t * 1 * H * 2 / 2
+    assert comm["EP all-to-all"].bytes == 0 and comm["DP gradient reduce"].bytes == 0
+    assert comm["weight push"].bytes == 276_032 * 2
+
+
+def test_dp_and_ep_terms(tiny_v4, small_cluster, small_train):
+    ro = RolloutSpec(gpus_per_engine=4)
+    train = replace(small_train, recompute=True)
+    lay = make_layout(tiny_v4, small_cluster, train, tp=1, pp=1, ep=4, cp=1)  # DP 4, EDP 1
+    stages = stage_layer_indices(tiny_v4, lay, None)
+    comm = {c.name: c for c in step_comm(tiny_v4, small_cluster, train, ro, lay, stages)}
+    mb = 1  # 256 tokens / (4 x 64)
+    assert comm["EP all-to-all"].bytes == mb * 4 * 3 * 2 * 64 * 2 * 64 * 2 * 3 / 4
+    dense = 182_643 - 4 * 8 * 3 * 64 * 16
+    assert comm["DP gradient reduce"].bytes == pytest.approx(3 / 4 * dense * (4 + 2))
+
+
+def test_mean_min():
+    assert mean_min(float("inf"), 1.0, 4) == 2.5
+    assert mean_min(10, 1.0, 10) == 5.5
+    assert mean_min(2, 1.0, 100) == pytest.approx((2 + 2 * 98) / 100)
