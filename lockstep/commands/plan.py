@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     s.add_argument("--top", type=int, default=None, help="show only the best N rows")
     s.add_argument("--feasible-only", action="store_true")
+    s.add_argument("--show-activations", action="store_true",
+                   help="also print the saved activations per token, tensor by tensor")
 
 
 def _specs(args):
@@ -108,5 +110,5 @@ def run(args) -> int:
         print(to_json(shown[: args.top] if args.top else shown))
     else:
         console = Console(width=None if sys.stdout.isatty() else 220)
-        render(shown or plans, model, console, limit=args.top)
+        render(shown or plans, model, console, limit=args.top, activations=args.show_activations)
     return 0

@@ -33,7 +33,8 @@ def load_model(name_or_path: str) -> ModelSpec:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise ValueError(f"--model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json")
+        presets = ", ".join(PRESETS)
+        raise ValueError(f"--model {name_or_path!r} is neither a preset ({presets}) nor a config.json")
     with open(path) as f:
         cfg = json.load(f)
     return spec_from_config(cfg, name=str(name_or_path))

@@ -13,6 +13,7 @@ import json
 from rich.console import Console
 from rich.table import Table
 
+from lockstep.plan import activations as act
 from lockstep.plan.cluster import GB
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import active_params, total_params
@@ -51,20 +52,21 @@ def to_json(plans: list[LayoutPlan]) -> str:
 
 
 def _secs(p: LayoutPlan, name: str) -> str:
-    return f"{p.comm_term(name).seconds:.2f}"
+    term = next((c for c in p.comm if c.name == name), None)
+    return f"{term.seconds:.2f}" if term else "-"
 
 
 def table(plans: list[LayoutPlan], limit: int | None = None) -> Table:
     t = Table(title="Layouts ranked by estimated step time (no compute/communication overlap assumed)")
     for col in ("#", "layout", "fits", "actor GB/GPU", "rollout GB/GPU", "step s", "compute s", "TP s", "EP s",
-                "PP s", "DP s", "push s", "breaks on"):
+                "PP s", "CP s", "DP s", "host s", "push s", "breaks on"):
         t.add_column(col, justify="left" if col in ("layout", "breaks on") else "right", no_wrap=col == "layout")
     for i, p in enumerate(plans[:limit] if limit else plans, 1):
-        dp_s = _secs(p, "DP gradient reduce")
         t.add_row(str(i), p.layout.label(), "yes" if p.feasible else "[red]no[/red]",
                   f"{p.actor_bytes / GB:.1f}", f"{p.rollout.gpu_bytes / GB:.1f}", f"{p.step_seconds:.2f}",
                   f"{p.compute_s * (1 + p.bubble):.2f}", _secs(p, "TP all-reduce"), _secs(p, "EP all-to-all"),
-                  _secs(p, "PP send/recv"), dp_s, _secs(p, "weight push"), p.reason)
+                  _secs(p, "PP send/recv"), _secs(p, "CP K/V exchange"), _secs(p, "DP gradient reduce"),
+                  _secs(p, "optimizer offload (host link)"), _secs(p, "weight push"), p.reason)
     return t
 
 
@@ -91,15 +93,42 @@ def terms_table(p: LayoutPlan) -> Table:
     return t
 
 
+def activation_table(model: ModelSpec, tp: int) -> Table:
+    """Saved activations per token of one layer of each attention kind, tensor by tensor."""
+    kinds = {}
+    for i in range(model.num_layers):
+        kinds.setdefault(model.layer_kind(i), i)
+    t = Table(title=f"Activations saved per token per layer (bytes, TP {tp}; split terms divided by TP)")
+    t.add_column("tensor")
+    t.add_column("split", justify="center")
+    for ratio, i in kinds.items():
+        t.add_column(f"layer {i} ({'C' + str(ratio) if ratio else 'window/full'})", justify="right")
+    names = list(dict.fromkeys(a.name for i in kinds.values() for a in act.layer_terms(model, i)))
+    for name in names:
+        cells, split = [], ""
+        for i in kinds.values():
+            term = next((a for a in act.layer_terms(model, i) if a.name == name), None)
+            split = split or ("yes" if term and term.split else "no" if term else "")
+            cells.append(f"{term.bytes_per_token / (tp if term.split else 1):.0f}" if term else "")
+        t.add_row(name, split, *cells)
+    t.add_row("[bold]total[/bold]", "", *[f"[bold]{act.layer_bytes_per_token(model, i, tp):.0f}[/bold]"
+                                          for i in kinds.values()])
+    t.add_row("with full recompute", "yes", *[f"{act.recompute_bytes_per_token(model, tp):.0f}"] * len(kinds))
+    return t
+
+
 def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: int | None = None,
-           detail: LayoutPlan | None = None) -> None:
-    """Header, ranked table, and the itemised terms of `detail` (default: the best layout)."""
+           detail: LayoutPlan | None = None, activations: bool = False) -> None:
+    """Header, ranked table, the itemised terms of `detail` (default: the best layout) and, on
+    request, the per-token activation breakdown for that layout's TP."""
     console.print(f"[bold]{model.name}[/bold]: {total_params(model) / 1e9:.2f}B parameters, "
                   f"{active_params(model) / 1e9:.2f}B active per token, {model.num_layers} layers")
     console.print(table(plans, limit))
     feasible = [p for p in plans if p.feasible]
     chosen = detail or (feasible[0] if feasible else plans[0])
     console.print(terms_table(chosen))
+    if activations:
+        console.print(activation_table(model, chosen.layout.tp))
     console.print(recommendation(plans))
 
 
