@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from collections import defaultdict
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lockstep.models import registry
 from lockstep.models.key_maps import EXPERT_PARTS, KEY_MAPS, KeyMap, Mapped, expert_slice
@@ -165,10 +163,17 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
 
 # ---- reading data -------------------------------------------------------------------------------
 
-def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e: _Entry) -> torch.Tensor:
+def _fp8_block(path: Path) -> tuple[int, int]:
+    """The FP8 block shape config.json declares (quantization_config.weight_block_size), else 128x128."""
+    file = path / "config.json"
+    qc = (json.loads(file.read_text()).get("quantization_config") or {}) if file.exists() else {}
+    return tuple(qc.get("weight_block_size") or (128, 128))
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e: _Entry, block) -> torch.Tensor:
     if q.dtype == torch.float8_e4m3fn:
         from lockstep.quant.fp8 import dequantize_fp8_block
-        return dequantize_fp8_block(q, scale, out_dtype, name=e.name)
+        return dequantize_fp8_block(q, scale, out_dtype, name=e.name, block=block)
     if q.dtype in (torch.uint8, torch.int8):
         from lockstep.quant.fp4 import dequantize_fp4_block
         return dequantize_fp4_block(q, scale, out_dtype, name=e.name)
@@ -176,7 +181,8 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e:
                           "is neither FP8 e4m3 nor packed FP4")
 
 
-def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, _Entry], aliases: set[str]):
+def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, _Entry], aliases: set[str],
+          fp8_block: tuple[int, int]):
     with ExitStack() as stack:
         handles: dict[Path, object] = {}
 
@@ -195,7 +201,8 @@ def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, 
             view = _dest_view(dest, e)
             t = get(e.name)
             if e.scale:
-                t = _dequantize(t, get(e.scale), view.dtype if view.is_floating_point() else torch.float32, e)
+                t = _dequantize(t, get(e.scale), view.dtype if view.is_floating_point() else torch.float32, e,
+                                fp8_block)
             with torch.no_grad():
                 view.copy_(t)
 
@@ -255,7 +262,7 @@ def load_state_dict(path, model_type_or_config=None, *, dtype: torch.dtype | Non
     dest = _alloc_dest(plan, dtype, registry.keep_in_fp32_patterns(model_type),
                        getattr(config, "n_routed_experts", None))
     _validate(plan, dest, set(), key_map, where)
-    _fill(plan, dest, entries, set())
+    _fill(plan, dest, entries, set(), _fp8_block(path))
     return dest
 
 
@@ -279,7 +286,7 @@ def load_into(model: torch.nn.Module, path, model_type: str | None = None) -> No
     plan = _plan(entries, key_map)
     dest, aliases = model_tensors(model)
     _validate(plan, dest, aliases, key_map, where)
-    _fill(plan, dest, entries, aliases)
+    _fill(plan, dest, entries, aliases, _fp8_block(path))
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
@@ -297,11 +304,26 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
                 owner._buffers[leaf] = t.to(target)
 
 
+@contextmanager
+def _skip_init():
+    """Make torch.nn.init a no-op while building a model whose every tensor the checkpoint overwrites
+    (load_into fails on any missing one), so no time goes into random initialisation."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
 def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu") -> torch.nn.Module:
     """Build the model config.json names and load its weights; `dtype` None keeps float32."""
     path = Path(path)
     config = registry.config_from_hf_dict(_read_config(path))
-    with torch.device(device):
+    with torch.device(device), _skip_init():
         model = registry.model_class(config.model_type)(config)
     if dtype is not None:
         cast_model(model, dtype)
@@ -310,92 +332,4 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu") -> tor
     return model.eval()
 
 
-# ---- saving ---------------------------------------------------------------------------------------
-
-def _parse_size(size) -> int:
-    if isinstance(size, int):
-        return size
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B)\s*", str(size), re.I)
-    if not m:
-        raise ValueError(f"max_shard_size {size!r}: use bytes or e.g. '5GB', '500MB', '4GiB'")
-    unit = m.group(2).upper()
-    base = 1024 if "I" in unit else 1000
-    return int(float(m.group(1)) * base ** "KMG".index(unit[0]) * base)
-
-
-def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop tensors that alias an earlier one (tied lm_head), as transformers does on save."""
-    seen, out = set(), {}
-    for name, t in state_dict.items():
-        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        if key not in seen:
-            seen.add(key)
-            out[name] = t
-    return out
-
-
-def _clear_old_weights(path: Path):
-    for f in [*path.glob("model*.safetensors"), path / INDEX]:
-        if f.exists():
-            f.unlink()
-
-
-def _config_dict(config, state_dict) -> dict:
-    d = config.to_hf_dict()
-    if "dtype" not in d:  # the dtype most of the weights are in, as transformers records it
-        counts = defaultdict(int)
-        for t in state_dict.values():
-            if t.is_floating_point():
-                counts[t.dtype] += t.numel()
-        if counts:
-            d["dtype"] = str(max(counts, key=counts.get)).removeprefix("torch.")
-    return d
-
-
-def save_state_dict(state_dict: dict[str, torch.Tensor], config, path, *, max_shard_size="5GB",
-                    layout: str = "transformers", tokenizer_dir=None) -> None:
-    """Write config.json + safetensors in `layout` ("transformers": what transformers 5.23's
-    save_pretrained writes; "official": DeepSeek's release names) from lockstep-named tensors."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    key_map = KEY_MAPS[registry.entry(config.model_type).key_map]
-    state_dict = _dedupe(state_dict)
-    if getattr(config, "tie_word_embeddings", False):
-        state_dict.pop("lm_head.weight", None)
-    limit, shards, size = _parse_size(max_shard_size), [{}], 0
-    for name, t in state_dict.items():
-        for ckpt_name, part in key_map.to_checkpoint(name, t.detach(), layout):
-            nbytes = part.numel() * part.element_size()
-            if shards[-1] and size + nbytes > limit:
-                shards.append({})
-                size = 0
-            shards[-1][ckpt_name] = part.to("cpu").contiguous()
-            size += nbytes
-    _clear_old_weights(path)
-    (path / "config.json").write_text(json.dumps(_config_dict(config, state_dict), indent=2, sort_keys=True) + "\n")
-    if len(shards) == 1:
-        save_file(shards[0], str(path / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map, total = {}, 0
-        for k, shard in enumerate(shards):
-            file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(path / file), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, file))
-            total += sum(t.numel() * t.element_size() for t in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
-        for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).exists():
-                shutil.copyfile(Path(tokenizer_dir) / name, path / name)
-
-
-def save_pretrained(model: torch.nn.Module, path, *, max_shard_size="5GB", tokenizer_dir=None,
-                    layout: str = "transformers") -> None:
-    """Save a lockstep model so that `load_pretrained` and transformers' `from_pretrained` both read it.
-
-    Tokenizer files are copied from `tokenizer_dir`, or from the directory the model was loaded from.
-    """
-    tensors, _ = model_tensors(model)
-    save_state_dict(tensors, model.config, path, max_shard_size=max_shard_size, layout=layout,
-                    tokenizer_dir=tokenizer_dir or getattr(model, "source_dir", None))
+from lockstep.models.checkpoint_save import save_pretrained, save_state_dict  # noqa: E402,F401  (re-export)
