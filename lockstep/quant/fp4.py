@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.errors import QuantFormatError, where
-from lockstep.quant.scales import E8M0, round_up_pow2, scale_from_e8m0, scale_to_e8m0
+from lockstep.quant.scales import E8M0, div_by_const, round_up_pow2, scale_from_e8m0, scale_to_e8m0
 
 FP4_E2M1_MAX = 6.0
 FP4_BLOCK = 32
@@ -149,7 +149,7 @@ def quantize_fp4_block(
     k = w.shape[-1]
     xb = _blocked(w.float(), block)  # [..., nb, block]
     amax = xb.abs().amax(dim=-1)  # [..., nb]
-    scale = round_up_pow2(amax / FP4_E2M1_MAX)
+    scale = round_up_pow2(div_by_const(amax, FP4_E2M1_MAX))
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     codes = float_to_e2m1(xb / scale[..., None]).reshape(*w.shape[:-1], -1)[..., :k]
     packed = pack_e2m1(codes)

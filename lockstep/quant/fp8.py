@@ -28,7 +28,7 @@ import torch
 
 from lockstep.quant.blocks import from_blocks, scale_shape, to_blocks
 from lockstep.quant.errors import QuantFormatError, where
-from lockstep.quant.scales import E8M0, round_up_pow2, scale_from_e8m0, scale_to_e8m0
+from lockstep.quant.scales import E8M0, div_by_const, round_up_pow2, scale_from_e8m0, scale_to_e8m0
 
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = (128, 128)
@@ -114,7 +114,7 @@ def quantize_fp8_block(
     rows, cols = w.shape[-2:]
     wb = to_blocks(w.float(), block)  # [..., nbr, br, nbc, bc]
     amax = wb.abs().amax(dim=(-3, -1))  # [..., nbr, nbc]
-    scale = amax / FP8_E4M3_MAX
+    scale = div_by_const(amax, FP8_E4M3_MAX)
     if scale_fmt == "ue8m0":
         scale = round_up_pow2(scale)
     else:
