@@ -11,7 +11,9 @@ Each tensor gets the storage that `formats.storage_for(name, to)` gives it:
   bf16 / fp32 / int32  dequantised if it was quantised (fp8 when the weight is float8_e4m3fn,
                        fp4 when it is packed uint8 / int8), then cast; scales dropped
   fp8                  e4m3 + 128x128 block scale `X.scale` (float8_e8m0fnu for ue8m0, else float32)
-  fp4                  packed e2m1 (int8 by default, the official checkpoints' dtype) + 1x32 scale
+  fp4                  packed e2m1 + 1x32 scale; int8 by default, the official checkpoints' dtype
+                       (transformers 5.23's fp8 loader unpacks int8 / float4_e2m1fn_x2 as fp4
+                       but would read uint8 as plain numbers)
 Weights already in the target storage with fitting scales are copied, not re-quantised (only the
 scale's dtype may change), so converting an official checkpoint to its own format is lossless.
 
@@ -31,7 +33,6 @@ import contextlib
 import json
 import shutil
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
