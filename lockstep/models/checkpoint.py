@@ -80,8 +80,9 @@ def _weight_files(path: Path) -> tuple[dict[Path, list[str] | None], str]:
             files[path / file].append(name)
         for file, names in files.items():
             if not file.exists():
-                raise CheckpointError(f"index {index} maps tensor {names[0]} (and {len(names) - 1} more) "
-                                      f"to shard {file.name}, which does not exist in {path}")
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+                raise CheckpointError(f"index {index} maps tensor {names[0]}{more} to shard {file.name}, "
+                                      f"which does not exist in {path}")
         return dict(files), str(index)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -147,8 +148,9 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
             raise CheckpointError(f"unexpected tensor {e.name} in {e.file}: maps to {name}, which the model lacks")
         got, want = e.logical_shape, tuple(_dest_view(dest, e).shape)
         if got != want:
-            raise CheckpointError(f"wrong shape for tensor {e.name} in {e.file}: expected {list(want)} "
-                                  f"(for {name}), got {list(got)}")
+            alias = f" (lockstep {name})" if name != e.name else ""
+            raise CheckpointError(f"wrong shape for tensor {e.name}{alias} in {e.file}: expected {list(want)}, "
+                                  f"got {list(got)}")
         filled.add((name, e.mapped.expert, e.mapped.part))
     for name, t in dest.items():
         parts = EXPERT_PARTS.get(name.rsplit(".", 1)[-1]) if t.dim() == 3 else None
@@ -156,8 +158,9 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
             [(name, x, p) for x in range(t.shape[0]) for p in parts]
         for key in need:
             if key not in filled:
-                ckpt = key_map.checkpoint_name(name, expert=key[1] or 0)
-                what = f" (expert {key[1]}, {key[2]} part of {name})" if key[1] is not None else f" (for {name})"
+                ckpt = key_map.checkpoint_name(name, expert=key[1] or 0, part=key[2])
+                what = f" (expert {key[1]}, {key[2]} part of {name})" if key[1] is not None else \
+                    f" (lockstep {name})" if ckpt != name else ""
                 raise CheckpointError(f"missing tensor {ckpt}{what} in {where}")
 
 

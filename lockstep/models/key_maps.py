@@ -199,11 +199,11 @@ class KeyMap:
                 out.append((rule.source.format(**groups, e=e), expert_slice(tensor, e, rule.part).clone()))
         return out
 
-    def checkpoint_name(self, name: str, layout: str = "transformers", expert: int = 0) -> str:
-        """The on-disk name of a lockstep tensor (first expert's for stacked ones), for messages."""
+    def checkpoint_name(self, name: str, layout: str = "transformers", expert: int = 0, part: str | None = None) -> str:
+        """The on-disk name of a lockstep tensor, or of one expert's part of a stacked one (for messages)."""
         for rule in self.layouts[layout]:
             groups = rule.backward(name)
-            if groups is not None:
+            if groups is not None and (part is None or rule.part == part):
                 return rule.source.format(**groups, e=expert)
         return name
 

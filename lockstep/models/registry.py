@@ -63,8 +63,8 @@ def keep_in_fp32_patterns(model_type: str) -> tuple[str, ...]:
 
 
 def fp32_patterns_of(model_or_cls) -> tuple[str, ...]:
-    # lockstep models declare `_keep_in_fp32`; HF-style `_keep_in_fp32_modules_strict` is accepted too
+    # lockstep models declare `_keep_in_fp32` (or `keep_in_fp32`); HF-style `_keep_in_fp32_modules_strict` too
     pats = []
-    for attr in ("_keep_in_fp32", "_keep_in_fp32_modules_strict"):
+    for attr in ("_keep_in_fp32", "keep_in_fp32", "_keep_in_fp32_modules_strict"):
         pats.extend(getattr(model_or_cls, attr, None) or ())
     return tuple(dict.fromkeys(pats))
