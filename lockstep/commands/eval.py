@@ -1,9 +1,46 @@
-"""`lockstep eval`: not implemented yet."""
+"""`lockstep eval`: pass@k of a model on held-out sets (no training).
+
+    lockstep eval --model DIR --eval-data math500 ../shared/data/math500/test.jsonl --rm-type math
+With no --model and no --eval-data: the embedded tiny model on held-out arithmetic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..cli_args import add_dataclass_arguments, dataclass_from_args
+from ..config import EngineConfig
+from ..rl.config import RunConfig
+
+RUN_FIELDS = ("model", "eval_data", "eval_temperature", "eval_max_response_len", "n_samples_per_eval_prompt",
+              "eval_prompts_limit", "rm_type", "custom_reward_path", "input_key", "label_key", "apply_chat_template",
+              "skip_bad_rows", "seed")
 
 
-def add_arguments(parser):
-    pass
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    add_dataclass_arguments(parser, RunConfig, skip=tuple(f.name for f in fields(RunConfig) if f.name not in RUN_FIELDS))
+    add_dataclass_arguments(parser, EngineConfig, skip=("eos_token_ids",), group="rollout engine")
+    parser.add_argument("--output", help="also write the metrics as JSON to this file")
 
 
-def run(args):
-    raise SystemExit("lockstep eval: not implemented yet")
+def run(args) -> int:
+    from ..engine.engine import Engine
+    from ..eval.evaluate import evaluate
+    from ..rl.rewards import get_reward_fn
+    from ..rl.rollout import RolloutSpec
+    from ..rl.setup import eval_sets, model_path
+
+    cfg = dataclass_from_args(RunConfig, args)
+    engine = Engine.from_pretrained(model_path(cfg), dataclass_from_args(EngineConfig, args))
+    spec = RolloutSpec(cfg.n_samples_per_eval_prompt, cfg.eval_temperature, 1.0, cfg.eval_max_response_len,
+                       cfg.apply_chat_template, cfg.seed)
+    metrics = evaluate(engine, eval_sets(cfg), get_reward_fn(cfg.custom_reward_path or cfg.rm_type), spec)
+    for k, v in sorted(metrics.items()):
+        print(f"{k:40s} {v:.4f}")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(metrics, f, indent=1)
+    return 0

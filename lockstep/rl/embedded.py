@@ -1,0 +1,30 @@
+"""The embedded default: a tiny DeepSeek-V4 on a synthetic arithmetic task, CPU-sized.
+
+`lockstep sft` (no arguments) builds it: a character-level tokenizer, a randomly initialised
+tiny DeepSeek-V4 in which every layer kind appears, warm-started by supervised fine-tuning
+on arithmetic prompts until it solves some but not most of them; the result is bundled at
+`lockstep/assets/tiny-dsv4/`. `lockstep train` (no arguments) then runs GRPO on it.
+Train and eval prompts come from different seeds of the same generator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny-dsv4"
+TASK = dict(digits=2, operators=("+",))
+TRAIN_SEED, EVAL_SEED = 0, 1
+
+
+def tiny_model_config(vocab_size: int, eos_token_id: int, bos_token_id: int, pad_token_id: int) -> DeepseekV4Config:
+    return DeepseekV4Config(
+        vocab_size=vocab_size, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8,
+        o_groups=2, o_lora_rank=32, index_n_heads=16, index_head_dim=16, index_topk=2, sliding_window=16,
+        compress_rates={CSA: 4, HCA: 8}, partial_rotary_factor=0.25,
+        layer_types=(SLIDING, CSA, HCA, CSA), mlp_layer_types=("hash_moe", "moe", "moe", "moe"),
+        max_position_embeddings=256, eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+        pad_token_id=pad_token_id,
+    )

@@ -1,0 +1,139 @@
+"""The synchronous RL loop; `RLRun.run` reads as the algorithm:
+
+    for each rollout id:
+        samples  = generate (engine) + reward (+ dynamic-sampling filter)
+        samples += group advantages
+        train num_steps_per_rollout optimizer steps on the samples
+        push the new weights into the engine (re-quantised to its serving format)
+        evaluate every eval_interval, save every save_interval, log one metrics line
+
+A non-finite loss or gradient makes the trainer skip the step; then no weights are pushed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..eval.evaluate import evaluate
+from ..metrics.sinks import make_sinks
+from .advantages import compute_advantages
+from .config import RunConfig
+from .rollout import RolloutSpec, generate_rollout
+
+STATE_FILE = "loop_state.json"
+
+
+@dataclass
+class RLRun:
+    config: RunConfig
+    engine: object  # lockstep.engine.Engine
+    trainer: object  # lockstep.train.Trainer
+    source: object  # lockstep.rl.data.PromptSource
+    reward_fn: object
+    eval_sets: dict = field(default_factory=dict)
+    run_dir: Path = Path("runs/default")
+    advantage_estimator: str = "grpo"
+    rollout_id: int = 0
+    progress: object = None  # callable(rollout_id, metrics) for progress display
+
+    def __post_init__(self):
+        c = self.config
+        self.spec = RolloutSpec(c.n_samples_per_prompt, c.rollout_temperature, c.rollout_top_p,
+                                c.rollout_max_response_len, c.apply_chat_template, c.seed)
+        self.eval_spec = RolloutSpec(c.n_samples_per_eval_prompt, c.eval_temperature, 1.0,
+                                     c.eval_max_response_len, c.apply_chat_template, c.seed)
+        self.sinks = make_sinks(self.run_dir, tensorboard=c.tensorboard, wandb=c.wandb)
+
+    # ---- the algorithm ------------------------------------------------------------------
+
+    def run(self) -> None:
+        c = self.config
+        if self.rollout_id == 0 and self.eval_sets:
+            self.log(self.evaluate(), step=0)
+        while self.rollout_id < c.num_rollout:
+            samples, metrics = self.generate()
+            self.add_advantages(samples)
+            metrics.update(self.train(samples))
+            if not metrics.get("train/skipped_nonfinite"):
+                metrics.update(self.sync_weights())
+            self.rollout_id += 1
+            if self.eval_sets and (self.rollout_id % c.eval_interval == 0 or self.rollout_id == c.num_rollout):
+                metrics.update(self.evaluate())
+            if c.save and (c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout):
+                self.save(c.save)
+            self.log(metrics, step=self.rollout_id)
+        self.sinks.close()
+
+    # ---- the steps ----------------------------------------------------------------------
+
+    def generate(self):
+        c = self.config
+        return generate_rollout(self.engine, self.source, self.reward_fn, batch_size=c.rollout_batch_size,
+                                spec=self.spec, rollout_id=self.rollout_id, dynamic_sampling=c.dynamic_sampling,
+                                max_rounds=c.max_sampling_rounds)
+
+    def add_advantages(self, samples) -> None:
+        if not samples:
+            return
+        adv = compute_advantages(self.advantage_estimator, torch.tensor([s.reward for s in samples]),
+                                 group_ids=[s.group_id for s in samples])
+        for s, a in zip(samples, adv.tolist()):
+            s.advantages = a
+
+    def train(self, samples) -> dict[str, float]:
+        start = time.perf_counter()
+        steps = self.config.num_steps_per_rollout
+        per_step = max(len(samples) // steps, 1)
+        totals: dict[str, float] = {}
+        for i in range(steps):
+            chunk = samples[i * per_step:(i + 1) * per_step]
+            if chunk:
+                for k, v in self.trainer.train_step(chunk).items():
+                    totals[k] = totals.get(k, 0.0) + float(v) / steps
+        totals["perf/train_time"] = time.perf_counter() - start
+        return totals
+
+    def sync_weights(self) -> dict[str, float]:
+        start = time.perf_counter()
+        self.engine.update_weights(self.trainer.named_weights(), version=self.engine.weight_version + 1)
+        return {"perf/weight_sync_time": time.perf_counter() - start}
+
+    def evaluate(self) -> dict[str, float]:
+        start = time.perf_counter()
+        metrics = evaluate(self.engine, self.eval_sets, self.reward_fn, self.eval_spec, tag=("eval", self.rollout_id))
+        metrics["perf/eval_time"] = time.perf_counter() - start
+        return metrics
+
+    def log(self, metrics: dict, step: int) -> None:
+        self.sinks.log(metrics, step=step)
+        if self.progress is not None:
+            self.progress(step, metrics)
+
+    # ---- resume -------------------------------------------------------------------------
+
+    def save(self, directory) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.trainer.save(d / "trainer")
+        state = {"rollout_id": self.rollout_id, "weight_version": self.engine.weight_version,
+                 "data": self.source.state_dict()}
+        torch.save({"torch_rng": torch.get_rng_state()}, d / "rng.pt")
+        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+
+    def load(self, directory) -> None:
+        d = Path(directory)
+        state_path = d / STATE_FILE
+        if not state_path.is_file():
+            raise FileNotFoundError(f"--load {d}: no {STATE_FILE} (not a lockstep save directory)")
+        state = json.loads(state_path.read_text())
+        self.trainer.load(d / "trainer")
+        self.source.load_state_dict(state["data"])
+        self.rollout_id = int(state["rollout_id"])
+        torch.set_rng_state(torch.load(d / "rng.pt")["torch_rng"])
+        # the engine serves exactly the restored weights, under the saved version number
+        self.engine.update_weights(self.trainer.named_weights(), version=int(state["weight_version"]))

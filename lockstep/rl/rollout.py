@@ -1,0 +1,97 @@
+"""One rollout: prompts -> engine samples -> rewards, with optional dynamic sampling.
+
+Requests carry seeds derived from (run seed, rollout id, round, prompt slot), so a resumed run
+samples exactly what an uninterrupted one would. With dynamic sampling, groups whose rewards
+all agree carry no GRPO signal and are dropped; more prompts are drawn until the batch is full
+or `max_sampling_rounds` is reached (DAPO's over-sampling, with a cap).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+from ..config import SamplingParams
+from ..engine.request import GenerateRequest
+from ..train.sft import chat_prompt_ids
+from .filters import filter_zero_std
+from .rewards import safe_reward
+from .sample import Sample
+
+
+def derive_seed(*parts) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def encode_prompt(tokenizer, prompt, apply_chat_template: bool) -> list[int]:
+    if apply_chat_template and tokenizer.chat_template:
+        return chat_prompt_ids(tokenizer, prompt)
+    if isinstance(prompt, list):
+        prompt = "\n".join(m["content"] for m in prompt)
+    return tokenizer.encode(prompt)
+
+
+@dataclass
+class RolloutSpec:
+    n_samples: int
+    temperature: float
+    top_p: float
+    max_response_len: int
+    apply_chat_template: bool
+    seed: int
+
+
+def make_requests(prompts, tokenizer, spec: RolloutSpec, tag: tuple, group_base: int) -> list[GenerateRequest]:
+    requests = []
+    for i, p in enumerate(prompts):
+        sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, n=spec.n_samples,
+                                  max_new_tokens=spec.max_response_len, seed=derive_seed(spec.seed, *tag, i))
+        requests.append(GenerateRequest(prompt_ids=encode_prompt(tokenizer, p.prompt, spec.apply_chat_template),
+                                        sampling=sampling, group_id=group_base + i, metadata=p.sample_metadata()))
+    return requests
+
+
+def score(samples: list[Sample], reward_fn) -> int:
+    """Fill sample.reward from the decoded response; returns how many reward calls failed."""
+    errors = 0
+    for s in samples:
+        s.reward, failed = safe_reward(reward_fn, s.metadata.get("text", ""), s.metadata.get("label", ""))
+        errors += failed
+    return errors
+
+
+def generate_rollout(engine, source, reward_fn, *, batch_size: int, spec: RolloutSpec, rollout_id: int,
+                     dynamic_sampling: bool, max_rounds: int) -> tuple[list[Sample], dict[str, float]]:
+    start = time.perf_counter()
+    kept, drawn, errors, zero_std = [], [], 0, []
+    for rnd in range(max_rounds if dynamic_sampling else 1):
+        prompts = source.next_batch(batch_size)
+        requests = make_requests(prompts, engine.tokenizer, spec, (rollout_id, rnd), (rollout_id * max_rounds + rnd) * batch_size)
+        samples = engine.generate(requests)
+        errors += score(samples, reward_fn)
+        drawn += samples
+        filtered, m = filter_zero_std(samples)
+        zero_std.append(m["rollout/zero_std_ratio"])
+        kept += filtered if dynamic_sampling else samples
+        if len(kept) >= batch_size * spec.n_samples:
+            break
+    if dynamic_sampling:
+        kept = kept[: batch_size * spec.n_samples]
+    return kept, rollout_metrics(drawn, kept, errors, zero_std, time.perf_counter() - start)
+
+
+def rollout_metrics(drawn, kept, errors, zero_std, seconds) -> dict[str, float]:
+    n = max(len(drawn), 1)
+    tokens = sum(s.response_len for s in drawn)
+    return {
+        "rollout/raw_reward": sum(s.reward for s in drawn) / n,
+        "rollout/response_len": tokens / n,
+        "rollout/truncated_ratio": sum(s.finish_reason == "length" for s in drawn) / n,
+        "rollout/zero_std_ratio": sum(zero_std) / max(len(zero_std), 1),
+        "rollout/reward_errors": float(errors),
+        "rollout/num_samples": float(len(kept)),
+        "perf/rollout_time": seconds,
+        "perf/tokens_per_s": tokens / max(seconds, 1e-9),
+    }

@@ -1,0 +1,88 @@
+"""Builds an RL run's components from its three configs: model copies, engine, trainer, data.
+
+The trainer and the engine each hold their own copy of the model (the engine's is re-quantised
+to its serving format); weights only move between them through `Engine.update_weights`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from ..config import EngineConfig
+from ..models import load_pretrained
+from .arithmetic import arithmetic_prompts
+from .config import RunConfig
+from .data import PromptDataset, PromptSource
+from .embedded import ASSET_DIR, EVAL_SEED, TASK, TRAIN_SEED
+from .rewards import get_reward_fn
+
+# (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
+KNOWN_KEYS = [("prompt", "reward_model.ground_truth"), ("question", "answer"), ("problem", "answer"), ("prompt", "label")]
+EMBEDDED_TRAIN_PROMPTS, EMBEDDED_EVAL_PROMPTS = 5000, 64
+
+
+def model_path(run: RunConfig) -> Path:
+    path = Path(run.model) if run.model else ASSET_DIR
+    if not (path / "config.json").is_file():
+        hint = " (run `lockstep sft` to build the embedded default)" if not run.model else ""
+        raise FileNotFoundError(f"--model {path}: no config.json there{hint}")
+    return path
+
+
+def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, skip_bad_rows: bool):
+    """A prompt file with the given keys; if its rows use another known layout, that one."""
+    candidates = [(input_key, label_key)] + [k for k in KNOWN_KEYS if k != (input_key, label_key)]
+    first_error = None
+    for ik, lk in candidates:
+        try:
+            return PromptDataset(path, ik, lk, metadata_key or None, skip_bad_rows=skip_bad_rows).prompts
+        except Exception as e:  # DataError names file and row; keep the one for the requested keys
+            first_error = first_error or e
+    raise first_error
+
+
+def train_prompts(run: RunConfig):
+    if run.prompt_data:
+        return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
+    return arithmetic_prompts(EMBEDDED_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK)
+
+
+def eval_sets(run: RunConfig) -> dict[str, list]:
+    sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
+            for name, path in run.eval_sets}
+    if not run.eval_sets and not run.prompt_data:
+        sets["arithmetic"] = arithmetic_prompts(EMBEDDED_EVAL_PROMPTS, seed=EVAL_SEED, **TASK)
+    if run.eval_prompts_limit:
+        sets = {k: v[: run.eval_prompts_limit] for k, v in sets.items()}
+    return sets
+
+
+def make_run_dir(run: RunConfig) -> Path:
+    d = Path(run.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None):
+    import torch
+
+    from ..engine.engine import Engine
+    from ..train.trainer import Trainer
+    from .loop import RLRun
+
+    path = model_path(run)
+    dtype = getattr(torch, train_cfg.dtype)
+    engine = Engine.from_pretrained(path, engine_cfg)
+    trainer = Trainer(load_pretrained(path, dtype=dtype, device=engine_cfg.device), train_cfg)
+    source = PromptSource(train_prompts(run), seed=run.seed)
+    reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
+    run_dir = make_run_dir(run)
+    (run_dir / "config.json").write_text(json.dumps(
+        {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
+    rl = RLRun(run, engine, trainer, source, reward_fn, eval_sets(run), run_dir,
+               advantage_estimator=train_cfg.advantage_estimator, progress=progress)
+    if run.load:
+        rl.load(run.load)
+    return rl

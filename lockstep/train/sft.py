@@ -1,0 +1,84 @@
+"""Supervised fine-tuning: cross-entropy on response tokens of (prompt, answer) pairs.
+
+Used as the warm start of the embedded default (a model that solves some arithmetic but not
+most, so RL has something to learn). Loss = mean over response tokens of -log p(token);
+prompts go through the tokenizer's chat template exactly as the rollout engine sends them.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SFTExample:
+    prompt_ids: list[int]
+    response_ids: list[int]  # ends with eos
+
+
+def chat_prompt_ids(tokenizer, prompt) -> list[int]:
+    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def make_examples(tokenizer, pairs: Sequence[tuple[object, str]]) -> list[SFTExample]:
+    eos = tokenizer.eos_token_id
+    return [SFTExample(chat_prompt_ids(tokenizer, p), tokenizer.encode(a, add_special_tokens=False) + [eos])
+            for p, a in pairs]
+
+
+def collate(batch: Sequence[SFTExample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded [B, S] tokens and a [B, S-1] mask of the positions that predict response tokens."""
+    seqs = [e.prompt_ids + e.response_ids for e in batch]
+    S = max(map(len, seqs))
+    ids = torch.full((len(batch), S), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(batch), S - 1)
+    for i, (e, s) in enumerate(zip(batch, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        p = len(e.prompt_ids)
+        mask[i, p - 1: len(s) - 1] = 1  # position t predicts token t+1
+    return ids, mask
+
+
+def sft_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logp = F.log_softmax(model(ids)[:, :-1].float(), dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return -(logp * mask).sum() / mask.sum()
+
+
+def run_sft(model, examples: list[SFTExample], *, steps: int, batch_size: int, lr: float, pad_id: int,
+            seed: int = 0, on_step: Callable[[int, float], bool | None] | None = None) -> None:
+    """AdamW over shuffled mini-batches; `on_step(step, loss)` may return True to stop early."""
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
+    model.train()
+    for step in range(steps):
+        ids, mask = collate(rng.sample(examples, batch_size), pad_id)
+        loss = sft_loss(model, ids, mask)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if on_step is not None and on_step(step, loss.item()):
+            break
+    model.eval()
+
+
+@torch.no_grad()
+def greedy_accuracy(model, examples: list[SFTExample], pad_id: int, batch_size: int = 256) -> float:
+    """Fraction of examples whose whole response is the argmax at every position under teacher
+    forcing — exactly the examples greedy decoding reproduces token for token."""
+    model.eval()
+    hits = 0
+    for i in range(0, len(examples), batch_size):
+        ids, mask = collate(examples[i:i + batch_size], pad_id)
+        pred = model(ids)[:, :-1].argmax(-1)
+        hits += int(((pred == ids[:, 1:]) | (mask == 0)).all(-1).sum())
+    return hits / max(len(examples), 1)
