@@ -1,0 +1,151 @@
+"""AdamW over fp32 master weights, with optional optimiser-state offload to CPU.
+
+The model may compute in bf16; the optimiser keeps, per parameter p, an fp32 master copy w and
+the moments m, v, and after each update writes w back into p (rounded to p's dtype). For an fp32
+parameter that is not offloaded, w is p itself (no copy). Update for step t (torch.optim.AdamW's
+order of operations, so the two agree to rounding), with g the (clipped) gradient in fp32:
+
+    w <- w * (1 - lr * wd)                       decoupled weight decay; wd = 0 for 1-D tensors
+    m <- b1 m + (1 - b1) g                       (norms, biases, router bias), as Megatron does
+    v <- b2 v + (1 - b2) g^2
+    w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+Gradient clipping: total = || all grads ||_2 (fp32); if total > max_norm every gradient is
+scaled by max_norm / (total + 1e-6). A non-finite total skips the update (nothing changes,
+gradients are cleared) and `step` reports it.
+
+Offload (`offload=True`): w, m, v live on the CPU (pinned when CUDA is present); each update
+moves one parameter's state to the parameter's device, updates it there and copies it back, so
+the accelerator holds at most one tensor's optimiser state at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+
+@dataclass
+class _Slot:
+    param: torch.nn.Parameter
+    master: torch.Tensor  # fp32; `param` itself when fp32 and not offloaded
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    decay: bool
+
+    @property
+    def aliased(self) -> bool:
+        return self.master is self.param
+
+
+class MasterAdamW:
+    """AdamW with fp32 master weights. `named_params`: (name, parameter) pairs; names key the state."""
+
+    def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float = 1e-6,
+                 betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8, weight_decay: float = 0.0,
+                 offload: bool = False):
+        self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        self.offload = offload
+        self.step_count = 0
+        self.slots: dict[str, _Slot] = {}
+        for name, p in named_params:
+            if p.requires_grad and name not in self.slots:
+                self.slots[name] = self._make_slot(p)
+
+    def _make_slot(self, p: torch.nn.Parameter) -> _Slot:
+        if self.offload:
+            pin = torch.cuda.is_available()
+            master = p.detach().to("cpu", torch.float32, copy=True)
+            master = master.pin_memory() if pin else master
+        elif p.dtype == torch.float32:
+            master = p
+        else:
+            master = p.detach().float().clone()
+        zeros = lambda: torch.zeros_like(master, memory_format=torch.preserve_format).detach()  # noqa: E731
+        return _Slot(p, master, zeros(), zeros(), decay=p.dim() >= 2)
+
+    # ---- gradients ------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        for s in self.slots.values():
+            s.param.grad = None
+
+    def grad_norm(self) -> torch.Tensor:
+        """Total L2 norm of all gradients, fp32 scalar on the first parameter's device."""
+        norms = [s.param.grad.detach().float().norm() for s in self.slots.values() if s.param.grad is not None]
+        if not norms:
+            return torch.zeros(())
+        dev = norms[0].device
+        return torch.stack([n.to(dev) for n in norms]).norm()
+
+    # ---- update ---------------------------------------------------------------------------
+
+    def step(self, max_grad_norm: float | None = None) -> tuple[float, bool]:
+        """Clip, then update every parameter that has a gradient. Returns (grad_norm, stepped);
+        a non-finite norm leaves weights and state untouched and returns stepped = False."""
+        total = float(self.grad_norm())
+        if not math.isfinite(total):
+            self.zero_grad()
+            return total, False
+        scale = 1.0
+        if max_grad_norm is not None and total > max_grad_norm:
+            scale = max_grad_norm / (total + 1e-6)
+        self.step_count += 1
+        b1, b2 = self.betas
+        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
+        for s in self.slots.values():
+            if s.param.grad is not None:
+                self._update(s, scale, bc1, math.sqrt(bc2))
+        if self.offload and torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.zero_grad()
+        return total, True
+
+    @torch.no_grad()
+    def _update(self, s: _Slot, scale: float, bc1: float, bc2_sqrt: float) -> None:
+        dev = s.param.device
+        w, m, v = (t.to(dev, non_blocking=True) for t in (s.master, s.exp_avg, s.exp_avg_sq))
+        g = s.param.grad.float()
+        if scale != 1.0:
+            g = g * scale
+        b1, b2 = self.betas
+        if s.decay and self.weight_decay:
+            w.mul_(1 - self.lr * self.weight_decay)
+        m.lerp_(g, 1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+        w.addcdiv_(m, denom, value=-self.lr / bc1)
+        if self.offload:
+            for src, dst in ((w, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)):
+                dst.copy_(src, non_blocking=True)
+        if not s.aliased:
+            s.param.copy_(w)
+
+    # ---- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Moments and (non-aliased) master weights by parameter name, on the CPU."""
+        state = {}
+        for name, s in self.slots.items():
+            entry = {"exp_avg": s.exp_avg.detach().cpu(), "exp_avg_sq": s.exp_avg_sq.detach().cpu()}
+            if not s.aliased:
+                entry["master"] = s.master.detach().cpu()
+            state[name] = entry
+        return {"step": self.step_count, "lr": self.lr, "state": state}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        missing = set(self.slots) - set(sd["state"])
+        if missing:
+            raise KeyError(f"optimizer state lacks {sorted(missing)[:5]} ...")
+        self.step_count, self.lr = int(sd["step"]), float(sd["lr"])
+        for name, s in self.slots.items():
+            entry = sd["state"][name]
+            s.exp_avg.copy_(entry["exp_avg"])
+            s.exp_avg_sq.copy_(entry["exp_avg_sq"])
+            if not s.aliased:
+                s.master.copy_(entry["master"])
+                s.param.copy_(s.master)

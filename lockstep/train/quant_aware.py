@@ -1,0 +1,106 @@
+"""Quantisation-aware forward: the trainer multiplies by the weights the engine will serve.
+
+`apply_quant_aware(model, fmt)` registers a `torch.nn.utils.parametrize` parametrisation on
+every floating parameter whose serving storage (`lockstep.quant.formats.storage_for`) is lossy:
+
+    storage   forward uses                                    tensors (serving format fp8 | fp8-fp4)
+    FP8       dequant(quant_fp8(w)), 128x128 blocks, ue8m0      attention / indexer / shared linears;
+                                                                routed experts under fp8
+    FP4       dequant(quant_fp4(w)), 1x32 blocks, e8m0          routed experts under fp8-fp4
+    BF16      w rounded to bf16 (identity on a bf16 model)     embeddings, head, norms, router, compressor
+    FP32      w                                                mHC, sinks, position bias (untouched)
+
+Stacked experts [E, out, in] are quantised per expert (blocks never cross experts). Gradients
+are straight-through: dL/dw = dL/dq, so the update lands on the unquantised master weight.
+Names the serving-format rule does not know (e.g. Llama) fall back to: a 2-D `nn.Linear`
+weight inside `layers.` is LINEAR, any other floating tensor BF16.
+
+Parametrisation moves `x.weight` to `x.parametrizations.weight.original`; `canonical_name` maps
+such names back, so state dicts, weight sync and checkpoints keep the original names.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from lockstep.quant.fake_quant import fake_quant_fp4, fake_quant_fp8
+from lockstep.quant.formats import Storage, UnknownTensorError, storage_for
+
+_PARAMETRIZED = re.compile(r"\.parametrizations\.(\w+)\.original$")
+
+
+def canonical_name(name: str) -> str:
+    """`a.parametrizations.weight.original` -> `a.weight`; other names unchanged."""
+    return _PARAMETRIZED.sub(r".\1", name)
+
+
+class _RoundBF16(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w.to(torch.bfloat16).to(w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        return grad_out
+
+
+class FakeQuant(nn.Module):
+    """Parametrisation: w -> the served weight (see the module docstring), straight-through."""
+
+    def __init__(self, storage: Storage):
+        super().__init__()
+        self.storage = storage
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.storage == Storage.FP8:
+            return fake_quant_fp8(w)
+        if self.storage == Storage.FP4:
+            return fake_quant_fp4(w)
+        if self.storage == Storage.BF16 and w.dtype != torch.bfloat16:
+            return _RoundBF16.apply(w)
+        return w
+
+    def extra_repr(self) -> str:
+        return f"storage={self.storage.value}"
+
+
+def serving_storage(name: str, module: nn.Module, param: torch.Tensor, fmt: str) -> Storage:
+    """Storage of parameter `name` (owned by `module`) in serving format `fmt`."""
+    try:
+        return storage_for(name, fmt)
+    except UnknownTensorError:
+        if isinstance(module, nn.Linear) and param.dim() == 2 and ".layers." in f".{name}":
+            return storage_for("model.layers.0.self_attn.q_a_proj.weight", fmt)  # a LINEAR tensor
+        return Storage.BF16
+
+
+def apply_quant_aware(model: nn.Module, fmt: str) -> nn.Module:
+    """Parametrise `model` (in place) so its forward uses `fmt`-served weights. Returns the model."""
+    if is_quant_aware(model):
+        raise ValueError("model already has a quantisation-aware forward")
+    for mod_name, module in list(model.named_modules()):
+        for p_name, param in list(module.named_parameters(recurse=False)):
+            if not param.is_floating_point():
+                continue
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            storage = serving_storage(name, module, param, fmt)
+            if storage in (Storage.FP8, Storage.FP4) or (storage == Storage.BF16 and param.dtype != torch.bfloat16):
+                parametrize.register_parametrization(module, p_name, FakeQuant(storage), unsafe=True)
+    return model
+
+
+def remove_quant_aware(model: nn.Module) -> nn.Module:
+    """Undo `apply_quant_aware`, keeping the unquantised (master) weights."""
+    for module in list(model.modules()):
+        if parametrize.is_parametrized(module):
+            for p_name in list(module.parametrizations.keys()):
+                parametrize.remove_parametrizations(module, p_name, leave_parametrized=False)
+    return model
+
+
+def is_quant_aware(model: nn.Module) -> bool:
+    return any(parametrize.is_parametrized(m) for m in model.modules())

@@ -1,0 +1,70 @@
+"""Rollout routing replay (R3): the trainer routes response tokens to the experts the engine used.
+
+A `Sample` carries `routed_experts` [R, L, k]: the experts each response token (input position
+P + t) went to in every MoE layer during rollout. The model takes `Routing(forced=[b, S, L, k])`
+over its padded [b, S] layout, forcing every position. Prompt positions have no rollout record,
+so they keep the model's own choice: a no-grad forward over the prompts alone (each distinct
+prompt once; causal, so a prompt's routing does not depend on its response) supplies it. The
+forced tensor of micro-batch row j is then
+
+    forced[j, :P_j]          = own routing of prompt j
+    forced[j, P_j:P_j + R_j] = samples[j].routed_experts
+    forced[j, P_j + R_j:]    = 0..k-1 (padding; never reaches a real token)
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from lockstep.models.deepseek_v4 import Routing
+from lockstep.rl.sample import Sample
+from lockstep.train.aggregation import pack
+from lockstep.train.logprobs import MicroBatch, forward_packed
+
+
+def _routing_shape(model: nn.Module) -> tuple[int, int]:
+    c = model.config
+    return c.num_hidden_layers, c.num_experts_per_tok
+
+
+@torch.no_grad()
+def prompt_routing(model: nn.Module, prompts: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """The model's own experts for each prompt, [P_i, L, k] int64 each (distinct prompts run once)."""
+    keys = [tuple(p.tolist()) for p in prompts]
+    unique = list(dict.fromkeys(keys))
+    ids, cu = pack([torch.tensor(k, dtype=torch.int64) for k in unique])
+    routing = Routing()
+    forward_packed(model, ids.to(device), cu, routing)
+    stacked = routing.stacked()  # [n_unique, P_max, L, k]
+    own = {k: stacked[i, : len(k)].long() for i, k in enumerate(unique)}
+    return [own[k] for k in keys]
+
+
+def replay_routing(model: nn.Module, mb: MicroBatch, samples: Sequence[Sample], device) -> Routing:
+    """`Routing` forcing the micro-batch's response tokens to their rollout experts."""
+    num_layers, k = _routing_shape(model)
+    chosen = [samples[i] for i in mb.indices]
+    for i, s in zip(mb.indices, chosen):
+        if s.routed_experts is None:
+            raise ValueError(f"sample {i} has no routed_experts; routing replay needs them from the engine")
+        if tuple(s.routed_experts.shape[1:]) != (num_layers, k):
+            raise ValueError(f"sample {i}: routed_experts is {tuple(s.routed_experts.shape)}, "
+                             f"expected [R, {num_layers}, {k}]")
+    own = prompt_routing(model, [s.prompt_ids for s in chosen], device)
+    seq_len = max(s.num_tokens for s in chosen)
+    forced = torch.arange(k, device=device).expand(len(chosen), seq_len, num_layers, k).clone()
+    for j, (s, prompt_experts) in enumerate(zip(chosen, own)):
+        p = s.prompt_ids.numel()
+        forced[j, :p] = prompt_experts
+        forced[j, p:p + s.response_len] = s.routed_experts.to(device=device, dtype=torch.int64)
+    return Routing(forced=forced)
+
+
+def response_experts(routing: Routing, mb: MicroBatch) -> list[torch.Tensor]:
+    """After a forward over `mb`, the experts its response tokens were routed to, [R_i, L, k] each."""
+    stacked = routing.stacked()  # [b, S, L, k]
+    return [stacked[j, p:p + r].to(torch.int32).cpu()
+            for j, (p, r) in enumerate(zip(mb.prompt_lens, mb.response_lens))]

@@ -1,0 +1,287 @@
+"""`Trainer`: the policy-update seam (DESIGN.md "The seams").
+
+    trainer = Trainer(model, TrainConfig(...), ref_model=None)
+    old = trainer.logprobs(samples)          # per-sample [R] logprobs, no grad
+    metrics = trainer.train_step(samples)    # one optimiser step; DESIGN.md metric names
+    engine.update_weights(trainer.named_weights(), version)
+
+One `train_step` = forward/backward over micro-batches of at most `max_tokens_per_gpu` tokens
+(gradients accumulate; the loss normaliser is global, so the split does not matter), then one
+AdamW step. pi_old defaults to the weights at the start of the step (the grad forward's own
+logprobs, detached: ratio 1, on-policy), so no extra forward is spent; for several steps per
+rollout compute `old = trainer.logprobs(samples)` once and pass `old_logprobs=old` to each step;
+`use_rollout_logprobs` takes pi_old from the engine instead. Per token (see losses.py):
+
+    log_ratio = logp - old_logp         (GSPO: the sequence-level ratio)
+    pg        = PPO-clip(log_ratio, A; eps_clip, eps_clip_high, dual_clip_c) * w_IS (TIS / MIS)
+    loss      = agg(pg) - entropy_coef * agg(H) + kl_loss_coef * agg(KL_k(logp, ref_logp))
+
+The train/rollout mismatch (`train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`) is
+always measured, between the trainer's logprobs before the update and the rollout's. A loss or
+gradient that is not finite skips the optimiser step and leaves weights and optimiser state as
+they were (`train/skipped_nonfinite` = 1). `num_steps` counts optimiser steps taken.
+
+Wrappers are applied from outside the model (DESIGN principle 3), in this order: dtype (bf16
+compute, fp32 masters in the optimiser), quantisation-aware forward, activation recomputation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from lockstep.rl.sample import Sample
+from lockstep.train import checkpointing as ckpt
+from lockstep.train.aggregation import aggregate, pack
+from lockstep.train.config import TrainConfig
+from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
+    token_logprobs_and_entropy
+from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
+from lockstep.train.mismatch import importance_weights, mismatch_metrics
+from lockstep.train.optimizer import MasterAdamW
+from lockstep.train.quant_aware import apply_quant_aware, canonical_name
+from lockstep.train.recompute import apply_recompute
+from lockstep.train.routing_replay import replay_routing, response_experts
+
+
+def keep_in_fp32_names(model: nn.Module) -> tuple[str, ...]:
+    return tuple(getattr(model, "keep_in_fp32", None) or getattr(model, "_keep_in_fp32", None) or ())
+
+
+@torch.no_grad()
+def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
+    """Floating parameters and buffers to `dtype`, except names listed in the model's keep_in_fp32."""
+    keep = keep_in_fp32_names(model)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point() and not any(k in name for k in keep):
+            t.data = t.data.to(dtype)
+
+
+class Trainer:
+    """RL trainer over one model; see the module docstring."""
+
+    def __init__(self, model: nn.Module, config: TrainConfig, ref_model: nn.Module | None = None):
+        self.config, self.model, self.ref_model = config, model, ref_model
+        self.device = next(model.parameters()).device
+        self.num_steps = 0
+        self._setup_determinism()
+        self._check(model, ref_model)
+        masters = self._prepare_dtype()
+        if config.quant_aware_forward:
+            apply_quant_aware(model, config.quant_aware_forward)
+        if config.recompute_activations:
+            apply_recompute(model)
+        c = config
+        self.optimizer = MasterAdamW(self._named_parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
+                                     eps=c.adam_eps, weight_decay=c.weight_decay, offload=c.optimizer_offload)
+        with torch.no_grad():
+            for name, value in masters.items():  # fp32 values from before the bf16 cast
+                self.optimizer.slots[name].master.copy_(value)
+
+    # ---- setup ----------------------------------------------------------------------------
+
+    def _setup_determinism(self) -> None:
+        torch.manual_seed(self.config.seed)
+        if self.config.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+            torch.backends.cudnn.benchmark = False
+
+    def _check(self, model: nn.Module, ref_model: nn.Module | None) -> None:
+        c = self.config
+        if c.use_rollout_routing_replay and not accepts(model, "routing"):
+            raise ValueError(f"use_rollout_routing_replay: {type(model).__name__} takes no routing argument")
+        if c.kl_loss_coef > 0 and ref_model is None:
+            raise ValueError("kl_loss_coef > 0 needs a ref_model")
+        if ref_model is not None:
+            ref_model.eval().requires_grad_(False)
+
+    def _prepare_dtype(self) -> dict[str, torch.Tensor]:
+        """Cast to bf16 when configured; returns the fp32 values the optimiser's masters start from."""
+        if self.config.dtype != "bfloat16":
+            return {}
+        fp32 = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.dtype != torch.bfloat16}
+        cast_model(self.model, torch.bfloat16)
+        if self.ref_model is not None:
+            cast_model(self.ref_model, torch.bfloat16)
+        cast = {n for n, p in self.model.named_parameters() if p.dtype == torch.bfloat16}
+        return {n: v for n, v in fp32.items() if n in cast}
+
+    def _named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        for name, p in self.model.named_parameters():
+            yield canonical_name(name), p
+
+    # ---- forward --------------------------------------------------------------------------
+
+    def _routing(self, mb: MicroBatch, samples: Sequence[Sample]):
+        if not self.config.use_rollout_routing_replay:
+            return None
+        return replay_routing(self.model, mb, samples, self.device)
+
+    def _ref_logprobs(self, mb: MicroBatch, routing) -> torch.Tensor:
+        ref_routing = None
+        if routing is not None and accepts(self.ref_model, "routing"):
+            ref_routing = type(routing)(forced=routing.forced)
+        with torch.no_grad():
+            logits = microbatch_logits(self.ref_model, mb, self.device, ref_routing)
+            return token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
+
+    @torch.no_grad()
+    def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Per-sample [R_i] float32 (CPU) logprobs of the response tokens under the current weights."""
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for mb in pack_microbatches(samples, self.config.max_tokens_per_gpu):
+            logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
+            logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
+            for i, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
+                out[i] = lp
+        return out
+
+    @torch.no_grad()
+    def routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
+        """Experts the trainer's forward routes each response token to, [R_i, L, k] per sample."""
+        from lockstep.models.deepseek_v4 import Routing
+
+        out: list[torch.Tensor | None] = [None] * len(samples)
+        for mb in pack_microbatches(samples, self.config.max_tokens_per_gpu):
+            routing = self._routing(mb, samples) or Routing()
+            microbatch_logits(self.model, mb, self.device, routing)
+            for i, experts in zip(mb.indices, response_experts(routing, mb)):
+                out[i] = experts
+        return out
+
+    # ---- loss -----------------------------------------------------------------------------
+
+    def _normalisers(self, samples: Sequence[Sample]) -> dict:
+        c = self.config
+        max_len = c.rollout_max_response_len or max(s.response_len for s in samples)
+        num_tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
+        return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len}
+
+    def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs):
+        """(loss to backward, detached stats, trainer logprobs before the update [T_r])."""
+        c, dev = self.config, self.device
+        routing = self._routing(mb, samples)
+        logits = microbatch_logits(self.model, mb, dev, routing)
+        logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
+                                                   with_entropy_grad=c.entropy_coef > 0)
+        del logits
+        mask, cu = mb.loss_mask.to(dev), mb.response_cu_seqlens
+        rollout = mb.gather([s.rollout_logprobs for s in samples], dev)
+        before = mb.gather(old_logprobs, dev) if old_logprobs is not None else logp.detach()
+        old = rollout if c.use_rollout_logprobs else before
+        advantages = mb.gather([s.token_advantages() for s in samples], dev)
+        is_weights = self._is_weights(before, rollout, mask, cu)[0] if c.importance_sampling else None
+        log_ratio = gspo_log_ratio(logp, old, mask, cu) if c.advantage_estimator == "gspo" else logp - old
+        pg = ppo_policy_loss(log_ratio, advantages, eps_clip=c.eps_clip, eps_clip_high=c.clip_high,
+                             clip_c=c.dual_clip_c, is_weights=is_weights)
+
+        def agg(values: torch.Tensor) -> torch.Tensor:
+            return aggregate(values, mask, cu, c.aggregation, **norms)
+
+        pg_loss, ent = agg(pg.loss), agg(entropy)
+        loss = pg_loss - c.entropy_coef * ent if c.entropy_coef > 0 else pg_loss
+        stats = {"train/pg_loss": pg_loss.detach(), "train/entropy": ent.detach(),
+                 "train/pg_clipfrac": agg(pg.clipfrac), "train/ppo_kl": agg(pg.ppo_kl)}
+        if c.dual_clip_c is not None:
+            stats["train/dual_clipfrac"] = agg(pg.dual_clipfrac)
+        if self.ref_model is not None:
+            kl = agg(kl_penalty(logp, self._ref_logprobs(mb, routing), c.kl_loss_type))
+            loss = loss + c.kl_loss_coef * kl
+            stats["train/kl_loss"] = kl.detach()
+        stats["train/loss"] = loss.detach()
+        return loss, stats, before
+
+    def _is_weights(self, before, rollout, mask, cu) -> tuple[torch.Tensor, dict]:
+        c = self.config
+        if c.use_tis:
+            level, mode, lower, upper = "token", "truncate", c.tis_clip_low, c.tis_clip
+        else:
+            level, mode, lower, upper = c.mis, c.mis_mode, c.mis_lower, c.mis_upper
+        w, metrics = importance_weights(before.cpu(), rollout.cpu(), mask.cpu(), cu, level=level, mode=mode,
+                                        lower=lower, upper=upper, veto_threshold=c.veto_threshold)
+        return w.to(before.device), metrics
+
+    # ---- step -----------------------------------------------------------------------------
+
+    def forward_backward(self, samples: Sequence[Sample],
+                         old_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+        """Accumulate the gradient of the step's loss over micro-batches (no optimiser step).
+        Returns the loss metrics; `train/loss_finite` is 1.0 or 0.0."""
+        if not samples:
+            raise ValueError("train_step needs at least one sample")
+        self.model.train()
+        norms = self._normalisers(samples)
+        mbs = pack_microbatches(samples, self.config.max_tokens_per_gpu)
+        totals: dict[str, torch.Tensor] = {}
+        before: list[torch.Tensor | None] = [None] * len(samples)
+        for mb in mbs:
+            loss, stats, mb_before = self._microbatch_loss(mb, samples, norms, old_logprobs)
+            loss.backward()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0.0) + v
+            for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
+                before[i] = lp
+        metrics = {k: float(v) for k, v in totals.items()}
+        metrics.update(self._mismatch_metrics(samples, before))
+        metrics["train/loss_finite"] = float(math.isfinite(metrics["train/loss"]))
+        metrics["train/num_microbatches"] = float(len(mbs))
+        metrics["train/num_tokens"] = norms["num_tokens"]
+        return metrics
+
+    def _mismatch_metrics(self, samples: Sequence[Sample], before: list[torch.Tensor]) -> dict[str, float]:
+        rollout = [s.rollout_logprobs for s in samples]
+        masks = [s.loss_mask for s in samples]
+        metrics = mismatch_metrics(before, rollout, masks)
+        if self.config.importance_sampling:
+            flat_before, cu = pack(before)
+            metrics.update(self._is_weights(flat_before, pack(rollout)[0], pack(masks)[0], cu)[1])
+        return metrics
+
+    def train_step(self, samples: Sequence[Sample],
+                   old_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
+        """One optimiser step on `samples` (advantages filled in). Returns DESIGN.md-named metrics."""
+        metrics = self.forward_backward(samples, old_logprobs)
+        if metrics["train/loss_finite"] and metrics["train/num_tokens"] > 0:
+            grad_norm, stepped = self.optimizer.step(self.config.clip_grad)
+        else:
+            grad_norm, stepped = float(self.optimizer.grad_norm()), False
+            self.optimizer.zero_grad()
+        nonfinite = not (metrics["train/loss_finite"] and math.isfinite(grad_norm))
+        self.num_steps += int(stepped)
+        metrics.update({"train/grad_norm": grad_norm, "train/skipped": float(not stepped),
+                        "train/skipped_nonfinite": float(nonfinite), "train/lr": self.optimizer.lr,
+                        "train/step": float(self.num_steps)})
+        return metrics
+
+    # ---- weights and checkpoints ----------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(state-dict name, tensor) for every parameter and persistent buffer that defines the policy
+        (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached."""
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            yield canonical_name(name), t.detach()
+
+    def _live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            yield canonical_name(name), t.data
+
+    def save(self, directory: str | Path) -> None:
+        """Write weights, optimiser state, RNG states and the step counter into `directory`."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        ckpt.save_weights(self.named_weights(), d / ckpt.WEIGHTS)
+        torch.save(self.optimizer.state_dict(), d / ckpt.OPTIMIZER)
+        ckpt.save_trainer_state(d / ckpt.TRAINER, self.num_steps, self.config.to_dict())
+
+    def load(self, directory: str | Path) -> None:
+        """Restore what `save` wrote (into this trainer's existing model and optimiser)."""
+        d = Path(directory)
+        ckpt.load_weights(self._live_tensors(), d / ckpt.WEIGHTS)
+        self.optimizer.load_state_dict(torch.load(d / ckpt.OPTIMIZER, weights_only=False))
+        self.num_steps = int(ckpt.load_trainer_state(d / ckpt.TRAINER)["num_steps"])
