@@ -1,0 +1,310 @@
+"""`Engine`: the rollout engine's public face (DESIGN.md, "The seams").
+
+    engine = Engine(model, EngineConfig(...), tokenizer)      # or Engine.from_pretrained(path, config)
+    samples = engine.generate([GenerateRequest(prompt_ids, SamplingParams(n=4, ...)), ...])
+    engine.update_weights(trainer.named_weights(), version=step)
+
+One step = schedule (continuous batching, chunked prefill) -> run the model -> sample -> check
+stops. Steps run either inline in the caller of `generate` or in a background thread started
+by `start()`, which `generate_async` (the HTTP server) uses: concurrent calls hand their
+requests over through a thread-safe queue and join the same running batch; results go back to
+each caller's asyncio loop with `call_soon_threadsafe`. A lock is held for the duration of one
+step, so `update_weights`, `abort`, `flush_cache` and `pause` always land between steps.
+
+At construction the model's weights are replaced by their served values in
+`config.serving_format` (see serving_format.py), so `engine.model` is exactly the policy served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import torch
+
+from lockstep.config import EngineConfig
+from lockstep.engine.background import BackgroundLoop
+from lockstep.engine.model_adapter import make_adapter
+from lockstep.engine.output import StopChecker, build_samples
+from lockstep.engine.request import GenerateRequest, RequestState, SequenceStatus
+from lockstep.engine.runner import ModelRunner
+from lockstep.engine.sampler import Sampler
+from lockstep.engine.scheduler import Scheduler
+from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, load_update_from_disk,
+                                           update_weights)
+from lockstep.rl.sample import Sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
+    """Move the model to device and its floating tensors to dtype, except the ones it keeps in fp32."""
+    pats = tuple(getattr(model, "keep_in_fp32", ()) or ()) + tuple(getattr(model, "_keep_in_fp32", ()) or ())
+    model.to(device)
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if t.is_floating_point():
+            t.data = t.data.to(torch.float32 if any(p in name for p in pats) else dtype)
+    return model.eval()
+
+
+class Engine:
+    def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None):
+        self.config, self.tokenizer = config, tokenizer
+        self.dtype = _DTYPES[config.dtype]
+        self.model = cast_for_serving(model, self.dtype, config.device)
+        apply_serving_format(self.model, config.serving_format)
+        self.max_model_len = config.max_model_len
+        self.weight_version = 0
+        self.adapter = make_adapter(self.model)
+        self.cache = self.adapter.make_cache(config, self.dtype)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.batch_invariant)
+        self.runner = ModelRunner(self.adapter, config.batch_invariant)
+        self.sampler = Sampler()
+        self.stop = StopChecker(self._eos_ids(), tokenizer, config.max_model_len)
+        self._requests: dict[str, RequestState] = {}
+        self._lock = threading.RLock()  # held for one step; weight updates etc. land between steps
+        self._unpaused = threading.Event()
+        self._unpaused.set()
+        self._loop = BackgroundLoop(self)
+
+    @classmethod
+    def from_pretrained(cls, path, config: EngineConfig) -> "Engine":
+        from lockstep.models.checkpoint import load_pretrained
+
+        model = load_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
+        tokenizer = None
+        if any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+        return cls(model, config, tokenizer)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        if self.config.eos_token_ids:
+            return self.config.eos_token_ids
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if eos is None:
+            return ()
+        return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _new_state(self, request: GenerateRequest, on_done=None) -> RequestState:
+        """Check a request in the caller's thread (errors go to the caller, not the loop)."""
+        n = len(request.prompt_ids)
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens does not fit max_model_len={self.max_model_len} "
+                             "(it must leave room for at least one new token)")
+        vocab = self.model.config.vocab_size
+        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if request.sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        return RequestState(request, self.config.device, on_done)
+
+    def _add(self, state: RequestState) -> None:
+        """Register a request with the scheduler (inside the step lock or the loop thread)."""
+        if state.request_id in self._requests:
+            state.error = ValueError(f"request_id {state.request_id!r} is already running")
+            state.on_done and state.on_done(state)
+            return
+        self._requests[state.request_id] = state
+        self.scheduler.add(state.sequences)
+
+    def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
+        """Run requests to completion; samples in request order, n per request consecutive."""
+        if self._loop.running:
+            return self._generate_via_loop(requests)
+        states = [self._new_state(r) for r in requests]
+        with self._lock:
+            for s in states:
+                self._add(s)
+        while not all(s.done for s in states):
+            self._unpaused.wait()
+            with self._lock:
+                if not self._unpaused.is_set():
+                    continue
+                if not self.scheduler.has_work() and not all(s.done for s in states):
+                    raise RuntimeError("engine has no runnable work but requests are unfinished")
+                try:
+                    self.step()
+                except Exception as e:
+                    self._fail_all(e)
+                    raise
+        return [x for s in states for x in s.result()]
+
+    def _generate_via_loop(self, requests: list[GenerateRequest]) -> list[Sample]:
+        events = [threading.Event() for _ in requests]
+        states = [self._new_state(r, on_done=lambda _s, e=e: e.set()) for r, e in zip(requests, events)]
+        for s in states:
+            self._loop.submit(s)
+        for e in events:
+            e.wait()
+        return [x for s in states for x in s.result()]
+
+    async def generate_async(self, request: GenerateRequest) -> list[Sample]:
+        """One request through the background loop (started on first use); n samples."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+
+        def deliver(state: RequestState) -> None:
+            loop.call_soon_threadsafe(_resolve, fut, state)
+
+        state = self._new_state(request, on_done=deliver)
+        self.start()
+        self._loop.submit(state)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.abort(request.request_id)  # the caller went away: free its sequences
+            raise
+
+    # ---- the step -------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> int:
+        """One scheduling + forward + sampling step; returns the number of tokens fed."""
+        with self._lock:
+            out = self.scheduler.schedule()
+            if not out.scheduled:
+                return 0
+            logits, leaders = self.runner.execute(out.scheduled)
+            for seq, n in out.scheduled:
+                seq.num_computed += n
+            rows, seqs = [], []
+            for r, seq in enumerate(leaders):
+                for s in [seq, *self.scheduler.fork_parked(seq)]:
+                    rows.append(r)
+                    seqs.append(s)
+            tokens, logprobs = self.sampler(logits, rows, [s.sampling for s in seqs], [s.generator for s in seqs])
+            for seq, tok, lp in zip(seqs, tokens, logprobs):
+                seq.append_token(tok, lp, self.weight_version)
+                reason = self.stop.check(seq)
+                if reason is not None:
+                    self._finish(seq, reason)
+            return out.num_tokens
+
+    def _finish(self, seq, reason: str) -> None:
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        self.scheduler.remove(seq)
+        state = seq.group
+        if state.finished and state.samples is None:
+            state.samples = build_samples(state, self.stop, self.adapter.routing_shape)
+            self._requests.pop(state.request_id, None)
+            if state.on_done is not None:
+                state.on_done(state)
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the background step loop (idempotent)."""
+        self._loop.start()
+
+    def shutdown(self) -> None:
+        """Stop the background loop; requests still in flight finish with "abort"."""
+        self._loop.stop()
+        with self._lock:
+            self._abort_all()
+
+    def pause(self) -> None:
+        """Finish the current step, then hold; running requests stay and resume() continues them."""
+        self._unpaused.clear()
+        with self._lock:  # waits for a step in progress
+            pass
+
+    def resume(self) -> None:
+        self._unpaused.set()
+        self._loop.wake()
+
+    @property
+    def paused(self) -> bool:
+        return not self._unpaused.is_set()
+
+    def abort(self, request_id: str) -> bool:
+        """Finish every sequence of the request with "abort" (at the next step boundary when the
+        background loop runs). Returns whether the request was known."""
+        known = request_id in self._requests or self._loop.pending(request_id)
+        if self._loop.running:
+            self._loop.submit_abort(request_id)
+        else:
+            with self._lock:
+                self._abort_now(request_id)
+        return known
+
+    def _abort_now(self, request_id: str) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            for seq in state.sequences:
+                if not seq.is_finished:
+                    self._finish(seq, "abort")
+
+    def _fail_all(self, error: BaseException) -> None:
+        """The step failed: every request in flight gets the error, its memory is freed."""
+        with self._lock:
+            for state in list(self._requests.values()):
+                for seq in state.sequences:
+                    self.scheduler.remove(seq)
+                    seq.status = SequenceStatus.FINISHED
+                state.error = error
+                self._requests.pop(state.request_id, None)
+                if state.on_done is not None:
+                    state.on_done(state)
+
+    def _abort_all(self) -> None:
+        for rid in list(self._requests):
+            self._abort_now(rid)
+
+    def flush_cache(self) -> bool:
+        """Reset the whole cache; only when idle (nothing running or queued). Returns whether it did."""
+        with self._lock:
+            if self.scheduler.has_work() or self._loop.has_pending():
+                return False
+            self.cache.reset_all()
+            return True
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        """Validate all tensors, then quantise to the serving format and write them in place.
+        A rejected update (WeightUpdateError) writes nothing and leaves `weight_version` alone.
+        Running sequences are preempted and recomputed: their cached state is stale."""
+        with self._lock:
+            update_weights(self.model, named_tensors, self.config.serving_format)
+            self.scheduler.preempt_all()
+            self.cache.reset_all()
+            self.weight_version = int(version)
+
+    def update_weights_from_disk(self, path, version: int | None = None) -> None:
+        try:
+            tensors = load_update_from_disk(path, self.model)
+        except (ValueError, OSError) as e:
+            raise WeightUpdateError(f"cannot load weights from {path}: {e}") from e
+        self.update_weights(tensors, self.weight_version + 1 if version is None else version)
+
+    # ---- text helpers ----------------------------------------------------------------------
+
+    def tokenize_prompt(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
+        """Token ids of a prompt; messages (or a string, with chat_template) go through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer")
+        if isinstance(prompt, str) and not (chat_template and getattr(self.tokenizer, "chat_template", None)):
+            return self.tokenizer.encode(prompt)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def decode(self, ids) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer")
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _resolve(fut: asyncio.Future, state: RequestState) -> None:
+    if fut.done():
+        return
+    if state.error is not None:
+        fut.set_exception(state.error)
+    else:
+        fut.set_result(state.samples)

@@ -1,0 +1,100 @@
+"""Cache memory managers: who holds which part of the rollout cache.
+
+The scheduler only talks to the `CacheManager` interface, in units of blocks:
+
+    can_allocate(seq, num_tokens)   could seq hold positions [0, num_tokens) after allocating?
+    allocate(seq, num_tokens)       make it so (never fails after can_allocate said yes)
+    fork_cost()                     blocks one sibling needs to start from a copy of its leader
+    fork(src, dst)                  give dst a copy of src's computed state (n > 1 sampling)
+    free(seq)                       give everything back (finish, abort, preemption)
+
+Two implementations:
+- `SlotCacheManager` (DeepSeek-V4): a sequence's cache is a fixed-size slot (the sliding-window
+  ring plus the compressed entries of max_model_len tokens), so one block = one slot, and the
+  number of slots is cache_memory_bytes // bytes_per_slot. A running sequence never grows.
+- `PagedCacheManager` (dense models, `paged_cache.py`): vLLM-style block tables.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lockstep.engine.request import Sequence
+
+
+class CacheManager(Protocol):
+    num_blocks: int
+
+    def num_free_blocks(self) -> int: ...
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool: ...
+    def allocate(self, seq: Sequence, num_tokens: int) -> None: ...
+    def fork_cost(self) -> int: ...
+    def fork(self, src: Sequence, dst: Sequence) -> None: ...
+    def free(self, seq: Sequence) -> None: ...
+    def reset_all(self) -> None: ...
+
+
+class OutOfCacheMemory(RuntimeError):
+    pass
+
+
+def copy_slot(cache, src: int, dst: int) -> None:
+    """Copy every per-slot tensor of a DeepSeek-V4 cache (window ring, compressor and indexer
+    state) from slot src to slot dst: the sibling then continues exactly where src stands."""
+    for layer in cache.layers:
+        for t in layer.tensors():
+            t[dst].copy_(t[src])
+
+
+def slots_for_budget(bytes_per_slot: int, cache_memory_bytes: int | None, max_num_seqs: int) -> int:
+    if cache_memory_bytes is None:
+        return max_num_seqs
+    n = cache_memory_bytes // bytes_per_slot
+    if n < 1:
+        raise ValueError(f"EngineConfig.cache_memory_bytes: {cache_memory_bytes} bytes do not hold one sequence's "
+                         f"cache ({bytes_per_slot} bytes per slot at this max_model_len)")
+    return min(n, max_num_seqs)
+
+
+class SlotCacheManager:
+    """Fixed-size per-sequence slots of a DeepSeek-V4 cache (`model.new_cache`)."""
+
+    def __init__(self, model, max_model_len: int, max_num_seqs: int, cache_memory_bytes: int | None,
+                 dtype: torch.dtype, device):
+        probe = model.new_cache(1, max_model_len, dtype=dtype, device="meta")
+        self.bytes_per_slot = probe.bytes_per_slot()
+        self.num_blocks = slots_for_budget(self.bytes_per_slot, cache_memory_bytes, max_num_seqs)
+        self.cache = model.new_cache(self.num_blocks, max_model_len, dtype=dtype, device=device)
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
+        return seq.slot is not None or bool(self._free)
+
+    def allocate(self, seq: Sequence, num_tokens: int) -> None:
+        if seq.slot is not None:
+            return
+        if not self._free:
+            raise OutOfCacheMemory(f"no free cache slot for {seq.seq_id}")
+        seq.slot = self._free.pop()
+        # a reused slot still holds its previous owner's compressor state
+        self.cache.reset([seq.slot])
+
+    def fork_cost(self) -> int:
+        return 1
+
+    def fork(self, src: Sequence, dst: Sequence) -> None:
+        self.allocate(dst, src.num_computed)
+        copy_slot(self.cache, src.slot, dst.slot)
+
+    def free(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self._free.append(seq.slot)
+            seq.slot = None
+
+    def reset_all(self) -> None:
+        self.cache.reset(list(range(self.num_blocks)))

@@ -1,0 +1,71 @@
+"""When a sequence stops, and the `Sample` records a finished request becomes.
+
+Stop conditions, checked after every sampled token, first match wins:
+    eos token (config.eos_token_ids, else the tokenizer's), unless sampling.ignore_eos  -> "stop"
+    one of sampling.stop_token_ids                                                    -> "stop"
+    a stop string appears in the decoded response (needs a tokenizer); the text is cut
+    just before it, the tokens are kept (the trainer trains on what was sampled)       -> "stop"
+    max_new_tokens generated, or the sequence fills max_model_len                      -> "length"
+An aborted request's sequences finish with "abort" and whatever they had sampled.
+"""
+
+from __future__ import annotations
+
+from lockstep.engine.request import RequestState, Sequence
+from lockstep.rl.sample import Sample
+
+
+class StopChecker:
+    def __init__(self, eos_token_ids: tuple[int, ...], tokenizer, max_model_len: int):
+        self.eos = frozenset(eos_token_ids)
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def check(self, seq: Sequence) -> str | None:
+        """The finish reason seq reached with its last token, or None to go on."""
+        p, tok = seq.sampling, seq.tokens[-1]
+        if not p.ignore_eos and tok in self.eos:
+            return "stop"
+        if tok in p.stop_token_ids:
+            return "stop"
+        if p.stop and self.tokenizer is not None and self._cut_at_stop_string(seq):
+            return "stop"
+        if seq.num_output >= p.max_new_tokens or len(seq.tokens) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _cut_at_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode(seq.output_ids)
+        hits = [i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0]
+        if not hits:
+            return False
+        seq.text = text[:min(hits)]
+        return True
+
+    def final_text(self, seq: Sequence) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return seq.text if seq.text is not None else self.decode(seq.output_ids)
+
+
+def build_samples(state: RequestState, stop: StopChecker, routing_shape: tuple[int, int] | None) -> list[Sample]:
+    """The n samples of a finished request, in sample order."""
+    req = state.request
+    out = []
+    for seq in state.sequences:
+        meta = dict(req.metadata)
+        meta["request_id"] = req.request_id
+        text = stop.final_text(seq)
+        if text is not None:
+            meta["text"] = text
+        routed = None
+        if req.sampling.return_routed_experts and routing_shape is not None:
+            routed = seq.routed_experts(*routing_shape)
+        out.append(Sample(prompt_ids=list(req.prompt_ids), response_ids=seq.output_ids,
+                          rollout_logprobs=seq.logprobs, finish_reason=seq.finish_reason or "abort",
+                          weight_version=seq.weight_version, routed_experts=routed,
+                          group_id=req.group_id, metadata=meta))
+    return out

@@ -1,0 +1,154 @@
+"""What a caller asks for (`GenerateRequest`) and the engine's runtime state of each sample (`Sequence`).
+
+One request with `sampling.n = n` becomes n sequences (sample_index 0..n-1) that share a
+`RequestState`. Sample 0 is the group's leader: it prefills the prompt, and its siblings are
+`parked` on it until the prefill is done, then start from a copy of its cache state.
+
+Token bookkeeping of a sequence (vLLM vocabulary):
+    tokens        prompt + generated so far                       [prompt_len + num_output]
+    num_computed  leading tokens whose KV/compressor state is in the cache
+A step feeds tokens[num_computed : num_computed + num_new]; when that reaches the end of
+`tokens` the last position's logits sample the next token. Preemption by recompute only
+sets num_computed back to 0: prompt and generated tokens are fed again as a prefill.
+"""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lockstep.config import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    request_id: str | None = None  # None: a fresh uuid
+    group_id: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.prompt_ids, torch.Tensor):
+            self.prompt_ids = self.prompt_ids.tolist()
+        self.prompt_ids = [int(t) for t in self.prompt_ids]
+        if not self.prompt_ids:
+            raise ValueError("GenerateRequest.prompt_ids: must hold at least one token")
+        if self.request_id is None:
+            self.request_id = uuid.uuid4().hex
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued (new, or preempted: recompute from scratch)
+    PARKED = "parked"  # a sibling waiting for its leader's prefill, to fork from it
+    RUNNING = "running"  # holds cache memory
+    FINISHED = "finished"
+
+
+def seeded_generator(seed: int | None, sample_index: int, device) -> torch.Generator:
+    """Sample i of a request draws from its own stream seeded with seed + i, so what it samples does
+    not depend on which other sequences share the batch. No seed: a random 63-bit seed."""
+    g = torch.Generator(device=device)
+    if seed is None:
+        g.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + sample_index)
+    else:
+        g.manual_seed(int(seed) + sample_index)
+    return g
+
+
+class Sequence:
+    """Runtime state of one sample of a request."""
+
+    def __init__(self, request: GenerateRequest, sample_index: int, group: "RequestState", device="cpu"):
+        self.request, self.sample_index, self.group = request, sample_index, group
+        self.seq_id = f"{request.request_id}-{sample_index}"
+        self.tokens: list[int] = list(request.prompt_ids)
+        self.prompt_len = len(self.tokens)
+        self.logprobs: list[float] = []
+        # routed experts [L, k] of position prompt_len - 1 + t, i.e. of the forward that produced
+        # the logits of response token t (filled in as positions are computed; recompute overwrites)
+        self.routed: dict[int, torch.Tensor] = {}
+        self.slot: int | None = None  # cache slot (DeepSeek-V4) or None
+        self.block_table: list[int] = []  # paged caches (Llama)
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.num_computed = 0
+        self.weight_version = 0  # version that sampled the last token
+        self.text: str | None = None  # decoded response, cut at a stop string
+        self.generator = seeded_generator(request.sampling.seed, sample_index, device)
+        self.parked: list[Sequence] = []  # siblings waiting to fork from this leader's prefill
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token: int, logprob: float, version: int) -> None:
+        self.tokens.append(int(token))
+        self.logprobs.append(float(logprob))
+        self.weight_version = version
+
+    def record_routing(self, first_pos: int, experts_SLk: torch.Tensor) -> None:
+        """experts [S, L, k] of positions first_pos .. first_pos + S - 1; keep the response-producing ones."""
+        lo = self.prompt_len - 1
+        for s in range(max(0, lo - first_pos), experts_SLk.shape[0]):
+            self.routed[first_pos + s] = experts_SLk[s]
+
+    def routed_experts(self, n_layers: int, top_k: int) -> torch.Tensor:
+        """[R, L, k] int32: row t is the routing of position prompt_len - 1 + t."""
+        rows = [self.routed[self.prompt_len - 1 + t] for t in range(self.num_output)]
+        if not rows:
+            return torch.zeros(0, n_layers, top_k, dtype=torch.int32)
+        return torch.stack(rows).to(torch.int32).cpu()
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self.tokens)}, "
+                f"computed={self.num_computed}, slot={self.slot})")
+
+
+class RequestState:
+    """The n sequences of one request and who to tell when all of them have finished."""
+
+    def __init__(self, request: GenerateRequest, device="cpu",
+                 on_done: Callable[["RequestState"], None] | None = None):
+        self.request = request
+        self.on_done = on_done
+        self.sequences = [Sequence(request, i, self, device) for i in range(request.sampling.n)]
+        self.samples: list | None = None  # filled by the engine when done
+        self.error: BaseException | None = None  # or this, if the engine failed it
+
+    @property
+    def done(self) -> bool:
+        return self.samples is not None or self.error is not None
+
+    def result(self) -> list:
+        if self.error is not None:
+            raise self.error
+        return self.samples
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.sequences)

@@ -1,0 +1,128 @@
+"""Model runner: turns the scheduled sequences into model calls and returns the logits to sample.
+
+A step's sequences are split into forward calls:
+- all decoding sequences (one new token each) in one call of [N, 1] tokens;
+- prefill chunks grouped by length (a group's chunks are within 2x of each other, so padding
+  at most doubles the work), one call per group;
+- with `batch_invariant`, every sequence in a call of its own: a row's arithmetic then never
+  depends on the other rows (on CPU torch picks matmul blockings by M, and the MoE grouped GEMM's
+  per-expert M changes with the batch, so batched rows are not bitwise reproducible; see
+  benchmarks/batch_invariance_cost.py for the price).
+Only the last position of a sequence whose new tokens reach the end of its tokens gets logits
+(the LM head never runs over prefill positions nobody samples from).
+
+The model-specific part is an adapter: `DeepseekV4Adapter` here (per-slot caches, padded
+[N, S] rows through `StepBatch`), `LlamaAdapter` in llama_adapter.py (flattened tokens, paged KV).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from lockstep.config import EngineConfig
+from lockstep.engine.kv_cache import CacheManager, SlotCacheManager
+from lockstep.engine.request import Sequence
+
+
+class ModelAdapter(Protocol):
+    routing_shape: tuple[int, int] | None  # (n_moe_layers, top_k), None for dense models
+
+    def make_cache(self, config: EngineConfig, dtype: torch.dtype) -> CacheManager: ...
+
+    def forward(self, seqs: list[Sequence], nums: list[int], want_logits: list[bool],
+                want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [M, V] fp32 of the rows with want_logits, routed experts [N, S, L, k] or None)."""
+
+
+class DeepseekV4Adapter:
+    def __init__(self, model):
+        from lockstep.models.deepseek_v4 import Routing, StepBatch
+
+        self.model, self._Routing, self._StepBatch = model, Routing, StepBatch
+        c = model.config
+        self.routing_shape = (c.num_hidden_layers, c.num_experts_per_tok)
+        self.cache: SlotCacheManager | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def make_cache(self, config: EngineConfig, dtype: torch.dtype) -> SlotCacheManager:
+        self.cache = SlotCacheManager(self.model, config.max_model_len, config.max_num_seqs,
+                                      config.cache_memory_bytes, dtype, self.device)
+        return self.cache
+
+    def forward(self, seqs, nums, want_logits, want_routing):
+        dev = self.device
+        N, S = len(seqs), max(nums)
+        ids = torch.zeros(N, S, dtype=torch.long)
+        for i, (seq, n) in enumerate(zip(seqs, nums)):
+            ids[i, :n] = torch.tensor(seq.tokens[seq.num_computed:seq.num_computed + n])
+        batch = self._StepBatch(slots=torch.tensor([s.slot for s in seqs], device=dev),
+                                start_pos=torch.tensor([s.num_computed for s in seqs], device=dev),
+                                num_new=torch.tensor(nums, device=dev))
+        routing = self._Routing() if want_routing else None
+        layers = self.cache.cache.layers
+        # model.forward_step, except that the LM head runs only over the rows we sample from
+        hidden = self.model.model.run(
+            ids.to(dev), routing,
+            lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, layers[layer.layer_idx])))
+        rows = [i for i in range(N) if want_logits[i]]
+        last = torch.tensor([nums[i] - 1 for i in rows], dtype=torch.long, device=dev)
+        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev), last]
+        logits = self.model.lm_head(picked).float()
+        return logits, (routing.stacked() if routing is not None else None)
+
+
+def is_decode(seq: Sequence, n: int) -> bool:
+    return n == 1 and seq.num_computed > 0
+
+
+def group_calls(scheduled: list[tuple[Sequence, int]], batch_invariant: bool,
+                one_call: bool = False) -> list[list[tuple[Sequence, int]]]:
+    """Split a step's (sequence, num_new) pairs into forward calls (see the module docstring)."""
+    if batch_invariant:
+        return [[x] for x in scheduled]
+    if one_call:
+        return [list(scheduled)] if scheduled else []
+    decode = [x for x in scheduled if is_decode(*x)]
+    prefill = sorted((x for x in scheduled if not is_decode(*x)), key=lambda x: -x[1])
+    groups = [decode] if decode else []
+    for x in prefill:
+        if groups and groups[-1] is not decode and x[1] * 2 >= groups[-1][0][1]:
+            groups[-1].append(x)
+        else:
+            groups.append([x])
+    return groups
+
+
+class ModelRunner:
+    def __init__(self, adapter: ModelAdapter, batch_invariant: bool = False):
+        self.adapter = adapter
+        self.batch_invariant = batch_invariant
+        # adapters whose model takes flattened tokens (no padding) batch everything in one call
+        self.one_call = getattr(adapter, "flattened", False)
+
+    def execute(self, scheduled: list[tuple[Sequence, int]]) -> tuple[torch.Tensor | None, list[Sequence]]:
+        """Run the model over the scheduled tokens; record routed experts into the sequences.
+
+        -> (logits [M, V] fp32, the M sequences that sample from them, in row order)."""
+        all_logits, samplers = [], []
+        for group in group_calls(scheduled, self.batch_invariant, self.one_call):
+            seqs = [s for s, _ in group]
+            nums = [n for _, n in group]
+            want = [s.num_computed + n == len(s.tokens) for s, n in group]
+            want_routing = self.adapter.routing_shape is not None and any(
+                s.sampling.return_routed_experts for s in seqs)
+            logits, routed = self.adapter.forward(seqs, nums, want, want_routing)
+            if routed is not None:
+                for i, (s, n) in enumerate(group):
+                    if s.sampling.return_routed_experts:
+                        s.record_routing(s.num_computed, routed[i, :n].cpu())
+            all_logits.append(logits)
+            samplers += [s for s, w in zip(seqs, want) if w]
+        if not all_logits:
+            return None, []
+        return torch.cat(all_logits), samplers

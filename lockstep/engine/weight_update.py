@@ -1,0 +1,106 @@
+"""Pushing new weights into a serving model: validate everything, then quantise and write in place.
+
+`update_weights(model, named_tensors, fmt)` takes (name, tensor) pairs with the trainer's names,
+which are the model's state-dict names (parameters AND persistent buffers: `tid2eid` and
+`e_score_correction_bias` define the policy too, see Miles PR 2706). A subset is allowed
+(bucketed sync sends several). Before anything is written, every tensor is checked:
+
+    unknown name, duplicated name, wrong shape, float where an integer table is expected
+    (or the reverse), non-finite values, hash-routing ids outside [0, n_routed_experts)
+
+and the first problem raises `WeightUpdateError` naming the tensor; the model is untouched and
+keeps serving the previous version. Then each tensor is replaced by its served value
+(`serving_format.served_value`: dequant(quant(w)) in the destination's dtype) and copied in
+place, one at a time, so the peak extra memory is one tensor. Quantisation cannot fail halfway:
+the shapes equal the model's, which were quantised when the engine was built.
+
+What depends on the weights (the rollout caches) is the engine's to flush afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+import torch
+
+from lockstep.engine.serving_format import served_value
+
+
+class WeightUpdateError(ValueError):
+    """A weight update was rejected; the message names the offending tensor. Nothing was written."""
+
+
+def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """name -> the model's tensor (parameters and persistent buffers; tied names share storage)."""
+    return dict(model.state_dict())
+
+
+def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(named_tensors, Mapping):
+        return list(named_tensors.items())
+    return list(named_tensors)
+
+
+def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise WeightUpdateError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(dest.shape):
+        raise WeightUpdateError(f"{name}: shape {tuple(t.shape)} does not match the model's {tuple(dest.shape)}")
+    if dest.is_floating_point():
+        if not t.is_floating_point():
+            raise WeightUpdateError(f"{name}: expected a floating-point tensor, got {t.dtype}")
+        bad = (~torch.isfinite(t)).sum().item()
+        if bad:
+            raise WeightUpdateError(f"{name}: {bad} non-finite values (NaN or inf)")
+        return
+    if t.is_floating_point() or t.is_complex():
+        raise WeightUpdateError(f"{name}: expected an integer tensor like the model's {dest.dtype}, got {t.dtype}")
+    if name.endswith("tid2eid") and n_experts is not None and t.numel():
+        lo, hi = t.min().item(), t.max().item()
+        if lo < 0 or hi >= n_experts:
+            raise WeightUpdateError(f"{name}: expert ids must be in [0, {n_experts}), got [{lo}, {hi}]")
+
+
+def validate_update(model: torch.nn.Module, named_tensors) -> list[tuple[str, torch.Tensor]]:
+    """All checks of the module docstring, for every tensor, before anything is written."""
+    pairs = _pairs(named_tensors)
+    dest = serving_tensors(model)
+    n_experts = getattr(getattr(model, "config", None), "n_routed_experts", None)
+    seen: set[str] = set()
+    for name, t in pairs:
+        if name not in dest:
+            raise WeightUpdateError(f"{name}: unknown tensor name (not a parameter or persistent buffer of "
+                                    f"{type(model).__name__})")
+        if name in seen:
+            raise WeightUpdateError(f"{name}: sent twice in one update")
+        seen.add(name)
+        _check_one(name, t, dest[name], n_experts)
+    return pairs
+
+
+@torch.no_grad()
+def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str) -> None:
+    dest = serving_tensors(model)
+    for name, t in pairs:
+        d = dest[name]
+        d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
+
+
+def update_weights(model: torch.nn.Module, named_tensors, fmt: str) -> int:
+    """Validate all, then write all; returns the number of tensors written."""
+    pairs = validate_update(model, named_tensors)
+    write_served(model, pairs, fmt)
+    return len(pairs)
+
+
+def apply_serving_format(model: torch.nn.Module, fmt: str) -> None:
+    """Replace every weight of the model by its served value (done once when an engine is built)."""
+    write_served(model, list(serving_tensors(model).items()), fmt)
+
+
+def load_update_from_disk(path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A checkpoint directory's tensors under the model's names (dequantised to float32 when stored
+    quantised; the engine re-quantises them to its own serving format)."""
+    from lockstep.models.checkpoint import load_state_dict
+
+    return load_state_dict(path, model.config, dtype=torch.float32)
