@@ -1,0 +1,74 @@
+"""Shared helpers of the engine tests: tiny models, engines, and the full-sequence reference."""
+
+import pytest
+import torch
+
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.engine import Engine, GenerateRequest
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls: OpenMP threads only add spin contention on a shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_dsv4(seed=0, **overrides):
+    model = DeepseekV4ForCausalLM(tiny_config(**overrides))
+    init_deepseek_v4_(model, seed)
+    return model.eval()
+
+
+def engine_config(**kw):
+    base = dict(max_num_seqs=16, max_model_len=96, max_prefill_tokens=32)
+    base.update(kw)
+    return EngineConfig(**base)
+
+
+def make_engine(seed=0, model=None, tokenizer=None, **kw):
+    return Engine(model if model is not None else tiny_dsv4(seed), engine_config(**kw), tokenizer)
+
+
+def prompts(n, lo=3, hi=30, vocab=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
+
+
+def greedy(max_new_tokens=12, **kw):
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, **kw)
+
+
+def sampled(seed, max_new_tokens=12, **kw):
+    return SamplingParams(temperature=kw.pop("temperature", 0.9), seed=seed, max_new_tokens=max_new_tokens, **kw)
+
+
+def requests(prompt_list, params):
+    return [GenerateRequest(p, params(i) if callable(params) else params) for i, p in enumerate(prompt_list)]
+
+
+@torch.no_grad()
+def full_sequence_logprobs(model, sample, temperature):
+    """log_softmax(logits / T) of the response tokens from one full forward (the trainer's view)."""
+    ids = sample.tokens.unsqueeze(0)
+    logits = model(ids)[0].float()
+    P, R = sample.prompt_ids.numel(), sample.response_len
+    t = temperature if temperature > 0 else 1.0
+    lp = torch.log_softmax(logits[P - 1:P + R - 1] / t, dim=-1)
+    return lp.gather(1, sample.response_ids.unsqueeze(1)).squeeze(1)
+
+
+def same_outputs(a, b, exact=False, atol=1e-5):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.response_ids.tolist() == y.response_ids.tolist()
+        assert x.finish_reason == y.finish_reason
+        if exact:
+            assert torch.equal(x.rollout_logprobs, y.rollout_logprobs)
+        else:
+            assert torch.allclose(x.rollout_logprobs, y.rollout_logprobs, atol=atol, rtol=0)

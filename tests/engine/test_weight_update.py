@@ -1,0 +1,118 @@
+"""Weight updates: a pushed version serves exactly like a fresh engine built on those weights;
+a corrupted update is rejected whole and the previous version keeps serving."""
+
+import pytest
+import torch
+
+from lockstep.engine import WeightUpdateError
+from lockstep.engine.serving_format import serving_storage
+from lockstep.quant.formats import Storage
+
+from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
+
+
+def trainer_weights(seed):
+    """What a trainer's named_weights() sends: parameters and the policy buffers, in bf16 / fp32."""
+    m = tiny_dsv4(seed)
+    out = {}
+    for name, t in m.state_dict().items():
+        out[name] = t.to(torch.bfloat16) if t.is_floating_point() and t.dim() >= 2 else t.clone()
+    return out
+
+
+def params(i):
+    return greedy(max_new_tokens=8) if i % 2 else sampled(seed=i, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8-fp4"])
+def test_update_equals_fresh_engine(fmt):
+    ps = prompts(4, seed=20)
+    engine = make_engine(seed=21, serving_format=fmt)
+    before = engine.generate(requests(ps, params))
+    new = trainer_weights(22)
+    engine.update_weights(new.items(), version=3)
+    assert engine.weight_version == 3
+    after = engine.generate(requests(ps, params))
+    assert all(s.weight_version == 3 for s in after) and all(s.weight_version == 0 for s in before)
+    fresh_model = tiny_dsv4(0)
+    fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
+    fresh = make_engine(model=fresh_model, serving_format=fmt)
+    for k, v in fresh.model.state_dict().items():
+        assert torch.equal(v, engine.model.state_dict()[k]), k
+    same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
+
+
+def test_served_values_follow_the_format():
+    engine = make_engine(seed=23, serving_format="fp8-fp4")
+    sd = engine.model.state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    assert serving_storage(name, "fp8-fp4") is Storage.FP4
+    # e2m1 times a power of two: at most 8 distinct magnitudes per 1x32 block
+    block = sd[name][0, 0, :32].abs()
+    assert len(set(block.tolist())) <= 8
+    assert serving_storage("model.layers.0.attn_hc.fn", "fp8") is Storage.FP32
+    assert serving_storage("model.layers.0.self_attn.q_proj.weight", "fp8") is Storage.FP8  # dense names too
+
+
+def corrupt_cases():
+    good = trainer_weights(24)
+    unknown = dict(good, **{"model.layers.9.mlp.gate.weight": torch.zeros(6, 32)})
+    shape = dict(good, **{"model.layers.2.self_attn.q_a_proj.weight": torch.zeros(16, 31)})
+    nan = dict(good)
+    nan["model.layers.3.mlp.experts.down_proj"] = good["model.layers.3.mlp.experts.down_proj"].clone()
+    nan["model.layers.3.mlp.experts.down_proj"][1, 2, 3] = float("nan")
+    table = dict(good, **{"model.layers.0.mlp.gate.tid2eid": good["model.layers.0.mlp.gate.tid2eid"] + 100})
+    return {"model.layers.9.mlp.gate.weight": unknown, "q_a_proj": shape, "down_proj": nan, "tid2eid": table}
+
+
+@pytest.mark.parametrize("case", list(corrupt_cases()))
+def test_corrupted_update_is_rejected_and_the_old_version_serves(case):
+    ps = prompts(3, seed=25)
+    engine = make_engine(seed=26, serving_format="fp8")
+    before = engine.generate(requests(ps, params))
+    snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    with pytest.raises(WeightUpdateError, match=case.replace(".", r"\.")):
+        engine.update_weights(corrupt_cases()[case], version=1)
+    assert engine.weight_version == 0
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in snapshot.items())
+    same_outputs(engine.generate(requests(ps, params)), before, exact=True)
+
+
+def test_update_from_disk(tmp_path):
+    from lockstep.models.checkpoint import save_pretrained
+
+    src = tiny_dsv4(27)
+    save_pretrained(src, tmp_path / "ckpt")
+    engine = make_engine(seed=28, serving_format="fp8")
+    engine.update_weights_from_disk(tmp_path / "ckpt")
+    assert engine.weight_version == 1
+    fresh = make_engine(model=tiny_dsv4(27), serving_format="fp8")
+    ps = prompts(3, seed=29)
+    same_outputs(engine.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
+    with pytest.raises(WeightUpdateError):
+        engine.update_weights_from_disk(tmp_path / "missing")
+    assert engine.weight_version == 1
+
+
+def test_update_while_requests_run_recomputes_them():
+    ps = prompts(3, seed=30)
+    engine = make_engine(seed=31)
+    states = [engine._new_state(r) for r in requests(ps, lambda i: greedy(max_new_tokens=10))]
+    for s in states:
+        engine._add(s)
+    for _ in range(4):
+        engine.step()
+    sampled_before = [st.sequences[0].num_output for st in states]
+    assert all(k >= 1 for k in sampled_before)
+    engine.update_weights(trainer_weights(32), version=5)
+    while not all(s.done for s in states):
+        engine.step()
+    fresh = make_engine(model=tiny_dsv4(0))
+    fresh.update_weights(trainer_weights(32), version=5)
+    for st, k in zip(states, sampled_before):
+        s = st.samples[0]
+        assert s.weight_version == 5
+        # the tokens sampled after the update are what the new weights give for that prefix
+        prefix = s.prompt_ids.tolist() + s.response_ids[:k].tolist()
+        cont = fresh.generate([type(st.request)(prefix, greedy(max_new_tokens=10 - k))])[0]
+        assert cont.response_ids.tolist() == s.response_ids[k:].tolist()
