@@ -1,7 +1,9 @@
 """Quantisation-aware forward: the trainer multiplies by the weights the engine will serve.
 
 `apply_quant_aware(model, fmt)` registers a `torch.nn.utils.parametrize` parametrisation on
-every floating parameter whose serving storage (`lockstep.quant.formats.storage_for`) is lossy:
+every floating parameter whose serving storage is lossy. The storage rule is the engine's
+(`lockstep.engine.serving_format.serving_storage`: DeepSeek-V4 names per
+`lockstep.quant.formats`, dense Llama / Qwen3 names by their own rule), so both sides agree:
 
     storage   forward uses                                    tensors (serving format fp8 | fp8-fp4)
     FP8       dequant(quant_fp8(w)), 128x128 blocks, ue8m0      attention / indexer / shared linears;
@@ -10,10 +12,10 @@ every floating parameter whose serving storage (`lockstep.quant.formats.storage_
     BF16      w rounded to bf16 (identity on a bf16 model)     embeddings, head, norms, router, compressor
     FP32      w                                                mHC, sinks, position bias (untouched)
 
+Serving format "bf16" rounds every tensor but the FP32 ones to bf16 (what a bf16 engine serves).
 Stacked experts [E, out, in] are quantised per expert (blocks never cross experts). Gradients
 are straight-through: dL/dw = dL/dq, so the update lands on the unquantised master weight.
-Names the serving-format rule does not know (e.g. Llama) fall back to: a 2-D `nn.Linear`
-weight inside `layers.` is LINEAR, any other floating tensor BF16.
+A floating tensor the rule does not know is treated as BF16.
 
 Parametrisation moves `x.weight` to `x.parametrizations.weight.original`; `canonical_name` maps
 such names back, so state dicts, weight sync and checkpoints keep the original names.
@@ -27,8 +29,9 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from lockstep.engine.serving_format import serving_storage as engine_storage
 from lockstep.quant.fake_quant import fake_quant_fp4, fake_quant_fp8
-from lockstep.quant.formats import Storage, UnknownTensorError, storage_for
+from lockstep.quant.formats import Storage, UnknownTensorError
 
 _PARAMETRIZED = re.compile(r"\.parametrizations\.(\w+)\.original$")
 
@@ -68,13 +71,11 @@ class FakeQuant(nn.Module):
         return f"storage={self.storage.value}"
 
 
-def serving_storage(name: str, module: nn.Module, param: torch.Tensor, fmt: str) -> Storage:
-    """Storage of parameter `name` (owned by `module`) in serving format `fmt`."""
+def serving_storage(name: str, fmt: str) -> Storage:
+    """Storage of parameter `name` when served in `fmt` (the engine's rule; unknown names: BF16)."""
     try:
-        return storage_for(name, fmt)
+        return engine_storage(name, fmt)
     except UnknownTensorError:
-        if isinstance(module, nn.Linear) and param.dim() == 2 and ".layers." in f".{name}":
-            return storage_for("model.layers.0.self_attn.q_a_proj.weight", fmt)  # a LINEAR tensor
         return Storage.BF16
 
 
@@ -87,7 +88,7 @@ def apply_quant_aware(model: nn.Module, fmt: str) -> nn.Module:
             if not param.is_floating_point():
                 continue
             name = f"{mod_name}.{p_name}" if mod_name else p_name
-            storage = serving_storage(name, module, param, fmt)
+            storage = serving_storage(name, fmt)
             if storage in (Storage.FP8, Storage.FP4) or (storage == Storage.BF16 and param.dtype != torch.bfloat16):
                 parametrize.register_parametrization(module, p_name, FakeQuant(storage), unsafe=True)
     return model

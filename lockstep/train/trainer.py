@@ -69,6 +69,7 @@ class Trainer:
         self.config, self.model, self.ref_model = config, model, ref_model
         self.device = next(model.parameters()).device
         self.num_steps = 0
+        self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
         self._setup_determinism()
         self._check(model, ref_model)
         masters = self._prepare_dtype()
@@ -263,13 +264,15 @@ class Trainer:
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(state-dict name, tensor) for every parameter and persistent buffer that defines the policy
-        (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached."""
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            yield canonical_name(name), t.detach()
+        (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached, in the
+        model's state-dict order."""
+        for name, t in self._live_tensors():
+            yield name, t.detach()
 
     def _live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            yield canonical_name(name), t.data
+        by_name = {canonical_name(n): t.data for n, t in self.model.state_dict(keep_vars=True).items()}
+        for name in self._weight_names:
+            yield name, by_name[name]
 
     def save(self, directory: str | Path) -> None:
         """Write weights, optimiser state, RNG states and the step counter into `directory`."""
