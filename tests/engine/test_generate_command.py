@@ -1,0 +1,26 @@
+"""`lockstep generate` end to end on a saved tiny DeepSeek-V4 with a word-level tokenizer."""
+
+import pytest
+
+from lockstep.cli import main
+from lockstep.commands import generate as command
+from lockstep.models.checkpoint import save_pretrained
+
+from conftest import tiny_dsv4
+from test_control import word_tokenizer
+
+
+def test_generate_prints_completions(tmp_path, capsys):
+    save_pretrained(tiny_dsv4(60), tmp_path)
+    word_tokenizer().save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "w1 w2 w3", "--prompt", "w4",
+                 "--max-new-tokens", "5", "--n", "2", "--temperature", "0.8", "--serving-format", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("=== prompt") == 4 and "finish_reason=length" in out
+    assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1 2 3", "--max-new-tokens", "3"]) == 0
+
+
+def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(command, "DEFAULT_MODEL", tmp_path / "nowhere")
+    with pytest.raises(SystemExit, match="embedded default model is missing"):
+        main(["generate"])
