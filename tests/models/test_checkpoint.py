@@ -61,7 +61,16 @@ def test_dsv4_written_by_transformers_loads_and_mtp_is_skipped(dsv4, tmp_path):
     assert_same(load_state_dict(tmp_path, "deepseek_v4"), hf.state_dict())
 
 
-def test_dsv4_lockstep_model_round_trip(tmp_path):
+@pytest.fixture
+def one_thread():
+    """Many small ops: a second intra-op thread only waits on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_dsv4_lockstep_model_round_trip(tmp_path, one_thread):
     ds = pytest.importorskip("lockstep.models.deepseek_v4")
     from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 
