@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> one-line help. Order is the order `lockstep --help` lists them.
@@ -48,7 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
-    return int(_load(args.command).run(args) or 0)
+    try:
+        return int(_load(args.command).run(args) or 0)
+    except (ValueError, OSError) as e:  # bad input: configs, data rows, checkpoints name what is wrong
+        if os.environ.get("LOCKSTEP_TRACEBACK"):
+            raise
+        print(f"lockstep {args.command}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

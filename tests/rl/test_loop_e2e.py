@@ -1,0 +1,65 @@
+"""End to end on the CPU: generate, reward, train, push weights, evaluate, save and resume."""
+
+import json
+
+import pytest
+import torch
+
+from lockstep.cli import main
+from lockstep.commands.sft import _new_embedded_model
+from lockstep.metrics.sinks import read_metrics
+from lockstep.models import save_pretrained
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    model, tok = _new_embedded_model(0)
+    save_pretrained(model, d)
+    tok.save_pretrained(d)
+    return d
+
+
+def train(model_dir, run_dir, *extra):
+    args = ["train", "--model", str(model_dir), "--num-rollout", "4", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "4", "--rollout-max-response-len", "4", "--eval-interval", "2",
+            "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "4", "--eval-prompts-limit", "4",
+            "--lr", "1e-3", "--use-tis", "--serving-format", "bf16", "--max-num-seqs", "16", "--max-model-len", "48",
+            "--run-dir", str(run_dir), "--no-plot", *extra]
+    assert main(args) == 0
+    return {r["step"]: r for r in read_metrics(run_dir / "metrics.jsonl")}
+
+
+def comparable(record):
+    return {k: v for k, v in record.items() if not k.startswith("perf/")}
+
+
+def test_loop_runs_saves_and_resumes_identically(tiny_model_dir, tmp_path):
+    full = train(tiny_model_dir, tmp_path / "full", "--save", str(tmp_path / "ckpt"), "--save-interval", "2")
+    assert sorted(full) == [0, 1, 2, 3, 4]
+    for step in (1, 2, 3, 4):
+        m = full[step]
+        assert m["rollout/num_samples"] == 8
+        assert "train/train_rollout_logprob_abs_diff" in m and "train/tis" in m
+        assert m["perf/weight_sync_time"] >= 0
+    assert "eval/arithmetic/pass@1" in full[0] and "eval/arithmetic/pass@2" in full[2]
+    state = json.loads((tmp_path / "ckpt" / "loop_state.json").read_text())
+    assert state["rollout_id"] == 4 and state["weight_version"] == 4
+
+    # resume from the save made after rollout 2 (keep a copy: the full run overwrote ckpt at 4)
+    resumed_dir = tmp_path / "resumed"
+    first_half = train(tiny_model_dir, tmp_path / "half", "--num-rollout", "2", "--save", str(tmp_path / "ckpt2"))
+    assert comparable(first_half[2]) == comparable(full[2])
+    resumed = train(tiny_model_dir, resumed_dir, "--load", str(tmp_path / "ckpt2"))
+    assert sorted(resumed) == [3, 4]
+    for step in (3, 4):
+        assert comparable(resumed[step]) == comparable(full[step])
+
+
+def test_bad_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n{"prompt": "oops"\n')
+    rc = main(["train", "--model", str(tiny_model_dir), "--prompt-data", str(bad), "--run-dir", str(tmp_path / "r")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err and "line 2" in err
