@@ -1,0 +1,251 @@
+"""Seconds per GRPO step: lockstep against TRL 1.16's GRPOTrainer, measured in the same run.
+
+Both sides get the same DeepSeek-V4 config and initial weights, the same prompts (token ids;
+TRL sees them through a word-level tokenizer whose token i is the string "t{i}"), the same
+number of completions per prompt and lengths, the same reward (fraction of even token ids in
+the completion), GRPO advantages (group mean / std), PPO clip 0.2, token-level loss, one AdamW
+step per generation batch, no KL term. One GRPO step is:
+
+    lockstep   Engine.generate (n samples per prompt) -> reward -> advantages
+               -> Trainer.train_step -> Engine.update_weights(trainer.named_weights(), version)
+    TRL        GRPOTrainer step: transformers' generate -> reward -> advantages -> loss/backward/AdamW
+               (no weight push: generation runs on the trained model itself)
+
+Step time is wall time between consecutive step ends, after `--warmup` steps. On a CPU shared
+with other jobs, OpenMP's spinning worker threads make every op wait for a descheduled sibling
+(a 2-thread step can run 100x slower); run with OMP_WAIT_POLICY=PASSIVE or `--threads 1` there.
+
+    python benchmarks/grpo_step.py --config cpu-tiny              # 2 CPU cores, fp32
+    python benchmarks/grpo_step.py --config gpu-848m              # one H200, bf16 compute
+
+Configs (reference TRL figures from DESIGN.md):
+    cpu-tiny   1.26M-param DSV4 (vocab 300, hidden 64, 4 layers, 20 experts top-2), 4 prompts x 8
+               completions of exactly 8 tokens, prompts of 8 tokens, fp32         TRL ~0.59 s/step
+    gpu-848m   8 layers, hidden 1024, 64 experts top-6, vocab 300 (~0.85B params), 8 prompts x 8
+               completions of up to 128 tokens (EOS stops), prompts of 16 tokens, bf16   TRL ~7.5 s/step
+TRL settings: bf16 autocast on GPU only, gradient checkpointing off (lockstep recompute off too),
+`min_new_tokens` = max length where lengths are fixed, router aux loss off (lockstep has none). TRL needs `config.num_experts` on the
+DeepseekV4 config (it reads it for MoE models), so it is set to n_routed_experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+
+EOS = 1
+
+
+@dataclass(frozen=True)
+class Bench:
+    model: DeepseekV4Config
+    num_prompts: int
+    n: int  # completions per prompt
+    prompt_len: int
+    max_new_tokens: int
+    fixed_length: bool
+    device: str
+    dtype: str
+    steps: int
+    warmup: int
+
+
+def _configs() -> dict[str, Bench]:
+    cpu = tiny_config(vocab_size=300, hidden_size=64, moe_intermediate_size=64, num_hidden_layers=4,
+                      num_attention_heads=4, head_dim=32, q_lora_rank=32, n_routed_experts=20,
+                      num_experts_per_tok=2, o_lora_rank=32, index_head_dim=16)
+    gpu = DeepseekV4Config(vocab_size=300, hidden_size=1024, moe_intermediate_size=512, num_hidden_layers=8,
+                           num_attention_heads=16, head_dim=128, q_lora_rank=512, num_experts_per_tok=6,
+                           n_routed_experts=64, o_groups=4, o_lora_rank=256, index_n_heads=16, index_head_dim=64,
+                           index_topk=64, sliding_window=64, max_position_embeddings=4096,
+                           layer_types=(SLIDING, CSA, HCA, CSA, HCA, CSA, HCA, CSA),
+                           mlp_layer_types=("hash_moe",) * 2 + ("moe",) * 6)
+    return {
+        "cpu-tiny": Bench(cpu, num_prompts=4, n=8, prompt_len=8, max_new_tokens=8, fixed_length=True,
+                          device="cpu", dtype="float32", steps=10, warmup=2),
+        "gpu-848m": Bench(gpu, num_prompts=8, n=8, prompt_len=16, max_new_tokens=128, fixed_length=False,
+                          device="cuda", dtype="bfloat16", steps=5, warmup=2),
+    }
+
+
+def make_model(bench: Bench) -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(bench.model)
+    init_deepseek_v4_(model, seed=0)
+    return model
+
+
+def make_prompts(bench: Bench, total: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(2, bench.model.vocab_size, (total, bench.prompt_len), generator=g).tolist()
+
+
+def reward(ids) -> float:
+    ids = list(ids)
+    return sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---- lockstep ---------------------------------------------------------------------------------
+
+
+def run_lockstep(bench: Bench, prompts: list[list[int]]) -> dict:
+    from lockstep.config import EngineConfig, SamplingParams
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.request import GenerateRequest
+    from lockstep.rl.advantages import compute_advantages
+    from lockstep.train.config import TrainConfig
+    from lockstep.train.trainer import Trainer
+
+    model = make_model(bench).to(bench.device)
+    completions = bench.num_prompts * bench.n
+    engine = Engine(copy.deepcopy(model), EngineConfig(
+        max_num_seqs=completions, max_model_len=bench.prompt_len + bench.max_new_tokens + 1,
+        max_prefill_tokens=max(2048, bench.num_prompts * bench.prompt_len), dtype=bench.dtype,
+        device=bench.device, eos_token_ids=(EOS,)))
+    cfg = TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0,
+                      max_tokens_per_gpu=completions * (bench.prompt_len + bench.max_new_tokens))
+    trainer = Trainer(model, cfg)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens, n=bench.n,
+                              ignore_eos=bench.fixed_length, seed=None)
+    times, parts = [], {"rollout": [], "train": [], "sync": []}
+    last = time.perf_counter()
+    for step in range(bench.warmup + bench.steps):
+        batch = prompts[step * bench.num_prompts:(step + 1) * bench.num_prompts]
+        t0 = time.perf_counter()
+        samples = engine.generate([GenerateRequest(p, sampling, group_id=j) for j, p in enumerate(batch)])
+        for s in samples:
+            s.reward = reward(s.response_ids.tolist())
+        adv = compute_advantages(cfg.advantage_fn, torch.tensor([s.reward for s in samples]),
+                                 group_ids=[s.group_id for s in samples])
+        for s, a in zip(samples, adv.tolist()):
+            s.advantages = a
+        t1 = time.perf_counter()
+        trainer.train_step(samples)
+        _sync(bench.device)
+        t2 = time.perf_counter()
+        engine.update_weights(trainer.named_weights(), version=step + 1)
+        _sync(bench.device)
+        now = time.perf_counter()
+        if step >= bench.warmup:
+            times.append(now - last)
+            for k, v in (("rollout", t1 - t0), ("train", t2 - t1), ("sync", now - t2)):
+                parts[k].append(v)
+        last = now
+    return {"step": times, **{k: statistics.median(v) for k, v in parts.items()},
+            "tokens": sum(s.response_len for s in samples)}
+
+
+# ---- TRL --------------------------------------------------------------------------------------
+
+
+def _tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token=f"t{EOS}", unk_token="t0")
+
+
+def _hf_model(bench: Bench):
+    from transformers import DeepseekV4Config as HFConfig
+    from transformers import DeepseekV4ForCausalLM as HFModel
+
+    hf_config = HFConfig(**bench.model.to_hf_dict())
+    hf_config.num_experts = bench.model.n_routed_experts  # TRL 1.16 reads it on MoE models
+    hf_config._attn_implementation = "eager"
+    hf = HFModel(hf_config)
+    missing, unexpected = hf.load_state_dict(make_model(bench).state_dict(), strict=False)
+    assert not unexpected and all("inv_freq" in k for k in missing), (missing, unexpected)
+    return hf
+
+
+def run_trl(bench: Bench, prompts: list[list[int]]) -> dict:
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.ends = [time.perf_counter()]
+
+        def on_step_end(self, args, state, control, **kwargs):
+            _sync(bench.device)
+            self.ends.append(time.perf_counter())
+
+    def reward_fn(prompts, completions, completion_ids, **kwargs):
+        return [reward(ids) for ids in completion_ids]
+
+    completions = bench.num_prompts * bench.n
+    total_steps = bench.warmup + bench.steps
+    data = Dataset.from_list([{"prompt": " ".join(f"t{t}" for t in p)} for p in prompts[:total_steps * bench.num_prompts]])
+    gen_kwargs = {"min_new_tokens": bench.max_new_tokens} if bench.fixed_length else {}
+    args = GRPOConfig(
+        output_dir="/tmp/grpo_step_trl", per_device_train_batch_size=completions, num_generations=bench.n,
+        max_completion_length=bench.max_new_tokens, max_steps=total_steps, learning_rate=1e-6, beta=0.0,
+        temperature=1.0, loss_type="dapo", gradient_checkpointing=False, bf16=bench.dtype == "bfloat16",
+        use_cpu=bench.device == "cpu", report_to=[], save_strategy="no", logging_steps=10_000,
+        shuffle_dataset=False, generation_kwargs=gen_kwargs, disable_tqdm=True, seed=0, router_aux_loss_coef=0.0)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=_hf_model(bench), reward_funcs=[reward_fn], args=args, train_dataset=data,
+                          processing_class=_tokenizer(bench.model.vocab_size), callbacks=[timer])
+    timer.ends = [time.perf_counter()]
+    trainer.train()
+    steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])]
+    return {"step": steps[bench.warmup:]}
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    configs = _configs()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", choices=list(configs), default="cpu-tiny")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--skip-trl", action="store_true", help="time the lockstep side only")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench = configs[args.config]
+    overrides = {k: v for k in ("steps", "warmup", "device", "dtype") if (v := getattr(args, k)) is not None}
+    bench = Bench(**{**bench.__dict__, **overrides})
+    torch.manual_seed(0)
+    n_params = sum(p.numel() for p in make_model(bench).parameters())
+    print(f"config {args.config}: {n_params / 1e6:.2f}M params, {bench.num_prompts} prompts x {bench.n} completions, "
+          f"prompt {bench.prompt_len}, up to {bench.max_new_tokens} new tokens, {bench.device} {bench.dtype}, "
+          f"torch threads {torch.get_num_threads()}")
+    prompts = make_prompts(bench, (bench.warmup + bench.steps) * bench.num_prompts)
+    ours = run_lockstep(bench, prompts)
+    ours_s = statistics.median(ours["step"])
+    print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
+          f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f})")
+    if args.skip_trl:
+        return
+    trl = run_trl(bench, prompts)
+    trl_s = statistics.median(trl["step"])
+    print(f"TRL 1.16  {trl_s:.3f} s/step (median of {len(trl['step'])})")
+    print(f"ratio TRL / lockstep = {trl_s / ours_s:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
