@@ -68,6 +68,14 @@ class SlotCacheManager:
         self.num_blocks = slots_for_budget(self.bytes_per_slot, cache_memory_bytes, max_num_seqs)
         self.cache = model.new_cache(self.num_blocks, max_model_len, dtype=dtype, device=device)
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
+        self._dirty: set[int] = set()  # slots handed out since the last prepare(), still to be reset
+
+    def prepare(self) -> None:
+        """Reset the newly handed-out slots, all in one call per layer (before the step's forward):
+        a reused slot still holds its previous owner's compressor state."""
+        if self._dirty:
+            self.cache.reset(sorted(self._dirty))
+            self._dirty.clear()
 
     def num_free_blocks(self) -> int:
         return len(self._free)
@@ -81,14 +89,14 @@ class SlotCacheManager:
         if not self._free:
             raise OutOfCacheMemory(f"no free cache slot for {seq.seq_id}")
         seq.slot = self._free.pop()
-        # a reused slot still holds its previous owner's compressor state
-        self.cache.reset([seq.slot])
+        self._dirty.add(seq.slot)
 
     def fork_cost(self) -> int:
         return 1
 
     def fork(self, src: Sequence, dst: Sequence) -> None:
         self.allocate(dst, src.num_computed)
+        self._dirty.discard(dst.slot)  # the copy overwrites all of the slot's state
         copy_slot(self.cache, src.slot, dst.slot)
 
     def free(self, seq: Sequence) -> None:
@@ -98,3 +106,4 @@ class SlotCacheManager:
 
     def reset_all(self) -> None:
         self.cache.reset(list(range(self.num_blocks)))
+        self._dirty.clear()

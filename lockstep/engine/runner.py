@@ -64,6 +64,7 @@ class DeepseekV4Adapter:
                                 start_pos=torch.tensor([s.num_computed for s in seqs], device=dev),
                                 num_new=torch.tensor(nums, device=dev))
         routing = self._Routing() if want_routing else None
+        self.cache.prepare()
         layers = self.cache.cache.layers
         # model.forward_step, except that the LM head runs only over the rows we sample from
         hidden = self.model.model.run(
