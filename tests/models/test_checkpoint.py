@@ -7,6 +7,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from lockstep.cli import main
 from lockstep.models import CheckpointError, load_pretrained, load_state_dict, save_pretrained, save_state_dict
 from lockstep.models.deepseek_v4_config import DeepseekV4Config
 from lockstep.models.llama import LlamaForCausalLM
@@ -95,7 +96,7 @@ def test_dsv4_fp8_fp4_checkpoint_is_dequantised(dsv4, tmp_path):
     hf, config = dsv4
     bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in hf.state_dict().items()}
     save_state_dict(bf16, config, tmp_path / "bf16")
-    convert_checkpoint(tmp_path / "bf16", tmp_path / "q", to="fp8-fp4", progress=False)
+    assert main(["convert", "quant", str(tmp_path / "bf16"), str(tmp_path / "q"), "--to", "fp8-fp4"]) == 0
     convert_checkpoint(tmp_path / "q", tmp_path / "back", to="bf16", progress=False)
     on_disk = load_file(str(tmp_path / "q" / "model.safetensors"))
     assert on_disk["model.layers.1.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
@@ -103,6 +104,7 @@ def test_dsv4_fp8_fp4_checkpoint_is_dequantised(dsv4, tmp_path):
     got = load_state_dict(tmp_path / "q", dtype=torch.bfloat16)
     want = load_state_dict(tmp_path / "back", dtype=torch.bfloat16)
     assert_same(got, want)
+    assert got["model.layers.1.attn_hc.fn"].dtype == torch.float32  # the model's keep-in-fp32 names
     name = "model.layers.1.mlp.experts.gate_up_proj"
     err = (got[name].float() - bf16[name].float()).abs().max() / bf16[name].float().abs().max()
     assert 0 < err < 0.2  # quantised, not garbage
