@@ -9,8 +9,10 @@ One model, two entry points that run the same per-token arithmetic:
   chunks and decode tokens mixed), K/V written into a paged cache and read back from it.
 
 Attention is plain PyTorch in float32 (q.k^T, softmax, p.v). Both paths round K and V to the
-cache dtype (the activation dtype) before attending, so a bf16 full forward sees exactly the
-keys and values a decode step reads back from the cache. Parameter names are transformers'
+activation dtype before attending, so a bf16 full forward sees exactly the keys and values a
+decode step reads back from a cache of that dtype (or wider). The per-token arithmetic is the
+same on both paths; stock CPU/GPU matmuls still pick different reduction orders for different
+row counts (M=1 decode vs M=T prefill), so agreement is ~1e-7 relative in fp32, not bitwise. Parameter names are transformers'
 (`model.layers.0.self_attn.q_proj.weight` ...), so `hf_model.state_dict()` loads as is.
 """
 
@@ -155,11 +157,12 @@ class BatchMeta:
 def prepare_step(block_tables: torch.Tensor, num_cached: list[int], num_new: list[int], block_size: int,
                  logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, BatchMeta]:
     """(positions [T], BatchMeta) for sequences that hold `num_cached` tokens and append `num_new`."""
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_cached, num_new)]).long()
-    seq = torch.repeat_interleave(torch.arange(len(num_new)), torch.tensor(num_new))
+    dev = block_tables.device
+    positions = torch.cat([torch.arange(c, c + n, device=dev) for c, n in zip(num_cached, num_new)]).long()
+    seq = torch.repeat_interleave(torch.arange(len(num_new), device=dev), torch.tensor(num_new, device=dev))
     slots = block_tables[seq, positions // block_size] * block_size + positions % block_size
-    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.long)
-    context = torch.tensor([c + n for c, n in zip(num_cached, num_new)], dtype=torch.long)
+    qsl = torch.tensor([0, *torch.tensor(num_new).cumsum(0).tolist()], dtype=torch.long, device=dev)
+    context = torch.tensor([c + n for c, n in zip(num_cached, num_new)], dtype=torch.long, device=dev)
     return positions, BatchMeta(qsl, context, block_tables.long(), slots.long(), logits_indices)
 
 
