@@ -18,6 +18,7 @@ At construction the model's weights are replaced by their served values in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from pathlib import Path
 
@@ -40,10 +41,11 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
-    """Move the model to device and its floating tensors to dtype, except the ones it keeps in fp32."""
+    """Move the model to device and its weights to dtype, except the ones it keeps in fp32.
+    Non-persistent buffers (RoPE inv_freq) are derived values and stay as they are."""
     pats = tuple(getattr(model, "keep_in_fp32", ()) or ()) + tuple(getattr(model, "_keep_in_fp32", ()) or ())
     model.to(device)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+    for name, t in model.state_dict(keep_vars=True).items():
         if t.is_floating_point():
             t.data = t.data.to(torch.float32 if any(p in name for p in pats) else dtype)
     return model.eval()
@@ -55,14 +57,16 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
         apply_serving_format(self.model, config.serving_format)
-        self.max_model_len = config.max_model_len
+        # never past the positions the model was built for
+        limit = getattr(self.model.config, "max_position_embeddings", None) or config.max_model_len
+        self.max_model_len = min(config.max_model_len, limit)
         self.weight_version = 0
         self.adapter = make_adapter(self.model)
-        self.cache = self.adapter.make_cache(config, self.dtype)
+        self.cache = self.adapter.make_cache(dataclasses.replace(config, max_model_len=self.max_model_len), self.dtype)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.batch_invariant)
         self.runner = ModelRunner(self.adapter, config.batch_invariant)
         self.sampler = Sampler()
-        self.stop = StopChecker(self._eos_ids(), tokenizer, config.max_model_len)
+        self.stop = StopChecker(self._eos_ids(), tokenizer, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
         self._lock = threading.RLock()  # held for one step; weight updates etc. land between steps
         self._unpaused = threading.Event()
@@ -73,7 +77,8 @@ class Engine:
     def from_pretrained(cls, path, config: EngineConfig) -> "Engine":
         from lockstep.models.checkpoint import load_pretrained
 
-        model = load_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
+        # loaded in fp32 and cast here, so the tensors the model keeps in fp32 never pass through bf16
+        model = load_pretrained(path, device=config.device)
         tokenizer = None
         if any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
             from transformers import AutoTokenizer
@@ -188,6 +193,8 @@ class Engine:
 
     def _finish(self, seq, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+        if seq.num_output == 0:
+            seq.weight_version = self.weight_version  # aborted before sampling: the version serving now
         self.scheduler.remove(seq)
         state = seq.group
         if state.finished and state.samples is None:

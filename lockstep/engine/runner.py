@@ -119,9 +119,10 @@ class ModelRunner:
                 s.sampling.return_routed_experts for s in seqs)
             logits, routed = self.adapter.forward(seqs, nums, want, want_routing)
             if routed is not None:
+                routed = routed.cpu()  # one device-to-host copy per call, not one per row
                 for i, (s, n) in enumerate(group):
                     if s.sampling.return_routed_experts:
-                        s.record_routing(s.num_computed, routed[i, :n].cpu())
+                        s.record_routing(s.num_computed, routed[i, :n])
             all_logits.append(logits)
             samplers += [s for s, w in zip(seqs, want) if w]
         if not all_logits:

@@ -3,7 +3,8 @@
 How quantised weights are served: the engine's model holds every weight as
 dequant(quant(w)) in the model's dtype, i.e. exactly the values the fp8 / fp4 GEMM kernels
 multiply by (fp8: e4m3 with 128x128 UE8M0 block scales; fp4: e2m1 with 1x32 e8m0 scales;
-bf16-stored tensors rounded to bf16; fp32 tensors kept). This fake-quantised form is correct
+tensors stored unquantised ("bf16") kept in the engine's dtype — bf16 on GPUs, and exactly the
+trainer's weights in a float32 run; fp32 tensors kept). This fake-quantised form is correct
 on any device and is what the trainer's quantisation-aware forward reproduces; real fp8 / fp4
 kernels over packed weights are a speed optimisation that must return the same values.
 
@@ -51,6 +52,4 @@ def served_value(name: str, w: torch.Tensor, fmt: str | ServingFormat, out_dtype
     if storage is Storage.FP4:
         packed, s = quantize_fp4_block(w, name=name)
         return dequantize_fp4_block(packed, s, out_dtype, name=name)
-    if storage is Storage.BF16:
-        return w.to(torch.bfloat16).to(out_dtype)
-    return w.to(torch.float32).to(out_dtype)
+    return w.to(out_dtype)  # BF16 / FP32 storage: unquantised, in the destination's dtype

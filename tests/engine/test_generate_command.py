@@ -24,3 +24,9 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(command, "DEFAULT_MODEL", tmp_path / "nowhere")
     with pytest.raises(SystemExit, match="embedded default model is missing"):
         main(["generate"])
+
+
+@pytest.mark.skipif(not (command.DEFAULT_MODEL / "config.json").exists(), reason="embedded tiny model not built")
+def test_embedded_default_model(capsys):
+    assert main(["generate", "--max-new-tokens", "8", "--prompt", "What is 2 + 3?"]) == 0
+    assert "finish_reason=" in capsys.readouterr().out
