@@ -1,21 +1,20 @@
 """Quantisation-aware forward: the trainer multiplies by the weights the engine will serve.
 
 `apply_quant_aware(model, fmt)` registers a `torch.nn.utils.parametrize` parametrisation on
-every floating parameter whose serving storage is lossy. The storage rule is the engine's
+every floating parameter that the serving format quantises. The storage rule is the engine's
 (`lockstep.engine.serving_format.serving_storage`: DeepSeek-V4 names per
 `lockstep.quant.formats`, dense Llama / Qwen3 names by their own rule), so both sides agree:
 
-    storage   forward uses                                    tensors (serving format fp8 | fp8-fp4)
+    storage   forward uses                                    tensors
     FP8       dequant(quant_fp8(w)), 128x128 blocks, ue8m0      attention / indexer / shared linears;
-                                                                routed experts under fp8
-    FP4       dequant(quant_fp4(w)), 1x32 blocks, e8m0          routed experts under fp8-fp4
-    BF16      w rounded to bf16 (identity on a bf16 model)     embeddings, head, norms, router, compressor
-    FP32      w                                                mHC, sinks, position bias (untouched)
+                                                                routed experts under "fp8"
+    FP4       dequant(quant_fp4(w)), 1x32 blocks, e8m0          routed experts under "fp8-fp4"
+    BF16/FP32 w (untouched)                                     embeddings, head, norms, router, mHC, ...
 
-Serving format "bf16" rounds every tensor but the FP32 ones to bf16 (what a bf16 engine serves).
-Stacked experts [E, out, in] are quantised per expert (blocks never cross experts). Gradients
-are straight-through: dL/dw = dL/dq, so the update lands on the unquantised master weight.
-A floating tensor the rule does not know is treated as BF16.
+BF16 / FP32 storage is served unquantised in the engine's dtype (`served_value`), which is the
+trainer's dtype, so those tensors need nothing. Stacked experts [E, out, in] are quantised per
+expert (blocks never cross experts). Gradients are straight-through: dL/dw = dL/dq, so the
+update lands on the unquantised master weight.
 
 Parametrisation moves `x.weight` to `x.parametrizations.weight.original`; `canonical_name` maps
 such names back, so state dicts, weight sync and checkpoints keep the original names.
@@ -41,16 +40,6 @@ def canonical_name(name: str) -> str:
     return _PARAMETRIZED.sub(r".\1", name)
 
 
-class _RoundBF16(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w):
-        return w.to(torch.bfloat16).to(w.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        return grad_out
-
-
 class FakeQuant(nn.Module):
     """Parametrisation: w -> the served weight (see the module docstring), straight-through."""
 
@@ -63,8 +52,6 @@ class FakeQuant(nn.Module):
             return fake_quant_fp8(w)
         if self.storage == Storage.FP4:
             return fake_quant_fp4(w)
-        if self.storage == Storage.BF16 and w.dtype != torch.bfloat16:
-            return _RoundBF16.apply(w)
         return w
 
     def extra_repr(self) -> str:
@@ -89,7 +76,7 @@ def apply_quant_aware(model: nn.Module, fmt: str) -> nn.Module:
                 continue
             name = f"{mod_name}.{p_name}" if mod_name else p_name
             storage = serving_storage(name, fmt)
-            if storage in (Storage.FP8, Storage.FP4) or (storage == Storage.BF16 and param.dtype != torch.bfloat16):
+            if storage in (Storage.FP8, Storage.FP4):
                 parametrize.register_parametrization(module, p_name, FakeQuant(storage), unsafe=True)
     return model
 
