@@ -11,8 +11,8 @@ Field names are the flags without dashes (`--eps-clip-high` -> `eps_clip_high`).
     mismatch         use_tis False (tis_clip 2.0, tis_clip_low 0.0); mis None, mis_mode "mask",
                      mis_lower 0.5, mis_upper 2.0; veto_threshold None
     numerics         dtype "float32"; "bfloat16" computes in bf16 with fp32 master weights
-    forward          quant_aware_forward None; "bf16" | "fp8" | "fp8-fp4" = the engine's serving_format,
-                     whose weights (dequant(quant(w))) the forward then uses
+    forward          quant_aware_forward None; "fp8" | "fp8-fp4" = the engine's serving_format, whose
+                     weights (dequant(quant(w))) the forward then uses
     temperature      1.0: logprobs are log softmax(logits / temperature) over the full vocabulary,
                      so it must equal the rollout's sampling temperature
 
@@ -31,7 +31,7 @@ LOSS_AGGS = {"token": "token_mean", "sequence": "sequence_mean", "dr_grpo": "con
 KL_LOSS_TYPES = ("k1", "k2", "low_var_kl")
 MIS_LEVELS = ("token", "sequence", "geometric")
 MIS_MODES = ("truncate", "mask")
-QUANT_AWARE_FORMATS = ("bf16", "fp8", "fp8-fp4")
+QUANT_AWARE_FORMATS = ("fp8", "fp8-fp4")
 DTYPES = ("float32", "bfloat16")
 
 # TrainConfig estimator names -> lockstep.rl.advantages names.

@@ -172,3 +172,26 @@ def test_config_validation():
         TrainConfig(0.1)  # keyword-only
     assert TrainConfig(eps_clip=0.2).clip_high == 0.2
     assert TrainConfig(advantage_estimator="reinforce_plus_plus").advantage_fn == "reinforce_pp"
+
+
+def test_engine_rollouts_replayed_and_quant_aware():
+    """Samples from the real engine serving fp8-fp4: the quantisation-aware trainer with routing
+    replay routes like the engine and reproduces its logprobs; the plain trainer does not."""
+    from lockstep.config import EngineConfig, SamplingParams
+    from lockstep.engine.engine import Engine
+    from lockstep.engine.request import GenerateRequest
+
+    model = tiny_model()
+    engine = Engine(copy.deepcopy(model), EngineConfig(max_num_seqs=4, max_model_len=32, serving_format="fp8-fp4"))
+    sampling = SamplingParams(max_new_tokens=6, n=2, seed=3, return_routed_experts=True, ignore_eos=True)
+    samples = engine.generate([GenerateRequest([5, 9, 17, 3], sampling, group_id=0),
+                               GenerateRequest([7, 2, 40], sampling, group_id=1)])
+    for s in samples:
+        s.advantages = 1.0 if s.group_id else -1.0
+    aligned = Trainer(copy.deepcopy(model), TrainConfig(quant_aware_forward="fp8-fp4", use_rollout_routing_replay=True))
+    for s, experts in zip(samples, aligned.routed_experts(samples)):
+        assert torch.equal(experts, s.routed_experts)
+    plain = Trainer(copy.deepcopy(model), TrainConfig())
+    aligned_diff = aligned.train_step(samples)["train/train_rollout_logprob_abs_diff"]
+    plain_diff = plain.train_step(samples)["train/train_rollout_logprob_abs_diff"]
+    assert aligned_diff < 1e-6 < 1e-4 < plain_diff
