@@ -163,7 +163,8 @@ def main(argv=None) -> None:
     ap.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--copy-mib", type=int, default=None, help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)

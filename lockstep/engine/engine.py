@@ -155,7 +155,10 @@ class Engine:
         fut = loop.create_future()
 
         def deliver(state: RequestState) -> None:
-            loop.call_soon_threadsafe(_resolve, fut, state)
+            try:
+                loop.call_soon_threadsafe(_resolve, fut, state)
+            except RuntimeError:  # the caller's event loop has closed: nobody is waiting
+                pass
 
         state = self._new_state(request, on_done=deliver)
         self.start()

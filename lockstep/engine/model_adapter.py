@@ -41,8 +41,9 @@ class LlamaAdapter:
         else:
             num_blocks = config.cache_memory_bytes // block_bytes
             if num_blocks < per_seq:
-                raise ValueError(f"EngineConfig.cache_memory_bytes: {config.cache_memory_bytes} bytes hold {num_blocks} "
-                                 f"KV blocks of {block_bytes} bytes; one max_model_len sequence needs {per_seq}")
+                raise ValueError(f"EngineConfig.cache_memory_bytes: {config.cache_memory_bytes} bytes hold "
+                                 f"{num_blocks} KV blocks of {block_bytes} bytes; one max_model_len sequence "
+                                 f"needs {per_seq}")
         self.kv = self._llama.PagedKVCache.allocate(c, num_blocks, bs, dtype=dtype, device=self.device)
         self.block_size = bs
         return PagedCacheManager(self.kv, num_blocks, bs)

@@ -1,5 +1,7 @@
 """Shared helpers of the engine tests: tiny models, engines, and the full-sequence reference."""
 
+import os
+
 import pytest
 import torch
 
@@ -24,8 +26,12 @@ def tiny_dsv4(seed=0, **overrides):
     return model.eval()
 
 
+# LOCKSTEP_TEST_DEVICE=cuda runs the engines (and the references they are compared with) on a GPU
+DEVICE = os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu")
+
+
 def engine_config(**kw):
-    base = dict(max_num_seqs=16, max_model_len=96, max_prefill_tokens=32)
+    base = dict(max_num_seqs=16, max_model_len=96, max_prefill_tokens=32, device=DEVICE)
     base.update(kw)
     return EngineConfig(**base)
 
@@ -55,8 +61,8 @@ def requests(prompt_list, params):
 @torch.no_grad()
 def full_sequence_logprobs(model, sample, temperature):
     """log_softmax(logits / T) of the response tokens from one full forward (the trainer's view)."""
-    ids = sample.tokens.unsqueeze(0)
-    logits = model(ids)[0].float()
+    ids = sample.tokens.unsqueeze(0).to(model.lm_head.weight.device)
+    logits = model(ids)[0].float().cpu()
     P, R = sample.prompt_ids.numel(), sample.response_len
     t = temperature if temperature > 0 else 1.0
     lp = torch.log_softmax(logits[P - 1:P + R - 1] / t, dim=-1)

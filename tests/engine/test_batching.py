@@ -52,7 +52,8 @@ def test_n_samples_share_the_prefill():
 
 def test_siblings_without_room_prefill_on_their_own():
     # 2 slots for a request of n = 3: one sibling forks, the last prefills after a slot frees up
-    ref = make_engine(seed=11).generate([GenerateRequest([1, 2, 3, 4, 5], SamplingParams(n=3, seed=1, max_new_tokens=6))])
+    req = GenerateRequest([1, 2, 3, 4, 5], SamplingParams(n=3, seed=1, max_new_tokens=6))
+    ref = make_engine(seed=11).generate([req])
     slot = make_engine(seed=11).cache.bytes_per_slot
     tight = make_engine(seed=11, cache_memory_bytes=2 * slot)
     assert tight.cache.num_blocks == 2
@@ -109,7 +110,7 @@ def test_routed_experts_are_recorded_per_response_token():
     from lockstep.models.deepseek_v4 import Routing
     rec = Routing()
     with torch.no_grad():
-        engine.model(s.tokens.unsqueeze(0), routing=rec)
-    full = rec.stacked()[0]  # [P + R, L, k]
+        engine.model(s.tokens.unsqueeze(0).to(engine.model.lm_head.weight.device), routing=rec)
+    full = rec.stacked()[0].cpu()  # [P + R, L, k]
     P = len(p)
     assert torch.equal(s.routed_experts.long(), full[P - 1:P + 4].long())

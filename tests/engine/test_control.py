@@ -77,7 +77,8 @@ def test_abort_inline_and_through_the_loop():
     engine.start()
     engine.pause()
     out = []
-    t = threading.Thread(target=lambda: out.extend(engine.generate([GenerateRequest([4, 5], greedy(n=2), request_id="r2")])))
+    req = GenerateRequest([4, 5], greedy(n=2), request_id="r2")
+    t = threading.Thread(target=lambda: out.extend(engine.generate([req])))
     t.start()
     while not engine.abort("r2"):
         time.sleep(0.01)

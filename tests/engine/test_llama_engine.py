@@ -77,7 +77,12 @@ def test_n_samples_share_full_prompt_blocks():
     p = prompts(1, lo=18, hi=19, vocab=97, seed=8)[0]  # 4 full blocks + 2 tokens
     seen = []
     orig = engine.scheduler.fork_parked
-    engine.scheduler.fork_parked = lambda leader: (lambda f: (seen.append([s.block_table[:] for s in [leader, *f]]), f)[1])(orig(leader))
+    def fork_parked(leader):
+        forked = orig(leader)
+        seen.append([s.block_table[:] for s in [leader, *forked]])
+        return forked
+
+    engine.scheduler.fork_parked = fork_parked
     out = engine.generate([GenerateRequest(p, SamplingParams(n=3, seed=9, max_new_tokens=6))])
     tables = seen[0]
     assert all(t[:4] == tables[0][:4] for t in tables) and len({t[4] for t in tables}) == 3
