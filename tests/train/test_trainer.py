@@ -70,8 +70,17 @@ def test_nonfinite_loss_skips_step_and_keeps_weights():
     assert trainer.train_step(samples)["train/skipped_nonfinite"] == 0.0
 
 
-def test_save_load_gives_identical_next_step(tmp_path):
-    cfg = TrainConfig(lr=1e-3, weight_decay=0.1, max_tokens_per_gpu=30, deterministic=True)
+@pytest.fixture
+def restore_determinism():
+    """TrainConfig(deterministic=True) switches torch's global deterministic mode on; undo it."""
+    enabled, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    yield
+    torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
+
+
+@pytest.mark.parametrize("extra", [{}, dict(quant_aware_forward="fp8-fp4", recompute_activations=True, dtype="bfloat16")])
+def test_save_load_gives_identical_next_step(tmp_path, extra, restore_determinism):
+    cfg = TrainConfig(lr=1e-3, weight_decay=0.1, max_tokens_per_gpu=30, deterministic=True, **extra)
     samples = make_samples(5)
     a = Trainer(tiny_model(0), cfg)
     a.train_step(samples)
