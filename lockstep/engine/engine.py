@@ -177,6 +177,9 @@ class Engine:
         with self._lock:
             out = self.scheduler.schedule()
             if not out.scheduled:
+                if self.scheduler.has_work():  # would spin forever: a scheduling bug, not a wait
+                    raise RuntimeError(f"scheduler could not schedule any of {len(self.scheduler.waiting)} waiting "
+                                       f"and {len(self.scheduler.running)} running sequences")
                 return 0
             logits, leaders = self.runner.execute(out.scheduled)
             for seq, n in out.scheduled:

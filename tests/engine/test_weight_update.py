@@ -116,3 +116,19 @@ def test_update_while_requests_run_recomputes_them():
         prefix = s.prompt_ids.tolist() + s.response_ids[:k].tolist()
         cont = fresh.generate([type(st.request)(prefix, greedy(max_new_tokens=10 - k))])[0]
         assert cont.response_ids.tolist() == s.response_ids[k:].tolist()
+
+
+def test_bucketed_updates_and_duplicates():
+    engine = make_engine(seed=33, serving_format="fp8")
+    new = trainer_weights(34)
+    names = sorted(new)
+    half = {k: new[k] for k in names[: len(names) // 2]}
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    engine.update_weights(half, version=1)
+    sd = engine.model.state_dict()
+    assert all(torch.equal(sd[k], before[k]) for k in names[len(names) // 2:])
+    assert not torch.equal(sd["model.layers.0.mlp.gate.tid2eid"], before["model.layers.0.mlp.gate.tid2eid"]) \
+        or "model.layers.0.mlp.gate.tid2eid" not in half
+    with pytest.raises(WeightUpdateError, match="sent twice"):
+        engine.update_weights([(names[0], new[names[0]]), (names[0], new[names[0]])], version=2)
+    assert engine.weight_version == 1
