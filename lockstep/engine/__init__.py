@@ -1,5 +1,17 @@
-"""lockstep.engine: the rollout engine (continuous batching, chunked prefill, n-sample prefix
-sharing, preemption by recompute, seeded sampling with rollout logprobs, weight updates).
+"""lockstep.engine: the rollout engine.
+
+engine.py          Engine: generate / generate_async, update_weights, pause / resume / abort / flush_cache
+request.py         GenerateRequest; Sequence (one sample's runtime state) and RequestState (its n samples)
+scheduler.py       continuous batching, chunked prefill, admission by cache memory, preemption by recompute
+kv_cache.py        cache memory managers: DeepSeek-V4 fixed-size slots (+ copy_slot for n-sample sharing)
+paged_cache.py     paged KV blocks with ref-counted prefix sharing (dense Llama / Qwen3)
+runner.py          scheduled sequences -> model calls (DeepSeek-V4 StepBatch adapter), logits to sample
+model_adapter.py   which adapter drives which model; the Llama paged-cache adapter
+sampler.py         temperature / top-k / top-p / greedy, per-sequence seeds, rollout logprobs
+output.py          stop conditions and the Sample records of a finished request
+serving_format.py  the served value of each weight under bf16 | fp8 | fp8-fp4
+weight_update.py   validate-all-then-write weight updates (in memory or from disk)
+background.py      the step-loop thread behind start() and generate_async
 
     from lockstep.engine import Engine, GenerateRequest
 """
