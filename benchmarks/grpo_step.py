@@ -19,13 +19,16 @@ with other jobs, OpenMP's spinning worker threads make every op wait for a desch
     python benchmarks/grpo_step.py --config gpu-848m              # one H200, bf16 compute
 
 Configs (reference TRL figures from DESIGN.md):
-    cpu-tiny   1.26M-param DSV4 (vocab 300, hidden 64, 4 layers, 20 experts top-2), 4 prompts x 8
+    cpu-tiny   1.24M-param DSV4 (vocab 300, hidden 64, 4 layers, 20 experts top-2; the reference's
+               1.26M config is not recorded, this is the nearest round one), 4 prompts x 8
                completions of exactly 8 tokens, prompts of 8 tokens, fp32         TRL ~0.59 s/step
-    gpu-848m   8 layers, hidden 1024, 64 experts top-6, vocab 300 (~0.85B params), 8 prompts x 8
+    gpu-848m   8 layers, hidden 1024, 64 experts top-6, vocab 300 (852M params), 8 prompts x 8
                completions of up to 128 tokens (EOS stops), prompts of 16 tokens, bf16   TRL ~7.5 s/step
 TRL settings: bf16 autocast on GPU only, gradient checkpointing off (lockstep recompute off too),
 `min_new_tokens` = max length where lengths are fixed, router aux loss off (lockstep has none). TRL needs `config.num_experts` on the
 DeepseekV4 config (it reads it for MoE models), so it is set to n_routed_experts.
+gpu-848m keeps V4's HCA compress rate 128: lockstep's full-sequence forward currently fails on a
+batch shorter than 128 tokens (compressor with zero blocks), so responses must not all stop early.
 """
 
 from __future__ import annotations
