@@ -72,7 +72,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.max_prefill_tokens)
-        self._admit_waiting(out, budget)
+        if not out.preempted:  # memory just ran out: admitting now would only preempt again
+            self._admit_waiting(out, budget)
         return out
 
     @staticmethod
