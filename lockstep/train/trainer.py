@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from lockstep.models.deepseek_v4 import Routing
 from lockstep.rl.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
@@ -145,9 +146,8 @@ class Trainer:
 
     @torch.no_grad()
     def routed_experts(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
-        """Experts the trainer's forward routes each response token to, [R_i, L, k] per sample."""
-        from lockstep.models.deepseek_v4 import Routing
-
+        """Experts of the positions predicting each response token (P - 1 + t, as the engine records
+        them) in the trainer's forward, [R_i, L, k] per sample."""
         out: list[torch.Tensor | None] = [None] * len(samples)
         for mb in pack_microbatches(samples, self.config.max_tokens_per_gpu):
             routing = self._routing(mb, samples) or Routing()
