@@ -57,9 +57,9 @@ class DeepseekV4Adapter:
     def forward(self, seqs, nums, want_logits, want_routing):
         dev = self.device
         N, S = len(seqs), max(nums)
-        ids = torch.zeros(N, S, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, nums)):
-            ids[i, :n] = torch.tensor(seq.tokens[seq.num_computed:seq.num_computed + n])
+        # rows padded with token 0 past num_new (the model masks them as invalid)
+        ids = torch.tensor([seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)
+                            for seq, n in zip(seqs, nums)], dtype=torch.long)
         batch = self._StepBatch(slots=torch.tensor([s.slot for s in seqs], device=dev),
                                 start_pos=torch.tensor([s.num_computed for s in seqs], device=dev),
                                 num_new=torch.tensor(nums, device=dev))
