@@ -1,0 +1,84 @@
+"""Train/rollout log-probability gap of lockstep on one device, measured, not assumed.
+
+For a model config, the engine samples completions in each serving format and the trainer
+re-scores them (with and without the quantisation-aware forward); prints the mean and max
+|logp_train - logp_rollout| per setting, and the ratio against the public baseline the
+project starts from (0.09 mean, the ROCm bring-up of DeepSeek-V4-Flash; DSV4_SPEC.md).
+
+    python benchmarks/logprob_gap.py --config 1b --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from rollout_throughput import bench_config  # noqa: E402  (same configs as the throughput benchmark)
+
+from lockstep.align.compare import compare
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.engine.engine import Engine
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_
+from lockstep.train.config import TrainConfig
+from lockstep.train.trainer import Trainer
+
+BASELINE_MEAN_ABS_DIFF = 0.09
+
+
+def make_model(name: str, seed: int) -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(bench_config(name))
+    init_deepseek_v4_(model, seed)
+    return model
+
+
+def run_setting(name, state, args, fmt, qat, invariant):
+    engine_model, train_model = make_model(name, 0), make_model(name, 0)
+    engine_model.load_state_dict(state)
+    train_model.load_state_dict(state)
+    engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
+                                               batch_invariant=invariant, max_num_seqs=args.batch,
+                                               max_model_len=args.prompt_len + args.new_tokens + 8))
+    trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
+                                                                max_tokens_per_gpu=16384))
+    g = torch.Generator().manual_seed(1)
+    vocab = engine_model.config.vocab_size
+    prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=5, ignore_eos=True)
+    start = time.perf_counter()
+    report = compare(engine, trainer, prompts, sampling)
+    return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
+            "seconds": time.perf_counter() - start}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", choices=["tiny", "1b"], default="tiny")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--formats", nargs="*", default=["bf16", "fp8", "fp8-fp4"])
+    ap.add_argument("--batch-invariant", nargs="*", type=int, default=[0, 1])
+    args = ap.parse_args()
+    state = make_model(args.config, 0).state_dict()
+    print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
+    print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
+    for fmt, inv in itertools.product(args.formats, args.batch_invariant):
+        for qat in ([None] if fmt == "bf16" else [None, fmt]):
+            r = run_setting(args.config, state, args, fmt, qat, bool(inv))
+            print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
+                  f"{r['exact_fraction']:6.3f} {r['mean_abs_diff'] / BASELINE_MEAN_ABS_DIFF:8.4f}", flush=True)
+            print("JSON " + json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
