@@ -75,10 +75,9 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, config: EngineConfig) -> "Engine":
-        from lockstep.models.checkpoint import load_pretrained
+        from lockstep.models import load_pretrained
 
-        # loaded in fp32 and cast here, so the tensors the model keeps in fp32 never pass through bf16
-        model = load_pretrained(path, device=config.device)
+        model = load_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
         tokenizer = None
         if any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
             from transformers import AutoTokenizer

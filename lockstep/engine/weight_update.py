@@ -101,6 +101,6 @@ def apply_serving_format(model: torch.nn.Module, fmt: str) -> None:
 def load_update_from_disk(path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A checkpoint directory's tensors under the model's names (dequantised to float32 when stored
     quantised; the engine re-quantises them to its own serving format)."""
-    from lockstep.models.checkpoint import load_state_dict
+    from lockstep.models import load_state_dict
 
     return load_state_dict(path, model.config, dtype=torch.float32)
