@@ -11,8 +11,9 @@ Shapes (P = prompt length, R = response length, L = number of MoE layers, K = ex
                                          temperature-scaled logits *before* top-p / top-k truncation,
                                          so the trainer can reproduce it from logits / temperature
     loss_mask         [R]        int64   1 = this token is trained on, 0 = it is not (tool output, ...)
-    routed_experts    [R, L, K]  int32   optional: experts the engine routed each response token to,
-                                         for routing replay in the trainer; None when not recorded
+    routed_experts    [R, L, K]  int32   optional: row t = the experts chosen at position P - 1 + t (the
+                                         forward that sampled response_ids[t]), for routing replay in
+                                         the trainer; None when not recorded
     reward            float              filled by the reward function (0.0 until then)
     advantages        float | [R]        filled by the advantage estimator (None until then): a scalar
                                          broadcast over the response, or one value per token

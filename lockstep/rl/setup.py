@@ -82,7 +82,7 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     (run_dir / "config.json").write_text(json.dumps(
         {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
     rl = RLRun(run, engine, trainer, source, reward_fn, eval_sets(run), run_dir,
-               advantage_estimator=train_cfg.advantage_estimator, progress=progress)
+               advantage_estimator=train_cfg.advantage_fn, progress=progress)
     if run.load:
         rl.load(run.load)
     return rl

@@ -69,6 +69,8 @@ class Compressor(nn.Module):
         """h [B, S, H] from position 0 -> entries [B, S // m, D] of every closed block."""
         B, S, _ = h.shape
         nb = S // self.m
+        if nb == 0:  # shorter than one block: nothing has closed yet
+            return h.new_zeros(B, 0, self.head_dim)
         kv, gate = self.project(h[:, : nb * self.m])
         kv = kv.view(B, nb, self.m, -1)
         gate = gate.view(B, nb, self.m, -1) + self.position_bias
