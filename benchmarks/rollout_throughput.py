@@ -136,9 +136,10 @@ def run_transformers(model, prompts, new_tokens: int, device: str):
         ref = HFModel(cfg)
     ref.load_state_dict(model.state_dict(), strict=False)
     ref = ref.to(model.lm_head.weight.dtype).eval()
+    ours = model.state_dict()
     for n, p in ref.named_parameters():  # the engine keeps these in fp32; so does HF's own loader
-        if n in model.state_dict() and model.state_dict()[n].dtype == torch.float32:
-            p.data = model.state_dict()[n].clone()
+        if n in ours and ours[n].dtype == torch.float32:
+            p.data = ours[n].clone()
     ids = torch.tensor(prompts, device=device)
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
               attention_mask=torch.ones_like(ids))
