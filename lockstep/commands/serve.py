@@ -1,9 +1,66 @@
-"""`lockstep serve`: not implemented yet."""
+"""`lockstep serve`: serve a model over HTTP (OpenAI-compatible + SGLang-style native endpoints).
+
+    lockstep serve                                   # the embedded tiny DeepSeek-V4 on 127.0.0.1:30000
+    lockstep serve --model DIR --serving-format fp8 --weights-dir /ckpts --port 30000
+    LOCKSTEP_ADMIN_TOKEN=... lockstep serve --model DIR --host 0.0.0.0 --weights-dir /ckpts
+
+Endpoints and their shapes: lockstep/engine/server.py. The server binds 127.0.0.1 unless --host
+says otherwise. Beyond loopback, the state-changing endpoints (weight updates, pause / continue,
+flush, abort) need `Authorization: Bearer <token>` and the server refuses to start without a token
+(--admin-token or the LOCKSTEP_ADMIN_TOKEN environment variable, which keeps it out of `ps`).
+`/update_weights_from_disk` only reads checkpoints under --weights-dir and is refused without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "assets" / "tiny-dsv4"
+TOKEN_ENV = "LOCKSTEP_ADMIN_TOKEN"
 
 
-def add_arguments(parser):
-    pass
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
+    parser.add_argument("--admin-token", default=None,
+                        help=f"bearer token for the state-changing endpoints (default: ${TOKEN_ENV})")
+    parser.add_argument("--weights-dir", default=None,
+                        help="the only directory /update_weights_from_disk may read from (default: none, refused)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="a request's logprobs do not depend on what else is in the batch")
+    parser.add_argument("--served-model-name", default=None, help="the `model` field of OpenAI answers")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
-def run(args):
-    raise SystemExit("lockstep serve: not implemented yet")
+def run(args) -> int:
+    import uvicorn
+
+    from lockstep.config import EngineConfig
+    from lockstep.engine import Engine
+    from lockstep.engine.server import create_app, is_loopback
+
+    token = args.admin_token or os.environ.get(TOKEN_ENV) or None
+    beyond_loopback = not is_loopback(args.host)
+    if beyond_loopback and not token:  # checked before the model loads: fail fast
+        raise ValueError(f"--host {args.host} listens beyond loopback; refusing to start without an admin token "
+                         f"(pass --admin-token or set {TOKEN_ENV}), or bind 127.0.0.1")
+    if args.weights_dir is not None and not Path(args.weights_dir).is_dir():
+        raise ValueError(f"--weights-dir {args.weights_dir}: not a directory")
+    path = Path(args.model) if args.model else DEFAULT_MODEL
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {path}: no config.json there (not a checkpoint directory)")
+    config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
+                          device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant)
+    engine = Engine.from_pretrained(path, config)
+    app = create_app(engine, admin_token=token, weights_dir=args.weights_dir, require_admin=beyond_loopback,
+                     model_name=args.served_model_name)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,180 @@
+"""Request bodies of the HTTP server (pydantic) and the JSON shapes of its answers.
+
+OpenAI-compatible bodies (`CompletionIn`, `ChatCompletionIn`) ignore fields they do not know
+(clients send `user`, `metadata`, ...) but refuse the known ones this server cannot honour
+(`stream`, `echo`, penalties, `logit_bias`, `tools`, `best_of` != n) instead of silently dropping
+them. Native bodies (`GenerateIn`, SGLang's `/generate`) refuse every unknown field.
+
+Logprobs everywhere are the engine's rollout logprobs (lockstep.config.SamplingParams): the
+log-probability of the sampled token under softmax(logits / temperature) over the full
+vocabulary, before top-p / top-k; temperature 0 (greedy) reports temperature-1 logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from lockstep.rl.sample import Sample
+
+Stop = str | list[str] | None
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _OpenAISampling(_Lenient):
+    model: str | None = None
+    temperature: float | None = None  # None: 1.0, as OpenAI
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM / SGLang name); -1 or None: off
+    n: int = 1
+    seed: int | None = None
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    stream: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> list[str]:
+        """Known OpenAI fields set to something this server does not implement."""
+        bad = [f for f in ("presence_penalty", "frequency_penalty") if getattr(self, f)]
+        if self.logit_bias:
+            bad.append("logit_bias")
+        return bad
+
+
+class CompletionIn(_OpenAISampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16  # OpenAI's default
+    logprobs: int | None = None  # any value >= 0: the sampled token's logprob per token
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> list[str]:
+        bad = super().unsupported()
+        bad += ["echo"] if self.echo else []
+        bad += ["suffix"] if self.suffix else []
+        bad += ["best_of"] if self.best_of not in (None, self.n) else []
+        return bad
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """Content as one string; a list of parts keeps its text parts, joined."""
+        if isinstance(self.content, list):
+            return "".join(str(p.get("text", "")) for p in self.content if p.get("type", "text") == "text")
+        return self.content or ""
+
+
+class ChatCompletionIn(_OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # None: up to max_model_len
+    max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
+    logprobs: bool = False
+    top_logprobs: int | None = None  # accepted; alternatives are not computed, lists stay empty
+    tools: list[dict] | None = None
+
+    def unsupported(self) -> list[str]:
+        return super().unsupported() + (["tools"] if self.tools else [])
+
+
+class NativeSamplingIn(_Strict):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop: Stop = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    n: int = 1
+    ignore_eos: bool = False
+
+
+class GenerateIn(_Strict):
+    """SGLang's /generate: one prompt (or a batch: a list of them), token ids or text."""
+
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: NativeSamplingIn = Field(default_factory=NativeSamplingIn)
+    return_logprob: bool = False
+    return_routed_experts: bool = False
+    rid: str | list[str] | None = None
+    stream: bool = False
+
+
+class UpdateWeightsFromDiskIn(_Lenient):  # SGLang also sends load_format, flush_cache, ...
+    model_path: str
+    weight_version: int | None = None  # None: the current version + 1
+
+
+class AbortIn(_Strict):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+# ---- answers ----------------------------------------------------------------------------------
+
+
+def error_body(message: str, *, param: str | None = None, code: int = 400, kind: str = "invalid_request_error"):
+    """OpenAI's error object, used by every endpoint."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_lens: list[int], samples: list[Sample]) -> dict:
+    """The prompt counts once per prompt (not per sample), as OpenAI counts it."""
+    p, c = sum(prompt_lens), sum(s.response_len for s in samples)
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+
+def native_output(sample: Sample, rid: str, return_logprob: bool, return_routed_experts: bool) -> dict:
+    """One sample in SGLang's /generate shape."""
+    ids = sample.response_ids.tolist()
+    meta = {"id": rid, "finish_reason": {"type": sample.finish_reason},
+            "prompt_tokens": sample.prompt_ids.numel(), "completion_tokens": len(ids),
+            "weight_version": sample.weight_version}
+    if return_logprob:  # SGLang's (logprob, token_id, token_text) triples; the text is left null
+        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.rollout_logprobs.tolist(), ids)]
+    if return_routed_experts:  # [R][n_moe_layers][top_k]; null when the model records no routing
+        re = sample.routed_experts
+        meta["routed_experts"] = None if re is None else re.tolist()
+    return {"text": sample.metadata.get("text"), "output_ids": ids, "meta_info": meta}
+
+
+def completion_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
+    """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start."""
+    offsets, pos = [], 0
+    for p in pieces:
+        offsets.append(pos)
+        pos += len(p)
+    return {"tokens": pieces, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": None}
+
+
+def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
+    content = [{"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")), "top_logprobs": []}
+               for p, lp in zip(pieces, logprobs)]
+    return {"content": content, "refusal": None}
+
+
+def completion_response(model: str, choices: list[dict], use: dict, weight_version: int, chat: bool) -> dict:
+    """`weight_version` is an extension field: the version that sampled the last token of the answer."""
+    return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": choices, "usage": use,
+            "system_fingerprint": None, "weight_version": weight_version}

@@ -1,0 +1,372 @@
+"""The rollout engine over HTTP: a thin FastAPI layer over `Engine` (DESIGN.md, "The seams").
+
+    app = create_app(engine, admin_token=None, weights_dir="/ckpts", require_admin=False)
+    uvicorn.run(app, host="127.0.0.1", port=30000)          # or `lockstep serve`
+
+Endpoints (names after SGLang; every answer is JSON; all answers are non-streaming):
+
+    POST /v1/completions          OpenAI completions: prompt str | [ids] | [str] | [[ids]]; max_tokens (16),
+                                  temperature, top_p, top_k*, n, seed, stop, stop_token_ids*, ignore_eos*,
+                                  logprobs (int: choices[i].logprobs = {tokens, token_logprobs, text_offset,
+                                  top_logprobs: null}); choice index = prompt * n + sample
+    POST /v1/chat/completions     OpenAI chat: messages through the tokenizer's chat template; max_tokens /
+                                  max_completion_tokens (default: up to max_model_len), logprobs: bool ->
+                                  choices[i].logprobs.content = [{token, logprob, bytes, top_logprobs: []}]
+    GET  /v1/models               the one served model
+    POST /generate                native: {input_ids | text, sampling_params: {temperature, top_p, top_k,
+                                  max_new_tokens, stop, stop_token_ids, seed, n, ignore_eos}, return_logprob,
+                                  return_routed_experts, rid} -> {text, output_ids, meta_info: {id,
+                                  finish_reason: {type}, prompt_tokens, completion_tokens, weight_version,
+                                  output_token_logprobs: [[logprob, id, null]], routed_experts: [R][L][k]}};
+                                  a list of those for a batch (list of prompts) or n > 1
+    POST /update_weights_from_disk  {model_path, weight_version?} (admin; only under --weights-dir)
+    POST /pause_generation        (admin) finish the current step, then hold; requests in flight stay
+    POST /continue_generation     (admin)
+    POST /flush_cache             (admin) 200 when flushed, 409 while requests run or wait
+    POST /abort_request           (admin) {rid} or {abort_all: true}; aborted samples end with "abort"
+    GET  /get_weight_version, GET /health
+    (* extensions to OpenAI's schema; answers also carry `weight_version`)
+
+finish_reason is "stop", "length" or "abort". Logprobs are the engine's rollout logprobs (see
+protocol.py). `stream: true` is refused with 400. Errors use OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing or mistyped fields, prompts
+that do not fit max_model_len, token ids outside the vocabulary and bad sampling values are 400 and
+name the field; the server keeps serving everything else.
+
+Security. State-changing endpoints (marked admin) need `Authorization: Bearer <admin_token>` when
+`require_admin` (the server listens beyond loopback) or when an admin token is configured;
+`require_admin` without a token refuses to build the app. Generation endpoints are open: keep a
+server that listens beyond loopback behind a trusted network. `/update_weights_from_disk` resolves
+`model_path` (relative paths are taken under `weights_dir`; symlinks and `..` are resolved) and
+answers 403 when it leaves `weights_dir` or when no `weights_dir` was configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from lockstep.config import SamplingParams
+from lockstep.engine.engine import Engine
+from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, GenerateIn, UpdateWeightsFromDiskIn,
+                                      chat_logprobs, completion_logprobs, completion_response, error_body,
+                                      native_output, usage)
+from lockstep.engine.request import GenerateRequest
+from lockstep.engine.weight_update import WeightUpdateError
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to anything
+        return False
+
+
+def resolve_weights_path(weights_dir: Path | None, model_path: str) -> Path:
+    """model_path with symlinks and `..` resolved; 403 unless it lies inside weights_dir."""
+    if weights_dir is None:
+        raise APIError(403, "model_path: loading weights from disk is disabled; start the server with "
+                            "--weights-dir DIR to allow checkpoints under DIR", "model_path", "permission_error")
+    path = (weights_dir / model_path).resolve()  # an absolute model_path replaces weights_dir
+    if not path.is_relative_to(weights_dir):
+        raise APIError(403, f"model_path: {model_path!r} resolves to {path}, outside the weights directory "
+                            f"{weights_dir}", "model_path", "permission_error")
+    return path
+
+
+_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+):")
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
+
+
+def _validation_error(errors) -> tuple[str, str | None]:
+    """pydantic errors -> one message naming the fields (union member tags left out) and the first field."""
+    parts, first = [], None
+    for e in errors:
+        if e.get("type") == "json_invalid":
+            return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
+        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _TYPE_TAG.search(str(x))]
+        field = ".".join(loc) or "body"
+        first = first or field
+        part = f"{field}: {e.get('msg')}"
+        if part not in parts:
+            parts.append(part)
+    return "; ".join(parts[:4]), first
+
+
+class _Server:
+    """What the endpoints share: the engine, prompt checks, and the rids in flight."""
+
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine, self.model_name = engine, model_name
+        self.active: set[str] = set()
+
+    def check_ids(self, ids: list[int], field: str) -> list[int]:
+        if not ids:
+            raise APIError(400, f"{field}: the prompt is empty", field)
+        vocab = self.engine.model.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field)
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(400, f"{field}: the prompt has {len(ids)} tokens; it must be shorter than max_model_len="
+                                f"{self.engine.max_model_len} to leave room for a new token", field)
+        return ids
+
+    def encode(self, prompt, field: str, chat: bool) -> list[int]:
+        if self.engine.tokenizer is None:
+            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
+        try:
+            ids = self.engine.tokenize_prompt(prompt, chat_template=chat)
+        except ValueError as e:
+            raise APIError(400, f"{field}: {e}", field) from e
+        return self.check_ids(ids, field)
+
+    def sampling(self, names: dict[str, str], **kw) -> SamplingParams:
+        """SamplingParams, with its ValueError turned into a 400 under the request's own field names."""
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            m = _SAMPLING_FIELD.match(str(e))
+            field = names.get(m.group(1), m.group(1)) if m else None
+            msg = f"{field}:{str(e)[m.end():]}" if m else str(e)
+            raise APIError(400, msg, field) from e
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each token's own text (special tokens included), for logprobs."""
+        tok = self.engine.tokenizer
+        if tok is None:
+            return [f"token_id:{t}" for t in ids]
+        return [tok.decode([t], skip_special_tokens=False) for t in ids]
+
+    async def run(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
+        """Every prompt through the engine at once; samples per prompt. A failure aborts the rest."""
+        reqs = [GenerateRequest(p, sp, request_id=r) for p, sp, r in zip(prompts, params, rids)]
+        self.active.update(rids)
+        tasks = [asyncio.ensure_future(self.engine.generate_async(r)) for r in reqs]
+        try:
+            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            if pending:  # one failed: the rest of the answer is not wanted
+                for rid, t in zip(rids, tasks):
+                    if t in pending:
+                        self.engine.abort(rid)
+                await asyncio.wait(pending)
+            return [t.result() for t in tasks]  # raises the first failure
+        except ValueError as e:  # the engine's checks (e.g. a rid already running)
+            raise APIError(400, str(e)) from e
+        except asyncio.CancelledError:  # the client went away: generate_async aborts on cancel
+            for t in tasks:
+                t.cancel()
+            raise
+        finally:
+            self.active.difference_update(rids)
+
+
+def _refuse(body) -> None:
+    if body.stream:
+        raise APIError(400, "stream: streaming is not supported by this server; send stream=false", "stream")
+    bad = body.unsupported()
+    if bad:
+        raise APIError(400, f"{bad[0]}: not supported by this server (leave it unset)", bad[0])
+
+
+def _openai_sampling(srv: _Server, body, max_new_tokens: int, max_tokens_field="max_tokens") -> SamplingParams:
+    return srv.sampling(
+        {"max_new_tokens": max_tokens_field},
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+        n=body.n, seed=body.seed, max_new_tokens=max_new_tokens, ignore_eos=body.ignore_eos,
+        stop=[body.stop] if isinstance(body.stop, str) else (body.stop or ()), stop_token_ids=body.stop_token_ids or ())
+
+
+def _admin_guard(admin_token: str | None, require_admin: bool):
+    async def guard(request: Request) -> None:
+        if admin_token is None and not require_admin:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {admin_token}".encode()):
+            raise APIError(401, "this endpoint needs the header 'Authorization: Bearer <admin token>'",
+                           None, "authentication_error")
+    return guard
+
+
+def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | None, require_admin: bool,
+               model_name: str | None = None) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine's background loop and shuts it down."""
+    if require_admin and not admin_token:
+        raise ValueError("refusing to serve beyond loopback without an admin token: pass --admin-token or set "
+                         "LOCKSTEP_ADMIN_TOKEN (or bind 127.0.0.1)")
+    root = None
+    if weights_dir is not None:
+        root = Path(weights_dir).resolve()
+        if not root.is_dir():
+            raise ValueError(f"--weights-dir {weights_dir}: not a directory")
+    name = model_name or Path(getattr(engine.model, "source_dir", "lockstep")).name
+    srv = _Server(engine, name)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="lockstep", lifespan=lifespan)
+    app.state.server = srv
+    admin = [Depends(_admin_guard(admin_token, require_admin))]
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "paused": engine.paused, "weight_version": engine.weight_version}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():
+        return {"weight_version": engine.weight_version}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "lockstep", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionIn):
+        _refuse(body)
+        p = body.prompt
+        if not p:
+            raise APIError(400, "prompt: the prompt is empty", "prompt")
+        if isinstance(p, str):
+            prompts = [srv.encode(p, "prompt", chat=False)]
+        elif isinstance(p[0], int):
+            prompts = [srv.check_ids(list(p), "prompt")]
+        else:
+            prompts = [srv.encode(x, "prompt", False) if isinstance(x, str) else srv.check_ids(x, "prompt") for x in p]
+        params = [_openai_sampling(srv, body, body.max_tokens if body.max_tokens is not None
+                                   else engine.max_model_len - len(ids)) for ids in prompts]
+        results = await srv.run(prompts, params, [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))])
+        choices, flat = [], [s for samples in results for s in samples]
+        for i, s in enumerate(flat):
+            lp = None
+            if body.logprobs is not None:
+                lp = completion_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist())
+            choices.append({"index": i, "text": s.metadata.get("text", ""), "logprobs": lp,
+                            "finish_reason": s.finish_reason})
+        version = max(s.weight_version for s in flat)
+        return completion_response(name, choices, usage([len(x) for x in prompts], flat), version, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionIn):
+        _refuse(body)
+        ids = srv.encode([{"role": m.role, "content": m.text()} for m in body.messages], "messages", chat=True)
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        sp = _openai_sampling(srv, body, limit if limit is not None else engine.max_model_len - len(ids), field)
+        (samples,) = await srv.run([ids], [sp], [f"chatcmpl-{_uid()}"])
+        choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
+                    "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist())
+                    if body.logprobs else None, "finish_reason": s.finish_reason} for i, s in enumerate(samples)]
+        version = max(s.weight_version for s in samples)
+        return completion_response(name, choices, usage([len(ids)], samples), version, chat=True)
+
+    @app.post("/generate")
+    async def generate(body: GenerateIn):
+        if body.stream:
+            raise APIError(400, "stream: streaming is not supported by this server; send stream=false", "stream")
+        if (body.input_ids is None) == (body.text is None):
+            raise APIError(400, "input_ids: give exactly one of input_ids or text", "input_ids")
+        if body.input_ids is not None:
+            batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+            prompts = [srv.check_ids(list(x), "input_ids") for x in (body.input_ids if batch else [body.input_ids])]
+        else:
+            batch = isinstance(body.text, list)
+            prompts = [srv.encode(x, "text", chat=False) for x in (body.text if batch else [body.text])]
+        rids = body.rid if isinstance(body.rid, list) else [body.rid] if body.rid is not None else None
+        if rids is not None and len(rids) != len(prompts):
+            raise APIError(400, f"rid: {len(rids)} ids for {len(prompts)} prompts", "rid")
+        rids = rids or [_uid() for _ in prompts]
+        spi = body.sampling_params
+        names = {k: f"sampling_params.{k}" for k in type(spi).model_fields}
+        sp = srv.sampling(names, temperature=spi.temperature, top_p=spi.top_p, top_k=spi.top_k, seed=spi.seed,
+                          max_new_tokens=spi.max_new_tokens, n=spi.n, ignore_eos=spi.ignore_eos,
+                          stop=[spi.stop] if isinstance(spi.stop, str) else (spi.stop or ()),
+                          stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts)
+        results = await srv.run(prompts, [sp] * len(prompts), rids)
+        outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
+                for rid, samples in zip(rids, results) for s in samples]
+        return outs if batch or sp.n > 1 else outs[0]
+
+    @app.post("/update_weights_from_disk", dependencies=admin)
+    async def update_weights_from_disk(body: UpdateWeightsFromDiskIn):
+        path = resolve_weights_path(root, body.model_path)
+        try:
+            await asyncio.to_thread(engine.update_weights_from_disk, path, body.weight_version)
+        except WeightUpdateError as e:
+            raise APIError(400, f"model_path: {e}", "model_path") from e
+        return {"success": True, "message": f"loaded weights from {path}", "weight_version": engine.weight_version}
+
+    @app.post("/pause_generation", dependencies=admin)
+    async def pause_generation():
+        await asyncio.to_thread(engine.pause)
+        return {"success": True, "paused": True}
+
+    @app.post("/continue_generation", dependencies=admin)
+    async def continue_generation():
+        engine.resume()
+        return {"success": True, "paused": False}
+
+    @app.post("/flush_cache", dependencies=admin)
+    async def flush_cache():
+        if not await asyncio.to_thread(engine.flush_cache):
+            raise APIError(409, "cache not flushed: requests are running or waiting; retry when idle")
+        return {"success": True, "message": "cache flushed"}
+
+    @app.post("/abort_request", dependencies=admin)
+    async def abort_request(body: AbortIn):
+        if body.abort_all:
+            rids = sorted(srv.active)
+            for rid in rids:
+                engine.abort(rid)
+            return {"success": True, "aborted": rids}
+        if body.rid is None:
+            raise APIError(400, "rid: give the request id to abort (or abort_all: true)", "rid")
+        return {"success": True, "aborted": [body.rid] if engine.abort(body.rid) else []}
+
+    return app
+
+
+def _uid() -> str:
+    return uuid.uuid4().hex
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_request, e: APIError):
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(error_body(e.message, param=e.param, code=e.status, kind=e.kind), e.status, headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_request, e: RequestValidationError):
+        message, param = _validation_error(e.errors())
+        return JSONResponse(error_body(message, param=param), 400)
+
+    @app.exception_handler(Exception)
+    async def internal(_request, e: Exception):
+        return JSONResponse(error_body(f"{type(e).__name__}: {e}", code=500, kind="internal_error"), 500)
