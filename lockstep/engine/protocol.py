@@ -56,7 +56,7 @@ class _OpenAISampling(_Lenient):
 class CompletionIn(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default
-    logprobs: int | None = None  # any value >= 0: the sampled token's logprob per token
+    logprobs: int | None = Field(default=None, ge=0)  # any value >= 0: the sampled token's logprob per token
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None

@@ -28,7 +28,11 @@ Endpoints (names after SGLang; every answer is JSON; all answers are non-streami
     (* extensions to OpenAI's schema; answers also carry `weight_version`)
 
 finish_reason is "stop", "length" or "abort". Logprobs are the engine's rollout logprobs (see
-protocol.py). `stream: true` is refused with 400. Errors use OpenAI's shape
+protocol.py): one per sampled token, including tokens after a stop string that the text leaves out
+and a final EOS; OpenAI's alternatives (`top_logprobs`) are not computed (null / empty lists) and
+`text_offset` counts from the start of the completion. The request's `model` is not checked (one
+model is served). `stream: true` is refused with 400; a client that disconnects does not abort its
+request (use /abort_request). Errors use OpenAI's shape
 `{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing or mistyped fields, prompts
 that do not fit max_model_len, token ids outside the vocabulary and bad sampling values are 400 and
 name the field; the server keeps serving everything else.
@@ -49,6 +53,7 @@ import ipaddress
 import re
 import time
 import uuid
+from collections import Counter
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -116,7 +121,7 @@ class _Server:
 
     def __init__(self, engine: Engine, model_name: str):
         self.engine, self.model_name = engine, model_name
-        self.active: set[str] = set()
+        self.active: Counter[str] = Counter()  # rid -> requests holding it (a duplicate rid is refused later)
 
     def check_ids(self, ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -176,7 +181,8 @@ class _Server:
                 t.cancel()
             raise
         finally:
-            self.active.difference_update(rids)
+            self.active.subtract(rids)
+            self.active = +self.active  # drop the zeros
 
 
 def _refuse(body) -> None:
@@ -341,7 +347,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
     @app.post("/abort_request", dependencies=admin)
     async def abort_request(body: AbortIn):
         if body.abort_all:
-            rids = sorted(srv.active)
+            rids = sorted(srv.active)  # the requests this server has in flight
             for rid in rids:
                 engine.abort(rid)
             return {"success": True, "aborted": rids}

@@ -144,7 +144,10 @@ def test_generate_equals_the_engine(served, engine, reference):
     assert [o["meta_info"]["id"] for o in outs] == ["a", "b"]
 
 
-def test_concurrent_requests_equal_one_at_a_time(served, engine):
+def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
+    widths = []  # sequences per engine step: the concurrent requests must really share steps
+    execute = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda sched: (widths.append(len(sched)), execute(sched))[1])
     prompts = [engine.tokenize_prompt(q) for q in QUESTIONS]
     bodies = [{"input_ids": p, "return_logprob": True,
                "sampling_params": {"temperature": 0.0 if i % 2 else 1.0, "seed": i, "max_new_tokens": 6 + i}}
@@ -159,7 +162,10 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine):
     codes, outs = asyncio.run(together())
     assert codes == [200] * 4 + [400] + [200] * 4
     assert outs[4]["error"]["param"] == "sampling_params.top_p"
+    assert max(widths) >= 4, widths
+    widths.clear()
     alone = [served.http.post("/generate", json=b).json() for b in bodies]
+    assert max(widths) == 1
     for a, b in zip(outs[:4] + outs[5:], alone):
         assert a["output_ids"] == b["output_ids"] and a["meta_info"]["finish_reason"] == b["meta_info"]["finish_reason"]
         la, lb = (torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]]) for o in (a, b))
@@ -215,12 +221,23 @@ def test_pause_continue_flush_abort(served, engine):
             doomed = asyncio.create_task(c.post("/generate", json={
                 "input_ids": ids, "rid": "doomed", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}))
             await asyncio.sleep(0.5)
+            dup = await c.post("/generate", json={"input_ids": ids, "rid": "held"})
+            assert dup.status_code == 400 and "already running" in dup.json()["error"]["message"]
             assert not held.done() and not doomed.done()  # paused: nothing runs
             busy = await c.post("/flush_cache")
             assert busy.status_code == 409 and "retry" in busy.json()["error"]["message"]
             aborted = await c.post("/abort_request", json={"rid": "doomed"})
             assert aborted.json() == {"success": True, "aborted": ["doomed"]}
             assert (await doomed).json()["meta_info"]["finish_reason"] == {"type": "abort"}
+            late = asyncio.create_task(c.post("/generate", json={"input_ids": ids, "rid": "late"}))
+            await asyncio.sleep(0.2)
+            everything = (await c.post("/abort_request", json={"abort_all": True})).json()
+            assert everything == {"success": True, "aborted": ["held", "late"]}
+            for task in (held, late):
+                assert (await task).json()["meta_info"]["finish_reason"] == {"type": "abort"}
+            held = asyncio.create_task(c.post("/generate", json={"input_ids": ids, "rid": "held"}))  # free again
+            await asyncio.sleep(0.2)
+            assert not held.done()
             assert (await c.post("/continue_generation")).json()["paused"] is False
             out = (await held).json()
             assert out["meta_info"]["finish_reason"]["type"] in ("stop", "length")
@@ -248,7 +265,9 @@ def test_update_weights_from_disk(tmp_path):
 
     engine = new_engine()
     prompts = [engine.tokenize_prompt(q) for q in QUESTIONS[:4]]
-    body = lambda p: {"input_ids": p, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+    def body(p):
+        return {"input_ids": p, "return_logprob": True, "sampling_params": {"temperature": 0, "max_new_tokens": 8}}
+
     # an admin token configured on loopback is required too
     s = Served(create_app(engine, admin_token="t2", weights_dir=str(tmp_path / "weights"), require_admin=False))
     try:
@@ -297,6 +316,7 @@ def test_admin_token_required_beyond_loopback(engine):
         assert s.http.post("/pause_generation", headers=ok).status_code == 200
         assert s.http.post("/continue_generation", headers=ok).status_code == 200
         assert s.http.post("/abort_request", json={"rid": "x"}, headers=ok).status_code == 200
-        assert s.http.post("/generate", json={"input_ids": [5, 7], "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+        r = s.http.post("/generate", json={"input_ids": [5, 7], "sampling_params": {"max_new_tokens": 2}})
+        assert r.status_code == 200  # generation itself is open
     finally:
         s.stop()
