@@ -73,7 +73,7 @@ class DeepseekV4Adapter:
         rows = [i for i in range(N) if want_logits[i]]
         last = torch.tensor([nums[i] - 1 for i in rows], dtype=torch.long, device=dev)
         picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev), last]
-        logits = self.model.lm_head(picked).float()
+        logits = self.model.compute_logits(picked)
         return logits, (routing.stacked() if routing is not None else None)
 
 

@@ -122,7 +122,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
         hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
-        return self.lm_head(hidden).float()
+        return self.compute_logits(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head in fp32 whatever the model dtype: bf16 logits would be rounded to ~1/128 of
+        their size, and GEMMs of different row counts (a decode step vs a training batch) round
+        differently, which alone moved logprobs by ~0.01 per token on a 1B config."""
+        return torch.nn.functional.linear(hidden.float(), self.lm_head.weight.float())
 
     def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing) -> torch.Tensor:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
@@ -138,7 +144,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         hidden = self.model.run(
             input_ids, routing,
             lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, cache.layers[layer.layer_idx])))
-        return self.lm_head(hidden).float()
+        return self.compute_logits(hidden)
 
     def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> "DeepseekV4Cache":
         p = self.lm_head.weight

@@ -98,7 +98,17 @@ class DeepseekV4Attention(nn.Module):
         compressed = self.layer_type != SLIDING
         theta = c.compress_rope_theta if compressed else c.rope_theta
         scaling = c.compress_rope_scaling if compressed else None
-        self.register_buffer("inv_freq", inv_freq_for(c.rope_head_dim, theta, scaling), persistent=False)
+        # deliberately not a buffer: model.to(bfloat16) would round the frequencies (and did: a
+        # bf16 engine and a trainer with fp32 frequencies disagreed by ~0.06 logprob per token)
+        self._inv_freq = inv_freq_for(c.rope_head_dim, theta, scaling)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """Rotary frequencies, fp32, on the module's device."""
+        device = self.q_a_proj.weight.device
+        if self._inv_freq.device != device:
+            self._inv_freq = self._inv_freq.to(device)
+        return self._inv_freq
 
     # ---- shared pieces ----------------------------------------------------------------
 
