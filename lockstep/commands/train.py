@@ -8,13 +8,11 @@ import argparse
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
 from ..rl.config import RunConfig
+from ..rl.embedded import ENGINE_RECIPE, RUN_RECIPE, TRAIN_RECIPE
 
 # set from RunConfig instead (one flag per concept)
 TRAIN_SHARED = ("temperature", "seed", "rollout_max_response_len")
 ENGINE_SHARED = ("dtype", "eos_token_ids")
-# the embedded default's recipe: what `lockstep train` with no arguments runs
-EMBEDDED_TRAIN = dict(lr=1e-3, use_tis=True, eps_clip_high=0.28, max_tokens_per_gpu=8192)
-EMBEDDED_ENGINE = dict(max_num_seqs=128, max_model_len=64)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def configs_from_args(args):
     from ..train.config import TrainConfig
 
-    run = dataclass_from_args(RunConfig, args)
-    embedded = not run.model
-    train_defaults = {k: v for k, v in EMBEDDED_TRAIN.items() if k not in vars(args)} if embedded else {}
-    engine_defaults = {k: v for k, v in EMBEDDED_ENGINE.items() if k not in vars(args)} if embedded else {}
+    embedded = not getattr(args, "model", "")
+
+    def recipe(values: dict) -> dict:  # the embedded default's settings, unless given as flags
+        return {k: v for k, v in values.items() if k not in vars(args)} if embedded else {}
+
+    run = dataclass_from_args(RunConfig, args, **recipe(RUN_RECIPE))
+    train_defaults, engine_defaults = recipe(TRAIN_RECIPE), recipe(ENGINE_RECIPE)
     train = dataclass_from_args(TrainConfig, args, temperature=run.rollout_temperature, seed=run.seed,
                                 rollout_max_response_len=run.rollout_max_response_len, **train_defaults)
     engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, **engine_defaults)

@@ -15,12 +15,11 @@ from ..models import load_pretrained
 from .arithmetic import arithmetic_prompts
 from .config import RunConfig
 from .data import PromptDataset, PromptSource
-from .embedded import ASSET_DIR, EVAL_SEED, TASK, TRAIN_SEED
+from .embedded import ASSET_DIR, EVAL_SEED, NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, TASK, TRAIN_SEED
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
 KNOWN_KEYS = [("prompt", "reward_model.ground_truth"), ("question", "answer"), ("problem", "answer"), ("prompt", "label")]
-EMBEDDED_TRAIN_PROMPTS, EMBEDDED_EVAL_PROMPTS = 5000, 64
 
 
 def model_path(run: RunConfig) -> Path:
@@ -46,14 +45,14 @@ def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, s
 def train_prompts(run: RunConfig):
     if run.prompt_data:
         return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
-    return arithmetic_prompts(EMBEDDED_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK)
+    return arithmetic_prompts(NUM_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK)
 
 
 def eval_sets(run: RunConfig) -> dict[str, list]:
     sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
             for name, path in run.eval_sets}
     if not run.eval_sets and not run.prompt_data:
-        sets["arithmetic"] = arithmetic_prompts(EMBEDDED_EVAL_PROMPTS, seed=EVAL_SEED, **TASK)
+        sets["arithmetic"] = arithmetic_prompts(NUM_EVAL_PROMPTS, seed=EVAL_SEED, **TASK)
     if run.eval_prompts_limit:
         sets = {k: v[: run.eval_prompts_limit] for k, v in sets.items()}
     return sets
