@@ -33,16 +33,24 @@ class StepBatch:
 
     slots [N] cache slot of each sequence; start_pos [N] position of its first new token;
     num_new [N]; positions [N, S] = start_pos + t; valid [N, S] = t < num_new (rows padded to S).
+    Host ints, so that the step never reads device values (a sync that stalls the GPU's queue):
+    max_new = S (None: read from num_new); max_end = max(start_pos + num_new), which bounds the
+    compressed entries attended to (None: all of the cache's entries, masked by position: fixed
+    shapes whatever the positions, as a captured CUDA graph needs).
     """
 
     slots: torch.Tensor
     start_pos: torch.Tensor
     num_new: torch.Tensor
+    max_new: int | None = None
+    max_end: int | None = None
     positions: torch.Tensor = field(init=False)
     valid: torch.Tensor = field(init=False)
 
     def __post_init__(self):
-        S = int(self.num_new.max().item()) if len(self.num_new) else 0
+        S = self.max_new
+        if S is None:
+            S = int(self.num_new.max().item()) if len(self.num_new) else 0
         t = torch.arange(S, device=self.start_pos.device)
         self.positions = self.start_pos.unsqueeze(1) + t
         self.valid = t.unsqueeze(0) < self.num_new.unsqueeze(1)
@@ -155,7 +163,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 @dataclass
 class DeepseekV4Cache:
-    """Rollout caches of every layer, indexed by slot (one slot per running sequence)."""
+    """Rollout caches of every layer, indexed by slot (one slot per running sequence). Every
+    tensor has one extra scratch slot at the end (`layers[i].scratch_slot`): fixed-shape writes
+    send masked-out tokens there, and padding rows of a CUDA-graph batch use it as their slot."""
 
     layers: list[LayerCache]
 

@@ -64,6 +64,11 @@ class LayerCache:
     compressor: CompressorState | None = None
     indexer: CompressorState | None = None
 
+    @property
+    def scratch_slot(self) -> int:
+        """The extra last slot that absorbs masked-out writes (never handed to a sequence)."""
+        return self.window.shape[0] - 1
+
     def reset(self, slots: torch.Tensor) -> None:
         self.window[slots] = 0
         for s in (self.compressor, self.indexer):
@@ -175,12 +180,15 @@ class DeepseekV4Attention(nn.Module):
         # only the last W new tokens survive; writing just those keeps ring indices unique
         t = torch.arange(kv.shape[1], device=kv.device)
         keep = batch.valid & (t.unsqueeze(0) >= (batch.num_new - self.window).unsqueeze(1))
-        rows, cols = keep.nonzero(as_tuple=True)
-        cache.window[batch.slots[rows], batch.positions[rows, cols] % self.window] = kv[rows, cols].to(cache.window.dtype)
+        # every [N, S] token is written (fixed shape, no nonzero: no device sync); the dropped ones
+        # land in the scratch slot
+        slots = torch.where(keep, batch.slots.unsqueeze(1), cache.scratch_slot)
+        ring = torch.where(keep, batch.positions % self.window, 0)
+        cache.window[slots, ring] = kv.to(cache.window.dtype)
 
     def _step_compressors(self, h, batch, cache: LayerCache):
-        end = batch.start_pos + batch.num_new
-        used = int(((end) // self.compressor.m).max().item()) if len(end) else 0
+        # entries of positions < max_end (host int), or the whole capacity (masked by position)
+        used = None if batch.max_end is None else batch.max_end // self.compressor.m
         args = (batch.start_pos, batch.num_new)
         self.compressor.forward_step(h, *args, cache.compressor, batch.slots, self.inv_freq)
         entries = cache.compressor.entries[batch.slots, :used]
@@ -191,6 +199,7 @@ class DeepseekV4Attention(nn.Module):
         return entries, index_keys
 
     def new_cache(self, num_slots: int, max_len: int, dtype, device) -> LayerCache:
+        num_slots += 1  # + the scratch slot
         cache = LayerCache(torch.zeros(num_slots, self.window, self.head_dim, dtype=dtype, device=device))
         if self.compressor is not None:
             n = max_len // self.compressor.m + 1

@@ -18,6 +18,7 @@ raw kv/gate (`buf_*`) and, for C4, the last closed block's Ca half (`prev_*`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .norm import RMSNorm
@@ -86,15 +87,15 @@ class Compressor(nn.Module):
         kv_new, gate_new = self.project(h)
         fill = start_pos % m  # tokens already in the open block
         nb = (m + S + m - 1) // m
-        # Lay the open block's buffered tokens and the new tokens out block-aligned.
-        kv = kv_new.new_zeros(N, nb * m, self.width)
-        gate = gate_new.new_zeros(N, nb * m, self.width)
-        kv[:, :m], gate[:, :m] = state.buf_kv[slots], state.buf_gate[slots]
-        t = torch.arange(S, device=dev)
-        valid = t.unsqueeze(0) < num_new.unsqueeze(1)
-        rows, cols = valid.nonzero(as_tuple=True)
-        dest = fill[rows] + cols
-        kv[rows, dest], gate[rows, dest] = kv_new[rows, cols], gate_new[rows, cols]
+        # Lay the open block's buffered tokens and the new tokens out block-aligned: column j holds
+        # new token j - fill when there is one, else the buffer (j < m) or zeros. A gather and a
+        # select of fixed shape (no nonzero, so no device sync).
+        src = torch.arange(nb * m, device=dev).unsqueeze(0) - fill.unsqueeze(1)
+        take = ((src >= 0) & (src < num_new.unsqueeze(1))).unsqueeze(-1)
+        src = src.clamp(0, S - 1).unsqueeze(-1).expand(N, nb * m, self.width)
+        tail = (0, 0, 0, (nb - 1) * m)
+        kv = torch.where(take, kv_new.gather(1, src), F.pad(state.buf_kv[slots].to(kv_new.dtype), tail))
+        gate = torch.where(take, gate_new.gather(1, src), F.pad(state.buf_gate[slots].to(gate_new.dtype), tail))
         kv_b, raw_gate_b = kv.view(N, nb, m, -1), gate.view(N, nb, m, -1)
         gate_b = raw_gate_b + self.position_bias
         prev_kv = state.prev_kv[slots] if self.overlap else None
@@ -109,8 +110,10 @@ class Compressor(nn.Module):
         N, nb = entries.shape[:2]
         b = torch.arange(nb, device=entries.device)
         done = b.unsqueeze(0) < closed.unsqueeze(1)
-        rows, blocks = done.nonzero(as_tuple=True)
-        state.entries[slots[rows], first_block[rows] + blocks] = entries[rows, blocks].to(state.entries.dtype)
+        # all [N, nb] entries are written (fixed shape, no device sync); the open ones go to scratch
+        dest_slot = torch.where(done, slots.unsqueeze(1), state.scratch_slot)
+        dest_entry = torch.where(done, first_block.unsqueeze(1) + b, 0)
+        state.entries[dest_slot, dest_entry] = entries.to(state.entries.dtype)
         open_rows = torch.arange(N, device=entries.device)
         # the block left open becomes the buffer (raw gate: bias is re-added at pooling)
         state.buf_kv[slots] = kv_b[open_rows, closed].to(state.buf_kv.dtype)
@@ -141,6 +144,10 @@ class CompressorState:
         self.buf_gate = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
         self.prev_kv = torch.zeros(num_slots, m, d, dtype=dtype, device=device) if comp.overlap else None
         self.prev_gate = torch.full((num_slots, m, d), float("-inf"), dtype=dtype, device=device) if comp.overlap else None
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.entries.shape[0] - 1
 
     def reset(self, slots: torch.Tensor) -> None:
         self.entries[slots] = 0

@@ -75,7 +75,9 @@ class Experts(nn.Module):
         T, k = experts.shape
         flat = experts.flatten()
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts)
+        # not bincount: on CUDA it reads the max id back to size its output (a device sync)
+        counts = torch.zeros(self.n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
         ys = grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
