@@ -39,7 +39,7 @@ def make_model(name: str, seed: int) -> DeepseekV4ForCausalLM:
     return model
 
 
-def run_setting(name, state, args, fmt, qat, invariant):
+def run_setting(name, state, args, fmt, qat, invariant, replay):
     engine_model, train_model = make_model(name, 0), make_model(name, 0)
     engine_model.load_state_dict(state)
     train_model.load_state_dict(state)
@@ -47,14 +47,17 @@ def run_setting(name, state, args, fmt, qat, invariant):
                                                batch_invariant=invariant, max_num_seqs=args.batch,
                                                max_model_len=args.prompt_len + args.new_tokens + 8))
     trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
+                                                                use_rollout_routing_replay=replay,
                                                                 max_tokens_per_gpu=16384))
     g = torch.Generator().manual_seed(1)
     vocab = engine_model.config.vocab_size
     prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=5, ignore_eos=True)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=5, ignore_eos=True,
+                              return_routed_experts=replay)
     start = time.perf_counter()
     report = compare(engine, trainer, prompts, sampling)
     return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
+            "routing_replay": replay,
             "seconds": time.perf_counter() - start}
 
 
@@ -68,14 +71,15 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--formats", nargs="*", default=["bf16", "fp8", "fp8-fp4"])
     ap.add_argument("--batch-invariant", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--routing-replay", nargs="*", type=int, default=[0, 1])
     args = ap.parse_args()
     state = make_model(args.config, 0).state_dict()
     print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
-    print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
-    for fmt, inv in itertools.product(args.formats, args.batch_invariant):
+    print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'rr':3s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
+    for fmt, inv, rr in itertools.product(args.formats, args.batch_invariant, args.routing_replay):
         for qat in ([None] if fmt == "bf16" else [None, fmt]):
-            r = run_setting(args.config, state, args, fmt, qat, bool(inv))
-            print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
+            r = run_setting(args.config, state, args, fmt, qat, bool(inv), bool(rr))
+            print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {rr:<3d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
                   f"{r['exact_fraction']:6.3f} {r['mean_abs_diff'] / BASELINE_MEAN_ABS_DIFF:8.4f}", flush=True)
             print("JSON " + json.dumps(r))
 
