@@ -6,16 +6,15 @@
 Runs the engine on the CPU (no GPU needed), prefills --batch prompts, then records --steps
 decode steps with torch.profiler and counts, per step:
 - kernel launches: aten ops that run a kernel on a GPU (views, allocations and composite
-  wrappers such as aten::linear -> aten::mm are not counted twice; aten::_grouped_mm counts
-  once, and the host reads of its CPU fallback are not counted as syncs). With CUDA graphs the forward's ops
-  are replayed as ONE graph launch: `--graph` runs the decode forward through the graph
-  runner's eager stand-in (same static shapes, padding and fixed capacity) to count them;
-- device->host syncs: reads of a tensor's values from Python (`.tolist()`, `.item()`,
-  `int(t)`, `.cpu()`), ops whose output size depends on the data (`nonzero`, boolean-mask
-  indexing, `unique`, `masked_select`, `bincount`), and blocking host->device copies of
-  Python-built tensors (`torch.tensor(..., device=d)`, `.to(d)` without non_blocking: CUDA
-  synchronises the stream before a copy from pageable memory);
-- async host->device copies (pinned, non_blocking): no stall, listed for completeness.
+  wrappers such as aten::linear -> aten::mm are not counted twice). With CUDA graphs the
+  forward's ops are replayed as ONE graph launch: `--graph` runs the decode forward through
+  the graph runner's eager stand-in (same static shapes, padding, fixed capacity) to count them;
+- device->host syncs (lockstep.engine.sync_audit): reads of a tensor's values from Python
+  (`.tolist()`, `.item()`, `int(t)`, `.cpu()`), ops whose output size depends on the data
+  (`nonzero`, boolean-mask indexing, `unique`, `bincount`, ...), and blocking host->device
+  copies of Python-built tensors (CUDA synchronises the stream before a copy from pageable
+  memory); async (pinned, non_blocking) host->device copies are listed apart: they do not stall.
+Per phase: forward (runner.execute), sample (the sampler), host (the rest of Engine.step).
 On a GPU every sync drains the launch queue; these counts are what the decode step pays.
 """
 
@@ -24,11 +23,9 @@ from __future__ import annotations
 import argparse
 import collections
 import sys
-import weakref
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -36,6 +33,7 @@ from rollout_throughput import build_model  # noqa: E402
 
 from lockstep.config import EngineConfig, SamplingParams  # noqa: E402
 from lockstep.engine import Engine, GenerateRequest  # noqa: E402
+from lockstep.engine.sync_audit import SyncAudit  # noqa: E402
 
 # no kernel of their own: views, allocations, metadata
 NO_KERNEL = {"empty", "empty_like", "empty_strided", "view", "_unsafe_view", "as_strided", "as_strided_", "t",
@@ -49,57 +47,10 @@ COMPOSITE = {"linear", "matmul", "einsum", "to", "_to_copy", "reshape", "contigu
              "softmax", "log_softmax", "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "new_zeros",
              "new_full", "new_ones", "new_empty", "argsort", "type_as", "stack", "embedding", "__and__", "__or__",
              "square", "mean", "arange", "index_put_", "clone", "masked_fill", "cat"}
-# CPU-only implementations that read values on the host; the CUDA kernel does not
-CPU_FALLBACK = {"_grouped_mm"}
-# output size depends on the values (or reads them): the host waits for the device
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_consecutive",
-            "unique_dim", "bincount", "repeat_interleave"}
-HOST_READS = {"tolist", "cpu", "numpy"}  # item / int() / float() show up as aten::_local_scalar_dense
-
-
-class HostTraffic(TorchFunctionMode):
-    """Counts Python-level transfers: reads of tensor values and copies of host-built tensors."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = collections.Counter()
-        self._host_born: dict[int, weakref.ref] = {}  # id -> tensor built from Python data on the host
-
-    def _mark(self, t) -> None:
-        self._host_born[id(t)] = weakref.ref(t)
-
-    def _is_host_born(self, t) -> bool:
-        ref = self._host_born.get(id(t))
-        return ref is not None and ref() is t
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        out = func(*args, **kwargs)
-        if name in HOST_READS:
-            self.counts["d2h_read"] += 1
-        elif name in ("tensor", "as_tensor") and not isinstance(args[0], torch.Tensor):
-            if kwargs.get("device") is not None:
-                self.counts["h2d_blocking"] += 1
-            else:
-                self._mark(out)
-        elif name == "pin_memory" and self._is_host_born(args[0]):
-            self._mark(out)
-        elif name in ("to", "cuda") and isinstance(args[0], torch.Tensor) and self._is_host_born(args[0]):
-            if _moves_device(args[1:], kwargs):
-                self.counts["h2d_async" if kwargs.get("non_blocking") else "h2d_blocking"] += 1
-        elif name == "copy_" and len(args) > 1 and self._is_host_born(args[1]):
-            self.counts["h2d_async" if kwargs.get("non_blocking") or (len(args) > 2 and args[2]) else "h2d_blocking"] += 1
-        return out
-
-
-def _moves_device(args, kwargs) -> bool:
-    first = args[0] if args else kwargs.get("device")
-    return isinstance(first, (str, torch.device)) or (isinstance(first, torch.Tensor)) or "device" in kwargs
 
 
 def count_profile(events) -> dict[str, collections.Counter]:
-    """Per phase (the lockstep:: range around an op): kernel launches and sync ops.
+    """Kernel launches per phase (the lockstep:: range around an op).
 
     A launch is the outermost aten op that is neither a view nor a composite wrapper: what it
     calls on the CPU (wrapped Python scalars converted by aten::to, sum's fill_) is not counted."""
@@ -108,41 +59,36 @@ def count_profile(events) -> dict[str, collections.Counter]:
     for e in events:
         if not e.name.startswith("aten::"):
             continue
-        op, anc, phase, under_launch, under_cpu_fallback = e.name[6:], parent.get(id(e)), "host", False, False
+        op, anc, phase, under_launch = e.name[6:], parent.get(id(e)), "host", False
         while anc is not None:
             if anc.name.startswith("aten::"):
                 up = anc.name[6:]
                 under_launch |= up not in NO_KERNEL and up not in COMPOSITE
-                under_cpu_fallback |= up in CPU_FALLBACK
             elif anc.name.startswith("lockstep::") and phase == "host":
                 phase = anc.name[10:]
             anc = parent.get(id(anc))
-        if op in SYNC_OPS and not under_cpu_fallback:
-            out[phase]["sync_ops"] += 1
         if op not in NO_KERNEL and op not in COMPOSITE and not under_launch:
             out[phase]["launches"] += 1
     return out
 
 
-def phased(fn, name):
+def phased(fn, name, audits):
+    """fn inside a profiler range and a SyncAudit of its own (audits[name])."""
+    audits[name] = SyncAudit()
+
     def wrapped(*a, **k):
-        with record_function(f"lockstep::{name}"):
+        with record_function(f"lockstep::{name}"), audits[name]:
             return fn(*a, **k)
     return wrapped
 
 
-def instrument(engine: Engine, graph: bool) -> None:
-    if graph:
-        enable_graph_stand_in(engine)
-    engine.runner.execute = phased(engine.runner.execute, "forward")
-    sampler = engine.sampler
-    engine.sampler = phased(sampler, "sample")
-
-
-def enable_graph_stand_in(engine: Engine) -> None:
-    from lockstep.engine.cuda_graph import DecodeGraphs
-
-    engine.runner.graphs = DecodeGraphs(engine.adapter, engine.config.max_num_seqs, capture=False)
+def instrument(engine: Engine, graph: bool) -> dict[str, SyncAudit]:
+    if graph:  # the CUDA-graph runner, replaying its forward eagerly
+        engine.adapter.enable_graphs(engine.config.max_num_seqs, capture=False)
+    audits: dict[str, SyncAudit] = {}
+    engine.runner.execute = phased(engine.runner.execute, "forward", audits)
+    engine.sampler = phased(engine.sampler, "sample", audits)
+    return audits
 
 
 def main(argv=None) -> None:
@@ -161,7 +107,7 @@ def main(argv=None) -> None:
     model = build_model(args)
     engine = Engine(model, EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 8,
                                         max_prefill_tokens=args.batch * args.prompt_len))
-    instrument(engine, args.graph)
+    audits = instrument(engine, args.graph)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed)
     sp = SamplingParams(temperature=args.temperature, seed=1 if args.temperature > 0 else None, ignore_eos=True,
@@ -170,27 +116,33 @@ def main(argv=None) -> None:
         engine._add(engine._new_state(GenerateRequest(p, sp)))
     engine.step()  # prefill (one step: the prefill budget holds every prompt)
     engine.step()  # one decode step to warm up
-    traffic = HostTraffic()
-    with profile(activities=[ProfilerActivity.CPU]) as prof, traffic:
+    for a in audits.values():
+        a.counts.clear()
+    with profile(activities=[ProfilerActivity.CPU]) as prof, SyncAudit() as whole:
         for _ in range(args.steps):
             engine.step()
-    report(count_profile(prof.events()), traffic.counts, args)
+    audits["host"] = whole
+    for name in ("forward", "sample"):  # host = the step minus its two phases
+        whole.counts.subtract(audits[name].counts)
+    report(count_profile(prof.events()), audits, args)
 
 
-def report(phases, traffic, args) -> None:
+def report(phases, audits, args) -> None:
     n = args.steps
     print(f"config {args.config}, batch {args.batch}, temperature {args.temperature}, routing {args.routing}, "
           f"graph stand-in {args.graph}; per decode step (mean of {n}):")
-    total = collections.Counter()
+    total, syncs = 0.0, collections.Counter()
     for phase in ("forward", "sample", "host"):
-        c = phases.get(phase, collections.Counter())
-        total.update(c)
-        print(f"  {phase:8s} kernel launches {c['launches'] / n:8.1f}   sync ops {c['sync_ops'] / n:6.1f}")
-    syncs = (total["sync_ops"] + traffic["d2h_read"] + traffic["h2d_blocking"]) / n
-    print(f"  total    kernel launches {total['launches'] / n:8.1f}")
-    print(f"  device->host syncs {syncs:.1f} = sync ops {total['sync_ops'] / n:.1f} + value reads "
-          f"{traffic['d2h_read'] / n:.1f} + blocking host->device copies {traffic['h2d_blocking'] / n:.1f}; "
-          f"async host->device copies {traffic['h2d_async'] / n:.1f}")
+        launches, audit = phases.get(phase, collections.Counter())["launches"] / n, audits[phase]
+        total += launches
+        syncs.update(audit.counts)
+        print(f"  {phase:8s} kernel launches {launches:8.1f}   device->host syncs {audit.syncs / n:6.1f}   "
+              + "  ".join(f"{k} {audit.counts[k] / n:.1f}" for k in KINDS))
+    print(f"  step     kernel launches {total:8.1f}   device->host syncs "
+          f"{sum(syncs[k] for k in KINDS[:3]) / n:6.1f}   (+ {syncs['h2d_async'] / n:.1f} async host->device copies)")
+
+
+KINDS = ("value_reads", "sync_ops", "h2d_blocking", "h2d_async")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -65,6 +66,8 @@ class Engine:
         self.cache = self.adapter.make_cache(dataclasses.replace(config, max_model_len=self.max_model_len), self.dtype)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.batch_invariant)
         self.runner = ModelRunner(self.adapter, config.batch_invariant)
+        if config.cuda_graph and torch.device(config.device).type == "cuda":
+            self._capture_graphs()
         self.sampler = Sampler()
         self.stop = StopChecker(self._eos_ids(), tokenizer, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
@@ -72,6 +75,20 @@ class Engine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._loop = BackgroundLoop(self)
+
+    def _capture_graphs(self) -> None:
+        if not hasattr(self.adapter, "enable_graphs"):
+            return  # this model's adapter decodes eagerly
+        try:
+            self.adapter.enable_graphs(self.config.max_num_seqs)
+        except RuntimeError as e:  # a capture failure costs speed, not correctness
+            self.adapter.graphs = None
+            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
+
+    def _refresh_graphs(self) -> None:
+        graphs = getattr(self.adapter, "graphs", None)
+        if graphs is not None:
+            graphs.refresh()
 
     @classmethod
     def from_pretrained(cls, path, config: EngineConfig) -> "Engine":
@@ -188,7 +205,8 @@ class Engine:
                 for s in [seq, *self.scheduler.fork_parked(seq)]:
                     rows.append(r)
                     seqs.append(s)
-            tokens, logprobs = self.sampler(logits, rows, [s.sampling for s in seqs], [s.generator for s in seqs])
+            tokens, logprobs = self.sampler(logits, rows, [s.sampling for s in seqs], [s.seed for s in seqs],
+                                            [s.num_output for s in seqs])
             for seq, tok, lp in zip(seqs, tokens, logprobs):
                 seq.append_token(tok, lp, self.weight_version)
                 reason = self.stop.check(seq)
@@ -274,6 +292,7 @@ class Engine:
             if self.scheduler.has_work() or self._loop.has_pending():
                 return False
             self.cache.reset_all()
+            self._refresh_graphs()
             return True
 
     # ---- weights ---------------------------------------------------------------------------
@@ -286,6 +305,7 @@ class Engine:
             update_weights(self.model, named_tensors, self.config.serving_format)
             self.scheduler.preempt_all()
             self.cache.reset_all()
+            self._refresh_graphs()  # weights were copied in place: the graphs already read them
             self.weight_version = int(version)
 
     def update_weights_from_disk(self, path, version: int | None = None) -> None:

@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from lockstep.engine.request import Sequence
+from lockstep.engine.transfer import to_device
 
 
 class CacheManager(Protocol):
@@ -74,8 +75,13 @@ class SlotCacheManager:
         """Reset the newly handed-out slots, all in one call per layer (before the step's forward):
         a reused slot still holds its previous owner's compressor state."""
         if self._dirty:
-            self.cache.reset(sorted(self._dirty))
+            self.cache.reset(to_device(sorted(self._dirty), self.cache.layers[0].window.device))
             self._dirty.clear()
+
+    @property
+    def scratch_slot(self) -> int:
+        """The cache's extra slot (never handed out): padding rows of a CUDA-graph batch use it."""
+        return self.num_blocks
 
     def num_free_blocks(self) -> int:
         return len(self._free)

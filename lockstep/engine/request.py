@@ -49,15 +49,12 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
-def seeded_generator(seed: int | None, sample_index: int, device) -> torch.Generator:
-    """Sample i of a request draws from its own stream seeded with seed + i, so what it samples does
-    not depend on which other sequences share the batch. No seed: a random 63-bit seed."""
-    g = torch.Generator(device=device)
+def sequence_seed(seed: int | None, sample_index: int) -> int:
+    """Sample i of a request draws from its own stream, seed + i (see sampler.py), so what it
+    samples does not depend on which other sequences share the batch. No seed: a random 62-bit one."""
     if seed is None:
-        g.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + sample_index)
-    else:
-        g.manual_seed(int(seed) + sample_index)
-    return g
+        return int(torch.randint(0, 2**62, (1,)).item()) + sample_index
+    return int(seed) + sample_index
 
 
 class Sequence:
@@ -79,7 +76,7 @@ class Sequence:
         self.num_computed = 0
         self.weight_version = 0  # version that sampled the last token
         self.text: str | None = None  # decoded response, cut at a stop string
-        self.generator = seeded_generator(request.sampling.seed, sample_index, device)
+        self.seed = sequence_seed(request.sampling.seed, sample_index)  # draws: sampler.uniform(seed, t)
         self.parked: list[Sequence] = []  # siblings waiting to fork from this leader's prefill
 
     @property

@@ -24,6 +24,7 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine.kv_cache import CacheManager, SlotCacheManager
 from lockstep.engine.request import Sequence
+from lockstep.engine.transfer import to_device, to_host_async
 
 
 class ModelAdapter(Protocol):
@@ -44,6 +45,7 @@ class DeepseekV4Adapter:
         c = model.config
         self.routing_shape = (c.num_hidden_layers, c.num_experts_per_tok)
         self.cache: SlotCacheManager | None = None
+        self.graphs = None  # DecodeGraphs (cuda_graph.py) once enable_graphs() has captured them
 
     @property
     def device(self) -> torch.device:
@@ -54,25 +56,37 @@ class DeepseekV4Adapter:
                                       config.cache_memory_bytes, dtype, self.device)
         return self.cache
 
-    def forward(self, seqs, nums, want_logits, want_routing):
-        dev = self.device
-        N, S = len(seqs), max(nums)
-        # rows padded with token 0 past num_new (the model masks them as invalid)
-        ids = torch.tensor([seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)
-                            for seq, n in zip(seqs, nums)], dtype=torch.long)
-        batch = self._StepBatch(slots=torch.tensor([s.slot for s in seqs], device=dev),
-                                start_pos=torch.tensor([s.num_computed for s in seqs], device=dev),
-                                num_new=torch.tensor(nums, device=dev))
-        routing = self._Routing() if want_routing else None
-        self.cache.prepare()
+    def enable_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
+        """Decode steps replay captured CUDA graphs (capture=False: their eager stand-in, for CPU tests)."""
+        from lockstep.engine.cuda_graph import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture)
+
+    def run_step(self, ids_NS: torch.Tensor, batch, routing) -> torch.Tensor:
+        """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over
+        the rows somebody samples from."""
         layers = self.cache.cache.layers
-        # model.forward_step, except that the LM head runs only over the rows we sample from
-        hidden = self.model.model.run(
-            ids.to(dev), routing,
+        return self.model.model.run(
+            ids_NS, routing,
             lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, layers[layer.layer_idx])))
+
+    def forward(self, seqs, nums, want_logits, want_routing):
+        self.cache.prepare()
+        if self.graphs is not None and self.graphs.fits(nums, want_logits):
+            return self.graphs.forward(seqs, want_routing)
+        N, S = len(seqs), max(nums)
         rows = [i for i in range(N) if want_logits[i]]
-        last = torch.tensor([nums[i] - 1 for i in rows], dtype=torch.long, device=dev)
-        picked = hidden[torch.tensor(rows, dtype=torch.long, device=dev), last]
+        # rows padded with token 0 past num_new (the model masks them as invalid); every integer
+        # of the call goes to the device in one copy that does not stall it
+        ids = [t for seq, n in zip(seqs, nums) for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
+        meta = to_device(ids + [s.slot for s in seqs] + [s.num_computed for s in seqs] + list(nums)
+                         + rows + [nums[i] - 1 for i in rows], self.device)
+        ids_t, slots, start, num_new, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])
+        batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=S,
+                                max_end=max(s.num_computed + n for s, n in zip(seqs, nums)))
+        routing = self._Routing() if want_routing else None
+        hidden = self.run_step(ids_t.view(N, S), batch, routing)
+        picked = hidden[:, 0] if S == 1 and len(rows) == N else hidden[rows_t, last_t]
         logits = self.model.compute_logits(picked)
         return logits, (routing.stacked() if routing is not None else None)
 
@@ -110,7 +124,7 @@ class ModelRunner:
         """Run the model over the scheduled tokens; record routed experts into the sequences.
 
         -> (logits [M, V] fp32, the M sequences that sample from them, in row order)."""
-        all_logits, samplers = [], []
+        all_logits, samplers, routing_in_flight = [], [], False
         for group in group_calls(scheduled, self.batch_invariant, self.one_call):
             seqs = [s for s, _ in group]
             nums = [n for _, n in group]
@@ -119,12 +133,16 @@ class ModelRunner:
                 s.sampling.return_routed_experts for s in seqs)
             logits, routed = self.adapter.forward(seqs, nums, want, want_routing)
             if routed is not None:
-                routed = routed.cpu()  # one device-to-host copy per call, not one per row
+                # one queued device-to-host copy per call; complete once the sampler's read returns
+                routing_in_flight |= routed.is_cuda
+                routed = to_host_async(routed)
                 for i, (s, n) in enumerate(group):
                     if s.sampling.return_routed_experts:
                         s.record_routing(s.num_computed, routed[i, :n])
             all_logits.append(logits)
             samplers += [s for s, w in zip(seqs, want) if w]
         if not all_logits:
+            if routing_in_flight:  # no sampler read follows in this step: wait for the copy here
+                torch.cuda.current_stream().synchronize()
             return None, []
-        return torch.cat(all_logits), samplers
+        return (all_logits[0] if len(all_logits) == 1 else torch.cat(all_logits)), samplers

@@ -1,18 +1,27 @@
-"""Token sampling: temperature, top-k, top-p, greedy, per-request seeds, and the rollout logprob.
+"""Token sampling for the whole batch at once: temperature, top-k, top-p, greedy, per-request
+seeds, and the rollout logprob.
 
-For each row of fp32 logits x [V] and its sequence's SamplingParams:
+For each row of fp32 logits x [V], its sequence's SamplingParams and seed, and the index t of
+the response token being drawn:
 
     T        = temperature, or 1 when temperature == 0 (greedy)
     logp     = log_softmax(x / T) over the FULL vocabulary, in fp32
     greedy:  token = argmax(x)  (the first maximum)
     sampled: p = exp(logp), zeroed outside the top-k and outside the top-p nucleus,
-             token = argmax(p / E) with E ~ Exponential(1)^V from the sequence's own generator
+             token = the first i with cumsum(p)[i] >= u * sum(p)   (inverse CDF, cumsum in fp64)
+             u = uniform(seed, t): output t of SplitMix64 seeded with the sequence's seed
     returns (token, logp[token])  -- the logprob is taken BEFORE top-k / top-p truncation
 
-argmax(p / E) (the "exponential race", equivalent to Gumbel-max) draws token i with probability
-p_i / sum(p), needs no renormalisation after truncation and consumes exactly V draws per step
-from the sequence's generator, so a sequence's samples depend only on its seed and its own
-logits, never on what else is in the batch or on its truncation settings.
+u is a pure function of (seed, t), computed on the host (Steele, Lea & Flood 2014, "Fast
+splittable pseudorandom number generators": SplitMix64 is counter-based, output t needs no
+state), so a sequence's draws depend only on its seed, the token index and its own logits:
+not on what else is in the batch, on preemption and recompute, or on the device. The device
+gets one uniform per row instead of V random numbers, and no per-sequence generator state.
+
+A step costs one host->device copy (every row's parameters, pinned, non-blocking) and one
+device->host copy (every token and logprob): the only sync of a decode step.
+When all rows share one temperature, x / T divides by a Python float exactly as the trainer's
+`token_logprobs` does (on CUDA that kernel multiplies by 1/T; a per-row tensor would not).
 """
 
 from __future__ import annotations
@@ -20,23 +29,30 @@ from __future__ import annotations
 import torch
 
 from lockstep.config import SamplingParams
+from lockstep.engine.transfer import to_device
+
+_GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio, odd)
+_M64 = (1 << 64) - 1
 
 
-def rollout_logprobs(logits_MV: torch.Tensor, temperatures: list[float]) -> torch.Tensor:
-    """log_softmax(logits / T) in fp32, row by row temperature (0 -> 1)."""
-    t = torch.tensor([x if x > 0 else 1.0 for x in temperatures], dtype=torch.float32, device=logits_MV.device)
-    return torch.log_softmax(logits_MV.float() / t.unsqueeze(1), dim=-1)
+def uniform(seed: int, t: int) -> float:
+    """Output t of SplitMix64 seeded with `seed`, as a float in (0, 1) with 53 random bits."""
+    z = (seed + (t + 1) * _GAMMA) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    z ^= z >> 31
+    return ((z >> 11) + 0.5) / 2**53
 
 
-def truncate_probs(probs_MV: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Zero the probabilities outside each row's top-k and top-p nucleus (the most likely token always stays)."""
-    if all(k < 0 for k in top_k) and all(p >= 1.0 for p in top_p):
-        return probs_MV
-    V = probs_MV.shape[-1]
+def truncate_probs(probs_MV: torch.Tensor, top_k, top_p) -> torch.Tensor:
+    """Zero the probabilities outside each row's top-k and top-p nucleus (the most likely token
+    always stays). top_k [M] (<= 0: off) and top_p [M], lists or tensors on probs' device."""
+    V, dev = probs_MV.shape[-1], probs_MV.device
+    k = torch.as_tensor(top_k, device=dev).view(-1, 1)
+    k = torch.where(k > 0, k, V)
+    p = torch.as_tensor(top_p, dtype=torch.float32, device=dev).view(-1, 1)
     sorted_p, order = torch.sort(probs_MV, dim=-1, descending=True, stable=True)
-    rank = torch.arange(V, device=probs_MV.device).unsqueeze(0)
-    k = torch.tensor([x if x > 0 else V for x in top_k], device=probs_MV.device).unsqueeze(1)
-    p = torch.tensor(top_p, dtype=torch.float32, device=probs_MV.device).unsqueeze(1)
+    rank = torch.arange(V, device=dev).unsqueeze(0)
     # mass strictly before this token already reaches top_p -> the token is outside the nucleus
     before = torch.cumsum(sorted_p, dim=-1) - sorted_p
     drop_sorted = (rank >= k) | ((before >= p) & (rank > 0))
@@ -44,28 +60,40 @@ def truncate_probs(probs_MV: torch.Tensor, top_k: list[int], top_p: list[float])
     return probs_MV.masked_fill(drop, 0.0)
 
 
+def inverse_cdf(probs_MV: torch.Tensor, u_M1: torch.Tensor) -> torch.Tensor:
+    """The first index whose cumulative probability reaches u * total, per row -> [M]."""
+    cdf = probs_MV.double().cumsum(dim=-1)
+    drawn = torch.searchsorted(cdf, u_M1 * cdf[:, -1:])
+    return drawn.squeeze(1).clamp(max=probs_MV.shape[-1] - 1)
+
+
 class Sampler:
     """Samples one token for each (row, sequence) pair; several sequences may share a row
     (the n samples of a prompt all draw their first token from the leader's prefill logits)."""
 
     def __call__(self, logits_MV: torch.Tensor, rows: list[int], params: list[SamplingParams],
-                 generators: list[torch.Generator]) -> tuple[list[int], list[float]]:
+                 seeds: list[int], steps: list[int]) -> tuple[list[int], list[float]]:
+        """-> (tokens, logprobs) as Python lists; steps[i] = index of the token drawn for row i."""
         if not rows:
             return [], []
-        x = logits_MV[torch.tensor(rows, device=logits_MV.device)].float()
-        logp = rollout_logprobs(x, [p.temperature for p in params])
+        dev = logits_MV.device
+        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
+        # per row: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p -- one host->device copy
+        table = to_device([[r, t, uniform(s, i) if p.temperature > 0 else -1.0, p.top_k, p.top_p]
+                           for r, t, p, s, i in zip(rows, temps, params, seeds, steps)], dev, torch.float64)
+        x = logits_MV if rows == list(range(logits_MV.shape[0])) else logits_MV.index_select(0, table[:, 0].long())
+        x = x.float()
+        T = temps[0] if all(t == temps[0] for t in temps) else table[:, 1:2].float()
+        logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
         tokens = x.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        sampled = [p for p in params if p.temperature > 0]
         if sampled:
-            tokens[sampled] = self._sample(logp[sampled], [params[i] for i in sampled],
-                                           [generators[i] for i in sampled])
+            probs = logp.exp()
+            if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
+                probs = truncate_probs(probs, table[:, 3].long(), table[:, 4])
+            u = table[:, 2:3]
+            tokens = torch.where(u[:, 0] >= 0, inverse_cdf(probs, u.clamp(min=0)), tokens)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens.tolist(), chosen.tolist()
-
-    @staticmethod
-    def _sample(logp_MV: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> torch.Tensor:
-        probs = truncate_probs(logp_MV.exp(), [p.top_k for p in params], [p.top_p for p in params])
-        noise = torch.empty_like(probs)
-        for i, g in enumerate(generators):
-            noise[i].exponential_(generator=g)
-        return (probs / noise).argmax(dim=-1)
+        # fp64 holds every token id and every fp32 logprob exactly: one device->host copy for both
+        tok, lp = torch.stack([tokens.double(), chosen.double()]).tolist()
+        return [int(t) for t in tok], lp

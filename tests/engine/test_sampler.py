@@ -1,16 +1,17 @@
-"""Sampler: logprobs before truncation, greedy, top-k / top-p supports, seeded and batch-free draws."""
+"""Sampler: logprobs before truncation, greedy, top-k / top-p supports, seeded draws that do not
+depend on the batch, and one device->host read per call."""
 
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine.request import seeded_generator
-from lockstep.engine.sampler import Sampler, truncate_probs
+from lockstep.engine.sampler import Sampler, truncate_probs, uniform
+from lockstep.engine.sync_audit import SyncAudit
 
 
-def draw(logits, params, seeds, rows=None):
+def draw(logits, params, seeds, steps=None, rows=None):
     rows = rows if rows is not None else list(range(len(params)))
-    gens = [seeded_generator(s, 0, "cpu") for s in seeds]
-    return Sampler()(logits, rows, params, gens)
+    steps = steps if steps is not None else [0] * len(params)
+    return Sampler()(logits, rows, params, seeds, steps)
 
 
 def test_logprob_is_temperature_scaled_and_before_truncation():
@@ -22,6 +23,25 @@ def test_logprob_is_temperature_scaled_and_before_truncation():
     for i, (t, temp) in enumerate(zip(tokens, [1.0, 0.6, 1.3])):
         ref = torch.log_softmax(logits[i] / temp, -1)[t].item()
         assert abs(lps[i] - ref) < 1e-6
+    assert logits[1].topk(3).indices.tolist().count(tokens[1]) == 1  # drawn inside the top-k
+
+
+def test_one_temperature_divides_like_the_trainer():
+    # all rows at one temperature: x / T with a Python float, bitwise the trainer's token_logprobs
+    from lockstep.train.logprobs import token_logprobs
+
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(4)) * 2
+    params = [SamplingParams(temperature=0.7, seed=s) for s in range(5)]
+    tokens, lps = draw(logits, params, list(range(5)), steps=[3, 1, 4, 1, 5])
+    ref = token_logprobs(logits, torch.tensor(tokens), 0.7)
+    assert torch.equal(torch.tensor(lps, dtype=torch.float32), ref)
+
+
+def test_greedy_is_the_first_maximum():
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 0.0, 0.0]])
+    tokens, lps = draw(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    assert tokens == [1, 0]
+    assert lps == torch.log_softmax(logits, -1)[[0, 1], [1, 0]].tolist()
 
 
 def test_truncation_supports():
@@ -35,22 +55,44 @@ def test_truncation_supports():
 def test_samples_follow_the_distribution_within_the_nucleus():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     p = SamplingParams(temperature=1.0, top_p=0.8)
-    g = seeded_generator(3, 0, "cpu")
-    counts = torch.zeros(4)
-    for _ in range(4000):
-        t, _ = Sampler()(logits, [0], [p], [g])
-        counts[t[0]] += 1
-    freq = counts / counts.sum()
+    n = 4000
+    tokens, _ = draw(logits, [p] * n, [3] * n, steps=list(range(n)), rows=[0] * n)  # one stream, n steps
+    counts = torch.bincount(torch.tensor(tokens), minlength=4).float()
     assert counts[2:].sum() == 0
-    assert abs(freq[0].item() - 0.625) < 0.03
+    assert abs(counts[0].item() / n - 0.625) < 0.03
 
 
-def test_draws_depend_only_on_the_sequence_seed():
+def test_uniform_is_a_counter_based_stream():
+    u = [uniform(7, t) for t in range(2000)]
+    assert u == [uniform(7, t) for t in range(2000)]  # a pure function of (seed, t)
+    assert all(0.0 < x < 1.0 for x in u)
+    assert abs(sum(u) / len(u) - 0.5) < 0.02
+    assert len(set(u)) == len(u) and uniform(8, 0) != uniform(7, 0)
+
+
+def test_draws_depend_only_on_the_sequence_seed_and_token_index():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=1.0, seed=s) for s in range(6)]
-    batch, _ = draw(logits, params, list(range(6)))
-    alone = [draw(logits[i:i + 1], [params[i]], [i])[0][0] for i in range(6)]
-    assert batch == alone
+    params = [SamplingParams(temperature=1.0, top_k=20 if s % 2 else -1, seed=s) for s in range(6)]
+    steps = [0, 5, 2, 9, 1, 3]
+    batch, batch_lp = draw(logits, params, list(range(6)), steps)
+    alone = [draw(logits[i:i + 1], [params[i]], [i], [steps[i]]) for i in range(6)]
+    assert batch == [a[0][0] for a in alone]
+    assert batch_lp == [a[1][0] for a in alone]
+    # another batch composition: reversed order, greedy rows mixed in
+    order = [5, 4, 3, 2, 1, 0]
+    mixed_logits = torch.cat([logits[order], logits[:2]])
+    mixed, _ = draw(mixed_logits, [params[i] for i in order] + [SamplingParams(temperature=0.0)] * 2,
+                    order + [0, 0], [steps[i] for i in order] + [0, 0])
+    assert mixed[:6] == [batch[i] for i in order]
     # rows can be shared: two sequences drawing from one row with different seeds
-    shared, _ = draw(logits, params[:2], [0, 1], rows=[3, 3])
+    shared, _ = draw(logits, params[:2], [0, 1], [0, 0], rows=[3, 3])
     assert shared == [draw(logits[3:4], [params[0]], [0])[0][0], draw(logits[3:4], [params[1]], [1])[0][0]]
+
+
+def test_a_call_reads_the_device_once():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.5, top_k=4, seed=2), SamplingParams(temperature=0.9, seed=3)]
+    with SyncAudit() as audit:
+        draw(logits, params, [1, 0, 2, 3], [0, 0, 7, 2], rows=[0, 1, 2, 2])
+    assert audit.syncs == 1 and audit.counts["value_reads"] == 1

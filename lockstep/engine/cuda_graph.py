@@ -1,0 +1,120 @@
+"""CUDA graphs for decode: the model's forward over N sequences x 1 new token, captured once per
+batch bucket and replayed, so a decode step costs one graph launch instead of thousands of
+kernel launches issued from Python.
+
+Why the forward is capturable: the step metadata carries host ints (`StepBatch.max_new = 1`,
+`max_end = None`: compressed attention runs over every entry of the cache, masked by position,
+so shapes never depend on how long the sequences are), every cache write has a fixed shape
+(masked-out tokens land in the cache's scratch slot), the MoE counts tokens per expert without
+bincount, and nothing reads a device value back on the host.
+
+Static input: `meta` [max_batch, 4] long = (token id, slot, start position, num_new) per row,
+filled by one non-blocking host->device copy per step. A batch of N rows is padded up to the
+smallest bucket B >= N with rows (token 0, the scratch slot, position 0, num_new 0): they attend
+to nothing, write only to the scratch slot, and their outputs are dropped. Static outputs: the
+logits [B, V] fp32 and each MoE layer's routed experts [B, 1, k].
+
+Captured graphs stay valid across `Engine.update_weights` (weights are written in place with
+copy_, so the graphs read the new values) and `flush_cache` (cache tensors are zeroed in place);
+`refresh()` re-captures should a parameter or cache tensor ever be re-allocated.
+`capture=False` (and any non-CUDA device) runs the same padded static-shape forward eagerly:
+the CPU tests exercise the padding and the fixed-capacity attention through it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.engine.transfer import copy_into
+
+
+def bucket_sizes(max_num_seqs: int) -> list[int]:
+    """Powers of two below max_num_seqs, then max_num_seqs: padding at most doubles a batch."""
+    return [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, adapter, max_num_seqs: int, capture: bool = True):
+        from lockstep.models.deepseek_v4 import Routing, StepBatch
+
+        self.adapter, self._Routing, self._StepBatch = adapter, Routing, StepBatch
+        self.buckets = bucket_sizes(max_num_seqs)
+        self.max_batch = self.buckets[-1]
+        self.capture = capture and adapter.device.type == "cuda"
+        self.meta = torch.zeros(self.max_batch, 4, dtype=torch.long, device=adapter.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self._pointers: list[int] = []
+        if self.capture:
+            self.capture_all()
+
+    def fits(self, nums: list[int], want_logits: list[bool]) -> bool:
+        """A call the graphs can run: one new token per row, every row sampled, within the buckets."""
+        return len(nums) <= self.max_batch and all(n == 1 for n in nums) and all(want_logits)
+
+    def _padding_row(self) -> list[int]:
+        return [0, self.adapter.cache.scratch_slot, 0, 0]
+
+    def _forward(self, B: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The decode forward of the first B rows of `meta`, static shapes only."""
+        ids, slots, start, num_new = self.meta[:B].unbind(1)
+        batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=1, max_end=None)
+        routing = self._Routing()
+        hidden = self.adapter.run_step(ids.unsqueeze(1), batch, routing)
+        return self.adapter.model.compute_logits(hidden[:, 0]), routing.chosen
+
+    @torch.no_grad()
+    def forward(self, seqs, want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (logits [N, V] fp32, routed experts [N, 1, L, k] or None) of N decoding sequences.
+        The logits are a view of the graph's output: read them before the next decode step."""
+        N = len(seqs)
+        B = next(b for b in self.buckets if b >= N)
+        rows = [[s.tokens[s.num_computed], s.slot, s.num_computed, 1] for s in seqs]
+        copy_into(self.meta[:B], rows + [self._padding_row()] * (B - N))
+        if self.capture:
+            self.graphs[B].replay()
+            logits, chosen = self.outputs[B]
+        else:
+            logits, chosen = self._forward(B)
+        routed = torch.stack(chosen, dim=-2)[:N] if want_routing else None
+        return logits[:N], routed
+
+    # ---- capture ------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def capture_all(self) -> None:
+        """Capture every bucket, largest first, all in one memory pool (only one graph's output
+        is alive at a time: the step reads it before the next replay)."""
+        # warm-up and capture run on padding rows only: they write nothing but the scratch slot
+        copy_into(self.meta, [self._padding_row()] * self.max_batch)
+        self.graphs.clear()
+        self.outputs.clear()
+        pool = None
+        for B in reversed(self.buckets):
+            pool = self._capture(B, pool)
+        torch.cuda.synchronize()
+        self._pointers = self._current_pointers()
+
+    def _capture(self, B: int, pool):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up: cuBLAS handles, lazily built tensors, autotuning
+            for _ in range(2):
+                self._forward(B)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            self.outputs[B] = self._forward(B)
+        self.graphs[B] = graph
+        return graph.pool()
+
+    def _current_pointers(self) -> list[int]:
+        model = self.adapter.model
+        tensors = [*model.parameters(), *model.buffers(),
+                   *(t for layer in self.adapter.cache.cache.layers for t in layer.tensors())]
+        return [t.data_ptr() for t in tensors]
+
+    def refresh(self) -> None:
+        """Re-capture if any tensor the graphs read has moved (weights are normally written in place)."""
+        if self.capture and self._current_pointers() != self._pointers:
+            self.capture_all()
