@@ -45,7 +45,7 @@ def _pairs(args):
     from ..rl.setup import load_prompts
 
     if args.data:
-        prompts = load_prompts(args.data, args.input_key, args.label_key, "", False)
+        prompts, _ = load_prompts(args.data, args.input_key, args.label_key, "", False)
         held_out = max(len(prompts) // 20, 1)
         return prompts[held_out:], prompts[:held_out]
     return arithmetic_prompts(5000, seed=TRAIN_SEED, **TASK), arithmetic_prompts(200, seed=EVAL_SEED, **TASK)

@@ -40,6 +40,7 @@ class RLRun:
     advantage_estimator: str = "grpo"
     rollout_id: int = 0
     progress: object = None  # callable(rollout_id, metrics) for progress display
+    start_metrics: dict = field(default_factory=dict)  # logged with the first line (e.g. data/skipped_rows)
 
     def __post_init__(self):
         c = self.config
@@ -110,6 +111,7 @@ class RLRun:
         return metrics
 
     def log(self, metrics: dict, step: int) -> None:
+        metrics, self.start_metrics = {**self.start_metrics, **metrics}, {}
         self.sinks.log(metrics, step=step)
         if self.progress is not None:
             self.progress(step, metrics)

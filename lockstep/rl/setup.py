@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..models import load_pretrained
 from .arithmetic import arithmetic_prompts
 from .config import RunConfig
-from .data import PromptDataset, PromptSource
+from .data import DataError, PromptDataset, PromptSource
 from .embedded import ASSET_DIR, EVAL_SEED, NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, TASK, TRAIN_SEED
 from .rewards import get_reward_fn
 
@@ -31,25 +31,31 @@ def model_path(run: RunConfig) -> Path:
 
 
 def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, skip_bad_rows: bool):
-    """A prompt file with the given keys; if its rows use another known layout, that one."""
+    """(prompts, rows skipped) of a prompt file with the given keys, or, if its rows use another
+    known layout (GSM8K, MATH-500, DAPO), that one. Errors name the file and the row."""
     candidates = [(input_key, label_key)] + [k for k in KNOWN_KEYS if k != (input_key, label_key)]
     first_error = None
     for ik, lk in candidates:
         try:
-            return PromptDataset(path, ik, lk, metadata_key or None, skip_bad_rows=skip_bad_rows).prompts
-        except Exception as e:  # DataError names file and row; keep the one for the requested keys
+            ds = PromptDataset(path, ik, lk, metadata_key or None, skip_bad_rows=skip_bad_rows)
+        except DataError as e:  # keep the error for the keys that were asked for
             first_error = first_error or e
+            continue
+        if ds.prompts:
+            return ds.prompts, ds.num_skipped
+        first_error = first_error or DataError(f"{path}: no usable rows for input key {ik!r} / label key {lk!r}")
     raise first_error
 
 
 def train_prompts(run: RunConfig):
+    """(prompts, malformed rows skipped)."""
     if run.prompt_data:
         return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
-    return arithmetic_prompts(NUM_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK)
+    return arithmetic_prompts(NUM_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK), 0
 
 
 def eval_sets(run: RunConfig) -> dict[str, list]:
-    sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
+    sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0]
             for name, path in run.eval_sets}
     if not run.eval_sets and not run.prompt_data:
         sets["arithmetic"] = arithmetic_prompts(NUM_EVAL_PROMPTS, seed=EVAL_SEED, **TASK)
@@ -75,13 +81,15 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     dtype = getattr(torch, train_cfg.dtype)
     engine = Engine.from_pretrained(path, engine_cfg)
     trainer = Trainer(load_pretrained(path, dtype=dtype, device=engine_cfg.device), train_cfg)
-    source = PromptSource(train_prompts(run), seed=run.seed)
+    prompts, skipped = train_prompts(run)
+    source = PromptSource(prompts, seed=run.seed)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     run_dir = make_run_dir(run)
     (run_dir / "config.json").write_text(json.dumps(
         {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
     rl = RLRun(run, engine, trainer, source, reward_fn, eval_sets(run), run_dir,
-               advantage_estimator=train_cfg.advantage_fn, progress=progress)
+               advantage_estimator=train_cfg.advantage_fn, progress=progress,
+               start_metrics={"data/skipped_rows": float(skipped)})
     if run.load:
         rl.load(run.load)
     return rl

@@ -31,7 +31,7 @@ def train(model_dir, run_dir, *extra):
 
 
 def comparable(record):
-    return {k: v for k, v in record.items() if not k.startswith("perf/")}
+    return {k: v for k, v in record.items() if not k.startswith(("perf/", "data/"))}
 
 
 def test_loop_runs_saves_and_resumes_identically(tiny_model_dir, tmp_path):
@@ -63,3 +63,13 @@ def test_bad_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err
     assert "bad.jsonl" in err and "line 2" in err
+
+
+def test_skip_bad_rows_counts_and_logs(tiny_model_dir, tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    good = [f'{{"prompt": "What is {i} + {i}?", "label": "{2 * i}"}}' for i in range(10, 14)]
+    data.write_text("\n".join(good[:2] + ['{"prompt": 5}', "not json"] + good[2:]) + "\n")
+    metrics = train(tiny_model_dir, tmp_path / "run", "--prompt-data", str(data), "--skip-bad-rows",
+                    "--num-rollout", "1", "--eval-data", "held", str(data))
+    first = metrics[min(metrics)]
+    assert first["data/skipped_rows"] == 2
