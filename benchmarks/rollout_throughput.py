@@ -11,7 +11,9 @@ greedy, every sequence generating exactly --new-tokens tokens (eos ignored). Pri
   dense weights, the routed experts the batch touches: E * (1 - (1 - k/E)^B) of E per layer in
   expectation) and every sequence's cache (window ring + compressed entries at the mean length),
   at the device copy bandwidth measured here with a large tensor copy (bytes read + written).
-The ratios are lockstep / transformers and lockstep decode / roofline.
+The ratios are lockstep / transformers and lockstep decode / roofline. On CUDA the engine decodes
+through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
+kernels and syncs of one decode step on a CPU.
 
 `--config 1b`: 8 layers, hidden 1024, 64 routed experts top-6 (moe_intermediate 512) + 1 shared,
 16 heads x head_dim 128, q_lora 512, 4 output groups of rank 256, vocab 32768: about 0.9B params,
@@ -163,6 +165,7 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
     ap.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
@@ -176,14 +179,17 @@ def main(argv=None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
-                       device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant)
+                       device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
+                       cuda_graph=not args.no_cuda_graph)
     engine = Engine(model, cfg)
+    graphs = getattr(engine.adapter, "graphs", None)
     g = torch.Generator().manual_seed(args.seed + 1)
     V = model.config.vocab_size
     prompts = torch.randint(2, V, (args.batch, args.prompt_len), generator=g).tolist()
     print(f"config {args.config} ({n_params / 1e6:.1f}M params), batch {args.batch}, prompt {args.prompt_len}, "
           f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {args.serving_format}, "
-          f"batch_invariant {args.batch_invariant}")
+          f"batch_invariant {args.batch_invariant}, cuda graphs "
+          + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off"))
 
     run_lockstep(engine, prompts[:2], 2, args.device)  # warm-up
     total, prefill, decode, samples = run_lockstep(engine, prompts, args.new_tokens, args.device)

@@ -6,8 +6,11 @@ scheduler.py       continuous batching, chunked prefill, admission by cache memo
 kv_cache.py        cache memory managers: DeepSeek-V4 fixed-size slots (+ copy_slot for n-sample sharing)
 paged_cache.py     paged KV blocks with ref-counted prefix sharing (dense Llama / Qwen3)
 runner.py          scheduled sequences -> model calls (DeepSeek-V4 StepBatch adapter), logits to sample
+cuda_graph.py      decode forward captured as CUDA graphs per batch bucket (padding rows use a scratch slot)
+transfer.py        host <-> device copies that do not stall the GPU (pinned, non_blocking)
+sync_audit.py      counts device->host syncs of a block of code on any device (tests, benchmarks)
 model_adapter.py   which adapter drives which model; the Llama paged-cache adapter
-sampler.py         temperature / top-k / top-p / greedy, per-sequence seeds, rollout logprobs
+sampler.py         batched temperature / top-k / top-p / greedy, counter-based per-sequence seeds, logprobs
 output.py          stop conditions and the Sample records of a finished request
 serving_format.py  the served value of each weight under bf16 | fp8 | fp8-fp4
 weight_update.py   validate-all-then-write weight updates (in memory or from disk)

@@ -11,6 +11,11 @@ A step's sequences are split into forward calls:
 Only the last position of a sequence whose new tokens reach the end of its tokens gets logits
 (the LM head never runs over prefill positions nobody samples from).
 
+The decode path reads nothing back from the device: a call's integers travel in one pinned,
+non-blocking copy (transfer.py), StepBatch carries host ints, routed experts come back by a
+queued copy that the sampler's single read completes. On CUDA, decode calls replay captured
+graphs (cuda_graph.py) instead of launching the forward's kernels one by one.
+
 The model-specific part is an adapter: `DeepseekV4Adapter` here (per-slot caches, padded
 [N, S] rows through `StepBatch`), `LlamaAdapter` in llama_adapter.py (flattened tokens, paged KV).
 """
@@ -78,7 +83,8 @@ class DeepseekV4Adapter:
         rows = [i for i in range(N) if want_logits[i]]
         # rows padded with token 0 past num_new (the model masks them as invalid); every integer
         # of the call goes to the device in one copy that does not stall it
-        ids = [t for seq, n in zip(seqs, nums) for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
+        ids = [t for seq, n in zip(seqs, nums)
+               for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
         meta = to_device(ids + [s.slot for s in seqs] + [s.num_computed for s in seqs] + list(nums)
                          + rows + [nums[i] - 1 for i in rows], self.device)
         ids_t, slots, start, num_new, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])
