@@ -57,8 +57,8 @@ class EngineConfig:
     serving_format: weights as served — "bf16", "fp8" (block e4m3, ue8m0 scales, experts too)
     or "fp8-fp4" (fp8 attention/shared, e2m1 routed experts with e8m0 scales).
     batch_invariant: a sequence's logprobs do not depend on what else is in the batch.
-    cuda_graph: on CUDA devices, decode steps replay captured CUDA graphs (engine/cuda_graph.py);
-    ignored elsewhere.
+    cuda_graph: on CUDA devices with dtype bfloat16, decode steps replay captured CUDA graphs
+    (engine/cuda_graph.py); ignored elsewhere.
     """
 
     max_num_seqs: int = 64

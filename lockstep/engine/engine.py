@@ -79,6 +79,10 @@ class Engine:
     def _capture_graphs(self) -> None:
         if not hasattr(self.adapter, "enable_graphs"):
             return  # this model's adapter decodes eagerly
+        if self.dtype != torch.bfloat16:
+            # torch._grouped_mm (the MoE GEMMs) runs on CUDA without reading the device only in
+            # bf16; other dtypes take a fallback that copies the group offsets to the host
+            return
         try:
             self.adapter.enable_graphs(self.config.max_num_seqs)
         except RuntimeError as e:  # a capture failure costs speed, not correctness

@@ -1,8 +1,9 @@
 """The decode step without device syncs, and the CUDA-graph decode path.
 
-On the CPU the graph runner replays its forward eagerly (capture=False): same static shapes,
-padding to a bucket with scratch-slot rows, and compressed attention over the whole cache
-capacity. With LOCKSTEP_TEST_DEVICE=cuda the graphs are really captured and replayed."""
+The graph runner's eager stand-in (capture=False) runs the captured forward's exact ops: static
+shapes, padding to a bucket with scratch-slot rows, compressed attention over the whole cache
+capacity; it is compared with the engine's plain decode. With LOCKSTEP_TEST_DEVICE=cuda, real
+captured graphs are also compared with the stand-in (bf16: the dtype graphs are captured in)."""
 
 import pytest
 import torch
@@ -22,9 +23,10 @@ def params_for(i):
     return sampled(seed=40 + i, max_new_tokens=6 + 3 * i, top_p=0.9 if i % 2 else 1.0, return_routed_experts=True)
 
 
-def graph_engine(seed, **kw):
+def graph_engine(seed, capture=False, **kw):
+    """An engine whose decode steps go through the graph runner (captured, or its eager stand-in)."""
     engine = make_engine(seed=seed, cuda_graph=False, **kw)
-    engine.adapter.enable_graphs(engine.config.max_num_seqs, capture=DEVICE == "cuda")
+    engine.adapter.enable_graphs(engine.config.max_num_seqs, capture=capture)
     return engine
 
 
@@ -86,3 +88,13 @@ def test_a_decode_step_syncs_once(graphs):
             engine.step()
     assert audit.counts["sync_ops"] == 0 and audit.counts["h2d_blocking"] == 0
     assert audit.counts["value_reads"] == 4, audit.counts
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda)")
+def test_captured_graphs_replay_exactly_the_stand_in():
+    ps = prompts(7, lo=3, hi=50, seed=30)
+    captured = graph_engine(31, capture=True, dtype="bfloat16")
+    assert captured.adapter.graphs.capture and captured.adapter.graphs.graphs
+    out = captured.generate(requests(ps, params_for))
+    stand_in = graph_engine(31, capture=False, dtype="bfloat16").generate(requests(ps, params_for))
+    same_outputs(out, stand_in, atol=1e-3)  # the same kernels: equal unless capture mishandles a buffer
