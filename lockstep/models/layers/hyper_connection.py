@@ -13,6 +13,8 @@ then (iters - 1) x (rows, columns).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -31,24 +33,40 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
-        n = self.hc_mult
         mixes = F.linear(rms_norm(streams.flatten(-2).float(), self.norm_eps), self.fn.float())
-        m_pre, m_post, m_comb = mixes.split([n, n, n * n], dim=-1)
-        b_pre, b_post, b_comb = self.base.float().split([n, n, n * n])
-        s_pre, s_post, s_comb = self.scale.float().unbind(0)
-        pre = torch.sigmoid(m_pre * s_pre + b_pre) + self.hc_eps
-        post = 2 * torch.sigmoid(m_post * s_post + b_post)
-        comb = torch.softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + self.hc_eps
-        comb = self._sinkhorn(comb)
+        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return collapsed, post, comb
 
-    def _sinkhorn(self, comb: torch.Tensor) -> torch.Tensor:
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return comb
+
+def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
+    """pre [..., n], post [..., n], comb [..., n, n] from the projected mixes, all fp32."""
+    m_pre, m_post, m_comb = mixes.split([n, n, n * n], dim=-1)
+    b_pre, b_post, b_comb = base.float().split([n, n, n * n])
+    s_pre, s_post, s_comb = scale.float().unbind(0)
+    pre = torch.sigmoid(m_pre * s_pre + b_pre) + eps
+    post = 2 * torch.sigmoid(m_post * s_post + b_post)
+    comb = torch.softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # Sinkhorn: columns, then (rows, columns) x (iters-1)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+# On GPUs the ~120 tiny element-wise kernels of the Sinkhorn loop dominated a decode step (54% of
+# its launches on a 1B config); compiled, they fuse. Trainer and engine call the same function, so
+# both sides run the same kernels. LOCKSTEP_COMPILE=0 keeps everything eager.
+_compiled_coefficients = None
+
+
+def hc_coefficients(mixes, base, scale, n: int, iters: int, eps: float):
+    global _compiled_coefficients
+    if not mixes.is_cuda or os.environ.get("LOCKSTEP_COMPILE", "1") == "0":
+        return _coefficients(mixes, base, scale, n, iters, eps)
+    if _compiled_coefficients is None:
+        _compiled_coefficients = torch.compile(_coefficients, dynamic=True, fullgraph=True)
+    return _compiled_coefficients(mixes, base, scale, n, iters, eps)
 
 
 def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
