@@ -1,8 +1,8 @@
 """SmolLM2-135M-Instruct from its GGUF: conversion, lockstep vs transformers on the converted directory,
 and greedy decoding through the paged incremental path against transformers' generate."""
 
-import os
 import json
+import os
 
 import pytest
 import torch
