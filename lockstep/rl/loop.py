@@ -90,11 +90,14 @@ class RLRun:
         start = time.perf_counter()
         steps = self.config.num_steps_per_rollout
         per_step = max(len(samples) // steps, 1)
+        # with several steps, pi_old is the policy before the first of them (PPO's ratio and clip)
+        old = self.trainer.logprobs(samples) if steps > 1 else None
         totals: dict[str, float] = {}
         for i in range(steps):
-            chunk = samples[i * per_step:(i + 1) * per_step]
-            if chunk:
-                for k, v in self.trainer.train_step(chunk).items():
+            sl = slice(i * per_step, (i + 1) * per_step)
+            if samples[sl]:
+                metrics = self.trainer.train_step(samples[sl], old_logprobs=old[sl] if old else None)
+                for k, v in metrics.items():
                     totals[k] = totals.get(k, 0.0) + float(v) / steps
         totals["perf/train_time"] = time.perf_counter() - start
         return totals

@@ -9,6 +9,7 @@ from lockstep.cli import main
 from lockstep.commands.sft import _new_embedded_model
 from lockstep.metrics.sinks import read_metrics
 from lockstep.models import save_pretrained
+from lockstep.rl.embedded import ASSET_DIR
 
 
 @pytest.fixture(scope="module")
@@ -73,3 +74,11 @@ def test_skip_bad_rows_counts_and_logs(tiny_model_dir, tmp_path):
                     "--num-rollout", "1", "--eval-data", "held", str(data))
     first = metrics[min(metrics)]
     assert first["data/skipped_rows"] == 2
+
+
+def test_several_steps_per_rollout_clip_against_the_rollout_policy(tmp_path):
+    # the bundled warm-started model earns some reward, so advantages (and updates) are non-zero
+    metrics = train(ASSET_DIR, tmp_path / "run", "--num-rollout", "1", "--num-steps-per-rollout", "2",
+                    "--rollout-batch-size", "4", "--lr", "1e-2", "--eval-interval", "5")
+    # the second step's ratio is against the weights before the first step, so it moves off 1
+    assert metrics[1]["train/ppo_kl"] != 0.0
