@@ -42,3 +42,20 @@ def test_logprobs_equal_full_sequence_logprobs(temperature):
     for s in engine.generate(requests(ps, params)):
         ref = full_sequence_logprobs(engine.model, s, temperature)
         assert (s.rollout_logprobs - ref).abs().max().item() <= 1e-5
+
+
+def test_bundled_model_greedy_equals_transformers_from_the_same_directory():
+    from lockstep.config import EngineConfig
+    from lockstep.engine import Engine, GenerateRequest
+    from lockstep.rl.embedded import ASSET_DIR
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine.from_pretrained(ASSET_DIR, EngineConfig(max_num_seqs=4, max_model_len=64))
+    ref = AutoModelForCausalLM.from_pretrained(ASSET_DIR, dtype=torch.float32, attn_implementation="eager").eval()
+    prompt_ids = [engine.tokenize_prompt(f"What is {a} + {b}?") for a, b in ((23, 58), (71, 19), (40, 44))]
+    out = engine.generate([GenerateRequest(prompt_ids=p, sampling=greedy(max_new_tokens=6)) for p in prompt_ids])
+    eos = engine.tokenizer.eos_token_id
+    for p, s in zip(prompt_ids, out):
+        with torch.no_grad():
+            hf = ref.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        assert s.response_ids.tolist() == hf[0, len(p):].tolist()
