@@ -77,17 +77,18 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     from ..train.trainer import Trainer
     from .loop import RLRun
 
+    # inputs first: a bad data file or reward name fails before any model is loaded
     path = model_path(run)
-    dtype = getattr(torch, train_cfg.dtype)
-    engine = Engine.from_pretrained(path, engine_cfg)
-    trainer = Trainer(load_pretrained(path, dtype=dtype, device=engine_cfg.device), train_cfg)
     prompts, skipped = train_prompts(run)
     source = PromptSource(prompts, seed=run.seed)
+    held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
+    engine = Engine.from_pretrained(path, engine_cfg)
+    trainer = Trainer(load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device), train_cfg)
     run_dir = make_run_dir(run)
     (run_dir / "config.json").write_text(json.dumps(
         {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
-    rl = RLRun(run, engine, trainer, source, reward_fn, eval_sets(run), run_dir,
+    rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
                advantage_estimator=train_cfg.advantage_fn, progress=progress,
                start_metrics={"data/skipped_rows": float(skipped)})
     if run.load:
