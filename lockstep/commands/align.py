@@ -26,6 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--layers", action="store_true",
+                        help="also report per-layer drift between the full and the incremental path")
+    parser.add_argument("--chunk", type=int, default=1, help="incremental chunk size for --layers")
 
 
 def run(args) -> int:
@@ -53,9 +56,18 @@ def run(args) -> int:
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                               return_routed_experts=args.routing_replay)
     report = compare(engine, trainer, prompts, sampling)
+    drift = _layer_drift(engine.model, prompts[0], args.chunk) if args.layers else []
     if args.json:
-        print(json.dumps(report.as_dict()))
+        print(json.dumps({**report.as_dict(), "layers": [d.__dict__ for d in drift]}))
     else:
         for k, v in report.as_dict().items():
             print(f"{k:16s} {v}")
+        for d in drift:
+            print(f"layer {d.layer:3d}  max |d| {d.max_abs:.3e}  mean |d| {d.mean_abs:.3e}")
     return 0
+
+
+def _layer_drift(model, prompt: list[int], chunk: int):
+    from ..align.layers import layer_drift
+
+    return layer_drift(model, prompt, chunk)

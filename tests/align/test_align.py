@@ -56,3 +56,23 @@ def test_quant_aware_forward_closes_the_serving_gap(fmt):
     closed = compare(engine, aware, prompts, SAMPLING).mean_abs_diff
     assert gap > 1e-4, gap  # fp8 / fp4 weights really change the policy ...
     assert closed < 1e-5, closed  # ... and the trainer that sees them agrees again
+
+
+def test_layer_drift_is_float32_noise_on_every_layer():
+    from lockstep.align.layers import layer_drift
+
+    model, tok = _new_embedded_model(0)
+    ids = encode_prompt(tok, "What is 12 + 34? Then add 56 and 78.", True)
+    for chunk in (1, 5):
+        drift = layer_drift(model.eval(), ids, chunk=chunk)
+        assert [d.layer for d in drift] == list(range(model.config.num_hidden_layers))
+        assert max(d.max_abs for d in drift) < 1e-3, drift  # a cache or chunking bug gives O(1)
+
+
+def test_align_command_prints_the_report(capsys):
+    from lockstep.cli import main
+
+    assert main(["align", "--num-prompts", "4", "--max-new-tokens", "4", "--layers", "--json"]) == 0
+    import json
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["mean_abs_diff"] < 1e-5 and len(report["layers"]) == 4
