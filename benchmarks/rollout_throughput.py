@@ -181,7 +181,9 @@ def main(argv=None) -> None:
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
                        cuda_graph=not args.no_cuda_graph)
+    t = time.perf_counter()
     engine = Engine(model, cfg)
+    print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
     graphs = getattr(engine.adapter, "graphs", None)
     g = torch.Generator().manual_seed(args.seed + 1)
     V = model.config.vocab_size

@@ -19,9 +19,23 @@ copy_, so the graphs read the new values) and `flush_cache` (cache tensors are z
 `refresh()` re-captures should a parameter or cache tensor ever be re-allocated.
 `capture=False` (and any non-CUDA device) runs the same padded static-shape forward eagerly:
 the CPU tests exercise the padding and the fixed-capacity attention through it.
+
+Compiled before capture: a graph removes the launch cost from Python, not the per-kernel cost on
+the GPU. An eager decode step of a 1B config is ~4,000 small kernels (element-wise mHC, RoPE,
+norms, masks) at ~1 us each inside a graph; torch.compile fuses each decoder layer into a few
+dozen Triton kernels first. Compiled per layer, not per model ("regional" compilation): layers
+of the same kind (attention kind x router kind) share one compiled graph, so a model compiles
+once per kind, and the batch dimension is dynamic, so one compilation serves every bucket.
+The compiled region returns its routed experts rather than appending them to `Routing` (a list
+whose length the compiler would otherwise guard on, recompiling per layer).
+`compile_backend=None` or LOCKSTEP_COMPILE=0 captures the eager forward; the default ("auto")
+compiles with inductor when capturing on CUDA only (on CPU inductor needs a C++ toolchain and
+minutes per layer kind; the CPU tests trace the compiled region with the "aot_eager" backend).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -29,12 +43,22 @@ from lockstep.engine.transfer import copy_into
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
-    """Powers of two below max_num_seqs, then max_num_seqs: padding at most doubles a batch."""
-    return [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
+    """Powers of two below max_num_seqs, then max_num_seqs: padding at most doubles a batch.
+    One row pads to two: the compiler specialises a dimension of size 1 (one more compilation)."""
+    return [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
+
+
+def _layer_with_experts(layer, streams, input_ids, attend):
+    """One decoder layer -> (streams, routed experts): the region torch.compile fuses."""
+    from lockstep.models.deepseek_v4 import Routing
+
+    routing = Routing()
+    streams = layer(streams, input_ids, routing, attend)
+    return streams, routing.chosen[0]
 
 
 class DecodeGraphs:
-    def __init__(self, adapter, max_num_seqs: int, capture: bool = True):
+    def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend: str | None = "auto"):
         from lockstep.models.deepseek_v4 import Routing, StepBatch
 
         self.adapter, self._Routing, self._StepBatch = adapter, Routing, StepBatch
@@ -45,6 +69,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._pointers: list[int] = []
+        self._compiled_layer = None
+        if compile_backend == "auto":
+            compile_backend = "inductor" if self.capture else None
+        if compile_backend and os.environ.get("LOCKSTEP_COMPILE", "1") != "0":
+            self._compiled_layer = torch.compile(_layer_with_experts, dynamic=True, backend=compile_backend)
         if self.capture:
             self.capture_all()
 
@@ -57,11 +86,22 @@ class DecodeGraphs:
 
     def _forward(self, B: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The decode forward of the first B rows of `meta`, static shapes only."""
-        ids, slots, start, num_new = self.meta[:B].unbind(1)
+        # columns copied out of `meta`: views of it would make the compiler guard on its row count
+        ids, slots, start, num_new = self.meta[:B].t().contiguous().unbind(0)
         batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=1, max_end=None)
         routing = self._Routing()
-        hidden = self.adapter.run_step(ids.unsqueeze(1), batch, routing)
+        hidden = self.adapter.run_step(ids.unsqueeze(1), batch, routing, self._call_layer)
         return self.adapter.model.compute_logits(hidden[:, 0]), routing.chosen
+
+    def _call_layer(self, layer, streams, input_ids, routing, attend):
+        if self._compiled_layer is None:
+            return layer(streams, input_ids, routing, attend)
+        # no duck shaping: the batch size would be equated with any weight dimension that happens
+        # to have the same size at the first call, and every other batch size would recompile
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            streams, experts = self._compiled_layer(layer, streams, input_ids, attend)
+        routing.chosen.append(experts)
+        return streams
 
     @torch.no_grad()
     def forward(self, seqs, want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -61,19 +61,22 @@ class DeepseekV4Adapter:
                                       config.cache_memory_bytes, dtype, self.device)
         return self.cache
 
-    def enable_graphs(self, max_num_seqs: int, capture: bool = True) -> None:
+    def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend: str | None = "auto") -> None:
         """Decode steps replay captured CUDA graphs (capture=False: their eager stand-in, for CPU tests)."""
         from lockstep.engine.cuda_graph import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture)
+        self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture, compile_backend=compile_backend)
 
-    def run_step(self, ids_NS: torch.Tensor, batch, routing) -> torch.Tensor:
+    def run_step(self, ids_NS: torch.Tensor, batch, routing, call_layer=None) -> torch.Tensor:
         """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over
         the rows somebody samples from."""
         layers = self.cache.cache.layers
-        return self.model.model.run(
-            ids_NS, routing,
-            lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, layers[layer.layer_idx])))
+
+        def attend_for(layer):
+            cache = layers[layer.layer_idx]  # looked up here: a compiled layer must not guard on its index
+            return lambda h: layer.self_attn.forward_step(h, batch, cache)
+
+        return self.model.model.run(ids_NS, routing, attend_for, call_layer)
 
     def forward(self, seqs, nums, want_logits, want_routing):
         self.cache.prepare()

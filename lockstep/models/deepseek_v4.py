@@ -102,12 +102,19 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.hc_mult = c.hc_mult
 
-    def run(self, input_ids, routing, attend_for) -> torch.Tensor:
+    def run(self, input_ids, routing, attend_for, call_layer=None) -> torch.Tensor:
+        """-> final hidden states. `call_layer(layer, streams, input_ids, routing, attend)` stands in
+        for `layer(...)` where a caller wraps the layers (the engine's compiled decode step)."""
+        call_layer = call_layer or _call_layer
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
         for layer in self.layers:
-            streams = layer(streams, input_ids, routing, attend_for(layer))
+            streams = call_layer(layer, streams, input_ids, routing, attend_for(layer))
         return self.norm(self.hc_head(streams))
+
+
+def _call_layer(layer, *args):
+    return layer(*args)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -26,6 +26,8 @@ def _can_use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
+    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # the op's meta kernel is bf16-only
+        return False
     aligned = 16 // x.element_size()  # the kernel wants 16-byte aligned row strides
     return x.shape[1] % aligned == 0 and w.shape[1] % aligned == 0 and x.shape[0] > 0
 

@@ -62,7 +62,8 @@ _compiled_coefficients = None
 
 def hc_coefficients(mixes, base, scale, n: int, iters: int, eps: float):
     global _compiled_coefficients
-    if not mixes.is_cuda or os.environ.get("LOCKSTEP_COMPILE", "1") == "0":
+    # inside a compiled region (the engine's decode step) the caller's compilation fuses it
+    if not mixes.is_cuda or torch.compiler.is_compiling() or os.environ.get("LOCKSTEP_COMPILE", "1") == "0":
         return _coefficients(mixes, base, scale, n, iters, eps)
     if _compiled_coefficients is None:
         _compiled_coefficients = torch.compile(_coefficients, dynamic=True, fullgraph=True)
