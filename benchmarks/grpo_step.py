@@ -104,7 +104,7 @@ def _sync(device: str) -> None:
 # ---- lockstep ---------------------------------------------------------------------------------
 
 
-def run_lockstep(bench: Bench, prompts: list[list[int]]) -> dict:
+def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False) -> dict:
     from lockstep.config import EngineConfig, SamplingParams
     from lockstep.engine.engine import Engine
     from lockstep.engine.request import GenerateRequest
@@ -147,6 +147,10 @@ def run_lockstep(bench: Bench, prompts: list[list[int]]) -> dict:
             for k, v in (("rollout", t1 - t0), ("train", t2 - t1), ("sync", now - t2)):
                 parts[k].append(v)
         last = now
+    if profile:  # one more rollout under the profiler, on the trained weights
+        from kernel_profile import profile_generate
+
+        print(profile_generate(engine, [GenerateRequest(p, sampling, group_id=j) for j, p in enumerate(batch)]))
     return {"step": times, **{k: statistics.median(v) for k, v in parts.items()},
             "tokens": sum(s.response_len for s in samples)}
 
@@ -223,6 +227,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--skip-trl", action="store_true", help="time the lockstep side only")
+    parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
@@ -232,16 +237,20 @@ def main() -> None:
     bench = configs[args.config]
     overrides = {k: v for k in ("steps", "warmup", "device", "dtype") if (v := getattr(args, k)) is not None}
     bench = Bench(**{**bench.__dict__, **overrides})
+    if args.profile and not bench.device.startswith("cuda"):
+        parser.error("--profile reads CUDA kernel times: use a CUDA config or --device cuda")
     torch.manual_seed(0)
     n_params = sum(p.numel() for p in make_model(bench).parameters())
     print(f"config {args.config}: {n_params / 1e6:.2f}M params, {bench.num_prompts} prompts x {bench.n} completions, "
           f"prompt {bench.prompt_len}, up to {bench.max_new_tokens} new tokens, {bench.device} {bench.dtype}, "
           f"torch threads {torch.get_num_threads()}")
     prompts = make_prompts(bench, (bench.warmup + bench.steps) * bench.num_prompts)
-    ours = run_lockstep(bench, prompts)
+    t = time.perf_counter()
+    ours = run_lockstep(bench, prompts, profile=args.profile)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
-          f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f})")
+          f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "
+          f"{time.perf_counter() - t:.0f} s)")
     if args.skip_trl:
         return
     trl = run_trl(bench, prompts)

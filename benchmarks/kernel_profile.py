@@ -1,0 +1,36 @@
+"""Where a rollout's GPU time goes: the kernels of one `Engine.generate`, ranked by device time.
+
+    from kernel_profile import profile_generate      # used by grpo_step.py --profile
+    print(profile_generate(engine, requests))
+
+CUPTI reports the kernels a replayed CUDA graph runs one by one, so the table covers decode
+steps (graph replays) and prefill (eager launches) alike. Printed: total device time, kernel
+count, wall time, and the top kernels with their share of device time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def profile_generate(engine, requests, top: int = 25) -> str:
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        samples = engine.generate(requests)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.device_time)
+    device_us = sum(sum(v) for v in by_name.values())
+    steps = max(s.response_len for s in samples)
+    lines = [f"generate: wall {wall * 1e3:.1f} ms, {steps} steps; device time {device_us / 1e3:.1f} ms in "
+             f"{len(kernels)} kernels ({len(kernels) / steps:.0f} per step, mean {device_us / max(len(kernels), 1):.1f} us)"]
+    for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(times) / device_us:6.1%} {sum(times) / 1e3:8.2f} ms  {len(times):6d}x  {name[:110]}")
+    return "\n".join(lines)
