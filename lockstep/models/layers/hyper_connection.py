@@ -7,8 +7,7 @@ Around each sub-block, from the flattened streams x = X.flatten() (fp32, unweigh
     comb = Sinkhorn(softmax_rows(scale2 * m_comb + base_comb) + eps)   mixes the streams
     X'_k = post_k * y + sum_j comb[j, k] * X_j
 comb is applied TRANSPOSED (sum over its first index); the opposite orientation is the
-known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: one column normalisation,
-then (iters - 1) x (rows, columns).
+known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: sinkhorn.py.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .norm import rms_norm
+from .sinkhorn import sinkhorn
 
 
 class HyperConnection(nn.Module):
@@ -47,11 +47,7 @@ def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
     pre = torch.sigmoid(m_pre * s_pre + b_pre) + eps
     post = 2 * torch.sigmoid(m_post * s_post + b_post)
     comb = torch.softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)  # Sinkhorn: columns, then (rows, columns) x (iters-1)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre, post, sinkhorn(comb, iters, eps)
 
 
 # On GPUs the ~120 tiny element-wise kernels of the Sinkhorn loop dominated a decode step (54% of
