@@ -22,12 +22,8 @@ the CPU tests exercise the padding and the fixed-capacity attention through it.
 
 Compiled before capture: a graph removes the launch cost from Python, not the per-kernel cost on
 the GPU. An eager decode step of a 1B config is ~4,000 small kernels (element-wise mHC, RoPE,
-norms, masks) at ~1 us each inside a graph; torch.compile fuses each decoder layer into a few
-dozen Triton kernels first. Compiled per layer, not per model ("regional" compilation): layers
-of the same kind (attention kind x router kind) share one compiled graph, so a model compiles
-once per kind, and the batch dimension is dynamic, so one compilation serves every bucket.
-The compiled region returns its routed experts rather than appending them to `Routing` (a list
-whose length the compiler would otherwise guard on, recompiling per layer).
+norms, masks) at ~1 us each inside a graph; the decoder layers are compiled first
+(models/compiled_layers.py: one compilation per layer kind, dynamic batch), which fuses them.
 `compile_backend=None` or LOCKSTEP_COMPILE=0 captures the eager forward; the default ("auto")
 compiles with inductor when capturing on CUDA only (on CPU inductor needs a C++ toolchain and
 minutes per layer kind; the CPU tests trace the compiled region with the "aot_eager" backend).
@@ -40,6 +36,7 @@ import os
 import torch
 
 from lockstep.engine.transfer import copy_into
+from lockstep.models.compiled_layers import CompiledLayers
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -47,14 +44,6 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     One row pads to two: the compiler specialises a dimension of size 1 (one more compilation)."""
     return [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
 
-
-def _layer_with_experts(layer, streams, input_ids, attend):
-    """One decoder layer -> (streams, routed experts): the region torch.compile fuses."""
-    from lockstep.models.deepseek_v4 import Routing
-
-    routing = Routing()
-    streams = layer(streams, input_ids, routing, attend)
-    return streams, routing.chosen[0]
 
 
 class DecodeGraphs:
@@ -69,11 +58,11 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._pointers: list[int] = []
-        self._compiled_layer = None
+        self.compiled_layers = None  # None: run_step calls the layers eagerly
         if compile_backend == "auto":
             compile_backend = "inductor" if self.capture else None
         if compile_backend and os.environ.get("LOCKSTEP_COMPILE", "1") != "0":
-            self._compiled_layer = torch.compile(_layer_with_experts, dynamic=True, backend=compile_backend)
+            self.compiled_layers = CompiledLayers(compile_backend)
         if self.capture:
             self.capture_all()
 
@@ -90,18 +79,8 @@ class DecodeGraphs:
         ids, slots, start, num_new = self.meta[:B].t().contiguous().unbind(0)
         batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=1, max_end=None)
         routing = self._Routing()
-        hidden = self.adapter.run_step(ids.unsqueeze(1), batch, routing, self._call_layer)
+        hidden = self.adapter.run_step(ids.unsqueeze(1), batch, routing, self.compiled_layers)
         return self.adapter.model.compute_logits(hidden[:, 0]), routing.chosen
-
-    def _call_layer(self, layer, streams, input_ids, routing, attend):
-        if self._compiled_layer is None:
-            return layer(streams, input_ids, routing, attend)
-        # no duck shaping: the batch size would be equated with any weight dimension that happens
-        # to have the same size at the first call, and every other batch size would recompile
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            streams, experts = self._compiled_layer(layer, streams, input_ids, attend)
-        routing.chosen.append(experts)
-        return streams
 
     @torch.no_grad()
     def forward(self, seqs, want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

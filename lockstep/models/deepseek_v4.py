@@ -104,7 +104,8 @@ class DeepseekV4Model(nn.Module):
 
     def run(self, input_ids, routing, attend_for, call_layer=None) -> torch.Tensor:
         """-> final hidden states. `call_layer(layer, streams, input_ids, routing, attend)` stands in
-        for `layer(...)` where a caller wraps the layers (the engine's compiled decode step)."""
+        for `layer(...)` where the layers run compiled (models/compiled_layers.py, the engine's
+        decode step)."""
         call_layer = call_layer or _call_layer
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()

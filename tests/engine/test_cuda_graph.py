@@ -122,7 +122,7 @@ def test_compiled_graphs_match_the_eager_stand_in():
     # inductor keeps fused bf16 chains in fp32 registers: close to the eager ops, not bitwise
     ps = prompts(7, lo=3, hi=50, seed=34)
     compiled = graph_engine(35, capture=True, dtype="bfloat16")
-    assert compiled.adapter.graphs._compiled_layer is not None
+    assert compiled.adapter.graphs.compiled_layers is not None
     out = compiled.generate(requests(ps, params_for))
     stand_in = graph_engine(35, capture=False, dtype="bfloat16").generate(requests(ps, params_for))
     same_outputs(out, stand_in, atol=2e-2)

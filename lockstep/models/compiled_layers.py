@@ -1,0 +1,50 @@
+"""Regional compilation of DeepSeek-V4 decoder layers (the engine's decode step).
+
+torch.compile fuses a layer's many small ops (mHC, norms, RoPE, masks, Sinkhorn) into a few
+dozen kernels. It compiles the layer, not the model: layers of the same kind (attention kind x
+router kind) run one compiled graph, so a model compiles once per kind, and the token dimensions
+are dynamic, so one compilation serves every batch size.
+
+Three things keep the compiler from recompiling per layer or per batch size:
+- the compiled region takes this layer's forced experts and returns its chosen ones, instead
+  of reading `Routing.forced[..., layer_idx, :]` and appending to `Routing.chosen` (the index
+  and the list's length would become guards);
+- callers build `attend` closures over the layer's own cache, not over the cache list indexed
+  by `layer.layer_idx`;
+- no duck shaping: a batch size that happens to equal a weight dimension at the first call
+  would be specialised to it.
+
+`CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`. Backend "inductor" is the
+fast one (CUDA; on CPU it needs a C++ toolchain and minutes); "eager" / "aot_eager" trace the
+same region without code generation, which is what the CPU tests run.
+The trainer's layers stay eager for now: with routing replay and the CPU reference grouped GEMM
+(a loop over experts, a graph break) the tracer fails on the shapes of the resumed frames.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .deepseek_v4 import Routing
+
+
+def _layer_with_experts(layer, streams, input_ids, forced, attend):
+    routing = Routing(forced=forced)
+    streams = layer(streams, input_ids, routing, attend)
+    return streams, routing.chosen[0]
+
+
+class CompiledLayers:
+    def __init__(self, backend: str = "inductor"):
+        self.backend = backend
+        self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend)
+
+    def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
+        forced = None
+        if routing is not None and routing.forced is not None:
+            forced = routing.forced[..., layer.layer_idx, :]
+        with torch.fx.experimental._config.patch(use_duck_shape=False):
+            streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
+        if routing is not None:
+            routing.chosen.append(experts)
+        return streams
