@@ -4,7 +4,8 @@
     python benchmarks/rollout_throughput.py --config 1b --device cuda --dtype bfloat16 --batch 64 --new-tokens 256
 
 Same DeepSeek-V4 config, same (served) weights, same prompts (random ids of --prompt-len),
-greedy, every sequence generating exactly --new-tokens tokens (eos ignored). Printed from one run:
+greedy, every sequence generating exactly --new-tokens tokens (eos ignored), after one warm-up
+generate of the same batch with 2 new tokens on each side. Printed from one run:
 - lockstep: output tokens / wall time of `generate` (prefill included), and decode-only tokens/s;
 - transformers: output tokens / wall time of `DeepseekV4ForCausalLM.generate` (eager attention);
 - the decode roofline: per decode step the engine must at least read every weight it uses (all
@@ -146,8 +147,7 @@ def run_transformers(model, prompts, new_tokens: int, device: str):
     kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
               attention_mask=torch.ones_like(ids))
     with torch.no_grad():
-        ref.generate(ids[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2,
-                                 "attention_mask": torch.ones_like(ids[:2])})  # warm-up
+        ref.generate(ids, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})  # warm-up, as lockstep's
         sync(device)
         t = time.perf_counter()
         out = ref.generate(ids, **kw)
@@ -193,7 +193,7 @@ def main(argv=None) -> None:
           f"batch_invariant {args.batch_invariant}, cuda graphs "
           + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off"))
 
-    run_lockstep(engine, prompts[:2], 2, args.device)  # warm-up
+    run_lockstep(engine, prompts, 2, args.device)  # warm-up: the timed run's prefill shapes, 2 tokens
     total, prefill, decode, samples = run_lockstep(engine, prompts, args.new_tokens, args.device)
     out_tokens = args.batch * args.new_tokens
     ls_tps = out_tokens / total

@@ -62,6 +62,28 @@ class Router(nn.Module):
         return experts, weights * self.routed_scaling_factor
 
 
+def dispatch_order(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat [M] expert ids -> (order [M]: the slots sorted by expert, stably; counts [E]).
+
+    Small batches (a decode step) count instead of sorting: a slot's place is the number of slots
+    of lower experts plus the earlier slots of its own, from one [M, E] one-hot cumulative sum.
+    On GPUs the stable argsort was a 27 us single-block radix sort per layer; the counting is a
+    few fused element-wise kernels. Both give the same permutation. Counts are never read on the
+    host (bincount would read the max id back to size its output: a device sync)."""
+    ids = torch.arange(n_experts, device=flat.device)
+    if flat.numel() * n_experts > 2**20:
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
+            0, flat, torch.ones_like(flat))
+        return order, counts
+    one_hot = (flat.unsqueeze(1) == ids).long()  # [M, E]
+    counts = one_hot.sum(0)
+    rank = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # earlier slots with the same expert
+    dest = (counts.cumsum(0) - counts)[flat] + rank
+    order = torch.empty_like(flat).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
+    return order, counts
+
+
 class Experts(nn.Module):
     """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F]."""
 
@@ -73,11 +95,7 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         T, k = experts.shape
-        flat = experts.flatten()
-        order = torch.argsort(flat, stable=True)
-        # not bincount: on CUDA it reads the max id back to size its output (a device sync)
-        counts = torch.zeros(self.n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
-            0, flat, torch.ones_like(flat))
+        order, counts = dispatch_order(experts.flatten(), self.n_experts)
         xs = x[order // k]
         gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
         ys = grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
