@@ -13,7 +13,7 @@ def hf_twin(model):
     """transformers' DeepseekV4ForCausalLM with the engine model's (served) weights."""
     cfg = HFConfig(**model.config.to_hf_dict())
     cfg._attn_implementation = "eager"
-    ref = HFModel(cfg).eval()
+    ref = HFModel(cfg).eval().to(model.lm_head.weight.device)  # same device: same float arithmetic
     missing, unexpected = ref.load_state_dict(model.state_dict(), strict=False)
     assert not unexpected and all("inv_freq" in k for k in missing)
     ref.generation_config.eos_token_id = None
@@ -28,7 +28,7 @@ def test_greedy_equals_transformers_generate():
     out = engine.generate(requests(ps, greedy(max_new_tokens=16)))
     for p, s in zip(ps, out):
         with torch.no_grad():
-            hf = ref.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False)
+            hf = ref.generate(torch.tensor([p], device=ref.device), max_new_tokens=16, do_sample=False)
         assert s.response_ids.tolist() == hf[0, len(p):].tolist()
         assert s.finish_reason == "length"
 

@@ -1,8 +1,8 @@
 """Grouped GEMM for MoE experts: tokens sorted by expert, one kernel over all groups.
 
-`torch._grouped_mm` runs every expert's GEMM in one launch on GPUs (and forward-only on CPU
-builds that have it; its CPU backward rejects empty groups, so training on CPU takes the
-reference loop). `grouped_mm_reference` is the pure-PyTorch definition both must match.
+`torch._grouped_mm` runs every expert's GEMM in one launch on GPUs in bf16 (and forward-only on
+CPU builds that have it, fp32 too; its CPU backward rejects empty groups, so training on CPU
+takes the reference loop, as does fp32 on GPUs). `grouped_mm_reference` is the pure-PyTorch definition both must match.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _can_use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
         return False
     if not x.is_cuda and torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
-    if torch.compiler.is_compiling() and x.dtype != torch.bfloat16:  # the op's meta kernel is bf16-only
+    # CUDA kernels and the op's meta function (what torch.compile traces) take bf16 only
+    if (x.is_cuda or torch.compiler.is_compiling()) and x.dtype != torch.bfloat16:
         return False
     aligned = 16 // x.element_size()  # the kernel wants 16-byte aligned row strides
     return x.shape[1] % aligned == 0 and w.shape[1] % aligned == 0 and x.shape[0] > 0
