@@ -22,11 +22,11 @@ the CPU tests exercise the padding and the fixed-capacity attention through it.
 
 Compiled before capture: a graph removes the launch cost from Python, not the per-kernel cost on
 the GPU. An eager decode step of a 1B config is ~4,000 small kernels (element-wise mHC, RoPE,
-norms, masks) at ~1 us each inside a graph; the decoder layers are compiled first
+norms, masks) at ~2 us each inside a graph; the decoder layers are compiled first
 (models/compiled_layers.py: one compilation per layer kind, dynamic batch), which fuses them.
 `compile_backend=None` or LOCKSTEP_COMPILE=0 captures the eager forward; the default ("auto")
 compiles with inductor when capturing on CUDA only (on CPU inductor needs a C++ toolchain and
-minutes per layer kind; the CPU tests trace the compiled region with the "aot_eager" backend).
+minutes per layer kind; the CPU tests trace the compiled region with the "eager" backend).
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
     """Powers of two below max_num_seqs, then max_num_seqs: padding at most doubles a batch.
     One row pads to two: the compiler specialises a dimension of size 1 (one more compilation)."""
     return [b for b in (2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] + [max_num_seqs]
-
 
 
 class DecodeGraphs:

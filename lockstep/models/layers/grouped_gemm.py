@@ -2,7 +2,8 @@
 
 `torch._grouped_mm` runs every expert's GEMM in one launch on GPUs in bf16 (and forward-only on
 CPU builds that have it, fp32 too; its CPU backward rejects empty groups, so training on CPU
-takes the reference loop, as does fp32 on GPUs). `grouped_mm_reference` is the pure-PyTorch definition both must match.
+takes the reference loop, as does fp32 on GPUs). `grouped_mm_reference` is the pure-PyTorch
+definition both must match.
 """
 
 from __future__ import annotations

@@ -70,13 +70,12 @@ def dispatch_order(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, to
     On GPUs the stable argsort was a 27 us single-block radix sort per layer; the counting is a
     few fused element-wise kernels. Both give the same permutation. Counts are never read on the
     host (bincount would read the max id back to size its output: a device sync)."""
-    ids = torch.arange(n_experts, device=flat.device)
     if flat.numel() * n_experts > 2**20:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         return order, counts
-    one_hot = (flat.unsqueeze(1) == ids).long()  # [M, E]
+    one_hot = (flat.unsqueeze(1) == torch.arange(n_experts, device=flat.device)).long()  # [M, E]
     counts = one_hot.sum(0)
     rank = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # earlier slots with the same expert
     dest = (counts.cumsum(0) - counts)[flat] + rank
