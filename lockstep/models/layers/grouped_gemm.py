@@ -13,16 +13,12 @@ import torch
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [M, K] sorted by group, w [G, N, K] (out, in), counts [G] -> [M, N]; row block g uses w[g]."""
-    out = x.new_empty(x.shape[0], w.shape[1])
-    # unbind, not w[g]: the backward of G selects would zero-fill a full [G, N, K] gradient per
-    # group (most of a CPU training step on a 20-expert model); unbind's backward stacks once
+    # Built for the backward on CPU, where this loop trains: unbind, not w[g] (G selects would each
+    # zero-fill a full [G, N, K] gradient), and a cat of the blocks, not writes into slices of one
+    # output (each write's backward would clone the whole output gradient).
     experts = w.unbind(0)
-    start = 0
-    for g, c in enumerate(counts.tolist()):
-        if c:
-            out[start:start + c] = x[start:start + c] @ experts[g].t()
-        start += c
-    return out
+    blocks = [rows @ experts[g].t() for g, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+    return torch.cat(blocks) if blocks else x.new_empty(0, w.shape[1])
 
 
 def _can_use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
