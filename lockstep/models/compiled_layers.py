@@ -37,7 +37,12 @@ def _layer_with_experts(layer, streams, input_ids, forced, attend):
 class CompiledLayers:
     def __init__(self, backend: str = "inductor"):
         self.backend = backend
-        self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend)
+        # inductor keeps a fused chain of bf16 ops in fp32 and rounds once; eager rounds after
+        # every op. The trainer runs eager, so the engine emulates eager's roundings: on a bf16
+        # tiny model the compiled engine's mean |logprob gap| to the trainer was 4.2e-4 without
+        # this, 4.8e-5 with it, 3.6e-5 for the eager engine.
+        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
         forced = None
