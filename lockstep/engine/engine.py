@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -83,11 +85,21 @@ class Engine:
             # torch._grouped_mm (the MoE GEMMs) runs on CUDA without reading the device only in
             # bf16; other dtypes take a fallback that copies the group offsets to the host
             return
+        # a failure costs speed, not correctness: without compilation, then without graphs
+        start = time.perf_counter()
+        print("lockstep engine: compiling the decoder layers and capturing decode graphs "
+              "(minutes on a machine's first start, seconds once inductor's cache holds them)", file=sys.stderr)
         try:
             self.adapter.enable_graphs(self.config.max_num_seqs)
-        except RuntimeError as e:  # a capture failure costs speed, not correctness
-            self.adapter.graphs = None
-            warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
+        except RuntimeError as e:
+            warnings.warn(f"compiling the decode step failed, capturing it uncompiled: {e}", RuntimeWarning,
+                          stacklevel=3)
+            try:
+                self.adapter.enable_graphs(self.config.max_num_seqs, compile_backend=None)
+            except RuntimeError as e:
+                self.adapter.graphs = None
+                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
+        print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
     def _refresh_graphs(self) -> None:
         graphs = getattr(self.adapter, "graphs", None)
