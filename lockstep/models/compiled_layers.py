@@ -6,9 +6,10 @@ router kind) run one compiled graph, so a model compiles once per kind, and the 
 are dynamic, so one compilation serves every batch size.
 
 Three things keep the compiler from recompiling per layer or per batch size:
-- the compiled region takes this layer's forced experts and returns its chosen ones, instead
-  of reading `Routing.forced[..., layer_idx, :]` and appending to `Routing.chosen` (the index
-  and the list's length would become guards);
+- the compiled region returns the layer's chosen experts instead of appending them to
+  `Routing.chosen` (the list's length would become a guard). Forced experts (routing replay)
+  are passed whole: the layer picks its own slice by `layer_idx`, which then becomes a guard,
+  so replayed forwards compile once per layer (the decode step never forces);
 - callers build `attend` closures over the layer's own cache, not over the cache list indexed
   by `layer.layer_idx`;
 - no duck shaping: a batch size that happens to equal a weight dimension at the first call
@@ -17,8 +18,8 @@ Three things keep the compiler from recompiling per layer or per batch size:
 `CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`. Backend "inductor" is the
 fast one (CUDA; on CPU it needs a C++ toolchain and minutes); "eager" / "aot_eager" trace the
 same region without code generation, which is what the CPU tests run.
-The trainer's layers stay eager for now: with routing replay and the CPU reference grouped GEMM
-(a loop over experts, a graph break) the tracer fails on the shapes of the resumed frames.
+The trainer's layers stay eager for now (compiling them needs the CPU reference grouped GEMM,
+a loop over experts, to stop breaking the graph, and `layer_idx` out of the replay path).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .deepseek_v4 import Routing
 
 
 def _layer_with_experts(layer, streams, input_ids, forced, attend):
-    routing = Routing(forced=forced)
+    routing = Routing(forced=forced)  # all layers' forced experts [..., L, k], or None
     streams = layer(streams, input_ids, routing, attend)
     return streams, routing.chosen[0]
 
@@ -45,9 +46,7 @@ class CompiledLayers:
         self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
-        forced = None
-        if routing is not None and routing.forced is not None:
-            forced = routing.forced[..., layer.layer_idx, :]
+        forced = routing.forced if routing is not None else None
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
         if routing is not None:

@@ -126,3 +126,24 @@ def test_compiled_graphs_match_the_eager_stand_in():
     out = compiled.generate(requests(ps, params_for))
     stand_in = graph_engine(35, capture=False, dtype="bfloat16").generate(requests(ps, params_for))
     same_outputs(out, stand_in, atol=2e-2)
+
+
+def test_compiled_layer_honours_forced_experts():
+    # routing replay through the compiled region: the layer's own slice of the forced experts
+    from lockstep.models.compiled_layers import CompiledLayers
+    from lockstep.models.deepseek_v4 import Routing
+
+    model = tiny_dsv4(36)
+    c = model.config
+    streams = torch.randn(3, 10, c.hc_mult, c.hidden_size)
+    ids = torch.randint(0, c.vocab_size, (3, 10))
+    forced = torch.stack([torch.randperm(c.n_routed_experts)[:c.num_experts_per_tok]
+                          for _ in range(3 * 10 * c.num_hidden_layers)]).view(3, 10, c.num_hidden_layers, -1)
+    compiled = CompiledLayers("eager")
+    with torch.no_grad():
+        for layer in model.model.layers[:2]:
+            ours, ref = Routing(forced=forced), Routing(forced=forced)
+            out = compiled(layer, streams, ids, ours, layer.self_attn.forward_full)
+            expected = layer(streams, ids, ref, layer.self_attn.forward_full)
+            assert torch.equal(out, expected)
+            assert torch.equal(ours.chosen[0], forced[..., layer.layer_idx, :].sort(dim=-1).values)
