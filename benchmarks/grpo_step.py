@@ -104,7 +104,8 @@ def _sync(device: str) -> None:
 # ---- lockstep ---------------------------------------------------------------------------------
 
 
-def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False) -> dict:
+def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
+                 compile_backend: str | None = None) -> dict:
     from lockstep.config import EngineConfig, SamplingParams
     from lockstep.engine.engine import Engine
     from lockstep.engine.request import GenerateRequest
@@ -118,7 +119,7 @@ def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False) 
         max_num_seqs=completions, max_model_len=bench.prompt_len + bench.max_new_tokens + 1,
         max_prefill_tokens=max(2048, bench.num_prompts * bench.prompt_len), dtype=bench.dtype,
         device=bench.device, eos_token_ids=(EOS,)))
-    cfg = TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0,
+    cfg = TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
                       max_tokens_per_gpu=completions * (bench.prompt_len + bench.max_new_tokens))
     trainer = Trainer(model, cfg)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens, n=bench.n,
@@ -228,6 +229,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--skip-trl", action="store_true", help="time the lockstep side only")
     parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout")
+    parser.add_argument("--compile-trainer", action="store_true",
+                        help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
@@ -246,7 +249,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
     prompts = make_prompts(bench, (bench.warmup + bench.steps) * bench.num_prompts)
     t = time.perf_counter()
-    ours = run_lockstep(bench, prompts, profile=args.profile)
+    ours = run_lockstep(bench, prompts, profile=args.profile,
+                        compile_backend="inductor" if args.compile_trainer else None)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "

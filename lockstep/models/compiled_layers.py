@@ -6,20 +6,21 @@ router kind) run one compiled graph, so a model compiles once per kind, and the 
 are dynamic, so one compilation serves every batch size.
 
 Three things keep the compiler from recompiling per layer or per batch size:
-- the compiled region returns the layer's chosen experts instead of appending them to
-  `Routing.chosen` (the list's length would become a guard). Forced experts (routing replay)
-  are passed whole: the layer picks its own slice by `layer_idx`, which then becomes a guard,
-  so replayed forwards compile once per layer (the decode step never forces);
+- the compiled region takes this layer's slice of the forced experts (`Routing.layer_forced`)
+  and returns its chosen experts, instead of slicing `Routing.forced` by `layer_idx` and
+  appending to `Routing.chosen` (the index and the list's length would become guards);
 - callers build `attend` closures over the layer's own cache, not over the cache list indexed
   by `layer.layer_idx`;
 - no duck shaping: a batch size that happens to equal a weight dimension at the first call
   would be specialised to it.
 
-`CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`. Backend "inductor" is the
+`CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`, passed per call (the
+engine's decode step) or installed for every forward by `compile_layers(model)` (the trainer,
+TrainConfig.compile_backend). Backend "inductor" is the
 fast one (CUDA; on CPU it needs a C++ toolchain and minutes); "eager" / "aot_eager" trace the
 same region without code generation, which is what the CPU tests run.
-The trainer's layers stay eager for now (compiling them needs the CPU reference grouped GEMM,
-a loop over experts, to stop breaking the graph, and `layer_idx` out of the replay path).
+Where the native grouped GEMM is unavailable (fp32, CPU backward) the region uses a gathered
+form instead of the reference loop over experts, which would break the graph.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .deepseek_v4 import Routing
 
 
 def _layer_with_experts(layer, streams, input_ids, forced, attend):
-    routing = Routing(forced=forced)  # all layers' forced experts [..., L, k], or None
+    routing = Routing(layer_forced=forced)
     streams = layer(streams, input_ids, routing, attend)
     return streams, routing.chosen[0]
 
@@ -46,9 +47,18 @@ class CompiledLayers:
         self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
-        forced = routing.forced if routing is not None else None
+        forced = routing.forced_for(layer.layer_idx) if routing is not None else None
         with torch.fx.experimental._config.patch(use_duck_shape=False):
             streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
         if routing is not None:
             routing.chosen.append(experts)
         return streams
+
+    def __deepcopy__(self, memo):  # a copied model compiles alike (dynamo's cache is per code)
+        return CompiledLayers(self.backend)
+
+
+def compile_layers(model, backend: str = "inductor"):
+    """Every forward of a DeepSeek-V4 `model` runs its decoder layers compiled. Returns the model."""
+    model.model.call_layer = CompiledLayers(backend)
+    return model

@@ -59,10 +59,18 @@ class StepBatch:
 @dataclass
 class Routing:
     """Routed experts per MoE layer. `forced` [N, S, L, k] replays a rollout's choices;
-    after a forward, `chosen` holds one [N, S, k] tensor per layer."""
+    after a forward, `chosen` holds one [N, S, k] tensor per layer. `layer_forced` [N, S, k] is
+    one layer's slice, for a Routing that serves a single layer (a compiled layer: slicing by
+    `layer_idx` inside it would make the index a compile guard)."""
 
     forced: torch.Tensor | None = None
     chosen: list[torch.Tensor] = field(default_factory=list)
+    layer_forced: torch.Tensor | None = None
+
+    def forced_for(self, layer_idx: int) -> torch.Tensor | None:
+        if self.layer_forced is not None:
+            return self.layer_forced
+        return self.forced[..., layer_idx, :] if self.forced is not None else None
 
     def stacked(self) -> torch.Tensor:
         return torch.stack(self.chosen, dim=-2)
@@ -85,7 +93,7 @@ class DeepseekV4DecoderLayer(nn.Module):
         collapsed, post, comb = self.attn_hc(streams)
         streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
         collapsed, post, comb = self.ffn_hc(streams)
-        forced = routing.forced[..., self.layer_idx, :] if routing is not None and routing.forced is not None else None
+        forced = routing.forced_for(self.layer_idx) if routing is not None else None
         out, experts = self.mlp(self.post_attention_layernorm(collapsed), token_ids, forced)
         if routing is not None:
             routing.chosen.append(experts)
@@ -101,12 +109,13 @@ class DeepseekV4Model(nn.Module):
         self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.hc_head = HyperHead(c.hc_mult, c.hidden_size, c.hc_eps, c.rms_norm_eps)
         self.hc_mult = c.hc_mult
+        self.call_layer = None  # every forward's layers compiled: compiled_layers.compile_layers
 
     def run(self, input_ids, routing, attend_for, call_layer=None) -> torch.Tensor:
         """-> final hidden states. `call_layer(layer, streams, input_ids, routing, attend)` stands in
-        for `layer(...)` where the layers run compiled (models/compiled_layers.py, the engine's
-        decode step)."""
-        call_layer = call_layer or _call_layer
+        for `layer(...)` where the layers run compiled (models/compiled_layers.py): passed for one
+        call (the engine's decode step) or set as the `call_layer` attribute (the trainer)."""
+        call_layer = call_layer or self.call_layer or _call_layer
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
         for layer in self.layers:

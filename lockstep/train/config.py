@@ -12,7 +12,9 @@ Field names are the flags without dashes (`--eps-clip-high` -> `eps_clip_high`).
                      mis_lower 0.5, mis_upper 2.0; veto_threshold None
     numerics         dtype "float32"; "bfloat16" computes in bf16 with fp32 master weights
     forward          quant_aware_forward None; "fp8" | "fp8-fp4" = the engine's serving_format, whose
-                     weights (dequant(quant(w))) the forward then uses
+                     weights (dequant(quant(w))) the forward then uses; compile_backend None
+                     (eager layers), "inductor" compiles the decoder layers as the engine's decode
+                     step does (models/compiled_layers.py; not with recompute or quant-aware)
     temperature      1.0: logprobs are log softmax(logits / temperature) over the full vocabulary,
                      so it must equal the rollout's sampling temperature
 
@@ -79,6 +81,7 @@ class TrainConfig:
     quant_aware_forward: str | None = None
     use_rollout_routing_replay: bool = False
     recompute_activations: bool = False
+    compile_backend: str | None = None
     optimizer_offload: bool = False
     dtype: str = "float32"
     temperature: float = 1.0
@@ -142,6 +145,9 @@ class TrainConfig:
     def _check_forward(self):
         if self.quant_aware_forward is not None and self.quant_aware_forward not in QUANT_AWARE_FORMATS:
             _fail("quant_aware_forward", f"must be None or one of {QUANT_AWARE_FORMATS}, got {self.quant_aware_forward!r}")
+        if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
+            _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
+                  "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
         if self.dtype not in DTYPES:
             _fail("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if not self.temperature > 0:

@@ -35,6 +35,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
 from lockstep.rl.sample import Sample
 from lockstep.train import checkpointing as ckpt
@@ -78,6 +79,10 @@ class Trainer:
             apply_quant_aware(model, config.quant_aware_forward)
         if config.recompute_activations:
             apply_recompute(model)
+        if config.compile_backend is not None:
+            if not hasattr(getattr(model, "model", None), "call_layer"):
+                raise ValueError(f"compile_backend: {type(model).__name__} has no compilable decoder layers")
+            compile_layers(model, config.compile_backend)
         c = config
         self.optimizer = MasterAdamW(self._named_parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                      eps=c.adam_eps, weight_decay=c.weight_decay, offload=c.optimizer_offload)

@@ -145,5 +145,6 @@ def test_compiled_layer_honours_forced_experts():
             ours, ref = Routing(forced=forced), Routing(forced=forced)
             out = compiled(layer, streams, ids, ours, layer.self_attn.forward_full)
             expected = layer(streams, ids, ref, layer.self_attn.forward_full)
-            assert torch.equal(out, expected)
+            # fp32 under compile takes the gathered grouped GEMM: equal up to summation order
+            assert torch.allclose(out, expected, rtol=0, atol=1e-5)
             assert torch.equal(ours.chosen[0], forced[..., layer.layer_idx, :].sort(dim=-1).values)

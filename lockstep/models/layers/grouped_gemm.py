@@ -33,7 +33,18 @@ def _can_use_native(x: torch.Tensor, w: torch.Tensor) -> bool:
     return x.shape[1] % aligned == 0 and w.shape[1] % aligned == 0 and x.shape[0] > 0
 
 
+def grouped_mm_gathered(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The same product with each row's weight matrix gathered: no loop over the groups and no
+    read of `counts` on the host, so a compiled region traces it whole (under torch.compile where
+    the native op is unavailable: fp32, or a CPU backward). Memory: rows x N x K, a small-model path."""
+    rows = torch.arange(x.shape[0], device=x.device, dtype=counts.dtype)
+    group_of_row = torch.searchsorted(torch.cumsum(counts, 0), rows, right=True)
+    return torch.bmm(w[group_of_row], x.unsqueeze(-1)).squeeze(-1)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling() and not _can_use_native(x, w):
+        return grouped_mm_gathered(x, w, counts)
     if _can_use_native(x, w):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
