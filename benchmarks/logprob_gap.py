@@ -6,6 +6,7 @@ re-scores them (with and without the quantisation-aware forward); prints the mea
 project starts from (0.09 mean, the ROCm bring-up of DeepSeek-V4-Flash; DSV4_SPEC.md).
 
     python benchmarks/logprob_gap.py --config 1b --device cuda --dtype bfloat16
+    LOCKSTEP_COMPILE=0 python benchmarks/logprob_gap.py ...       # the engine's decode uncompiled
 """
 
 from __future__ import annotations
@@ -46,8 +47,11 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
                                                batch_invariant=invariant, max_num_seqs=args.batch,
                                                max_model_len=args.prompt_len + args.new_tokens + 8))
+    # the quant-aware parametrisation does not trace: those settings keep eager trainer layers
+    compiled = args.compile_trainer and qat is None
     trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
                                                                 use_rollout_routing_replay=replay,
+                                                                compile_backend="inductor" if compiled else None,
                                                                 max_tokens_per_gpu=16384))
     g = torch.Generator().manual_seed(1)
     vocab = engine_model.config.vocab_size
@@ -57,7 +61,7 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     start = time.perf_counter()
     report = compare(engine, trainer, prompts, sampling)
     return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
-            "routing_replay": replay,
+            "routing_replay": replay, "compiled_trainer": compiled,
             "seconds": time.perf_counter() - start}
 
 
@@ -72,6 +76,9 @@ def main():
     ap.add_argument("--formats", nargs="*", default=["bf16", "fp8", "fp8-fp4"])
     ap.add_argument("--batch-invariant", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--routing-replay", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--compile-trainer", action="store_true",
+                    help="the trainer's decoder layers compiled with inductor, as the engine's decode step is "
+                         "(settings without the quant-aware forward)")
     args = ap.parse_args()
     state = make_model(args.config, 0).state_dict()
     print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
