@@ -87,8 +87,8 @@ class Engine:
             return
         # a failure costs speed, not correctness: without compilation, then without graphs
         start = time.perf_counter()
-        print("lockstep engine: compiling the decoder layers and capturing decode graphs "
-              "(minutes on a machine's first start, seconds once inductor's cache holds them)", file=sys.stderr)
+        print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) and capturing decode "
+              "graphs: minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
         try:
             self.adapter.enable_graphs(self.config.max_num_seqs)
         except RuntimeError as e:

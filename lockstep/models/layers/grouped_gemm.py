@@ -43,9 +43,9 @@ def grouped_mm_gathered(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) 
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() and not _can_use_native(x, w):
-        return grouped_mm_gathered(x, w, counts)
     if _can_use_native(x, w):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    if torch.compiler.is_compiling():
+        return grouped_mm_gathered(x, w, counts)
     return grouped_mm_reference(x, w, counts)
