@@ -59,6 +59,9 @@ class EngineConfig:
     batch_invariant: a sequence's logprobs do not depend on what else is in the batch.
     cuda_graph: on CUDA devices with dtype bfloat16, decode steps replay captured CUDA graphs
     (engine/cuda_graph.py); ignored elsewhere.
+    decode_steps: when every scheduled sequence decodes through the decode graphs, run this many
+    steps per host round trip (engine/multi_step.py); 1 syncs after every step. New requests
+    join at the next window's end (a few ms).
     """
 
     max_num_seqs: int = 64
@@ -72,6 +75,7 @@ class EngineConfig:
     device: str = "cpu"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     cuda_graph: bool = True
+    decode_steps: int = 8
 
     def __post_init__(self):
         name = "EngineConfig"
@@ -79,7 +83,7 @@ class EngineConfig:
             _fail(name, "serving_format", f"must be bf16, fp8 or fp8-fp4, got {self.serving_format!r}")
         if self.dtype not in ("float32", "bfloat16"):
             _fail(name, "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
-        for f in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "block_size"):
+        for f in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "block_size", "decode_steps"):
             if getattr(self, f) < 1:
                 _fail(name, f, f"must be >= 1, got {getattr(self, f)}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))

@@ -85,10 +85,23 @@ class DecodeGraphs:
     def forward(self, seqs, want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """-> (logits [N, V] fp32, routed experts [N, 1, L, k] or None) of N decoding sequences.
         The logits are a view of the graph's output: read them before the next decode step."""
-        N = len(seqs)
-        B = next(b for b in self.buckets if b >= N)
+        self.load(seqs)
+        return self.run(len(seqs), want_routing)
+
+    def load(self, seqs) -> None:
+        """Fill `meta` with the sequences' next step (their last token at their next position),
+        padding rows up to the bucket."""
+        B = self.bucket(len(seqs))
         rows = [[s.tokens[s.num_computed], s.slot, s.num_computed, 1] for s in seqs]
-        copy_into(self.meta[:B], rows + [self._padding_row()] * (B - N))
+        copy_into(self.meta[:B], rows + [self._padding_row()] * (B - len(seqs)))
+
+    def bucket(self, N: int) -> int:
+        return next(b for b in self.buckets if b >= N)
+
+    @torch.no_grad()
+    def run(self, N: int, want_routing: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One decode step of the N rows in `meta` (see forward)."""
+        B = self.bucket(N)
         if self.capture:
             self.graphs[B].replay()
             logits, chosen = self.outputs[B]
@@ -96,6 +109,13 @@ class DecodeGraphs:
             logits, chosen = self._forward(B)
         routed = torch.stack(chosen, dim=-2)[:N] if want_routing else None
         return logits[:N], routed
+
+    def advance(self, tokens_N: torch.Tensor) -> None:
+        """Point `meta` at the next step on the device: the sampled tokens go in, positions move
+        on by one (multi-step decode: no host round trip between steps)."""
+        N = tokens_N.shape[0]
+        self.meta[:N, 0].copy_(tokens_N)
+        self.meta[:N, 2].add_(1)
 
     # ---- capture ------------------------------------------------------------------------
 

@@ -5,7 +5,8 @@
     engine.update_weights(trainer.named_weights(), version=step)
 
 One step = schedule (continuous batching, chunked prefill) -> run the model -> sample -> check
-stops. Steps run either inline in the caller of `generate` or in a background thread started
+stops; when every scheduled sequence decodes through the decode graphs, a step runs up to
+`config.decode_steps` decode steps before it reads anything back (multi_step.py). Steps run either inline in the caller of `generate` or in a background thread started
 by `start()`, which `generate_async` (the HTTP server) uses: concurrent calls hand their
 requests over through a thread-safe queue and join the same running batch; results go back to
 each caller's asyncio loop with `call_soon_threadsafe`. A lock is held for the duration of one
@@ -30,9 +31,10 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine.background import BackgroundLoop
 from lockstep.engine.model_adapter import make_adapter
+from lockstep.engine.multi_step import decode_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.request import GenerateRequest, RequestState, SequenceStatus
-from lockstep.engine.runner import ModelRunner
+from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, load_update_from_disk,
@@ -213,6 +215,10 @@ class Engine:
                     raise RuntimeError(f"scheduler could not schedule any of {len(self.scheduler.waiting)} waiting "
                                        f"and {len(self.scheduler.running)} running sequences")
                 return 0
+            K = self._window_steps(out.scheduled)
+            if K > 1:
+                decode_window(self, [s for s, _ in out.scheduled], K)
+                return out.num_tokens * K
             logits, leaders = self.runner.execute(out.scheduled)
             for seq, n in out.scheduled:
                 seq.num_computed += n
@@ -229,6 +235,14 @@ class Engine:
                 if reason is not None:
                     self._finish(seq, reason)
             return out.num_tokens
+
+    def _window_steps(self, scheduled) -> int:
+        """Decode steps to run before the next host round trip (multi_step.py); 1: one step."""
+        graphs = getattr(self.adapter, "graphs", None)
+        if (graphs is None or self.config.decode_steps == 1 or self.config.batch_invariant
+                or len(scheduled) > graphs.max_batch or not all(is_decode(s, n) for s, n in scheduled)):
+            return 1
+        return window_steps([s for s, _ in scheduled], self.config.decode_steps, self.max_model_len)
 
     def _finish(self, seq, reason: str) -> None:
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason

@@ -76,13 +76,26 @@ class Sampler:
         """-> (tokens, logprobs) as Python lists; steps[i] = index of the token drawn for row i."""
         if not rows:
             return [], []
-        dev = logits_MV.device
-        temps = [p.temperature if p.temperature > 0 else 1.0 for p in params]
-        # per row: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p -- one host->device copy
-        table = to_device([[r, t, uniform(s, i) if p.temperature > 0 else -1.0, p.top_k, p.top_p]
-                           for r, t, p, s, i in zip(rows, temps, params, seeds, steps)], dev, torch.float64)
-        x = logits_MV if rows == list(range(logits_MV.shape[0])) else logits_MV.index_select(0, table[:, 0].long())
+        table = to_device(self.table(rows, params, seeds, steps), logits_MV.device, torch.float64)
+        tokens, chosen = self.draw(logits_MV, table, params, identity_rows=rows == list(range(logits_MV.shape[0])))
+        # fp64 holds every token id and every fp32 logprob exactly: one device->host copy for both
+        tok, lp = torch.stack([tokens.double(), chosen.double()]).tolist()
+        return [int(t) for t in tok], lp
+
+    @staticmethod
+    def table(rows: list[int], params: list[SamplingParams], seeds: list[int], steps: list[int]) -> list[list[float]]:
+        """Per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p."""
+        return [[r, _temperature(p), uniform(s, i) if p.temperature > 0 else -1.0, p.top_k, p.top_p]
+                for r, p, s, i in zip(rows, params, seeds, steps)]
+
+    @staticmethod
+    def draw(logits_MV: torch.Tensor, table: torch.Tensor, params: list[SamplingParams],
+             identity_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens and their logprobs, on the logits' device, without reading anything back.
+        identity_rows: table row i samples from logits row i (no gather needed)."""
+        x = logits_MV if identity_rows else logits_MV.index_select(0, table[:, 0].long())
         x = x.float()
+        temps = [_temperature(p) for p in params]
         T = temps[0] if all(t == temps[0] for t in temps) else table[:, 1:2].float()
         logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
         tokens = x.argmax(dim=-1)
@@ -93,7 +106,8 @@ class Sampler:
                 probs = truncate_probs(probs, table[:, 3].long(), table[:, 4])
             u = table[:, 2:3]
             tokens = torch.where(u[:, 0] >= 0, inverse_cdf(probs, u.clamp(min=0)), tokens)
-        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        # fp64 holds every token id and every fp32 logprob exactly: one device->host copy for both
-        tok, lp = torch.stack([tokens.double(), chosen.double()]).tolist()
-        return [int(t) for t in tok], lp
+        return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+def _temperature(p: SamplingParams) -> float:
+    return p.temperature if p.temperature > 0 else 1.0

@@ -1,0 +1,108 @@
+"""Multi-step decode (engine/multi_step.py): K decode steps per host round trip give the outputs
+of K single steps (bitwise while the batch is the same; a sequence that stops mid-window stays
+in the batch until the window ends, which changes only rounding), read back once, and stop
+sequences exactly where single steps would. Run through the decode graphs' eager stand-in on
+the CPU (captured graphs on CUDA)."""
+
+import torch
+
+from lockstep.config import SamplingParams
+from lockstep.engine import GenerateRequest
+from lockstep.engine.multi_step import window_steps
+from lockstep.engine.request import GenerateRequest as Req
+from lockstep.engine.request import RequestState
+from lockstep.engine.sync_audit import SyncAudit
+
+from conftest import DEVICE, greedy, make_engine, prompts, requests, sampled
+
+
+def graph_engine(seed, decode_steps, **kw):
+    if DEVICE == "cuda":
+        kw.setdefault("dtype", "bfloat16")  # captured graphs need torch._grouped_mm's dtype
+    engine = make_engine(seed=seed, cuda_graph=False, decode_steps=decode_steps, **kw)
+    engine.adapter.enable_graphs(engine.config.max_num_seqs, capture=DEVICE == "cuda", compile_backend=None)
+    return engine
+
+
+def mixed_params(i):
+    # stop ids that the tiny model samples now and then: sequences stop in the middle of windows
+    stops = (5, 17, 33, 61)
+    if i % 3 == 0:
+        return greedy(max_new_tokens=5 + 4 * i, stop_token_ids=stops)
+    return sampled(seed=70 + i, max_new_tokens=5 + 4 * i, top_p=0.8 if i % 2 else 1.0, top_k=7 if i == 4 else -1,
+                   stop_token_ids=stops, return_routed_experts=True)
+
+
+def identical(a, b, atol=0.0):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert x.response_ids.tolist() == y.response_ids.tolist()
+        assert x.finish_reason == y.finish_reason
+        assert torch.allclose(x.rollout_logprobs, y.rollout_logprobs, rtol=0, atol=atol)
+        assert (x.routed_experts is None) == (y.routed_experts is None)
+        if x.routed_experts is not None:
+            assert torch.equal(x.routed_experts, y.routed_experts)
+
+
+def test_windows_equal_single_steps_bitwise_for_the_same_batch():
+    # 6 prompts of 5 tokens prefill in one step (budget 32), then decode together and stop together
+    # (16 tokens: the prefill's first, then windows of 8 and 7): every step sees the same batch
+    ps = prompts(6, lo=5, hi=6, seed=40)
+    params = lambda i: mixed_params(i).__class__(**{**vars(mixed_params(i)), "max_new_tokens": 16,  # noqa: E731
+                                                    "stop_token_ids": ()})
+    single = graph_engine(42, decode_steps=1).generate(requests(ps, params))
+    multi = graph_engine(42, decode_steps=8).generate(requests(ps, params))
+    identical(multi, single)
+
+
+def test_windows_stop_where_single_steps_stop():
+    ps = prompts(9, lo=3, hi=40, seed=41)
+    single = graph_engine(42, decode_steps=1).generate(requests(ps, mixed_params))
+    multi = graph_engine(42, decode_steps=8).generate(requests(ps, mixed_params))
+    identical(multi, single, atol=1e-5 if DEVICE == "cpu" else 2e-2)
+    reasons = {s.finish_reason for s in single}
+    assert reasons == {"stop", "length"}, reasons  # both kinds of stop happen inside windows
+
+
+def test_windows_with_siblings_and_max_model_len():
+    # n = 3 samples fork from one prefill; max_model_len 40 caps windows near the end of the cache
+    reqs = lambda: [GenerateRequest(p, SamplingParams(temperature=1.0, seed=9 + i, n=3, max_new_tokens=60))  # noqa: E731
+                    for i, p in enumerate(prompts(3, lo=5, hi=25, seed=43))]
+    single = graph_engine(44, decode_steps=1, max_model_len=40).generate(reqs())
+    multi = graph_engine(44, decode_steps=6, max_model_len=40).generate(reqs())
+    identical(multi, single)
+    assert all(s.finish_reason == "length" and s.prompt_ids.numel() + s.response_len == 40 for s in multi)
+
+
+def test_window_steps_caps():
+    engine = make_engine(seed=45)
+
+    def seq(prompt_len, generated, max_new):
+        state = RequestState(Req(list(range(1, prompt_len + 1)), greedy(max_new_tokens=max_new)))
+        s = state.sequences[0]
+        s.tokens += [1] * generated
+        return s
+
+    assert window_steps([seq(10, 2, 50), seq(5, 0, 50)], 8, 96) == 8
+    assert window_steps([seq(10, 2, 50), seq(90, 3, 50)], 8, 96) == 3  # 93 of 96 positions used
+    assert window_steps([seq(10, 2, 5), seq(5, 0, 4)], 8, 96) == 4  # nobody may sample more than 4
+    assert window_steps([seq(95, 0, 5)], 8, 96) == 1
+    del engine
+
+
+def test_a_window_reads_back_once():
+    engine = graph_engine(46, decode_steps=4)
+    ps = prompts(5, lo=10, hi=40, seed=47)
+    params = [greedy(max_new_tokens=30), sampled(seed=1, max_new_tokens=30, top_k=5, return_routed_experts=True)]
+    states = [engine._new_state(r) for r in requests(ps, lambda i: params[i % 2])]
+    for s in states:
+        engine._add(s)
+    while not all(q.num_output >= 1 for s in states for q in s.sequences):
+        engine.step()
+    before = [q.num_output for s in states for q in s.sequences]
+    with SyncAudit() as audit:
+        fed = [engine.step() for _ in range(3)]
+    assert fed == [5 * 4] * 3  # every step was a window of 4 decode steps
+    assert [q.num_output for s in states for q in s.sequences] == [n + 12 for n in before]
+    assert audit.counts["sync_ops"] == 0 and audit.counts["h2d_blocking"] == 0
+    assert audit.counts["value_reads"] == 3, audit.counts
