@@ -41,6 +41,7 @@ if triton is not None:
 
     @triton.jit
     def _sinkhorn_kernel(x_ptr, y_ptr, num_tokens, iters, eps, N: tl.constexpr, BLOCK: tl.constexpr):
+        eps = eps.to(tl.float32)  # inductor passes Python floats as fp64 scalars; div_rn is fp32-only
         t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         i = tl.arange(0, N)
         offs = t[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
