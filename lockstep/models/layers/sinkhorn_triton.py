@@ -40,18 +40,22 @@ def available(comb: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
+    def _normalise(x, axis: tl.constexpr, eps):
+        # inductor passes Python floats as fp64 scalars; div_rn is fp32-only
+        return tl.math.div_rn(x, (tl.sum(x, axis=axis, keep_dims=True) + eps).to(tl.float32))
+
+    @triton.jit
     def _sinkhorn_kernel(x_ptr, y_ptr, num_tokens, iters, eps, N: tl.constexpr, BLOCK: tl.constexpr):
-        eps = eps.to(tl.float32)  # inductor passes Python floats as fp64 scalars; div_rn is fp32-only
         t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         i = tl.arange(0, N)
         offs = t[:, None, None] * (N * N) + i[None, :, None] * N + i[None, None, :]
         mask = (t < num_tokens)[:, None, None]
         x = tl.load(x_ptr + offs, mask=mask, other=1.0)
         # columns first (sum over rows, dim -2), then (rows, columns) iters - 1 times
-        x = tl.math.div_rn(x, tl.sum(x, axis=1, keep_dims=True) + eps)
+        x = _normalise(x, 1, eps)
         for _ in range(iters - 1):
-            x = tl.math.div_rn(x, tl.sum(x, axis=2, keep_dims=True) + eps)
-            x = tl.math.div_rn(x, tl.sum(x, axis=1, keep_dims=True) + eps)
+            x = _normalise(x, 2, eps)
+            x = _normalise(x, 1, eps)
         tl.store(y_ptr + offs, x, mask=mask)
 
     @torch.library.triton_op("lockstep::sinkhorn", mutates_args=())
