@@ -46,7 +46,7 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend: str | None = "auto"):
+    def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend="auto"):
         from lockstep.models.deepseek_v4 import Routing, StepBatch
 
         self.adapter, self._Routing, self._StepBatch = adapter, Routing, StepBatch

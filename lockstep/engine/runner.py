@@ -61,7 +61,7 @@ class DeepseekV4Adapter:
                                       config.cache_memory_bytes, dtype, self.device)
         return self.cache
 
-    def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend: str | None = "auto") -> None:
+    def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend="auto") -> None:
         """Decode steps replay captured CUDA graphs (capture=False: their eager stand-in, for CPU tests)."""
         from lockstep.engine.cuda_graph import DecodeGraphs
 

@@ -16,7 +16,7 @@ Three things keep the compiler from recompiling per layer or per batch size:
 
 `CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`, passed per call (the
 engine's decode step) or installed for every forward by `compile_layers(model)` (the trainer,
-TrainConfig.compile_backend). Backend "inductor" is the fast one (CUDA; on CPU it needs a C++
+TrainConfig.compile_backend). The backend is torch.compile's (a name or a callable); "inductor" is the fast one (CUDA; on CPU it needs a C++
 toolchain and minutes); "eager" / "aot_eager" trace the same region without code generation,
 which is what the CPU tests run.
 Where the native grouped GEMM is unavailable (fp32, CPU backward) the region uses a gathered
