@@ -167,11 +167,15 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
+    if args.profile and not args.device.startswith("cuda"):
+        ap.error("--profile reads CUDA kernel times: use --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -213,6 +217,11 @@ def main(argv=None) -> None:
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); decode step reads {step_bytes / 1e6:.1f} MB "
           f"-> roofline {roof_tps:.1f} tokens/s")
     print(f"ratio lockstep decode / roofline: {ls_decode_tps / roof_tps:.3f}")
+    if args.profile:
+        from kernel_profile import profile_generate
+
+        sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
+        print(profile_generate(engine, [GenerateRequest(p, sp) for p in prompts]))
 
 
 if __name__ == "__main__":
