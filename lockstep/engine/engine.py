@@ -6,10 +6,11 @@
 
 One step = schedule (continuous batching, chunked prefill) -> run the model -> sample -> check
 stops; when every scheduled sequence decodes through the decode graphs, a step runs up to
-`config.decode_steps` decode steps before it reads anything back (multi_step.py). Steps run either inline in the caller of `generate` or in a background thread started
-by `start()`, which `generate_async` (the HTTP server) uses: concurrent calls hand their
-requests over through a thread-safe queue and join the same running batch; results go back to
-each caller's asyncio loop with `call_soon_threadsafe`. A lock is held for the duration of one
+`config.decode_steps` decode steps before it reads anything back (multi_step.py). Steps run
+either inline in the caller of `generate` or in a background thread started by `start()`, which
+`generate_async` (the HTTP server) uses: concurrent calls hand their requests over through a
+thread-safe queue and join the same running batch; results go back to each caller's asyncio
+loop with `call_soon_threadsafe`. A lock is held for the duration of one
 step, so `update_weights`, `abort`, `flush_cache` and `pause` always land between steps.
 
 At construction the model's weights are replaced by their served values in

@@ -19,7 +19,8 @@ not on what else is in the batch, on preemption and recompute, or on the device.
 gets one uniform per row instead of V random numbers, and no per-sequence generator state.
 
 A step costs one host->device copy (every row's parameters, pinned, non-blocking) and one
-device->host copy (every token and logprob): the only sync of a decode step.
+device->host copy (every token and logprob): the only sync of a decode step (multi-step decode,
+multi_step.py, draws K steps' tokens with `draw` and reads them back together).
 When all rows share one temperature, x / T divides by a Python float exactly as the trainer's
 `token_logprobs` does (on CUDA that kernel multiplies by 1/T; a per-row tensor would not).
 """
