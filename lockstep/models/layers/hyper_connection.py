@@ -50,9 +50,10 @@ def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
     return pre, post, sinkhorn(comb, iters, eps)
 
 
-# On GPUs the ~120 tiny element-wise kernels of the Sinkhorn loop dominated a decode step (54% of
-# its launches on a 1B config); compiled, they fuse. Trainer and engine call the same function, so
-# both sides run the same kernels. LOCKSTEP_COMPILE=0 keeps everything eager.
+# On GPUs, outside a compiled region (the trainer's eager forward, the engine's prefill), the
+# coefficients' element-wise ops are compiled once (dynamic shapes) so that they fuse; the Sinkhorn
+# in them is one Triton kernel either way (sinkhorn_triton.py). Trainer and engine call the same
+# function, so both sides run the same kernels. LOCKSTEP_COMPILE=0 keeps everything eager.
 _compiled_coefficients = None
 
 
