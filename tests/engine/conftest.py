@@ -69,6 +69,16 @@ def full_sequence_logprobs(model, sample, temperature):
     return lp.gather(1, sample.response_ids.unsqueeze(1)).squeeze(1)
 
 
+def start_decoding(engine, reqs):
+    """Queue the requests and step until every sequence has sampled its first token -> the states."""
+    states = [engine._new_state(r) for r in reqs]
+    for s in states:
+        engine._add(s)
+    while not all(q.num_output >= 1 for s in states for q in s.sequences):
+        engine.step()
+    return states
+
+
 def same_outputs(a, b, exact=False, atol=1e-5):
     assert len(a) == len(b)
     for x, y in zip(a, b):

@@ -13,7 +13,8 @@ from lockstep.engine import GenerateRequest
 from lockstep.engine.cuda_graph import bucket_sizes
 from lockstep.engine.sync_audit import SyncAudit
 
-from conftest import DEVICE, greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
+from conftest import (DEVICE, greedy, make_engine, prompts, requests, same_outputs, sampled, start_decoding,
+                      tiny_dsv4)
 
 
 def params_for(i):
@@ -82,11 +83,7 @@ def test_a_decode_step_syncs_once(graphs):
     engine = graph_engine(28, decode_steps=1, **kw) if graphs else make_engine(seed=28, cuda_graph=False, **kw)
     ps = prompts(5, lo=10, hi=40, seed=29)
     params = [greedy(max_new_tokens=20), sampled(seed=1, max_new_tokens=20, top_k=5, return_routed_experts=True)]
-    states = [engine._new_state(r) for r in requests(ps, lambda i: params[i % 2])]
-    for s in states:
-        engine._add(s)
-    while not all(q.num_output >= 1 for s in states for q in s.sequences):
-        engine.step()
+    states = start_decoding(engine, requests(ps, lambda i: params[i % 2]))
     with SyncAudit() as audit:
         for _ in range(4):
             engine.step()

@@ -9,11 +9,10 @@ import torch
 from lockstep.config import SamplingParams
 from lockstep.engine import GenerateRequest
 from lockstep.engine.multi_step import window_steps
-from lockstep.engine.request import GenerateRequest as Req
 from lockstep.engine.request import RequestState
 from lockstep.engine.sync_audit import SyncAudit
 
-from conftest import DEVICE, greedy, make_engine, prompts, requests, sampled
+from conftest import DEVICE, greedy, make_engine, prompts, requests, sampled, start_decoding
 
 
 def graph_engine(seed, decode_steps, **kw):
@@ -75,10 +74,8 @@ def test_windows_with_siblings_and_max_model_len():
 
 
 def test_window_steps_caps():
-    engine = make_engine(seed=45)
-
     def seq(prompt_len, generated, max_new):
-        state = RequestState(Req(list(range(1, prompt_len + 1)), greedy(max_new_tokens=max_new)))
+        state = RequestState(GenerateRequest(list(range(1, prompt_len + 1)), greedy(max_new_tokens=max_new)))
         s = state.sequences[0]
         s.tokens += [1] * generated
         return s
@@ -87,18 +84,13 @@ def test_window_steps_caps():
     assert window_steps([seq(10, 2, 50), seq(90, 3, 50)], 8, 96) == 3  # 93 of 96 positions used
     assert window_steps([seq(10, 2, 5), seq(5, 0, 4)], 8, 96) == 4  # nobody may sample more than 4
     assert window_steps([seq(95, 0, 5)], 8, 96) == 1
-    del engine
 
 
 def test_a_window_reads_back_once():
     engine = graph_engine(46, decode_steps=4)
     ps = prompts(5, lo=10, hi=40, seed=47)
     params = [greedy(max_new_tokens=30), sampled(seed=1, max_new_tokens=30, top_k=5, return_routed_experts=True)]
-    states = [engine._new_state(r) for r in requests(ps, lambda i: params[i % 2])]
-    for s in states:
-        engine._add(s)
-    while not all(q.num_output >= 1 for s in states for q in s.sequences):
-        engine.step()
+    states = start_decoding(engine, requests(ps, lambda i: params[i % 2]))
     before = [q.num_output for s in states for q in s.sequences]
     with SyncAudit() as audit:
         fed = [engine.step() for _ in range(3)]
