@@ -4,6 +4,8 @@ in the batch until the window ends, which changes only rounding), read back once
 sequences exactly where single steps would. Run through the decode graphs' eager stand-in on
 the CPU (captured graphs on CUDA)."""
 
+import dataclasses
+
 import torch
 
 from lockstep.config import SamplingParams
@@ -47,8 +49,7 @@ def test_windows_equal_single_steps_bitwise_for_the_same_batch():
     # 6 prompts of 5 tokens prefill in one step (budget 32), then decode together and stop together
     # (16 tokens: the prefill's first, then windows of 8 and 7): every step sees the same batch
     ps = prompts(6, lo=5, hi=6, seed=40)
-    params = lambda i: mixed_params(i).__class__(**{**vars(mixed_params(i)), "max_new_tokens": 16,  # noqa: E731
-                                                    "stop_token_ids": ()})
+    params = lambda i: dataclasses.replace(mixed_params(i), max_new_tokens=16, stop_token_ids=())  # noqa: E731
     single = graph_engine(42, decode_steps=1).generate(requests(ps, params))
     multi = graph_engine(42, decode_steps=8).generate(requests(ps, params))
     identical(multi, single)
