@@ -10,9 +10,11 @@ sequence decodes, the engine instead queues K steps back to back:
   (`DecodeGraphs.advance`), so nothing is read back between steps;
 - one read brings back the K x N tokens and logprobs, and the host replays them step by step
   through the usual stop checks, in the order K single steps would have finished sequences.
-The outputs are bitwise those of K single steps (same graphs, same sampler, same inputs). A
-sequence that stops at step j < K - 1 had K - 1 - j more tokens computed and dropped; they
-were written only into its own cache slot, which is reset before the slot is handed out again.
+The outputs are bitwise those of K single steps while the batch stays the same (same graphs,
+same sampler, same inputs). A sequence that stops at step j < K - 1 stays in the batch: it has
+K - 1 - j more tokens computed and dropped, written only into its own cache slot (reset before
+the slot is handed out again), and the others see a batch one row larger than single steps
+would have run, which outside batch-invariant mode changes rounding only.
 
 K is capped so that no sequence passes max_model_len (its cache has no room past it) and by
 the most tokens any of the sequences may still sample.
