@@ -37,31 +37,43 @@ def window_steps(seqs, max_steps: int, max_model_len: int) -> int:
 @torch.no_grad()
 def decode_window(engine, seqs, K: int) -> None:
     """Run K decode steps of `seqs` through the engine's decode graphs, then append the tokens
-    and finish the sequences that stopped."""
-    tokens_KN, logprobs_KN, routed = _run_on_device(engine, seqs, K)
-    active = [True] * len(seqs)
-    for k in range(K):
-        for i, seq in enumerate(seqs):
-            if not active[i]:
-                continue  # stopped earlier in the window: this token is dropped
-            if routed is not None and seq.sampling.return_routed_experts:
-                seq.record_routing(seq.num_computed, routed[k, i])
+    and finish the sequences that stopped, in the order K single steps would have."""
+    tokens_NK, logprobs_NK, routed_NK = _run_on_device(engine, seqs, K)
+    stopped = []  # (step, index in seqs, reason)
+    for i, seq in enumerate(seqs):
+        if routed_NK is not None and seq.sampling.return_routed_experts:
+            seq.record_routing(seq.num_computed, routed_NK[i])  # positions past a stop are never read
+        hit = _accept(engine, seq, tokens_NK[i], logprobs_NK[i])
+        if hit is not None:
+            stopped.append((hit[0], i, hit[1]))
+    for _, i, reason in sorted(stopped):
+        engine._finish(seqs[i], reason)
+
+
+def _accept(engine, seq, tokens: list[int], logprobs: list[float]) -> tuple[int, str] | None:
+    """Append seq's tokens up to its first stop -> (step, reason) of that stop, or None."""
+    if seq.sampling.stop and engine.stop.tokenizer is not None:
+        for k, (tok, lp) in enumerate(zip(tokens, logprobs)):  # stop strings: decoded text per token
             seq.num_computed += 1
-            seq.append_token(tokens_KN[k][i], logprobs_KN[k][i], engine.weight_version)
+            seq.append_token(tok, lp, engine.weight_version)
             reason = engine.stop.check(seq)
             if reason is not None:
-                active[i] = False
-                engine._finish(seq, reason)
+                return k, reason
+        return None
+    hit = engine.stop.first_stop(seq, tokens)
+    n = len(tokens) if hit is None else hit[0] + 1
+    seq.num_computed += n
+    seq.extend_tokens(tokens[:n], logprobs[:n], engine.weight_version)
+    return hit
 
 
 def _run_on_device(engine, seqs, K: int):
-    """-> (tokens [K][N], logprobs [K][N] as lists, routed experts [K, N, 1, L, k] on the host or None)."""
+    """-> (tokens [N][K], logprobs [N][K] as lists, routed experts [N, K, L, k] on the host or None)."""
     graphs, sampler = engine.adapter.graphs, engine.sampler
     N = len(seqs)
     params = [s.sampling for s in seqs]
-    rows, seeds = list(range(N)), [s.seed for s in seqs]
-    tables = to_device([sampler.table(rows, params, seeds, [s.num_output + k for s in seqs]) for k in range(K)],
-                       graphs.meta.device, torch.float64)
+    table = sampler.window_table(params, [s.seed for s in seqs], [s.num_output for s in seqs], K)
+    tables = to_device(table, graphs.meta.device, torch.float64)
     want_routing = any(p.return_routed_experts for p in params)
     engine.cache.prepare()
     graphs.load(seqs)
@@ -75,7 +87,8 @@ def _run_on_device(engine, seqs, K: int):
         logprobs.append(lp)
         if experts is not None:
             routed.append(experts)
-    routed_host = to_host_async(torch.stack(routed)) if routed else None  # complete after the read below
+    # [K, N, 1, L, k] -> [N, K, L, k]; the copy completes with the read below
+    routed_host = to_host_async(torch.stack(routed, dim=1).squeeze(2)) if routed else None
     # fp64 holds every token id and every fp32 logprob exactly: one device->host copy for all
-    tok, lp = torch.stack([torch.stack(tokens).double(), torch.stack(logprobs).double()]).tolist()
+    tok, lp = torch.stack([torch.stack(tokens, dim=1).double(), torch.stack(logprobs, dim=1).double()]).tolist()
     return [[int(t) for t in row] for row in tok], lp, routed_host

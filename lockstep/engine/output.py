@@ -37,6 +37,19 @@ class StopChecker:
             return "length"
         return None
 
+    def first_stop(self, seq: Sequence, new_tokens: list[int]) -> tuple[int, str] | None:
+        """Where `check` would first stop seq if new_tokens were appended one at a time:
+        (index into new_tokens, reason), or None. Without stop strings (they need the decoded
+        text of every prefix: append and `check` token by token for those)."""
+        p = seq.sampling
+        # the token after which a length cap is reached (a running sequence is below both caps)
+        last = max(0, min(p.max_new_tokens - seq.num_output, self.max_model_len - len(seq.tokens)) - 1)
+        stops = set(p.stop_token_ids) if p.ignore_eos else self.eos.union(p.stop_token_ids)
+        for j, tok in enumerate(new_tokens[:last + 1]):
+            if tok in stops:
+                return j, "stop"
+        return (last, "length") if last < len(new_tokens) else None
+
     def _cut_at_stop_string(self, seq: Sequence) -> bool:
         text = self.decode(seq.output_ids)
         hits = [i for i in (text.find(s) for s in seq.sampling.stop) if i >= 0]

@@ -66,9 +66,12 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
         self.logprobs: list[float] = []
-        # routed experts [L, k] of position prompt_len - 1 + t, i.e. of the forward that produced
-        # the logits of response token t (filled in as positions are computed; recompute overwrites)
-        self.routed: dict[int, torch.Tensor] = {}
+        # routed experts as recorded: (first position, [S, L, k]) blocks of the positions from
+        # prompt_len - 1 on, in the order computed (a recompute after preemption records again;
+        # the later block wins). Row t of `routed_experts()` is position prompt_len - 1 + t,
+        # the forward that produced response token t. Blocks, not rows: a decode window records
+        # one block per sequence instead of K tensors.
+        self.routed: list[tuple[int, torch.Tensor]] = []
         self.slot: int | None = None  # cache slot (DeepSeek-V4) or None
         self.block_table: list[int] = []  # paged caches (Llama)
         self.status = SequenceStatus.WAITING
@@ -104,18 +107,29 @@ class Sequence:
         self.logprobs.append(float(logprob))
         self.weight_version = version
 
+    def extend_tokens(self, tokens: list[int], logprobs: list[float], version: int) -> None:
+        """append_token for several tokens at once (multi-step decode)."""
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.weight_version = version
+
     def record_routing(self, first_pos: int, experts_SLk: torch.Tensor) -> None:
         """experts [S, L, k] of positions first_pos .. first_pos + S - 1; keep the response-producing ones."""
-        lo = self.prompt_len - 1
-        for s in range(max(0, lo - first_pos), experts_SLk.shape[0]):
-            self.routed[first_pos + s] = experts_SLk[s]
+        skip = max(0, self.prompt_len - 1 - first_pos)
+        if skip < experts_SLk.shape[0]:
+            self.routed.append((first_pos + skip, experts_SLk[skip:]))
 
     def routed_experts(self, n_layers: int, top_k: int) -> torch.Tensor:
         """[R, L, k] int32: row t is the routing of position prompt_len - 1 + t."""
-        rows = [self.routed[self.prompt_len - 1 + t] for t in range(self.num_output)]
-        if not rows:
-            return torch.zeros(0, n_layers, top_k, dtype=torch.int32)
-        return torch.stack(rows).to(torch.int32).cpu()
+        lo, R = self.prompt_len - 1, self.num_output
+        out = torch.full((R, n_layers, top_k), -1, dtype=torch.int32)
+        for first, block in self.routed:  # in recording order: a recompute overwrites
+            a, b = first - lo, min(first - lo + block.shape[0], R)
+            if a < b:
+                out[a:b] = block[:b - a]
+        if R and (out[:, 0, 0] < 0).any():
+            raise RuntimeError(f"{self.seq_id}: routed experts missing for some response positions")
+        return out
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, {self.status.value}, tokens={len(self.tokens)}, "

@@ -27,6 +27,7 @@ When all rows share one temperature, x / T divides by a Python float exactly as 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from lockstep.config import SamplingParams
@@ -43,6 +44,20 @@ def uniform(seed: int, t: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
     z ^= z >> 31
     return ((z >> 11) + 0.5) / 2**53
+
+
+def uniforms(seeds, steps) -> np.ndarray:
+    """`uniform(seed, t)` over arrays (broadcast against each other), bit for bit: uint64
+    arithmetic wraps modulo 2^64 as the masks above do, and the last step is the same float64
+    addition and division. For multi-step decode's tables (K x N draws at once)."""
+    z = np.asarray([s & _M64 for s in seeds], dtype=np.uint64)
+    t = np.asarray(steps, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + (t + np.uint64(1)) * np.uint64(_GAMMA)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) / 2.0**53
 
 
 def truncate_probs(probs_MV: torch.Tensor, top_k, top_p) -> torch.Tensor:
@@ -88,6 +103,18 @@ class Sampler:
         """Per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p."""
         return [[r, _temperature(p), uniform(s, i) if p.temperature > 0 else -1.0, p.top_k, p.top_p]
                 for r, p, s, i in zip(rows, params, seeds, steps)]
+
+    @staticmethod
+    def window_table(params: list[SamplingParams], seeds: list[int], first_steps: list[int], K: int) -> np.ndarray:
+        """`table` for K consecutive draws of N sequences, one logits row each -> [K, N, 5]:
+        draw k of sequence i is its token first_steps[i] + k."""
+        base = np.asarray([[i, _temperature(p), -1.0, p.top_k, p.top_p] for i, p in enumerate(params)], np.float64)
+        table = np.repeat(base[None], K, axis=0)
+        sampled = np.asarray([p.temperature > 0 for p in params])
+        if sampled.any():
+            steps = np.asarray(first_steps, dtype=np.int64)[None, :] + np.arange(K)[:, None]
+            table[:, :, 2] = np.where(sampled[None, :], uniforms(seeds, steps), -1.0)
+        return table
 
     @staticmethod
     def draw(logits_MV: torch.Tensor, table: torch.Tensor, params: list[SamplingParams],

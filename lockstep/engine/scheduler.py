@@ -158,7 +158,7 @@ class Scheduler:
             if room:
                 sib.num_computed = leader.num_computed
                 self.cache.fork(leader, sib)
-                sib.routed = dict(leader.routed)
+                sib.routed = list(leader.routed)
                 sib.status = SequenceStatus.RUNNING
                 self.running.append(sib)
                 forked.append(sib)

@@ -15,8 +15,9 @@ import torch
 
 
 def to_device(values, device, dtype=torch.long) -> torch.Tensor:
-    """A list (or nested lists) of Python numbers -> a tensor on `device`, queued without a sync."""
-    t = torch.tensor(values, dtype=dtype)
+    """A list (or nested lists) of Python numbers, or a numpy array -> a tensor on `device`,
+    queued without a sync."""
+    t = torch.as_tensor(values, dtype=dtype)
     if torch.device(device).type == "cuda":
         t = t.pin_memory()
     return t.to(device, non_blocking=True)  # on the CPU: t itself

@@ -99,3 +99,28 @@ def test_a_window_reads_back_once():
     assert [q.num_output for s in states for q in s.sequences] == [n + 12 for n in before]
     assert audit.counts["sync_ops"] == 0 and audit.counts["h2d_blocking"] == 0
     assert audit.counts["value_reads"] == 3, audit.counts
+
+
+def test_first_stop_is_where_token_by_token_checks_stop():
+    from lockstep.engine.output import StopChecker
+
+    g = torch.Generator().manual_seed(48)
+    for trial in range(300):
+        eos = (1,) if trial % 2 else ()
+        checker = StopChecker(eos, None, max_model_len=int(torch.randint(20, 40, (1,), generator=g)))
+        p = SamplingParams(max_new_tokens=int(torch.randint(1, 15, (1,), generator=g)), ignore_eos=trial % 3 == 0,
+                           stop_token_ids=tuple(torch.randint(0, 8, (trial % 3,), generator=g).tolist()))
+        prompt = torch.randint(2, 8, (int(torch.randint(1, 19, (1,), generator=g)),), generator=g).tolist()
+        seq = RequestState(GenerateRequest(prompt, p)).sequences[0]
+        seq.tokens += [2] * min(int(torch.randint(0, 6, (1,), generator=g)), p.max_new_tokens - 1,
+                                checker.max_model_len - len(prompt) - 1)
+        new = torch.randint(0, 8, (8,), generator=g).tolist()
+        want = None
+        for j, tok in enumerate(new):  # the reference: append one token at a time
+            seq.tokens.append(tok)
+            reason = checker.check(seq)
+            if reason is not None:
+                want = (j, reason)
+                break
+        del seq.tokens[len(seq.tokens) - (j + 1):]
+        assert checker.first_stop(seq, new) == want, (trial, p, len(prompt), new)

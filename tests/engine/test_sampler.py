@@ -96,3 +96,23 @@ def test_a_call_reads_the_device_once():
     with SyncAudit() as audit:
         draw(logits, params, [1, 0, 2, 3], [0, 0, 7, 2], rows=[0, 1, 2, 2])
     assert audit.syncs == 1 and audit.counts["value_reads"] == 1
+
+
+def test_vectorised_uniforms_are_bitwise_the_scalar_ones():
+    from lockstep.engine.sampler import uniforms
+
+    g = torch.Generator().manual_seed(9)
+    seeds = [0, 1, -5, 2**62 + 17, 2**64 - 1] + torch.randint(0, 2**62, (20,), generator=g).tolist()
+    steps = [[0] * len(seeds), list(range(len(seeds))), [10**6 + 3 * i for i in range(len(seeds))]]
+    got = uniforms(seeds, steps)  # seeds broadcast over the rows of steps
+    want = [[uniform(s, t) for s, t in zip(seeds, row)] for row in steps]
+    assert got.tolist() == want
+
+
+def test_window_table_rows_are_the_single_step_tables():
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, seed=3),
+              SamplingParams(temperature=1.2, top_p=0.7, seed=5)]
+    seeds, first = [11, 3, 5], [0, 7, 2]
+    table = Sampler.window_table(params, seeds, first, K=4)
+    for k in range(4):
+        assert table[k].tolist() == Sampler.table([0, 1, 2], params, seeds, [f + k for f in first])
