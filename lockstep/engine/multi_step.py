@@ -8,8 +8,10 @@ sequence decodes, the engine instead queues K steps back to back:
   sampler.py) travel to the device in one copy up front;
 - each step's sampled tokens become the next step's inputs on the device
   (`DecodeGraphs.advance`), so nothing is read back between steps;
-- one read brings back the K x N tokens and logprobs, and the host replays them step by step
-  through the usual stop checks, in the order K single steps would have finished sequences.
+- one read brings back the K x N tokens and logprobs; the host appends each sequence's tokens
+  up to its first stop (`StopChecker.first_stop`; token by token through `check` where stop
+  strings need the decoded text) and finishes the stopped sequences in the order K single
+  steps would have.
 The outputs are bitwise those of K single steps while the batch stays the same (same graphs,
 same sampler, same inputs). A sequence that stops at step j < K - 1 stays in the batch: it has
 K - 1 - j more tokens computed and dropped, written only into its own cache slot (reset before
