@@ -4,6 +4,7 @@ in the batch until the window ends, which changes only rounding), read back once
 sequences exactly where single steps would. Run through the decode graphs' eager stand-in on
 the CPU (captured graphs on CUDA)."""
 
+import asyncio
 import dataclasses
 
 import torch
@@ -124,3 +125,30 @@ def test_first_stop_is_where_token_by_token_checks_stop():
                 break
         del seq.tokens[len(seq.tokens) - (j + 1):]
         assert checker.first_stop(seq, new) == want, (trial, p, len(prompt), new)
+
+
+def test_windows_through_the_background_loop_with_an_abort():
+    # concurrent callers join the running batch between windows; an abort lands at a window's end
+    ps = prompts(6, lo=3, hi=30, seed=49)
+    params = lambda i: greedy(max_new_tokens=40 if i == 0 else 12 + i)  # noqa: E731
+    ref = graph_engine(50, decode_steps=1).generate(requests(ps, params))
+    engine = graph_engine(50, decode_steps=8)
+    reqs = requests(ps, params)
+
+    async def main():
+        tasks = [asyncio.ensure_future(engine.generate_async(r)) for r in reqs]
+        while reqs[0].request_id not in engine._requests:
+            await asyncio.sleep(0.001)
+        while engine._requests[reqs[0].request_id].sequences[0].num_output < 10:
+            await asyncio.sleep(0.001)
+        engine.abort(reqs[0].request_id)
+        return await asyncio.gather(*tasks)
+
+    try:
+        got = [s for group in asyncio.run(main()) for s in group]
+    finally:
+        engine.shutdown()
+    aborted = got[0]
+    assert aborted.finish_reason == "abort" and 10 <= aborted.response_len < 40
+    assert aborted.response_ids.tolist() == ref[0].response_ids.tolist()[:aborted.response_len]
+    identical(got[1:], ref[1:], atol=1e-5 if DEVICE == "cpu" else 2e-2)
