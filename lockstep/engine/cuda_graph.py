@@ -9,7 +9,8 @@ so shapes never depend on how long the sequences are), every cache write has a f
 bincount, and nothing reads a device value back on the host.
 
 Static input: `meta` [max_batch, 4] long = (token id, slot, start position, num_new) per row,
-filled by one non-blocking host->device copy per step. A batch of N rows is padded up to the
+filled by one non-blocking host->device copy per step (in multi-step decode, once per window;
+`advance` moves it on by one step on the device). A batch of N rows is padded up to the
 smallest bucket B >= N with rows (token 0, the scratch slot, position 0, num_new 0): they attend
 to nothing, write only to the scratch slot, and their outputs are dropped. Static outputs: the
 logits [B, V] fp32 and each MoE layer's routed experts [B, 1, k].

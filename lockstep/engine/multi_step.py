@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.engine.sampler import draw_plan
 from lockstep.engine.transfer import to_device, to_host_async
 
 
@@ -74,15 +75,16 @@ def _run_on_device(engine, seqs, K: int):
     graphs, sampler = engine.adapter.graphs, engine.sampler
     N = len(seqs)
     params = [s.sampling for s in seqs]
-    table = sampler.window_table(params, [s.seed for s in seqs], [s.num_output for s in seqs], K)
+    table = sampler.table(list(range(N)), params, [s.seed for s in seqs], [s.num_output for s in seqs], K)
     tables = to_device(table, graphs.meta.device, torch.float64)
+    plan = draw_plan(params)
     want_routing = any(p.return_routed_experts for p in params)
     engine.cache.prepare()
     graphs.load(seqs)
     tokens, logprobs, routed = [], [], []
     for k in range(K):
         logits, experts = graphs.run(N, want_routing)
-        tok, lp = sampler.draw(logits, tables[k], params, identity_rows=True)
+        tok, lp = sampler.draw(logits, tables[k], plan, identity_rows=True)
         if k + 1 < K:
             graphs.advance(tok)
         tokens.append(tok)

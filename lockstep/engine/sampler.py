@@ -27,6 +27,8 @@ When all rows share one temperature, x / T divides by a Python float exactly as 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 
@@ -38,7 +40,8 @@ _M64 = (1 << 64) - 1
 
 
 def uniform(seed: int, t: int) -> float:
-    """Output t of SplitMix64 seeded with `seed`, as a float in (0, 1) with 53 random bits."""
+    """Output t of SplitMix64 seeded with `seed`, as a float in (0, 1) with 53 random bits: the
+    definition; the sampler draws through `uniforms`, its vectorised twin (tested bit for bit)."""
     z = (seed + (t + 1) * _GAMMA) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
@@ -49,7 +52,7 @@ def uniform(seed: int, t: int) -> float:
 def uniforms(seeds, steps) -> np.ndarray:
     """`uniform(seed, t)` over arrays (broadcast against each other), bit for bit: uint64
     arithmetic wraps modulo 2^64 as the masks above do, and the last step is the same float64
-    addition and division. For multi-step decode's tables (K x N draws at once)."""
+    addition and division. One call builds a step's table (K x N draws in multi-step decode)."""
     z = np.asarray([s & _M64 for s in seeds], dtype=np.uint64)
     t = np.asarray(steps, dtype=np.uint64)
     with np.errstate(over="ignore"):
@@ -83,6 +86,22 @@ def inverse_cdf(probs_MV: torch.Tensor, u_M1: torch.Tensor) -> torch.Tensor:
     return drawn.squeeze(1).clamp(max=probs_MV.shape[-1] - 1)
 
 
+class DrawPlan(NamedTuple):
+    """What a batch's draw needs, decided on the host once per batch (per window in multi-step
+    decode, where the same sequences draw K times)."""
+
+    temperature: float | None  # the one temperature of every row, or None: the table's column
+    sampled: bool  # some row samples (temperature > 0)
+    truncated: bool  # some sampled row has top-k or top-p
+
+
+def draw_plan(params: list[SamplingParams]) -> DrawPlan:
+    temps = {_temperature(p) for p in params}
+    sampled = [p for p in params if p.temperature > 0]
+    return DrawPlan(temps.pop() if len(temps) == 1 else None, bool(sampled),
+                    any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+
+
 class Sampler:
     """Samples one token for each (row, sequence) pair; several sequences may share a row
     (the n samples of a prompt all draw their first token from the leader's prefill logits)."""
@@ -92,23 +111,19 @@ class Sampler:
         """-> (tokens, logprobs) as Python lists; steps[i] = index of the token drawn for row i."""
         if not rows:
             return [], []
-        table = to_device(self.table(rows, params, seeds, steps), logits_MV.device, torch.float64)
-        tokens, chosen = self.draw(logits_MV, table, params, identity_rows=rows == list(range(logits_MV.shape[0])))
+        table = to_device(self.table(rows, params, seeds, steps)[0], logits_MV.device, torch.float64)
+        tokens, chosen = self.draw(logits_MV, table, draw_plan(params),
+                                   identity_rows=rows == list(range(logits_MV.shape[0])))
         # fp64 holds every token id and every fp32 logprob exactly: one device->host copy for both
         tok, lp = torch.stack([tokens.double(), chosen.double()]).tolist()
         return [int(t) for t in tok], lp
 
     @staticmethod
-    def table(rows: list[int], params: list[SamplingParams], seeds: list[int], steps: list[int]) -> list[list[float]]:
-        """Per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p."""
-        return [[r, _temperature(p), uniform(s, i) if p.temperature > 0 else -1.0, p.top_k, p.top_p]
-                for r, p, s, i in zip(rows, params, seeds, steps)]
-
-    @staticmethod
-    def window_table(params: list[SamplingParams], seeds: list[int], first_steps: list[int], K: int) -> np.ndarray:
-        """`table` for K consecutive draws of N sequences, one logits row each -> [K, N, 5]:
-        draw k of sequence i is its token first_steps[i] + k."""
-        base = np.asarray([[i, _temperature(p), -1.0, p.top_k, p.top_p] for i, p in enumerate(params)], np.float64)
+    def table(rows: list[int], params: list[SamplingParams], seeds: list[int], first_steps: list[int],
+              K: int = 1) -> np.ndarray:
+        """[K, M, 5] per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p.
+        Draw k of row i is the sequence's token first_steps[i] + k (K > 1: multi-step decode)."""
+        base = np.asarray([[r, _temperature(p), -1.0, p.top_k, p.top_p] for r, p in zip(rows, params)], np.float64)
         table = np.repeat(base[None], K, axis=0)
         sampled = np.asarray([p.temperature > 0 for p in params])
         if sampled.any():
@@ -117,20 +132,18 @@ class Sampler:
         return table
 
     @staticmethod
-    def draw(logits_MV: torch.Tensor, table: torch.Tensor, params: list[SamplingParams],
+    def draw(logits_MV: torch.Tensor, table: torch.Tensor, plan: DrawPlan,
              identity_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The tokens and their logprobs, on the logits' device, without reading anything back.
         identity_rows: table row i samples from logits row i (no gather needed)."""
         x = logits_MV if identity_rows else logits_MV.index_select(0, table[:, 0].long())
         x = x.float()
-        temps = [_temperature(p) for p in params]
-        T = temps[0] if all(t == temps[0] for t in temps) else table[:, 1:2].float()
+        T = plan.temperature if plan.temperature is not None else table[:, 1:2].float()
         logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
         tokens = x.argmax(dim=-1)
-        sampled = [p for p in params if p.temperature > 0]
-        if sampled:
+        if plan.sampled:
             probs = logp.exp()
-            if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled):
+            if plan.truncated:
                 probs = truncate_probs(probs, table[:, 3].long(), table[:, 4])
             u = table[:, 2:3]
             tokens = torch.where(u[:, 0] >= 0, inverse_cdf(probs, u.clamp(min=0)), tokens)

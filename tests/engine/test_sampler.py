@@ -109,10 +109,12 @@ def test_vectorised_uniforms_are_bitwise_the_scalar_ones():
     assert got.tolist() == want
 
 
-def test_window_table_rows_are_the_single_step_tables():
+def test_table_rows_for_k_draws():
+    # row i of draw k: its logits row, T, u(seed, first + k) or -1 when greedy, top_k, top_p
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_k=4, seed=3),
               SamplingParams(temperature=1.2, top_p=0.7, seed=5)]
     seeds, first = [11, 3, 5], [0, 7, 2]
-    table = Sampler.window_table(params, seeds, first, K=4)
+    table = Sampler.table([2, 0, 1], params, seeds, first, K=4)
     for k in range(4):
-        assert table[k].tolist() == Sampler.table([0, 1, 2], params, seeds, [f + k for f in first])
+        assert table[k].tolist() == [[2, 1.0, -1.0, -1, 1.0], [0, 0.8, uniform(3, 7 + k), 4, 1.0],
+                                     [1, 1.2, uniform(5, 2 + k), -1, 0.7]]
