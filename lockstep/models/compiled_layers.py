@@ -1,9 +1,10 @@
 """Regional compilation of DeepSeek-V4 decoder layers (the engine's decode step).
 
-torch.compile fuses a layer's many small ops (mHC, norms, RoPE, masks, Sinkhorn) into a few
-dozen kernels. It compiles the layer, not the model: layers of the same kind (attention kind x
-router kind) run one compiled graph, so a model compiles once per kind, and the token dimensions
-are dynamic, so one compilation serves every batch size.
+torch.compile fuses a layer's many small ops (mHC, norms, RoPE, masks) into a few dozen kernels
+(the Sinkhorn inside mHC is already one Triton kernel, kept as it is: sinkhorn_triton.py). It
+compiles the layer, not the model: layers of the same kind (attention kind x router kind) run
+one compiled graph, so a model compiles once per kind, and the token dimensions are dynamic, so
+one compilation serves every batch size.
 
 Three things keep the compiler from recompiling per layer or per batch size:
 - the compiled region takes this layer's slice of the forced experts (`Routing.layer_forced`)
@@ -16,9 +17,9 @@ Three things keep the compiler from recompiling per layer or per batch size:
 
 `CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`, passed per call (the
 engine's decode step) or installed for every forward by `compile_layers(model)` (the trainer,
-TrainConfig.compile_backend). The backend is torch.compile's (a name or a callable); "inductor" is the fast one (CUDA; on CPU it needs a C++
-toolchain and minutes); "eager" / "aot_eager" trace the same region without code generation,
-which is what the CPU tests run.
+TrainConfig.compile_backend). The backend is torch.compile's (a name or a callable); "inductor"
+is the fast one (CUDA; on CPU it needs a C++ toolchain and minutes); "eager" / "aot_eager" trace
+the same region without code generation, which is what the CPU tests run.
 Where the native grouped GEMM is unavailable (fp32, CPU backward) the region uses a gathered
 form instead of the reference loop over experts, which would break the graph.
 """
@@ -37,7 +38,7 @@ def _layer_with_experts(layer, streams, input_ids, forced, attend):
 
 
 class CompiledLayers:
-    def __init__(self, backend: str = "inductor"):
+    def __init__(self, backend="inductor"):
         self.backend = backend
         # inductor keeps a fused chain of bf16 ops in fp32 and rounds once; eager rounds after
         # every op. The trainer runs eager, so the engine emulates eager's roundings: on a bf16
