@@ -16,7 +16,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 
-def profile_generate(engine, requests, top: int = 25) -> str:
+def profile_generate(engine, requests, top: int = 40) -> str:
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t = time.perf_counter()
@@ -33,4 +33,25 @@ def profile_generate(engine, requests, top: int = 25) -> str:
              f"{len(kernels)} kernels ({len(kernels) / steps:.0f} per step, mean {device_us / max(len(kernels), 1):.1f} us)"]
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(times) / device_us:6.1%} {sum(times) / 1e3:8.2f} ms  {len(times):6d}x  {name[:110]}")
+    return "\n".join(lines)
+
+
+def decode_step_trace(engine, requests) -> str:
+    """The kernels of a generate's last decode step in launch order (name, device us), one per line:
+    which op each of the step's several hundred kernels comes from. Run it with max_new_tokens=2
+    (prefill, then one decode step); the step is the kernels after the last gap of > 50 us."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(requests)
+        torch.cuda.synchronize()
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    start = 0
+    for i in range(1, len(kernels)):
+        if kernels[i].time_range.start - kernels[i - 1].time_range.end > 50:
+            start = i
+    step = kernels[start:]
+    total = step[-1].time_range.end - step[0].time_range.start
+    lines = [f"last step: {len(step)} kernels, {sum(e.device_time for e in step):.0f} us device, {total:.0f} us span"]
+    lines += [f"{e.device_time:7.1f}  {e.name[:150]}" for e in step]
     return "\n".join(lines)

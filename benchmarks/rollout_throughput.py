@@ -169,13 +169,15 @@ def main(argv=None) -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
+    ap.add_argument("--step-trace", metavar="PATH",
+                    help="CUDA: write the kernels of one decode step, in launch order, to PATH")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = ap.parse_args(argv)
-    if args.profile and not args.device.startswith("cuda"):
-        ap.error("--profile reads CUDA kernel times: use --device cuda")
+    if (args.profile or args.step_trace) and not args.device.startswith("cuda"):
+        ap.error("--profile and --step-trace read CUDA kernel times: use --device cuda")
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -222,6 +224,12 @@ def main(argv=None) -> None:
 
         sp = SamplingParams(temperature=0.0, max_new_tokens=args.new_tokens, ignore_eos=True)
         print(profile_generate(engine, [GenerateRequest(p, sp) for p in prompts]))
+    if args.step_trace:
+        from kernel_profile import decode_step_trace
+
+        sp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+        with open(args.step_trace, "w") as f:
+            f.write(decode_step_trace(engine, [GenerateRequest(p, sp) for p in prompts]) + "\n")
 
 
 if __name__ == "__main__":

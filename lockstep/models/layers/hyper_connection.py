@@ -70,7 +70,16 @@ def hc_coefficients(mixes, base, scale, n: int, iters: int, eps: float):
 def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """X'_k = post_k * y + sum_j comb[j, k] X_j   (streams [..., n, D], block_out [..., D])."""
     dtype = streams.dtype
-    mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    comb = comb.to(dtype)
+    if torch.compiler.is_compiling():
+        # the same sums written element-wise (bf16 values, fp32 sums, one rounding: what the bf16
+        # GEMM computes), so inductor fuses them with the rest; as a GEMM it was a cuBLAS batched
+        # call of 4 x 4 x D products per token, ~9 us twice per layer in a decode step. Eager keeps
+        # the GEMM: this form's [..., n, n, D] fp32 product would be materialised.
+        prods = comb.float().unsqueeze(-1) * streams.float().unsqueeze(-2)  # [..., j, k, D]
+        mixed = prods.sum(dim=-3).to(dtype)
+    else:
+        mixed = torch.matmul(comb.transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
 
 
