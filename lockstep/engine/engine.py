@@ -63,6 +63,8 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
         apply_serving_format(self.model, config.serving_format)
+        if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM
+            self.model.fuse_projections()
         # never past the positions the model was built for
         limit = getattr(self.model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, limit)

@@ -22,6 +22,7 @@ from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
 from .layers.attention import DeepseekV4Attention, LayerCache
+from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
@@ -186,6 +187,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             input_ids, routing,
             lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, cache.layers[layer.layer_idx])))
         return self.compute_logits(hidden)
+
+    def fuse_projections(self) -> None:
+        """Per layer, the attention's and the MoE's input projections become one GEMM each
+        (layers/fused_linear.py; the engine calls this once its weights are in place)."""
+        for layer in self.model.layers:
+            fuse_linears(layer.self_attn, layer.self_attn.input_linears())
+            fuse_linears(layer.mlp, layer.mlp.input_linears())
 
     def new_cache(self, num_slots: int, max_len: int, dtype=None, device=None) -> "DeepseekV4Cache":
         p = self.lm_head.weight

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .compressor import Compressor, CompressorState
+from .fused_linear import project
 from .indexer import Indexer
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
@@ -83,6 +84,19 @@ class LayerCache:
         return out
 
 
+@dataclass
+class InputProjections:
+    """The layer input's projections (window / HCA layers leave the compressors' or indexer's None)."""
+
+    q_a: torch.Tensor
+    kv: torch.Tensor
+    comp_kv: torch.Tensor | None = None
+    comp_gate: torch.Tensor | None = None
+    index_kv: torch.Tensor | None = None
+    index_gate: torch.Tensor | None = None
+    index_weights: torch.Tensor | None = None
+
+
 class DeepseekV4Attention(nn.Module):
     def __init__(self, c, layer_idx: int):
         super().__init__()
@@ -117,13 +131,26 @@ class DeepseekV4Attention(nn.Module):
 
     # ---- shared pieces ----------------------------------------------------------------
 
-    def _project(self, h: torch.Tensor, positions: torch.Tensor):
-        N, S, _ = h.shape
+    def input_linears(self) -> list[nn.Linear]:
+        """Every projection of the layer input h, in `_input_projections`' order (fused_linear.py)."""
+        linears = [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            linears += [self.compressor.kv_proj, self.compressor.gate_proj]
+        if self.layer_type == CSA:
+            ix = self.compressor.indexer
+            linears += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
+        return linears
+
+    def _input_projections(self, h: torch.Tensor) -> "InputProjections":
+        return InputProjections(*project(self, self.input_linears(), h))
+
+    def _project(self, x: "InputProjections", positions: torch.Tensor):
+        N, S = positions.shape
         cos, sin = rope_cos_sin(self.inv_freq, positions)
-        q_res = self.q_a_norm(self.q_a_proj(h))
+        q_res = self.q_a_norm(x.q_a)
         q = rms_norm(self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim), self.norm_eps)
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
-        kv = apply_rope(self.kv_norm(self.kv_proj(h)), cos, sin)
+        kv = apply_rope(self.kv_norm(x.kv), cos, sin)
         return q_res, q, kv, cos, sin
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,9 +159,9 @@ class DeepseekV4Attention(nn.Module):
         grouped = self.o_a_proj(o.reshape(N, S, self.o_groups, -1))
         return self.o_b_proj(grouped.flatten(2))
 
-    def _compressed_bias(self, h, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
+    def _compressed_bias(self, x: "InputProjections", q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
         if self.layer_type == CSA:
-            return self.compressor.indexer.select(h, q_res, positions, index_keys, self.inv_freq)
+            return self.compressor.indexer.select(x.index_weights, q_res, positions, index_keys, self.inv_freq)
         return closed_block_bias(positions, num_entries, self.compressor.m)
 
     # ---- training: whole sequences from position 0 -----------------------------------
@@ -142,13 +169,14 @@ class DeepseekV4Attention(nn.Module):
     def forward_full(self, h: torch.Tensor) -> torch.Tensor:
         N, S, _ = h.shape
         positions = torch.arange(S, device=h.device).expand(N, S)
-        q_res, q, kv, cos, sin = self._project(h, positions)
+        x = self._input_projections(h)
+        q_res, q, kv, cos, sin = self._project(x, positions)
         keys, bias = kv, window_bias(positions, positions, torch.ones_like(positions, dtype=torch.bool), self.window)
         if self.compressor is not None:
-            entries = self.compressor.forward_full(h, self.inv_freq)
-            index_keys = (self.compressor.indexer.forward_full(h, self.inv_freq)
+            entries = self.compressor.forward_full(x.comp_kv, x.comp_gate, self.inv_freq)
+            index_keys = (self.compressor.indexer.forward_full(x.index_kv, x.index_gate, self.inv_freq)
                           if self.layer_type == CSA else None)
-            comp_bias = self._compressed_bias(h, q_res, positions, entries.shape[1], index_keys)
+            comp_bias = self._compressed_bias(x, q_res, positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([kv, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
 
@@ -156,7 +184,8 @@ class DeepseekV4Attention(nn.Module):
 
     def forward_step(self, h: torch.Tensor, batch, cache: LayerCache) -> torch.Tensor:
         """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
-        q_res, q, kv, cos, sin = self._project(h, batch.positions)
+        x = self._input_projections(h)
+        q_res, q, kv, cos, sin = self._project(x, batch.positions)
         ring_keys, ring_pos = self._read_window(cache, batch)
         keys = torch.cat([ring_keys, kv], dim=1)
         k_pos = torch.cat([ring_pos, batch.positions], dim=1)
@@ -164,8 +193,8 @@ class DeepseekV4Attention(nn.Module):
         bias = window_bias(batch.positions, k_pos, k_valid, self.window)
         self._write_window(cache, batch, kv)
         if self.compressor is not None:
-            entries, index_keys = self._step_compressors(h, batch, cache)
-            comp_bias = self._compressed_bias(h, q_res, batch.positions, entries.shape[1], index_keys)
+            entries, index_keys = self._step_compressors(x, batch, cache)
+            comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
 
@@ -186,15 +215,16 @@ class DeepseekV4Attention(nn.Module):
         ring = torch.where(keep, batch.positions % self.window, 0)
         cache.window[slots, ring] = kv.to(cache.window.dtype)
 
-    def _step_compressors(self, h, batch, cache: LayerCache):
+    def _step_compressors(self, x: "InputProjections", batch, cache: LayerCache):
         # entries of positions < max_end (host int), or the whole capacity (masked by position)
         used = None if batch.max_end is None else batch.max_end // self.compressor.m
         args = (batch.start_pos, batch.num_new)
-        self.compressor.forward_step(h, *args, cache.compressor, batch.slots, self.inv_freq)
+        self.compressor.forward_step(x.comp_kv, x.comp_gate, *args, cache.compressor, batch.slots, self.inv_freq)
         entries = cache.compressor.entries[batch.slots, :used]
         index_keys = None
         if self.layer_type == CSA:
-            self.compressor.indexer.forward_step(h, *args, cache.indexer, batch.slots, self.inv_freq)
+            self.compressor.indexer.forward_step(x.index_kv, x.index_gate, *args, cache.indexer, batch.slots,
+                                                 self.inv_freq)
             index_keys = cache.indexer.entries[batch.slots, :used]
         return entries, index_keys
 

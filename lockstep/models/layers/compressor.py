@@ -39,9 +39,6 @@ class Compressor(nn.Module):
     def width(self) -> int:
         return self.kv_proj.out_features
 
-    def project(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv_proj(h), self.gate_proj(h)
-
     def pool_blocks(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
                     prev_gate: torch.Tensor | None) -> torch.Tensor:
         """kv/gate [N, nb, m, width] with position bias added -> pooled entries [N, nb, D] (pre-norm).
@@ -66,25 +63,26 @@ class Compressor(nn.Module):
         cos, sin = rope_cos_sin(inv_freq, block_starts)
         return apply_rope(self.kv_norm(pooled), cos, sin)
 
-    def forward_full(self, h: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """h [B, S, H] from position 0 -> entries [B, S // m, D] of every closed block."""
-        B, S, _ = h.shape
+    def forward_full(self, kv: torch.Tensor, gate: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """kv, gate [B, S, width] (kv_proj(h), gate_proj(h)) from position 0 -> entries
+        [B, S // m, D] of every closed block."""
+        B, S, _ = kv.shape
         nb = S // self.m
         if nb == 0:  # shorter than one block: nothing has closed yet
-            return h.new_zeros(B, 0, self.head_dim)
-        kv, gate = self.project(h[:, : nb * self.m])
-        kv = kv.view(B, nb, self.m, -1)
-        gate = gate.view(B, nb, self.m, -1) + self.position_bias
-        starts = (torch.arange(nb, device=h.device) * self.m).expand(B, nb)
+            return kv.new_zeros(B, 0, self.head_dim)
+        kv = kv[:, : nb * self.m].reshape(B, nb, self.m, -1)
+        gate = gate[:, : nb * self.m].reshape(B, nb, self.m, -1) + self.position_bias
+        starts = (torch.arange(nb, device=kv.device) * self.m).expand(B, nb)
         return self.finish(self.pool_blocks(kv, gate, None, None), starts, inv_freq)
 
-    def forward_step(self, h: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
-                     state: "CompressorState", slots: torch.Tensor, inv_freq: torch.Tensor) -> None:
-        """Feed new tokens h [N, S, H] (row i: num_new[i] valid tokens from start_pos[i]) into the
-        per-slot state; every block that closes writes its entry to state.entries."""
-        N, S, _ = h.shape
-        m, dev = self.m, h.device
-        kv_new, gate_new = self.project(h)
+    def forward_step(self, kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor,
+                     num_new: torch.Tensor, state: "CompressorState", slots: torch.Tensor,
+                     inv_freq: torch.Tensor) -> None:
+        """Feed new tokens' kv_proj / gate_proj outputs [N, S, width] (row i: num_new[i] valid
+        tokens from start_pos[i]) into the per-slot state; every block that closes writes its
+        entry to state.entries."""
+        N, S, _ = kv_new.shape
+        m, dev = self.m, kv_new.device
         fill = start_pos % m  # tokens already in the open block
         nb = (m + S + m - 1) // m
         # Lay the open block's buffered tokens and the new tokens out block-aligned: column j holds

@@ -34,26 +34,27 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, n_heads)
 
-    def select(self, h: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
-               inv_freq: torch.Tensor) -> torch.Tensor:
+    def select(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Additive bias [N, S, E] over the compressed entries: 0 where selected, -inf elsewhere.
 
-        h [N, S, H], q_res [N, S, q_lora_rank], positions [N, S], keys [N, E, D_I].
+        head_weights [N, S, H_I] = scorer.weights_proj(h), q_res [N, S, q_lora_rank],
+        positions [N, S], keys [N, E, D_I].
         """
-        N, S, _ = h.shape
+        N, S = positions.shape
         E = keys.shape[1]
         cos, sin = rope_cos_sin(inv_freq, positions)
         q = self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim)
         q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
         dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
-        w = self.scorer.weights_proj(h).float() * self.n_heads**-0.5
+        w = head_weights.float() * self.n_heads**-0.5
         scores = (dots * w.unsqueeze(-1)).sum(dim=2)
-        visible = torch.arange(E, device=h.device) < ((positions + 1) // self.m).unsqueeze(-1)
+        visible = torch.arange(E, device=keys.device) < ((positions + 1) // self.m).unsqueeze(-1)
         scores = scores.masked_fill(~visible, float("-inf"))
         k = min(self.topk, E)
         picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
         keep = visible.gather(-1, picks)
-        bias = torch.full((N, S, E + 1), float("-inf"), device=h.device)
+        bias = torch.full((N, S, E + 1), float("-inf"), device=keys.device)
         # invalid picks go to a spare column E that is dropped afterwards
         bias.scatter_(-1, torch.where(keep, picks, torch.full_like(picks, E)), 0.0)
         return bias[..., :E]
