@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fused_linear import project
 from .grouped_gemm import grouped_mm
 
 
@@ -48,7 +49,12 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32)."""
-        scores = router_scores(F.linear(x, self.weight), self.scoring_func)
+        return self.route(F.linear(x, self.weight), token_ids, forced)
+
+    def route(self, logits: torch.Tensor, token_ids: torch.Tensor | None,
+              forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same from the router's logits [T, E] (its weight times x)."""
+        scores = router_scores(logits, self.scoring_func)
         if forced is not None:
             experts = forced.long()
         elif self.is_hash:
@@ -114,7 +120,10 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.from_gate_up(self.gate_proj(x), self.up_proj(x))
+
+    def from_gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_clamped(gate, up, self.limit))
 
 
 class MoE(nn.Module):
@@ -133,8 +142,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
-        experts, weights = self.gate(flat, token_ids, forced_flat)
+        logits, *shared_gate_up = project(self, self.input_linears(), flat)
+        experts, weights = self.gate.route(logits, token_ids, forced_flat)
         out = self.experts(flat, experts, weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
+            out = out + self.shared_experts.from_gate_up(*shared_gate_up)
         return out.view(shape), experts.view(*shape[:-1], -1)
+
+    def input_linears(self) -> list[nn.Module]:
+        """The router and the shared expert's gate and up: they read the same x (fused_linear.py)."""
+        shared = self.shared_experts
+        return [self.gate] + ([shared.gate_proj, shared.up_proj] if shared is not None else [])
