@@ -37,9 +37,17 @@ def _layer_with_experts(layer, streams, input_ids, forced, attend):
     return streams, routing.chosen[0]
 
 
+# Dynamo keeps at most `recompile_limit` (8) compilations per function and runs further guard
+# failures eagerly, silently. Every CompiledLayers compiles the same function: one compilation per
+# layer kind (attention x router: up to 6 in DeepSeek-V4), per grad mode and dtype, so an engine and
+# a compiling trainer in one process pass 8; the tail of their layers would run uncompiled.
+RECOMPILE_LIMIT = 64
+
+
 class CompiledLayers:
     def __init__(self, backend="inductor"):
         self.backend = backend
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # inductor keeps a fused chain of bf16 ops in fp32 and rounds once; eager rounds after
         # every op. The trainer runs eager, so the engine emulates eager's roundings: on a bf16
         # tiny model the compiled engine's mean |logprob gap| to the trainer was 4.2e-4 without
