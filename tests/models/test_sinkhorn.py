@@ -1,5 +1,6 @@
 """mHC's Sinkhorn: the ways it is computed agree (the plain loop is the definition). The fused
-Triton kernel runs under Triton's interpreter here (TRITON_INTERPRET=1, set in conftest.py)."""
+Triton kernel runs under Triton's interpreter here (TRITON_INTERPRET=1, set in conftest.py); on
+a GPU, LOCKSTEP_TEST_DEVICE=cuda runs its tests there."""
 
 import os
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from lockstep.models.layers import sinkhorn_triton
-from lockstep.models.layers.sinkhorn import sinkhorn, sinkhorn_backward, sinkhorn_reference
+from lockstep.models.layers.sinkhorn import _dims, sinkhorn, sinkhorn_backward, sinkhorn_reference
 
 needs_triton = pytest.mark.skipif(sinkhorn_triton.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -56,3 +57,47 @@ def test_fused_kernel_gradient_equals_autograd_of_the_loop():
     (g_ref,) = torch.autograd.grad(sinkhorn_reference(x, 20, 1e-6), x, grad)
     assert torch.allclose(g_fused, g_ref, rtol=1e-4, atol=1e-5)  # fp32: gradients reach ~10 here
     assert torch.equal(sinkhorn_backward(x.detach(), grad, 20, 1e-6), g_fused)
+
+
+def _loop_in_kernel_order(comb, iters, eps):
+    """The plain loop with each line's sum written out left to right, as the kernel adds; with
+    IEEE division, on any device (torch's own sum may add in another order on a GPU)."""
+    for dim in _dims(iters):
+        lines = comb.unbind(dim)
+        total = lines[0]
+        for line in lines[1:]:
+            total = total + line
+        comb = comb / (total.unsqueeze(dim) + eps)
+    return comb
+
+
+@needs_triton
+@pytest.mark.parametrize("tokens", [1, 31, 33, 64, 100])  # one token; partial last program (BLOCK_T = 32)
+def test_fused_kernel_is_the_loop_bit_for_bit(tokens):
+    g = torch.Generator().manual_seed(tokens)
+    x = (torch.softmax(torch.randn(tokens, 4, 4, generator=g) * 3, dim=-1) + 1e-6).to(DEVICE)
+    out = sinkhorn_triton.sinkhorn_fused(x, 20, 1e-6)
+    assert out.shape == x.shape
+    assert torch.equal(out, _loop_in_kernel_order(x, 20, 1e-6))
+    assert torch.allclose(out, sinkhorn_reference(x, 20, 1e-6), rtol=0, atol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("n", [1, 2, 3, 8])
+def test_fused_kernel_other_n(n):
+    g = torch.Generator().manual_seed(n)
+    x = (torch.softmax(torch.randn(2, 19, n, n, generator=g) * 3, dim=-1) + 1e-6).to(DEVICE)
+    assert sinkhorn_triton.available(x)
+    for iters in (1, 7):  # iters = 1: the column step alone
+        out = sinkhorn_triton.sinkhorn_fused(x, iters, 1e-6)
+        assert torch.equal(out, _loop_in_kernel_order(x, iters, 1e-6))
+        assert torch.allclose(out, sinkhorn_reference(x, iters, 1e-6), rtol=0, atol=1e-6)
+
+
+def test_available_only_where_the_kernel_runs():
+    if sinkhorn_triton.triton is None:
+        assert not sinkhorn_triton.available(torch.ones(2, 4, 4))
+        return
+    assert sinkhorn_triton.available(torch.ones(2, 4, 4))
+    assert not sinkhorn_triton.available(torch.ones(2, 4, 4, dtype=torch.float64))
+    assert not sinkhorn_triton.available(torch.ones(2, sinkhorn_triton.MAX_N + 1, sinkhorn_triton.MAX_N + 1))
