@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import grouped_gemm_triton
 from .fused_linear import project
-from .grouped_gemm import grouped_mm
+from .grouped_gemm import grouped_mm, triton_experts
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -101,14 +102,21 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts)
-        xs = x[order // k]
-        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
-        ys = grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
+        ys = self.mlp(x[order // k], counts)
         per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
         out = torch.zeros_like(x)
         for j in range(k):  # fixed order: ascending expert id
             out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
         return out
+
+    def mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert, counts [E] -> each row through its expert's clamped SwiGLU MLP."""
+        if triton_experts(xs, self.gate_up_proj, self.down_proj):  # decode: SwiGLU fused, one kernel per GEMM
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            act = grouped_gemm_triton.grouped_swiglu(xs, self.gate_up_proj, offs, self.limit)
+            return grouped_gemm_triton.grouped_mm(act, self.down_proj, offs)
+        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
+        return grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,182 @@
+"""Routed experts at decode: the Triton grouped GEMMs (grouped_gemm_triton.py) vs torch._grouped_mm.
+
+    python benchmarks/moe_grouped_gemm.py                        # 1b decode shapes, batch 64
+    python benchmarks/moe_grouped_gemm.py --batch 64 256 1024    # where the two cross (MAX_ROWS_PER_GROUP)
+    python benchmarks/moe_grouped_gemm.py --sweep                # pick launch_config's defaults
+
+Shapes of the 1b config: --batch tokens, each routed to --top-k distinct experts drawn uniformly
+of --experts, hidden H, expert intermediate F: gate_up [E, 2F, H] and down [E, H, F] in bf16, a
+decode step's --layers sets of them cycled (so no layer's weights are still in L2 when it runs
+again). Compared per layer: the first GEMM with the clamped SwiGLU (Triton: one fused kernel;
+torch: torch._grouped_mm then eager swiglu_clamped, several element-wise kernels where the
+engine's inductor makes one), the second GEMM, and both.
+
+Timed as the engine runs them: --calls calls captured in one CUDA graph (no launch cost from
+Python, which for a custom op can exceed the kernel's time), replayed --reps times between CUDA
+events after a warm-up. Printed per kernel: us per call, GB/s of the weight bytes it must read
+(the experts the batch touches), that as a fraction of the device copy bandwidth (a large copy_,
+bytes read + written, as rollout_throughput.py measures), and the Triton / torch throughput
+ratio; then the max |Triton - torch| of each output (bf16: the sums run in another order, so a
+few ulps). --sweep times a grid of (BLOCK_N, BLOCK_K, num_warps, num_stages) for each Triton
+kernel at each --batch and prints the fastest, with the default's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import torch
+
+from lockstep.models.layers import grouped_gemm_triton as gt
+from lockstep.models.layers.moe import dispatch_order, swiglu_clamped
+from rollout_throughput import copy_bandwidth
+
+DEVICE = "cuda"  # a dry run of the code on a CPU (interpreter) sets "cpu"
+SWEEP = dict(block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+
+
+def make_layers(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    E, H, F = args.experts, args.hidden, args.inter
+    return [(torch.randn(E, 2 * F, H, device=DEVICE, dtype=torch.bfloat16) * H**-0.5,
+             torch.randn(E, H, F, device=DEVICE, dtype=torch.bfloat16) * F**-0.5) for _ in range(args.layers)]
+
+
+def make_rows(args, batch: int):
+    """(xs [batch * k, H] sorted by expert, offs [E] int32, counts [E]) for random routing."""
+    g = torch.Generator().manual_seed(args.seed + batch)
+    experts = torch.rand(batch, args.experts, generator=g).topk(args.top_k, dim=-1).indices.sort(-1).values
+    order, counts = dispatch_order(experts.flatten(), args.experts)
+    x = torch.randn(batch, args.hidden, generator=g).to(DEVICE, torch.bfloat16)
+    xs = x[(order // args.top_k).to(DEVICE)]
+    return xs, torch.cumsum(counts, 0).to(DEVICE, torch.int32), counts
+
+
+def torch_gate_up(xs, w, offs, limit):
+    gate, up = torch._grouped_mm(xs, w.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
+    return swiglu_clamped(gate, up, limit)
+
+
+def torch_down(act, w, offs):
+    return torch._grouped_mm(act, w.transpose(-2, -1), offs=offs)
+
+
+def time_us(fn, n_layers: int, calls: int, reps: int) -> float:
+    """Device time per call of fn(layer index), calls cycling over the layers in one CUDA graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: Triton compiles, CUTLASS picks its kernel
+        for i in range(2 * n_layers):
+            fn(i % n_layers)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i % n_layers)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def report(name, us_torch, us_triton, nbytes, bw):
+    def cols(us):
+        gbs = nbytes / us / 1e3
+        return f"{us:9.1f} us {gbs:8.1f} GB/s {gbs * 1e9 / bw:6.1%}"
+    print(f"  {name:16s} torch {cols(us_torch)} | triton {cols(us_triton)} | triton/torch {us_torch / us_triton:5.2f}x")
+
+
+def compare(args, layers, batch, bw):
+    xs, offs, counts = make_rows(args, batch)
+    E, H, F, L = args.experts, args.hidden, args.inter, len(layers)
+    touched = int((counts > 0).sum())
+    up_bytes, down_bytes = touched * 2 * F * H * 2, touched * H * F * 2
+    print(f"batch {batch}: {xs.shape[0]} rows, {touched} of {E} experts touched, "
+          f"{xs.shape[0] / E:.1f} rows per expert (max {int(counts.max())})")
+    act = gt.grouped_swiglu(xs, layers[0][0], offs, args.limit)
+    lim = args.limit
+    t_up = time_us(lambda i: torch_gate_up(xs, layers[i][0], offs, lim), L, args.calls, args.reps)
+    g_up = time_us(lambda i: gt.grouped_swiglu(xs, layers[i][0], offs, lim), L, args.calls, args.reps)
+    t_down = time_us(lambda i: torch_down(act, layers[i][1], offs), L, args.calls, args.reps)
+    g_down = time_us(lambda i: gt.grouped_mm(act, layers[i][1], offs), L, args.calls, args.reps)
+    t_both = time_us(lambda i: torch_down(torch_gate_up(xs, layers[i][0], offs, lim), layers[i][1], offs),
+                     L, args.calls, args.reps)
+    g_both = time_us(lambda i: gt.grouped_mm(gt.grouped_swiglu(xs, layers[i][0], offs, lim), layers[i][1], offs),
+                     L, args.calls, args.reps)
+    report("gate_up+swiglu", t_up, g_up, up_bytes, bw)
+    report("down", t_down, g_down, down_bytes, bw)
+    report("both", t_both, g_both, up_bytes + down_bytes, bw)
+
+    w_up, w_down = layers[0]
+    ref_act = torch_gate_up(xs, w_up, offs, lim)
+    diff_act = (act.float() - ref_act.float()).abs()
+    out, ref_out = gt.grouped_mm(act, w_down, offs), torch_down(act, w_down, offs)
+    diff_out = (out.float() - ref_out.float()).abs()
+    print(f"  max |triton - torch|: act {diff_act.max().item():.3g} ({(diff_act > 0).float().mean().item():.2%} "
+          f"differ, |act| <= {ref_act.abs().max().item():.3g}); down {diff_out.max().item():.3g} "
+          f"({(diff_out > 0).float().mean().item():.2%} differ, |out| <= {ref_out.abs().max().item():.3g})")
+
+
+def sweep(args, layers, batch):
+    xs, offs, _ = make_rows(args, batch)
+    act = gt.grouped_swiglu(xs, layers[0][0], offs, args.limit)
+    H, F = args.hidden, args.inter
+    kernels = {  # name: (call, torch's output, default config)
+        "grouped_swiglu": (lambda i, cfg: gt.grouped_swiglu(xs, layers[i][0], offs, args.limit, **cfg),
+                           torch_gate_up(xs, layers[0][0], offs, args.limit), gt.launch_config(F, H, True)),
+        "grouped_mm": (lambda i, cfg: gt.grouped_mm(act, layers[i][1], offs, **cfg),
+                       torch_down(act, layers[0][1], offs), gt.launch_config(H, F, False)),
+    }
+    for name, (fn, ref, default_cfg) in kernels.items():
+        default = time_us(lambda i: fn(i, {}), len(layers), args.calls, args.reps)
+        results = []
+        for values in itertools.product(*SWEEP.values()):
+            cfg = dict(zip(SWEEP, values))
+            try:
+                err = (fn(0, cfg).float() - ref.float()).abs().max().item()  # compiles; fails if out of resources
+                us = time_us(lambda i: fn(i, cfg), len(layers), args.calls, args.reps)
+            except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
+                print(f"  {name} {cfg}: skipped ({type(e).__name__})")
+                continue
+            results.append((us, cfg, err))
+        results.sort(key=lambda r: r[0])
+        print(f"sweep {name}, batch {batch}: default {default_cfg} {default:.1f} us; fastest:")
+        for us, cfg, err in results[:8]:
+            print(f"  {us:8.1f} us  {cfg}  max |diff to torch| {err:.3g}")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[64], help="decode tokens (top-k rows each)")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--inter", type=int, default=512, help="expert intermediate size F")
+    ap.add_argument("--limit", type=float, default=10.0, help="swiglu_limit")
+    ap.add_argument("--layers", type=int, default=8, help="weight sets cycled, as a decode step's layers")
+    ap.add_argument("--calls", type=int, default=32, help="calls captured per CUDA graph")
+    ap.add_argument("--reps", type=int, default=20, help="timed graph replays")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernels' launch configs")
+    ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available() or gt.triton is None:
+        raise SystemExit("needs a CUDA GPU and Triton")
+
+    bw = copy_bandwidth("cuda", args.copy_mib)
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.1f} GB/s (read + write); "
+          f"E {args.experts}, top-{args.top_k}, H {args.hidden}, F {args.inter}, {args.layers} layers")
+    layers = make_layers(args)
+    for batch in args.batch:
+        compare(args, layers, batch, bw)
+    if args.sweep:
+        for batch in args.batch:
+            sweep(args, layers, batch)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The Triton grouped GEMMs of the routed experts (grouped_gemm_triton.py) against the
+definitions: grouped_mm_reference in fp32 rounded once, and eager bf16 swiglu_clamped. They run
+under Triton's interpreter here (TRITON_INTERPRET=1, set in conftest.py); LOCKSTEP_TEST_DEVICE=cuda
+runs the same tests on a GPU."""
+
+import os
+
+import pytest
+import torch
+
+from lockstep.models.layers import grouped_gemm_triton as gt
+from lockstep.models.layers import moe
+from lockstep.models.layers.grouped_gemm import grouped_mm_reference, triton_experts
+
+needs_triton = pytest.mark.skipif(gt.triton is None, reason="triton is not installed")
+DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
+
+# first and last groups empty, one empty in between, one of 40 rows (3 tiles of BLOCK_M = 16)
+COUNTS = [0, 3, 40, 0, 7, 1, 0]
+# N and K not multiples of the blocks (48 = 32 + 16 columns, 72 = 2 x 32 + 8), then the default
+# config (BLOCK_N = 64 > N, BLOCK_K = 64 = K: the unmasked K loop)
+SHAPES = [(48, 72, dict(block_n=32, block_k=32)), (48, 64, {})]
+
+
+def _setup(seed, n_out, K, values=None):
+    """x [M, K], w [G, n_out, K] bf16 on DEVICE, counts (CPU, for the reference), offs int32."""
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(COUNTS)
+    M, G = int(counts.sum()), len(COUNTS)
+    if values is None:
+        x, w = torch.randn(M, K, generator=g), torch.randn(G, n_out, K, generator=g)
+    else:
+        x, w = values(g, (M, K)), values(g, (G, n_out, K))
+    offs = counts.cumsum(0).to(torch.int32)
+    return x.bfloat16().to(DEVICE), w.bfloat16().to(DEVICE), counts, offs.to(DEVICE)
+
+
+def _reference(x, w, counts):
+    return grouped_mm_reference(x.float(), w.float(), counts).bfloat16()
+
+
+def _assert_within_ulps(out, ref, ulps, atol=1e-5):
+    # a bf16 ulp is 2^-7 of the value or less: fp32 sums in another order round to a neighbour
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=ulps * 2**-7, atol=atol)
+
+
+def _eighths(g, shape):
+    # small multiples of 1/8: every fp32 partial sum is exact, whatever the order
+    return torch.randint(-8, 9, shape, generator=g) / 8
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,cfg", SHAPES)
+def test_grouped_mm_equals_the_reference(N, K, cfg):
+    x, w, counts, offs = _setup(0, N, K)
+    assert gt.available(x, w)
+    _assert_within_ulps(gt.grouped_mm(x, w, offs, **cfg), _reference(x, w, counts), 1)
+    # exact sums: rounded once, the same bf16 values
+    x, w, counts, offs = _setup(1, N, K, _eighths)
+    assert torch.equal(gt.grouped_mm(x, w, offs, **cfg), _reference(x, w, counts))
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,cfg", SHAPES)
+def test_fused_swiglu_equals_the_eager_composition(N, K, cfg):
+    x, w, counts, offs = _setup(2, 2 * N, K)
+    w = w * 2  # gate and up of ~N(0, 16): both clamps at 7 bite
+    gate, up = _reference(x, w, counts).chunk(2, -1)
+    assert (gate > 7).any() and (up.abs() > 7).any()
+    ref = moe.swiglu_clamped(gate, up, 7.0)
+    # gate and up may each be 1 ulp off (summation order), and the ulp carries through
+    _assert_within_ulps(gt.grouped_swiglu(x, w, offs, 7.0, **cfg), ref, 4)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # numpy's, at gate = -100
+def test_fused_swiglu_rounds_as_eager_bf16():
+    # Each row of x has two ones, at j and j + K/2, and w[g, n, j] + w[g, n, j + K/2] = v[g, n, j],
+    # an fp32 of 16 significant bits split into two bf16s: gate and up are exactly these v in
+    # fp32, so every rounding of the epilogue is compared bit for bit, over values spanning
+    # silu's range and both clamps (7.03 is not a bf16: torch's clamp rounds it to 7.03125)
+    def values(g, shape):
+        half = shape[-1] // 2
+        if len(shape) == 2:
+            j = torch.randint(0, half, shape[:1], generator=g)
+            return torch.nn.functional.one_hot(j, shape[1]) + torch.nn.functional.one_hot(j + half, shape[1])
+        v = (torch.rand(*shape[:-1], half, generator=g) - 0.5) * 50
+        v = (v.view(torch.int32) & ~0x7F).view(torch.float32)  # 16 significant bits
+        specials = torch.tensor([7.03125, 7.0, -7.03125, -100.0, -88.5, 90.0, -0.0, 2.0**-100])
+        v.view(-1)[torch.randperm(v.numel(), generator=g)[:1024]] = specials.repeat(128)
+        hi = v.bfloat16().float()
+        lo = v - hi
+        assert torch.equal(lo.bfloat16().float(), lo)
+        return torch.cat([hi, lo], -1)
+
+    x, w, counts, offs = _setup(3, 2 * 48, 64, values)
+    gate, up = _reference(x, w, counts).chunk(2, -1)
+    assert (gate == -100).any() and (gate == 7.03125).any() and (up == -7.03125).any()
+    ref = moe.swiglu_clamped(gate, up, 7.03)
+    assert torch.equal(gt.grouped_swiglu(x, w, offs, 7.03), ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_ops_trace_whole_under_torch_compile(backend):
+    if backend != "eager" and DEVICE == "cpu":
+        pytest.skip("aot_eager traces the ops' bodies: interpreted kernels cannot run on fake tensors")
+    x, w_gate_up, counts, offs = _setup(4, 2 * 48, 64)
+    w_down = torch.randn(len(COUNTS), 64, 48, generator=torch.Generator().manual_seed(5)).bfloat16().to(DEVICE)
+
+    def experts(x, offs):
+        return gt.grouped_mm(gt.grouped_swiglu(x, w_gate_up, offs, 7.0), w_down, offs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, backend=backend, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x, offs), experts(x, offs))
+
+
+@needs_triton
+def test_experts_take_the_triton_path_at_decode_only(monkeypatch):
+    torch.manual_seed(6)
+    experts = moe.Experts(len(COUNTS), 64, 48, 7.0).to(DEVICE, torch.bfloat16)
+    for p in experts.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x, _, counts, _ = _setup(7, 1, 64)  # the rows only
+    with torch.no_grad():
+        assert triton_experts(x, experts.gate_up_proj, experts.down_proj) == (DEVICE == "cuda")
+        monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "0")
+        assert not triton_experts(x, experts.gate_up_proj, experts.down_proj)
+    monkeypatch.delenv("LOCKSTEP_TRITON_MOE")
+    assert not triton_experts(x, experts.gate_up_proj, experts.down_proj)  # gradients wanted
+
+    counts = counts.to(DEVICE)
+    with torch.no_grad():
+        monkeypatch.setattr(moe, "triton_experts", lambda *args: False)
+        native = experts.mlp(x, counts)
+        monkeypatch.setattr(moe, "triton_experts", lambda *args: True)
+        fused = experts.mlp(x, counts)
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(experts.mlp, backend="eager", fullgraph=True)(x, counts), fused)
+    # an ulp off in the activation moves sums that may cancel: tolerance on the output's scale
+    _assert_within_ulps(fused, native, 4, atol=2**-7 * native.abs().max().item())
