@@ -33,7 +33,7 @@ from lockstep.models.layers.moe import dispatch_order, swiglu_clamped
 from rollout_throughput import copy_bandwidth
 
 DEVICE = "cuda"  # a dry run of the code on a CPU (interpreter) sets "cpu"
-SWEEP = dict(block_n=(32, 64, 128), block_k=(64, 128, 256), num_warps=(4, 8), num_stages=(2, 3, 4, 5))
+SWEEP = dict(block_n=(32, 64, 128), block_k=(128, 256), num_warps=(4, 8), num_stages=(3, 4))
 
 
 def make_layers(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
