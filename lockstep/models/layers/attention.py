@@ -23,7 +23,7 @@ from .fused_linear import project
 from .indexer import Indexer
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
-from .sink_attention import closed_block_bias, sink_attention, window_bias
+from .sink_attention import closed_block_bias, pad_keys, sink_attention, window_bias
 
 
 class CSACompressor(Compressor):
@@ -196,6 +196,7 @@ class DeepseekV4Attention(nn.Module):
             entries, index_keys = self._step_compressors(x, batch, cache)
             comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
+        keys, bias = pad_keys(keys, bias)
         return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
 
     def _read_window(self, cache: LayerCache, batch):
