@@ -82,19 +82,27 @@ class DeepseekV4Adapter:
         self.cache.prepare()
         if self.graphs is not None and self.graphs.fits(nums, want_logits):
             return self.graphs.forward(seqs, want_routing)
-        N, S = len(seqs), max(nums)
-        rows = [i for i in range(N) if want_logits[i]]
+        compiled = self.graphs.compiled_layers if self.graphs is not None else None
+        S = max(nums)
+        rows = [i for i in range(len(seqs)) if want_logits[i]]
         # rows padded with token 0 past num_new (the model masks them as invalid); every integer
         # of the call goes to the device in one copy that does not stall it
         ids = [t for seq, n in zip(seqs, nums)
                for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
-        meta = to_device(ids + [s.slot for s in seqs] + [s.num_computed for s in seqs] + list(nums)
-                         + rows + [nums[i] - 1 for i in rows], self.device)
-        ids_t, slots, start, num_new, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])
-        batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=S,
-                                max_end=max(s.num_computed + n for s, n in zip(seqs, nums)))
+        slots, start, num_new = [s.slot for s in seqs], [s.num_computed for s in seqs], list(nums)
+        if compiled is not None and len(seqs) == 1:
+            # a padding row (no tokens, the scratch slot): the compiled layers specialise a batch
+            # of one row, which would cost one more compilation per layer kind
+            ids, slots, start, num_new = ids + [0] * S, slots + [self.cache.scratch_slot], start + [0], num_new + [0]
+        N = len(slots)
+        meta = to_device(ids + slots + start + num_new + rows + [nums[i] - 1 for i in rows], self.device)
+        ids_t, slots_t, start_t, num_new_t, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])
+        # compiled: compressed attention over the cache's whole capacity, masked by position (as
+        # in decode graphs): a host int bounding it would be a compile guard, one graph per value
+        max_end = None if compiled is not None else max(s.num_computed + n for s, n in zip(seqs, nums))
+        batch = self._StepBatch(slots=slots_t, start_pos=start_t, num_new=num_new_t, max_new=S, max_end=max_end)
         routing = self._Routing() if want_routing else None
-        hidden = self.run_step(ids_t.view(N, S), batch, routing)
+        hidden = self.run_step(ids_t.view(N, S), batch, routing, compiled)
         picked = hidden[:, 0] if S == 1 and len(rows) == N else hidden[rows_t, last_t]
         logits = self.model.compute_logits(picked)
         return logits, (routing.stacked() if routing is not None else None)

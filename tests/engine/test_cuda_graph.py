@@ -91,10 +91,12 @@ def test_a_decode_step_syncs_once(graphs):
     assert audit.counts["value_reads"] == 4, audit.counts
 
 
-def test_compiled_layers_trace_once_per_layer_kind():
-    # the regional compile: one graph per (attention kind, router kind), shared by every bucket;
-    # the "eager" backend runs the traced graphs as traced, so the outputs are the stand-in's
-    # a counting backend: on CUDA mHC's coefficients outside the region compile too, with inductor
+def test_compiled_layers_trace_twice_per_layer_kind():
+    # the regional compile: per (attention kind, router kind) one graph for decode (one new token
+    # per row) shared by every bucket, and one for prefill shared by every prompt length and batch
+    # (a single prompt gets a padding row: a batch of one would be specialised); the "eager"
+    # backend runs the traced graphs as traced, so the outputs are the stand-in's; a counting
+    # backend: on CUDA mHC's coefficients outside the region compile too, with inductor
     ps = prompts(7, lo=3, hi=50, seed=32)
     torch._dynamo.reset()
     traced = []
@@ -108,7 +110,9 @@ def test_compiled_layers_trace_once_per_layer_kind():
     layers = engine.model.model.layers
     kinds = {(type(layer.self_attn.compressor), layer.mlp.gate.is_hash) for layer in layers}
     assert len(kinds) < len(layers)  # the tiny config repeats a kind, so sharing is tested
-    assert len(traced) == len(kinds)
+    assert len(traced) == 2 * len(kinds)
+    engine.generate(requests(ps[:1], params_for))  # one prompt: padded, no new graph
+    assert len(traced) == 2 * len(kinds)
     stand_in = graph_engine(33, compile_backend=None, dtype="bfloat16").generate(requests(ps, params_for))
     same_outputs(out, stand_in, exact=True)
 

@@ -31,9 +31,7 @@ def pad_keys(kv: torch.Tensor, bias: torch.Tensor, multiple: int = 8) -> tuple[t
     step attends to window + 1 (+ compressed entries) keys, 129 in a window layer; with an odd
     count the [.., Sk] scores have unaligned rows and cuBLAS falls back to slow align-1 kernels
     (~7 us for a 64-token step's scores on an H200). Masked keys add exact zeros: same output."""
-    pad = -kv.shape[1] % multiple
-    if pad == 0:
-        return kv, bias
+    pad = -kv.shape[1] % multiple  # no branch on it: under compile it would guard on the length
     return (torch.nn.functional.pad(kv, (0, 0, 0, pad)),
             torch.nn.functional.pad(bias, (0, pad), value=float("-inf")))
 
