@@ -8,6 +8,8 @@ Around each sub-block, from the flattened streams x = X.flatten() (fp32, unweigh
     X'_k = post_k * y + sum_j comb[j, k] * X_j
 comb is applied TRANSPOSED (sum over its first index); the opposite orientation is the
 known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: sinkhorn.py.
+The projection m = fn @ rms_norm(x) is one Triton kernel on CUDA without gradients
+(hc_projection_triton.py; `_mixes`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,30 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import hc_projection_triton
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
+
+
+def _triton_mixes(x: torch.Tensor, fn: torch.Tensor) -> bool:
+    """Whether `_mixes` takes the Triton kernel for x [..., K]: on CUDA, no gradient wanted (it is
+    forward-only: the engine; the trainer's backward needs the torch expression), the kernel
+    available for the shapes, and not switched off (LOCKSTEP_TRITON_HC=0)."""
+    if not x.is_cuda or os.environ.get("LOCKSTEP_TRITON_HC", "1") == "0":
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad):
+        return False
+    return hc_projection_triton.available(x, fn)
+
+
+def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """m = fn @ rms_norm(X.flatten()) in fp32: streams [..., n, D], fn [J, n * D] -> [..., J].
+    On the Triton path, one kernel (products and sums of squares, split over K) plus a few
+    element-wise ops that a compiled caller fuses; equal up to fp32 rounding."""
+    x = streams.flatten(-2)
+    if _triton_mixes(x, fn):
+        return hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
+    return F.linear(rms_norm(x.float(), eps), fn.float())
 
 
 class HyperConnection(nn.Module):
@@ -33,7 +57,7 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
-        mixes = F.linear(rms_norm(streams.flatten(-2).float(), self.norm_eps), self.fn.float())
+        mixes = _mixes(streams, self.fn, self.norm_eps)
         pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return collapsed, post, comb
@@ -94,6 +118,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = F.linear(rms_norm(streams.flatten(-2).float(), self.norm_eps), self.hc_fn.float())
+        mixes = _mixes(streams, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)

@@ -1,0 +1,102 @@
+"""Latency of mHC's projection with its RMSNorm as a Triton kernel against the torch expression.
+
+The Triton path is `lockstep::hc_mix_partials` plus the split-K sum and the norm's scale in
+torch ops (hc_projection_triton.hc_mixes); the torch expression is the one it replaces.
+
+    python benchmarks/hc_projection.py                                     # GPU: T = 64, 512, 4096; J = 24, K = 4096
+    python benchmarks/hc_projection.py --tokens 64 --split 16 --block-k 32 --num-warps 2
+
+In a decode step at batch 64 each mHC call (2 per decoder layer, and HyperHead once per step)
+computes mixes = F.linear(rms_norm(x.float(), eps), fn.float()) with x [T, K = n * D] bf16 and fn
+[J, K] fp32 (J = 24; HyperHead's J = 4), 16-17 times per step, inside the step's CUDA graph. For
+each --tokens count, three calls are timed in microseconds per call:
+- triton: hc_projection_triton.hc_mixes, the kernel then the second stage as eager torch ops
+  (sum over splits, rsqrt, multiply: a few small kernels; a compiled caller fuses them into its
+  next element-wise kernel);
+- kernel: hc_mix_partials alone, about what the triton path costs inside a compiled step;
+- torch: the reference, rms_norm then F.linear (cuBLAS), as hyper_connection.py ran it;
+each two ways: graph (--graph-calls back-to-back calls on distinct inputs captured in one CUDA
+graph, replayed --reps times between CUDA events, after warm-up) and device (the calls' kernels'
+device time as CUPTI reports it, torch.profiler over --profile-reps replays). Printed per
+count: those timings, the ratio torch / triton (graph), and max |triton - torch| next to
+max |torch|. Launch-config overrides (--split, --block-t, --block-k, --num-warps,
+--num-stages; 0: the default of launch_config) sweep the kernel. GPU only; --help works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from sinkhorn_kernel import capture, graph_us, kernel_us
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def inputs(tokens: int, K: int, count: int, dtype, seed: int, device) -> list[torch.Tensor]:
+    """count inputs like the streams: ~N(0, 1) activations in dtype."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(tokens, K, generator=g).to(dtype).to(device) for _ in range(count)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096], help="rows T (decode: the batch)")
+    ap.add_argument("--J", type=int, default=24, help="output columns ((2 + n) * n = 24; HyperHead: n = 4)")
+    ap.add_argument("--K", type=int, default=4096, help="n * hidden_size (DeepSeek-V4 1b-style: 4 * 1024)")
+    ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="the streams' dtype (fn is fp32)")
+    ap.add_argument("--eps", type=float, default=1e-6)
+    ap.add_argument("--graph-calls", type=int, default=16, help="calls per CUDA graph (decode step: 16-17)")
+    ap.add_argument("--reps", type=int, default=200, help="graph replays timed")
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--profile-reps", type=int, default=10, help="graph replays under the profiler (device columns)")
+    ap.add_argument("--split", type=int, default=0, help="splits of K (0: default_split(K))")
+    ap.add_argument("--block-t", type=int, default=0, help="rows per program (0: launch_config's)")
+    ap.add_argument("--block-k", type=int, default=0, help="K per tile (0: launch_config's)")
+    ap.add_argument("--num-warps", type=int, default=0)
+    ap.add_argument("--num-stages", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("hc_projection.py times CUDA kernels: no GPU here")
+
+    from lockstep.models.layers import hc_projection_triton as hp
+    from lockstep.models.layers.norm import rms_norm
+
+    dtype = DTYPES[args.dtype]
+    fn = (torch.randn(args.J, args.K, generator=torch.Generator().manual_seed(args.seed + 1)) * 0.02).cuda()
+    if not hp.available(torch.empty(1, args.K, device="cuda", dtype=dtype), fn):
+        sys.exit(f"the kernel does not run here (triton missing, or J = {args.J} > {hp.MAX_J})")
+    split = args.split or hp.default_split(args.K)
+    config = dict(block_t=args.block_t, block_k=args.block_k, num_warps=args.num_warps, num_stages=args.num_stages)
+    calls = {
+        "triton": lambda x: hp.hc_mixes(x, fn, args.eps, split, **config),
+        "kernel": lambda x: hp.hc_mix_partials(x, fn, split, **config),
+        "torch": lambda x: F.linear(rms_norm(x.float(), args.eps), fn.float()),
+    }
+    cfg = hp.launch_config(args.J, args.K, split)
+    cfg.update({key: value for key, value in zip(cfg, config.values()) if value})
+    print(f"{torch.cuda.get_device_name()}: J = {args.J}, K = {args.K}, x {args.dtype}, split = {split}, {cfg}; "
+          f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
+    print(f"{'tokens':>7} | {'triton: graph':>13} {'device':>7} | {'kernel: graph':>13} {'device':>7} | "
+          f"{'torch: graph':>12} {'device':>7} | {'torch/triton':>12} | {'max|diff|':>9} {'max|torch|':>10}")
+    for tokens in args.tokens:
+        xs = inputs(tokens, args.K, args.graph_calls, dtype, args.seed, "cuda")
+        row = {}
+        for name, call in calls.items():
+            graph, _outputs = capture(call, xs)
+            row[name] = (graph_us(graph, args.graph_calls, args.reps, args.warmup),
+                         kernel_us(graph, args.graph_calls, args.profile_reps))
+            del graph, _outputs
+        ours, ref = calls["triton"](xs[0]), calls["torch"](xs[0])
+        diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
+        (tg, td), (kg, kd), (rg, rd) = row["triton"], row["kernel"], row["torch"]
+        print(f"{tokens:>7} | {tg:>13.2f} {td:>7.2f} | {kg:>13.2f} {kd:>7.2f} | {rg:>12.2f} {rd:>7.2f} | "
+              f"{rg / tg:>11.2f}x | {diff:>9.2e} {scale:>10.2e}")
+
+
+if __name__ == "__main__":
+    main()
