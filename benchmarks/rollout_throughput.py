@@ -166,6 +166,7 @@ def main(argv=None) -> None:
     ap.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
+    ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig.compile_prefill=False")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
@@ -186,7 +187,7 @@ def main(argv=None) -> None:
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                       cuda_graph=not args.no_cuda_graph)
+                       cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill)
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")

@@ -62,6 +62,8 @@ class EngineConfig:
     decode_steps: when every scheduled sequence decodes through the decode graphs, run this many
     steps per host round trip (engine/multi_step.py); 1 syncs after every step. New requests
     join at the next window's end (a few ms).
+    compile_prefill: where the decode graphs run compiled layers, prefill runs them too (one
+    more compilation per layer kind, on the first prefill); False keeps prefill eager.
     """
 
     max_num_seqs: int = 64
@@ -76,6 +78,7 @@ class EngineConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     cuda_graph: bool = True
     decode_steps: int = 8
+    compile_prefill: bool = True
 
     def __post_init__(self):
         name = "EngineConfig"

@@ -73,6 +73,8 @@ class Engine:
         self.cache = self.adapter.make_cache(dataclasses.replace(config, max_model_len=self.max_model_len), self.dtype)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_prefill_tokens, config.batch_invariant)
         self.runner = ModelRunner(self.adapter, config.batch_invariant)
+        if hasattr(self.adapter, "compile_prefill"):
+            self.adapter.compile_prefill = config.compile_prefill
         if config.cuda_graph and torch.device(config.device).type == "cuda":
             self._capture_graphs()
         self.sampler = Sampler()

@@ -51,6 +51,7 @@ class DeepseekV4Adapter:
         self.routing_shape = (c.num_hidden_layers, c.num_experts_per_tok)
         self.cache: SlotCacheManager | None = None
         self.graphs = None  # DecodeGraphs (cuda_graph.py) once enable_graphs() has captured them
+        self.compile_prefill = True  # prefill through the graphs' compiled layers, when they exist
 
     @property
     def device(self) -> torch.device:
@@ -82,7 +83,7 @@ class DeepseekV4Adapter:
         self.cache.prepare()
         if self.graphs is not None and self.graphs.fits(nums, want_logits):
             return self.graphs.forward(seqs, want_routing)
-        compiled = self.graphs.compiled_layers if self.graphs is not None else None
+        compiled = self.graphs.compiled_layers if self.graphs is not None and self.compile_prefill else None
         S = max(nums)
         rows = [i for i in range(len(seqs)) if want_logits[i]]
         # rows padded with token 0 past num_new (the model masks them as invalid); every integer
