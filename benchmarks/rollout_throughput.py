@@ -24,6 +24,7 @@ the size of the DESIGN.md reference row (HF generate 570 tokens/s at batch 32 on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -109,9 +110,12 @@ def decode_bytes_per_step(model, batch: int, mean_len: float) -> float:
     return total + batch * per_seq
 
 
-def run_lockstep(engine: Engine, prompts, new_tokens: int, device: str):
+def run_lockstep(engine: Engine, prompts, new_tokens: int, device: str, decode_steps: int | None = None):
     """-> (total seconds, prefill seconds, decode seconds) of one generate, stepped by hand to
-    separate prefill (steps until every sequence sampled its first token) from decode."""
+    separate prefill (steps until every sequence sampled its first token) from decode.
+    decode_steps: EngineConfig.decode_steps for this run (None: the engine's)."""
+    if decode_steps is not None:
+        engine.config = dataclasses.replace(engine.config, decode_steps=decode_steps)
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     states = [engine._new_state(GenerateRequest(p, sp)) for p in prompts]
     sync(device)
@@ -166,6 +170,8 @@ def main(argv=None) -> None:
     ap.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
+    ap.add_argument("--decode-steps", type=int, nargs="+", default=[EngineConfig().decode_steps],
+                    help="EngineConfig.decode_steps of the timed run; further values are timed too, for comparison")
     ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig.compile_prefill=False")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
@@ -201,11 +207,17 @@ def main(argv=None) -> None:
           + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off"))
 
     run_lockstep(engine, prompts, 2, args.device)  # warm-up: the timed run's prefill shapes, 2 tokens
-    total, prefill, decode, samples = run_lockstep(engine, prompts, args.new_tokens, args.device)
     out_tokens = args.batch * args.new_tokens
+    for steps in args.decode_steps[1:]:  # the comparisons first: the headline run is the default's
+        _, prefill, decode, _ = run_lockstep(engine, prompts, args.new_tokens, args.device, steps)
+        print(f"  (decode_steps {steps}: {out_tokens / (prefill + decode):.1f} tokens/s, "
+              f"decode {args.batch * (args.new_tokens - 1) / decode:.1f} tokens/s)")
+    total, prefill, decode, samples = run_lockstep(engine, prompts, args.new_tokens, args.device,
+                                                   args.decode_steps[0])
     ls_tps = out_tokens / total
     ls_decode_tps = args.batch * (args.new_tokens - 1) / decode if decode > 0 else float("nan")
-    print(f"lockstep:      {ls_tps:12.1f} tokens/s  (prefill {prefill:.3f} s, decode {ls_decode_tps:.1f} tokens/s)")
+    print(f"lockstep:      {ls_tps:12.1f} tokens/s  (prefill {prefill:.3f} s, decode {ls_decode_tps:.1f} tokens/s, "
+          f"decode_steps {args.decode_steps[0]})")
 
     if not args.skip_transformers:
         hf_time, hf_out = run_transformers(engine.model, prompts, args.new_tokens, args.device)

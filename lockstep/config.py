@@ -77,7 +77,7 @@ class EngineConfig:
     device: str = "cpu"
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     cuda_graph: bool = True
-    decode_steps: int = 8
+    decode_steps: int = 16
     compile_prefill: bool = True
 
     def __post_init__(self):

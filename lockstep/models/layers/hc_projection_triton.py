@@ -86,7 +86,7 @@ if triton is not None:
         t_ok = rt < T
         j_ok = rj < J
         x_rows = x_ptr + rt[:, None].to(tl.int64) * stride_xt
-        fn_cols = fn_ptr + rj[None, :] * stride_fj
+        fn_rows = fn_ptr + rj[:, None] * stride_fj
         k_start = s * k_per_split
         k_end = tl.minimum(k_start + k_per_split, K)
         acc = tl.zeros((BLOCK_T, BLOCK_J), dtype=tl.float32)
@@ -95,15 +95,17 @@ if triton is not None:
             kk = k0 + rk
             if EVEN_K:
                 a_mask = t_ok[:, None]
-                b_mask = j_ok[None, :]
+                b_mask = j_ok[:, None]
             else:
                 k_ok = kk < K
                 a_mask = t_ok[:, None] & k_ok[None, :]
-                b_mask = j_ok[None, :] & k_ok[:, None]
-            # converted to fp32 exactly; fp32 tiles also avoid the interpreter's broken bf16 dot
+                b_mask = j_ok[:, None] & k_ok[None, :]
+            # converted to fp32 exactly; fp32 tiles also avoid the interpreter's broken bf16 dot.
+            # fn is loaded as stored, [J, K] rows along k (coalesced), and transposed in registers:
+            # read as [K, J] directly, neighbouring lanes were K * 4 bytes apart
             a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
-            b = tl.load(fn_cols + kk[:, None] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision="ieee")
+            b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
+            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             ss += tl.sum(a * a, axis=1)
         out_rows = out_ptr + s * stride_os + rt.to(tl.int64) * stride_ot
         tl.store(out_rows[:, None] + rj[None, :], acc, mask=t_ok[:, None] & j_ok[None, :])
