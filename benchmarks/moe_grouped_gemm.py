@@ -1,7 +1,7 @@
 """Routed experts at decode: the Triton grouped GEMMs (grouped_gemm_triton.py) vs torch._grouped_mm.
 
     python benchmarks/moe_grouped_gemm.py                        # 1b decode shapes, batch 64
-    python benchmarks/moe_grouped_gemm.py --batch 64 256 1024    # where the two cross (MAX_ROWS_PER_GROUP)
+    python benchmarks/moe_grouped_gemm.py --batch 64 256 1024    # where the two cross (moe.Experts.mlp: decode only)
     python benchmarks/moe_grouped_gemm.py --sweep                # pick launch_config's defaults
 
 Shapes of the 1b config: --batch tokens, each routed to --top-k distinct experts drawn uniformly

@@ -134,10 +134,12 @@ def test_experts_take_the_triton_path_at_decode_only(monkeypatch):
     counts = counts.to(DEVICE)
     with torch.no_grad():
         monkeypatch.setattr(moe, "triton_experts", lambda *args: False)
-        native = experts.mlp(x, counts)
+        native = experts.mlp(x, counts, decode=True)
         monkeypatch.setattr(moe, "triton_experts", lambda *args: True)
-        fused = experts.mlp(x, counts)
+        fused = experts.mlp(x, counts, decode=True)
+        assert torch.equal(experts.mlp(x, counts), native)  # not a decode step: CUTLASS's
         torch._dynamo.reset()
-        assert torch.equal(torch.compile(experts.mlp, backend="eager", fullgraph=True)(x, counts), fused)
+        compiled = torch.compile(experts.mlp, backend="eager", fullgraph=True)
+        assert torch.equal(compiled(x, counts, decode=True), fused)
     # an ulp off in the activation moves sums that may cancel: tolerance on the output's scale
     _assert_within_ulps(fused, native, 4, atol=2**-7 * native.abs().max().item())

@@ -124,13 +124,15 @@ def test_hyper_connections_take_the_kernel_without_gradients(monkeypatch):
         torch.nn.init.normal_(p, std=0.05)
     streams = torch.randn(2, 5, n, D, device=DEVICE).bfloat16()  # leading dims [B, S]
     x = streams.flatten(-2)
+    step = streams[:, :1]  # a decode step: one new token per row
 
     with torch.no_grad():
-        assert hyper_connection._triton_mixes(x, hc.fn) == (DEVICE == "cuda")
+        assert hyper_connection._triton_mixes(step, hc.fn) == (DEVICE == "cuda")
+        assert not hyper_connection._triton_mixes(streams, hc.fn)  # prefill: cuBLAS
         monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
-        assert not hyper_connection._triton_mixes(x, hc.fn)
+        assert not hyper_connection._triton_mixes(step, hc.fn)
     monkeypatch.delenv("LOCKSTEP_TRITON_HC")
-    assert not hyper_connection._triton_mixes(x, hc.fn)  # gradients wanted (fn is a parameter)
+    assert not hyper_connection._triton_mixes(step, hc.fn)  # gradients wanted (fn is a parameter)
 
     with torch.no_grad():
         monkeypatch.setattr(hyper_connection, "_triton_mixes", lambda *args: False)

@@ -3,7 +3,7 @@
 `torch._grouped_mm` runs every expert's GEMM in one launch on GPUs in bf16 (and forward-only on
 CPU builds that have it, fp32 too; its CPU backward rejects empty groups, so training on CPU
 takes the reference loop, as does fp32 on GPUs). `grouped_mm_reference` is the pure-PyTorch
-definition both must match. At decode (CUDA, bf16, no gradient, few rows per expert) the experts
+definition both must match. At decode (CUDA, bf16, no gradient: few rows per expert) the experts
 take Triton kernels instead, the SwiGLU fused into the first (`triton_experts`,
 grouped_gemm_triton.py); LOCKSTEP_TRITON_MOE=0 switches them off.
 """
@@ -58,14 +58,12 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
 
 
 def triton_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether rows x go through the experts (gate_up [G, 2F, K], down [G, K, F]) on the Triton
-    kernels: on CUDA, in bf16, with no gradient wanted (they are forward-only), at most
-    MAX_ROWS_PER_GROUP rows per expert on average (decode; prefill-sized groups are CUTLASS's),
-    and not switched off."""
+    """Whether rows x can go through the experts (gate_up [G, 2F, K], down [G, K, F]) on the
+    Triton kernels: on CUDA, in bf16, with no gradient wanted (they are forward-only), and not
+    switched off. Experts.mlp asks at decode steps only."""
     if not x.is_cuda or os.environ.get("LOCKSTEP_TRITON_MOE", "1") == "0":
         return False
     if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad):
         return False
     return (grouped_gemm_triton.available(x, gate_up) and down.dtype == torch.bfloat16
-            and gate_up.shape[1] == 2 * down.shape[2]
-            and x.shape[0] <= grouped_gemm_triton.MAX_ROWS_PER_GROUP * gate_up.shape[0])
+            and gate_up.shape[1] == 2 * down.shape[2])

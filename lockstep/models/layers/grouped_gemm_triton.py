@@ -44,10 +44,8 @@ except ImportError:  # grouped_gemm.py's paths are always there
     triton = None
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum; a decode step has ~6 rows per expert
-# Mean rows per group up to which Experts takes these kernels (grouped_gemm.triton_experts): a
-# program walks its group's row tiles one after another, so past a few tiles per group (prefill)
-# CUTLASS's large tiles win. A guess: benchmarks/moe_grouped_gemm.py --batch measures the crossover.
-MAX_ROWS_PER_GROUP = 64
+# A program walks its group's row tiles one after another, so past a few tiles per group
+# (prefill) CUTLASS's large tiles win: Experts takes these kernels at decode steps only (moe.py).
 
 
 def available(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -99,19 +99,24 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
+                decode: bool = False) -> torch.Tensor:
+        """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts)
-        ys = self.mlp(x[order // k], counts)
+        ys = self.mlp(x[order // k], counts, decode)
         per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
         out = torch.zeros_like(x)
         for j in range(k):  # fixed order: ascending expert id
             out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
         return out
 
-    def mlp(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Rows sorted by expert, counts [E] -> each row through its expert's clamped SwiGLU MLP."""
-        if triton_experts(xs, self.gate_up_proj, self.down_proj):  # decode: SwiGLU fused, one kernel per GEMM
+    def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Rows sorted by expert, counts [E] -> each row through its expert's clamped SwiGLU MLP.
+        A decode step's few rows per expert take the Triton kernels (SwiGLU fused, one kernel per
+        GEMM); prefill's many take CUTLASS's large tiles. Deciding by the step's kind, not by the
+        row count, adds no compile guard: a compiled graph is already specialised to S = 1."""
+        if decode and triton_experts(xs, self.gate_up_proj, self.down_proj):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             act = grouped_gemm_triton.grouped_swiglu(xs, self.gate_up_proj, offs, self.limit)
             return grouped_gemm_triton.grouped_mm(act, self.down_proj, offs)
@@ -152,7 +157,7 @@ class MoE(nn.Module):
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
         logits, *shared_gate_up = project(self, self.input_linears(), flat)
         experts, weights = self.gate.route(logits, token_ids, forced_flat)
-        out = self.experts(flat, experts, weights)
+        out = self.experts(flat, experts, weights, decode=x.dim() == 3 and x.shape[1] == 1)
         if self.shared_experts is not None:
             out = out + self.shared_experts.from_gate_up(*shared_gate_up)
         return out.view(shape), experts.view(*shape[:-1], -1)
