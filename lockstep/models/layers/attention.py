@@ -141,10 +141,10 @@ class DeepseekV4Attention(nn.Module):
             linears += [ix.kv_proj, ix.gate_proj, ix.scorer.weights_proj]
         return linears
 
-    def _input_projections(self, h: torch.Tensor) -> "InputProjections":
+    def _input_projections(self, h: torch.Tensor) -> InputProjections:
         return InputProjections(*project(self, self.input_linears(), h))
 
-    def _project(self, x: "InputProjections", positions: torch.Tensor):
+    def _project(self, x: InputProjections, positions: torch.Tensor):
         N, S = positions.shape
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         q_res = self.q_a_norm(x.q_a)
@@ -159,7 +159,7 @@ class DeepseekV4Attention(nn.Module):
         grouped = self.o_a_proj(o.reshape(N, S, self.o_groups, -1))
         return self.o_b_proj(grouped.flatten(2))
 
-    def _compressed_bias(self, x: "InputProjections", q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
+    def _compressed_bias(self, x: InputProjections, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
         if self.layer_type == CSA:
             return self.compressor.indexer.select(x.index_weights, q_res, positions, index_keys, self.inv_freq)
         return closed_block_bias(positions, num_entries, self.compressor.m)
@@ -216,7 +216,7 @@ class DeepseekV4Attention(nn.Module):
         ring = torch.where(keep, batch.positions % self.window, 0)
         cache.window[slots, ring] = kv.to(cache.window.dtype)
 
-    def _step_compressors(self, x: "InputProjections", batch, cache: LayerCache):
+    def _step_compressors(self, x: InputProjections, batch, cache: LayerCache):
         # entries of positions < max_end (host int), or the whole capacity (masked by position)
         used = None if batch.max_end is None else batch.max_end // self.compressor.m
         args = (batch.start_pos, batch.num_new)
