@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from sinkhorn_kernel import capture, graph_us, kernel_us
+from cuda_graph_timing import capture, graph_us, kernel_us
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 

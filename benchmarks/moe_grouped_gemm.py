@@ -30,6 +30,7 @@ import torch
 
 from lockstep.models.layers import grouped_gemm_triton as gt
 from lockstep.models.layers.moe import dispatch_order, swiglu_clamped
+from cuda_graph_timing import capture, graph_us
 from rollout_throughput import copy_bandwidth
 
 DEVICE = "cuda"  # a dry run of the code on a CPU (interpreter) sets "cpu"
@@ -62,25 +63,10 @@ def torch_down(act, w, offs):
 
 
 def time_us(fn, n_layers: int, calls: int, reps: int) -> float:
-    """Device time per call of fn(layer index), calls cycling over the layers in one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: Triton compiles, CUTLASS picks its kernel
-        for i in range(2 * n_layers):
-            fn(i % n_layers)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % n_layers)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
+    """Device time per call of fn(layer index), calls cycling over the layers in one CUDA graph
+    (warmed up first: Triton compiles, CUTLASS picks its kernel)."""
+    graph, _ = capture(fn, [i % n_layers for i in range(calls)])
+    return graph_us(graph, calls, reps, warmup=1)
 
 
 def report(name, us_torch, us_triton, nbytes, bw):

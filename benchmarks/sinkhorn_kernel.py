@@ -27,6 +27,8 @@ import sys
 
 import torch
 
+from cuda_graph_timing import capture, graph_us, kernel_us
+
 
 def combs(tokens: int, n: int, count: int, seed: int, device) -> list[torch.Tensor]:
     """count inputs like mHC's: softmax over rows (+ eps), fp32."""
@@ -63,47 +65,6 @@ def eager_us(call, xs, reps: int, warmup: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / reps
-
-
-def capture(call, xs) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
-    """One CUDA graph of len(xs) back-to-back calls, and its outputs (warmed up on a side stream
-    first, as torch.cuda.graph requires; the Triton kernel compiles at its first call)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for x in xs:
-            call(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = [call(x) for x in xs]
-    return graph, outputs
-
-
-def graph_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(reps):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * calls)
-
-
-def kernel_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int) -> float:
-    """Device time per call: all kernels of reps replays (CUPTI lists a graph's kernels one by one)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            graph.replay()
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return sum(e.device_time for e in kernels) / (reps * calls)
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,53 @@
+"""Timing kernels the way the engine runs them: captured back to back in one CUDA graph.
+
+    from cuda_graph_timing import capture, graph_us, kernel_us
+
+Shared by the kernel benchmarks (sinkhorn_kernel.py, hc_projection.py, moe_grouped_gemm.py):
+inside a graph there is no launch cost from Python (which for a custom op can exceed the
+kernel's own time), so the figures are what a decode step pays per call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def capture(call, xs) -> tuple[torch.cuda.CUDAGraph, list[torch.Tensor]]:
+    """One CUDA graph of len(xs) back-to-back calls, and its outputs (warmed up on a side stream
+    first, as torch.cuda.graph requires; the Triton kernel compiles at its first call)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for x in xs:
+            call(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = [call(x) for x in xs]
+    return graph, outputs
+
+
+def graph_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * calls)
+
+
+def kernel_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int) -> float:
+    """Device time per call: all kernels of reps replays (CUPTI lists a graph's kernels one by one)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            graph.replay()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in kernels) / (reps * calls)
