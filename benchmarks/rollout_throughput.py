@@ -219,19 +219,19 @@ def main(argv=None) -> None:
     print(f"lockstep:      {ls_tps:12.1f} tokens/s  (prefill {prefill:.3f} s, decode {ls_decode_tps:.1f} tokens/s, "
           f"decode_steps {args.decode_steps[0]})")
 
-    if not args.skip_transformers:
-        hf_time, hf_out = run_transformers(engine.model, prompts, args.new_tokens, args.device)
-        hf_tps = out_tokens / hf_time
-        agree = sum(int(s.response_ids.tolist() == o.tolist()) for s, o in zip(samples, hf_out.cpu()))
-        print(f"transformers:  {hf_tps:12.1f} tokens/s  ({agree}/{args.batch} greedy completions identical)")
-        print(f"ratio lockstep / transformers: {ls_tps / hf_tps:.2f}x")
-
     bw = copy_bandwidth(args.device, args.copy_mib or (1024 if args.device.startswith("cuda") else 256))
     step_bytes = decode_bytes_per_step(engine.model, args.batch, args.prompt_len + args.new_tokens / 2)
     roof_tps = args.batch / (step_bytes / bw)
     print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); decode step reads {step_bytes / 1e6:.1f} MB "
           f"-> roofline {roof_tps:.1f} tokens/s")
     print(f"ratio lockstep decode / roofline: {ls_decode_tps / roof_tps:.3f}")
+
+    if not args.skip_transformers:
+        hf_time, hf_out = run_transformers(engine.model, prompts, args.new_tokens, args.device)
+        hf_tps = out_tokens / hf_time
+        agree = sum(int(s.response_ids.tolist() == o.tolist()) for s, o in zip(samples, hf_out.cpu()))
+        print(f"transformers:  {hf_tps:12.1f} tokens/s  ({agree}/{args.batch} greedy completions identical)")
+        print(f"ratio lockstep / transformers: {ls_tps / hf_tps:.2f}x")
     if args.profile:
         from kernel_profile import profile_generate
 
