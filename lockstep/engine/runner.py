@@ -42,6 +42,11 @@ class ModelAdapter(Protocol):
         """-> (logits [M, V] fp32 of the rows with want_logits, routed experts [N, S, L, k] or None)."""
 
 
+# A prefill chunk of one sequence up to this many tokens runs compiled with a padding row; longer
+# ones run eagerly (DeepseekV4Adapter.forward).
+PAD_ONE_ROW_MAX_TOKENS = 256
+
+
 class DeepseekV4Adapter:
     def __init__(self, model):
         from lockstep.models.deepseek_v4 import Routing, StepBatch
@@ -92,9 +97,14 @@ class DeepseekV4Adapter:
                for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
         slots, start, num_new = [s.slot for s in seqs], [s.num_computed for s in seqs], list(nums)
         if compiled is not None and len(seqs) == 1:
-            # a padding row (no tokens, the scratch slot): the compiled layers specialise a batch
-            # of one row, which would cost one more compilation per layer kind
-            ids, slots, start, num_new = ids + [0] * S, slots + [self.cache.scratch_slot], start + [0], num_new + [0]
+            # the compiled layers specialise a batch of one row (one more compilation per layer
+            # kind): a short chunk gets a padding row (no tokens, the scratch slot); a long one,
+            # whose launches the GPU work hides anyway, runs eagerly rather than doubling the work
+            if S > PAD_ONE_ROW_MAX_TOKENS:
+                compiled = None
+            else:
+                ids, slots, start, num_new = (ids + [0] * S, slots + [self.cache.scratch_slot], start + [0],
+                                              num_new + [0])
         N = len(slots)
         meta = to_device(ids + slots + start + num_new + rows + [nums[i] - 1 for i in rows], self.device)
         ids_t, slots_t, start_t, num_new_t, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])

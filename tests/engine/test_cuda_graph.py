@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine import GenerateRequest
+from lockstep.engine import GenerateRequest, runner
 from lockstep.engine.cuda_graph import bucket_sizes
 from lockstep.engine.sync_audit import SyncAudit
 
@@ -91,7 +91,7 @@ def test_a_decode_step_syncs_once(graphs):
     assert audit.counts["value_reads"] == 4, audit.counts
 
 
-def test_compiled_layers_trace_twice_per_layer_kind():
+def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     # the regional compile: per (attention kind, router kind) one graph for decode (one new token
     # per row) shared by every bucket, and one for prefill shared by every prompt length and batch
     # (a single prompt gets a padding row: a batch of one would be specialised); the "eager"
@@ -111,10 +111,15 @@ def test_compiled_layers_trace_twice_per_layer_kind():
     kinds = {(type(layer.self_attn.compressor), layer.mlp.gate.is_hash) for layer in layers}
     assert len(kinds) < len(layers)  # the tiny config repeats a kind, so sharing is tested
     assert len(traced) == 2 * len(kinds)
-    engine.generate(requests(ps[:1], params_for))  # one prompt: padded, no new graph
+    # one prompt: its short chunks padded to two rows, its long ones eager; no new graph
+    monkeypatch.setattr(runner, "PAD_ONE_ROW_MAX_TOKENS", 16)
+    long_prompt = prompts(1, lo=40, hi=41, seed=35)
+    single = engine.generate(requests(long_prompt, params_for))  # chunks of 32 (eager) and 8 (padded)
     assert len(traced) == 2 * len(kinds)
-    stand_in = graph_engine(33, compile_backend=None, dtype="bfloat16").generate(requests(ps, params_for))
+    stand_in_engine = graph_engine(33, compile_backend=None, dtype="bfloat16")
+    stand_in = stand_in_engine.generate(requests(ps, params_for))
     same_outputs(out, stand_in, exact=True)
+    same_outputs(single, stand_in_engine.generate(requests(long_prompt, params_for)), exact=True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda)")
