@@ -338,6 +338,8 @@ class Engine:
         Running sequences are preempted and recomputed: their cached state is stale."""
         with self._lock:
             update_weights(self.model, named_tensors, self.config.serving_format)
+            if hasattr(self.model, "fuse_projections"):  # a no-op unless a weight was re-allocated
+                self.model.fuse_projections()
             self.scheduler.preempt_all()
             self.cache.reset_all()
             self._refresh_graphs()  # weights were copied in place: the graphs already read them

@@ -190,7 +190,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Per layer, the attention's and the MoE's input projections become one GEMM each
-        (layers/fused_linear.py; the engine calls this once its weights are in place)."""
+        (layers/fused_linear.py; the engine calls this once its weights are in place, and after
+        each weight update, when it rebuilds only fused matrices whose views were replaced)."""
         for layer in self.model.layers:
             fuse_linears(layer.self_attn, layer.self_attn.input_linears())
             fuse_linears(layer.mlp, layer.mlp.input_linears())

@@ -40,3 +40,20 @@ def test_weights_alias_the_fused_matrix():
     assert attn.kv_proj.weight.data_ptr() == attn.fused_weight[rows:].data_ptr()
     up_rows = mlp.shared_experts.up_proj.weight.shape[0]
     assert torch.all(mlp.fused_weight[-up_rows:] == 0) and mlp.fused_weight[:-up_rows].abs().sum() > 0
+
+
+def test_a_replaced_weight_is_fused_again():
+    model, fused = _models(3)
+    attn = fused.model.layers[1].self_attn
+    before = attn.fused_weight
+    fused.fuse_projections()
+    assert attn.fused_weight is before  # intact: nothing rebuilt
+    attn.q_a_proj.weight.data = attn.q_a_proj.weight.data.clone()  # re-allocated, e.g. by .to()
+    with torch.no_grad():
+        for m in (model, fused):
+            m.model.layers[1].self_attn.q_a_proj.weight.mul_(0.5)
+    fused.fuse_projections()
+    assert attn.fused_weight is not before
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.allclose(fused(ids), model(ids), rtol=0, atol=1e-5)

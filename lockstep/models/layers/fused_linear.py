@@ -22,7 +22,25 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def is_fused(owner: nn.Module, linears: list[nn.Module]) -> bool:
+    """Every linear's weight is still its block of the owner's fused matrix (a weight whose
+    storage was replaced, e.g. by `module.to(dtype)`, is not: its updates would miss the matrix)."""
+    fused = getattr(owner, "fused_weight", None)
+    if fused is None:
+        return False
+    row = 0
+    for lin in linears:
+        if row >= fused.shape[0] or lin.weight.data_ptr() != fused[row].data_ptr():
+            return False
+        row += lin.weight.shape[0]
+    return row == fused.shape[0]
+
+
 def fuse_linears(owner: nn.Module, linears: list[nn.Module]) -> None:
+    """(Re)build the owner's fused matrix from the linears' current weights; nothing to do when
+    they are still its views."""
+    if is_fused(owner, linears):
+        return
     if any(getattr(lin, "bias", None) is not None for lin in linears):
         raise ValueError(f"{type(owner).__name__}: fused projections take bias-free linears")
     fused = torch.cat([lin.weight.detach() for lin in linears])
