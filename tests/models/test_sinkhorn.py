@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from lockstep.models.layers import sinkhorn_triton
-from lockstep.models.layers.sinkhorn import _dims, sinkhorn, sinkhorn_backward, sinkhorn_reference
+from lockstep.models.layers.sinkhorn import (sinkhorn, sinkhorn_backward, sinkhorn_in_kernel_order,
+                                             sinkhorn_reference)
 
 needs_triton = pytest.mark.skipif(sinkhorn_triton.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -59,18 +60,6 @@ def test_fused_kernel_gradient_equals_autograd_of_the_loop():
     assert torch.equal(sinkhorn_backward(x.detach(), grad, 20, 1e-6), g_fused)
 
 
-def _loop_in_kernel_order(comb, iters, eps):
-    """The plain loop with each line's sum written out left to right, as the kernel adds; with
-    IEEE division, on any device (torch's own sum may add in another order on a GPU)."""
-    for dim in _dims(iters):
-        lines = comb.unbind(dim)
-        total = lines[0]
-        for line in lines[1:]:
-            total = total + line
-        comb = comb / (total.unsqueeze(dim) + eps)
-    return comb
-
-
 @needs_triton
 @pytest.mark.parametrize("tokens", [1, 31, 33, 64, 100])  # one token; partial last program (BLOCK_T = 32)
 def test_fused_kernel_is_the_loop_bit_for_bit(tokens):
@@ -78,7 +67,7 @@ def test_fused_kernel_is_the_loop_bit_for_bit(tokens):
     x = (torch.softmax(torch.randn(tokens, 4, 4, generator=g) * 3, dim=-1) + 1e-6).to(DEVICE)
     out = sinkhorn_triton.sinkhorn_fused(x, 20, 1e-6)
     assert out.shape == x.shape
-    assert torch.equal(out, _loop_in_kernel_order(x, 20, 1e-6))
+    assert torch.equal(out, sinkhorn_in_kernel_order(x, 20, 1e-6))
     assert torch.allclose(out, sinkhorn_reference(x, 20, 1e-6), rtol=0, atol=1e-6)
 
 
@@ -90,7 +79,7 @@ def test_fused_kernel_other_n(n):
     assert sinkhorn_triton.available(x)
     for iters in (1, 7):  # iters = 1: the column step alone
         out = sinkhorn_triton.sinkhorn_fused(x, iters, 1e-6)
-        assert torch.equal(out, _loop_in_kernel_order(x, iters, 1e-6))
+        assert torch.equal(out, sinkhorn_in_kernel_order(x, iters, 1e-6))
         assert torch.allclose(out, sinkhorn_reference(x, iters, 1e-6), rtol=0, atol=1e-6)
 
 

@@ -30,6 +30,19 @@ def sinkhorn_reference(comb: torch.Tensor, iters: int, eps: float) -> torch.Tens
     return comb
 
 
+def sinkhorn_in_kernel_order(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """The plain loop with each line's sum written out left to right, the order in which the fused
+    kernel (sinkhorn_triton.py) adds; with IEEE division, on any device (torch's own sum may add
+    in another order on a GPU). The kernel equals it bit for bit."""
+    for dim in _dims(iters):
+        lines = comb.unbind(dim)
+        total = lines[0]
+        for line in lines[1:]:
+            total = total + line
+        comb = comb / (total.unsqueeze(dim) + eps)
+    return comb
+
+
 def _forward_saving(comb: torch.Tensor, iters: int, eps: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The plain loop, keeping each step's (output, denominator) for the backward."""
     saved = []
