@@ -141,3 +141,15 @@ def test_grouped_mm_native_matches_reference():
     counts = torch.tensor([3, 0, 6, 4, 0])
     with torch.no_grad():
         assert torch.allclose(grouped_mm(x, w, counts), grouped_mm_reference(x, w, counts), atol=1e-6)
+
+
+def test_rope_frequencies_follow_the_device_not_the_dtype():
+    # moved by model.to with the parameters (a lazy move inside a compiled layer was traced and
+    # doubled the compiled graphs), and never cast: bf16 frequencies shifted logprobs by ~0.06
+    model = DeepseekV4ForCausalLM(tiny_config())
+    before = [layer.self_attn.inv_freq.clone() for layer in model.model.layers]
+    model.to(torch.bfloat16)
+    for layer, freq in zip(model.model.layers, before):
+        assert layer.self_attn._inv_freq.dtype == torch.float32 and torch.equal(layer.self_attn._inv_freq, freq)
+    model.to("meta")
+    assert all(layer.self_attn._inv_freq.device.type == "meta" for layer in model.model.layers)

@@ -125,9 +125,19 @@ class DeepseekV4Attention(nn.Module):
     def inv_freq(self) -> torch.Tensor:
         """Rotary frequencies, fp32, on the module's device."""
         device = self.q_a_proj.weight.device
-        if self._inv_freq.device != device:
+        if self._inv_freq.device != device:  # parameters moved without .to (load_state_dict(assign=True))
             self._inv_freq = self._inv_freq.to(device)
         return self._inv_freq
+
+    def _apply(self, fn, recurse=True):
+        # model.to / .cuda move the frequencies with the parameters, but never cast them (see
+        # __init__). Moved here, not lazily on first use: a first use inside a compiled layer
+        # traced the move, so every layer kind compiled once more when its frequencies were
+        # already on the GPU (a graph guarded on their device: 9 graphs instead of 6, tiny model)
+        super()._apply(fn, recurse)
+        device = fn(torch.empty(0, device=self._inv_freq.device)).device
+        self._inv_freq = self._inv_freq.to(device)
+        return self
 
     # ---- shared pieces ----------------------------------------------------------------
 
