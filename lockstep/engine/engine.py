@@ -57,6 +57,14 @@ def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torc
     return model.eval()
 
 
+def _compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process (dynamo's count): the startup line reports
+    how many the decode graphs took (one per layer kind, unless a guard splits them)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None):
         self.config, self.tokenizer = config, tokenizer
@@ -93,7 +101,7 @@ class Engine:
             # bf16; other dtypes take a fallback that copies the group offsets to the host
             return
         # a failure costs speed, not correctness: without compilation, then without graphs
-        start = time.perf_counter()
+        start, compiled_before = time.perf_counter(), _compiled_graphs()
         print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) and capturing decode "
               "graphs: minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
         try:
@@ -106,7 +114,8 @@ class Engine:
             except RuntimeError as e:
                 self.adapter.graphs = None
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
-        print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+        print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s "
+              f"({_compiled_graphs() - compiled_before} graphs compiled)", file=sys.stderr)
 
     def _refresh_graphs(self) -> None:
         graphs = getattr(self.adapter, "graphs", None)
