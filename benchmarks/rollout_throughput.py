@@ -24,6 +24,7 @@ the size of the DESIGN.md reference row (HF generate 570 tokens/s at batch 32 on
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import time
 
@@ -159,6 +160,17 @@ def run_transformers(model, prompts, new_tokens: int, device: str):
     return time.perf_counter() - t, out[:, ids.shape[1]:]
 
 
+def compile_option(text: str) -> tuple[str, object]:
+    """KEY=VALUE -> (KEY, VALUE as a Python literal, else the string)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", choices=["tiny", "1b"], default="tiny")
@@ -173,6 +185,9 @@ def main(argv=None) -> None:
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[EngineConfig().decode_steps],
                     help="EngineConfig.decode_steps of the timed run; further values are timed too, for comparison")
     ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig.compile_prefill=False")
+    ap.add_argument("--compile-option", action="append", default=[], type=compile_option, metavar="KEY=VALUE",
+                    help="an inductor setting for the engine's compiled layers (EngineConfig.compile_options), "
+                         "e.g. combo_kernels=True; repeatable")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
@@ -193,7 +208,8 @@ def main(argv=None) -> None:
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                       cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill)
+                       cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
+                       compile_options=dict(args.compile_option))
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
@@ -204,7 +220,8 @@ def main(argv=None) -> None:
     print(f"config {args.config} ({n_params / 1e6:.1f}M params), batch {args.batch}, prompt {args.prompt_len}, "
           f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {args.serving_format}, "
           f"batch_invariant {args.batch_invariant}, cuda graphs "
-          + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off"))
+          + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off")
+          + (f", compile options {cfg.compile_options}" if cfg.compile_options else ""))
 
     t = time.perf_counter()
     run_lockstep(engine, prompts, 2, args.device)  # warm-up: the timed run's prefill shapes, 2 tokens

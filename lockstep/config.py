@@ -50,6 +50,19 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
 
 
+def _check_inductor_options(name: str, options: dict) -> None:
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for key, value in options.items():
+        if key not in known:
+            _fail(name, "compile_options", f"{key!r} is not an inductor setting (torch._inductor.config)")
+        kind = type(known[key])
+        allowed = (int, float) if kind is float else kind
+        if known[key] is not None and not isinstance(value, allowed):
+            _fail(name, "compile_options", f"{key!r} takes a {kind.__name__}, got {value!r}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """Rollout engine settings.
@@ -67,6 +80,8 @@ class EngineConfig:
     a prefill chunk's compressed attention and indexer scores span the cache's whole capacity
     (max_model_len / 4 entries), not just the entries written so far: more memory for the first
     chunks of long prompts at a long max_model_len.
+    compile_options: inductor settings for the compiled decoder layers on top of lockstep's own
+    (torch.compile's `options`; names from torch._inductor.config, e.g. {"combo_kernels": True}).
     """
 
     max_num_seqs: int = 64
@@ -82,9 +97,12 @@ class EngineConfig:
     cuda_graph: bool = True
     decode_steps: int = 16
     compile_prefill: bool = True
+    compile_options: dict = field(default_factory=dict)
 
     def __post_init__(self):
         name = "EngineConfig"
+        if self.compile_options:
+            _check_inductor_options(name, self.compile_options)
         if self.serving_format not in ("bf16", "fp8", "fp8-fp4"):
             _fail(name, "serving_format", f"must be bf16, fp8 or fp8-fp4, got {self.serving_format!r}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -47,7 +47,8 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend="auto"):
+    def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend="auto",
+                 compile_options: dict | None = None):
         from lockstep.models.deepseek_v4 import Routing, StepBatch
 
         self.adapter, self._Routing, self._StepBatch = adapter, Routing, StepBatch
@@ -62,7 +63,8 @@ class DecodeGraphs:
         if compile_backend == "auto":
             compile_backend = "inductor" if self.capture else None
         if compile_backend and os.environ.get("LOCKSTEP_COMPILE", "1") != "0":
-            self.compiled_layers = CompiledLayers(compile_backend)
+            options = compile_options if compile_backend == "inductor" else None  # inductor's settings
+            self.compiled_layers = CompiledLayers(compile_backend, options)
         if self.capture:
             self.capture_all()
 

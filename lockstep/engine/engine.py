@@ -105,7 +105,7 @@ class Engine:
         print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) and capturing decode "
               "graphs: minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
         try:
-            self.adapter.enable_graphs(self.config.max_num_seqs)
+            self.adapter.enable_graphs(self.config.max_num_seqs, compile_options=self.config.compile_options)
         except RuntimeError as e:
             warnings.warn(f"compiling the decode step failed, capturing it uncompiled: {e}", RuntimeWarning,
                           stacklevel=3)

@@ -67,11 +67,13 @@ class DeepseekV4Adapter:
                                       config.cache_memory_bytes, dtype, self.device)
         return self.cache
 
-    def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend="auto") -> None:
+    def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend="auto",
+                      compile_options: dict | None = None) -> None:
         """Decode steps replay captured CUDA graphs (capture=False: their eager stand-in, for CPU tests)."""
         from lockstep.engine.cuda_graph import DecodeGraphs
 
-        self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture, compile_backend=compile_backend)
+        self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture, compile_backend=compile_backend,
+                                   compile_options=compile_options)
 
     def run_step(self, ids_NS: torch.Tensor, batch, routing, call_layer=None) -> torch.Tensor:
         """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over

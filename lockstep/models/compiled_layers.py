@@ -45,14 +45,18 @@ RECOMPILE_LIMIT = 64
 
 
 class CompiledLayers:
-    def __init__(self, backend="inductor"):
-        self.backend = backend
+    def __init__(self, backend="inductor", options: dict | None = None):
+        """options: inductor settings on top of the defaults below (torch.compile's `options`,
+        e.g. {"coordinate_descent_tuning": True}); inductor only."""
+        self.backend, self.options = backend, dict(options or {})
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        if backend != "inductor" and self.options:
+            raise ValueError(f"compile options {sorted(self.options)} need the inductor backend, not {backend!r}")
         # inductor keeps a fused chain of bf16 ops in fp32 and rounds once; eager rounds after
         # every op. The trainer runs eager, so the engine emulates eager's roundings: on a bf16
         # tiny model the compiled engine's mean |logprob gap| to the trainer was 4.2e-4 without
         # this, 4.8e-5 with it, 3.6e-5 for the eager engine.
-        options = {"emulate_precision_casts": True} if backend == "inductor" else None
+        options = {"emulate_precision_casts": True, **self.options} if backend == "inductor" else None
         self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
@@ -64,7 +68,7 @@ class CompiledLayers:
         return streams
 
     def __deepcopy__(self, memo):  # a copied model compiles alike (dynamo's cache is per code)
-        return CompiledLayers(self.backend)
+        return CompiledLayers(self.backend, self.options)
 
 
 def compile_layers(model, backend: str = "inductor"):

@@ -163,3 +163,20 @@ def test_compiled_layer_honours_forced_experts():
             # fp32 under compile takes the gathered grouped GEMM: equal up to summation order
             assert torch.allclose(out, expected, rtol=0, atol=1e-5)
             assert torch.equal(ours.chosen[0], forced[..., layer.layer_idx, :].sort(dim=-1).values)
+
+
+def test_compile_options_reach_the_compiled_layers_and_bad_ones_name_the_field():
+    from lockstep.models.compiled_layers import CompiledLayers
+
+    with pytest.raises(ValueError, match="EngineConfig.compile_options: 'combo_kernel' is not an inductor setting"):
+        make_engine(compile_options={"combo_kernel": True})
+    with pytest.raises(ValueError, match="'combo_kernels' takes a bool"):
+        make_engine(compile_options={"combo_kernels": "yes"})
+    with pytest.raises(ValueError, match="need the inductor backend"):
+        CompiledLayers("eager", {"combo_kernels": True})
+    # inductor compiles lazily: building the graphs' compiled layers compiles nothing yet
+    engine = graph_engine(37)
+    engine.adapter.enable_graphs(4, capture=False, compile_backend="inductor", compile_options={"combo_kernels": True})
+    assert engine.adapter.graphs.compiled_layers.options == {"combo_kernels": True}
+    engine.adapter.enable_graphs(4, capture=False, compile_backend="eager", compile_options={"combo_kernels": True})
+    assert engine.adapter.graphs.compiled_layers.options == {}  # settings of inductor's only
