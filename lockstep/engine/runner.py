@@ -47,6 +47,18 @@ class ModelAdapter(Protocol):
 PAD_ONE_ROW_MAX_TOKENS = 256
 
 
+def min_compiled_chunk(model) -> int:
+    """The fewest tokens a compiled prefill call computes (shorter chunks get masked padding).
+    An overlapping compressor (rate m) lays a chunk of S tokens out as (S + 2m - 1) // m blocks;
+    for S <= m that is 2, and a dimension of (blocks - 1) = 1 is one the compiler specialises:
+    one more graph per layer kind for chunks of 2..m tokens (seen with aot_eager and inductor,
+    not with dynamo alone). Padding such chunks to m + 1 tokens keeps them on the shared graph."""
+    from lockstep.models.layers.compressor import Compressor
+
+    rates = [c.m for c in model.modules() if isinstance(c, Compressor) and c.overlap]
+    return max(rates, default=1) + 1
+
+
 class DeepseekV4Adapter:
     def __init__(self, model):
         from lockstep.models.deepseek_v4 import Routing, StepBatch
@@ -57,6 +69,7 @@ class DeepseekV4Adapter:
         self.cache: SlotCacheManager | None = None
         self.graphs = None  # DecodeGraphs (cuda_graph.py) once enable_graphs() has captured them
         self.compile_prefill = True  # prefill through the graphs' compiled layers, when they exist
+        self.min_compiled_chunk = min_compiled_chunk(model)
 
     @property
     def device(self) -> torch.device:
@@ -92,6 +105,8 @@ class DeepseekV4Adapter:
             return self.graphs.forward(seqs, want_routing)
         compiled = self.graphs.compiled_layers if self.graphs is not None and self.compile_prefill else None
         S = max(nums)
+        if compiled is not None and S > 1:
+            S = max(S, self.min_compiled_chunk)  # masked tokens past num_new (see min_compiled_chunk)
         rows = [i for i in range(len(seqs)) if want_logits[i]]
         # rows padded with token 0 past num_new (the model masks them as invalid); every integer
         # of the call goes to the device in one copy that does not stall it

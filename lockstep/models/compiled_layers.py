@@ -6,14 +6,16 @@ compiles the layer, not the model: layers of the same kind (attention kind x rou
 one compiled graph, so a model compiles once per kind, and the token dimensions are dynamic, so
 one compilation serves every batch size.
 
-Three things keep the compiler from recompiling per layer or per batch size:
+Four things keep the compiler from recompiling (or retracing) per layer or per batch size:
 - the compiled region takes this layer's slice of the forced experts (`Routing.layer_forced`)
   and returns its chosen experts, instead of slicing `Routing.forced` by `layer_idx` and
   appending to `Routing.chosen` (the index and the list's length would become guards);
 - callers build `attend` closures over the layer's own cache, not over the cache list indexed
   by `layer.layer_idx`;
 - no duck shaping: a batch size that happens to equal a weight dimension at the first call
-  would be specialised to it.
+  would be specialised to it;
+- floats (the SwiGLU clamp limit) are constants: dynamic=True makes them symbols, which a later
+  pass specialises again, restarting the trace (each layer kind traced twice at its first call).
 
 `CompiledLayers(backend)` is a `call_layer` for `DeepseekV4Model.run`, passed per call (the
 engine's decode step) or installed for every forward by `compile_layers(model)` (the trainer,
@@ -61,7 +63,8 @@ class CompiledLayers:
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
+        no_duck_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
+        with no_duck_shapes, torch._dynamo.config.patch(specialize_float=True):
             streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
         if routing is not None:
             routing.chosen.append(experts)

@@ -7,6 +7,8 @@ captured graphs are also compared with the stand-in (bf16: the dtype graphs are 
 
 import pytest
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 
 from lockstep.config import SamplingParams
 from lockstep.engine import GenerateRequest, runner
@@ -94,18 +96,21 @@ def test_a_decode_step_syncs_once(graphs):
 def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     # the regional compile: per (attention kind, router kind) one graph for decode (one new token
     # per row) shared by every bucket, and one for prefill shared by every prompt length and batch
-    # (a single prompt gets a padding row: a batch of one would be specialised); the "eager"
-    # backend runs the traced graphs as traced, so the outputs are the stand-in's; a counting
-    # backend: on CUDA mHC's coefficients outside the region compile too, with inductor
+    # (a single prompt gets a padding row: a batch of one would be specialised). Counted behind
+    # AOT autograd, inductor's front end: its decompositions add guards of their own (a chunk of
+    # 2..m tokens, m an overlapping compressor's rate, was one more graph; a float attribute
+    # restarted each kind's first trace), and it runs the traced ops, so the outputs are the
+    # stand-in's. A counting backend: on CUDA mHC's coefficients outside the region compile too.
     ps = prompts(7, lo=3, hi=50, seed=32)
     torch._dynamo.reset()
     traced = []
+    aot_eager = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward))
 
-    def counting_eager(gm, example_inputs):
+    def counting_aot_eager(gm, example_inputs):
         traced.append(gm)
-        return gm.forward
+        return aot_eager(gm, example_inputs)
 
-    engine = graph_engine(33, compile_backend=counting_eager, dtype="bfloat16")
+    engine = graph_engine(33, compile_backend=counting_aot_eager, dtype="bfloat16")
     out = engine.generate(requests(ps, params_for))
     layers = engine.model.model.layers
     kinds = {(type(layer.self_attn.compressor), layer.mlp.gate.is_hash) for layer in layers}
@@ -113,8 +118,8 @@ def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     assert len(traced) == 2 * len(kinds)
     # one prompt: its short chunks padded to two rows, its long ones eager; no new graph
     monkeypatch.setattr(runner, "PAD_ONE_ROW_MAX_TOKENS", 16)
-    long_prompt = prompts(1, lo=40, hi=41, seed=35)
-    single = engine.generate(requests(long_prompt, params_for))  # chunks of 32 (eager) and 8 (padded)
+    long_prompt = prompts(1, lo=34, hi=35, seed=35)
+    single = engine.generate(requests(long_prompt, params_for))  # chunks of 32 (eager) and 2 (3 x 2 padded)
     assert len(traced) == 2 * len(kinds)
     stand_in_engine = graph_engine(33, compile_backend=None, dtype="bfloat16")
     stand_in = stand_in_engine.generate(requests(ps, params_for))
