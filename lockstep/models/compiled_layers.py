@@ -4,7 +4,8 @@ torch.compile fuses a layer's many small ops (mHC, norms, RoPE, masks) into a fe
 (the Sinkhorn inside mHC is already one Triton kernel, kept as it is: sinkhorn_triton.py). It
 compiles the layer, not the model: layers of the same kind (attention kind x router kind) run
 one compiled graph, so a model compiles once per kind, and the token dimensions are dynamic, so
-one compilation serves every batch size.
+one compilation serves every batch size. The model's last step after the layers (mHC's head and
+the final norm, `final_hidden`) is compiled alike.
 
 Four things keep the compiler from recompiling (or retracing) per layer or per batch size:
 - the compiled region takes this layer's slice of the forced experts (`Routing.layer_forced`)
@@ -28,6 +29,8 @@ form instead of the reference loop over experts, which would break the graph.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .deepseek_v4 import Routing
@@ -37,6 +40,10 @@ def _layer_with_experts(layer, streams, input_ids, forced, attend):
     routing = Routing(layer_forced=forced)
     streams = layer(streams, input_ids, routing, attend)
     return streams, routing.chosen[0]
+
+
+def _final_hidden(model, streams):
+    return model.final_hidden(streams)
 
 
 # Dynamo keeps at most `recompile_limit` (8) compilations per function and runs further guard
@@ -60,18 +67,32 @@ class CompiledLayers:
         # this, 4.8e-5 with it, 3.6e-5 for the eager engine.
         options = {"emulate_precision_casts": True, **self.options} if backend == "inductor" else None
         self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
+        self._compiled_final = torch.compile(_final_hidden, dynamic=True, backend=backend, options=options)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
-        no_duck_shapes = torch.fx.experimental._config.patch(use_duck_shape=False)
-        with no_duck_shapes, torch._dynamo.config.patch(specialize_float=True):
+        with _trace_settings():
             streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
         if routing is not None:
             routing.chosen.append(experts)
         return streams
 
+    def final_hidden(self, model, streams):
+        """`model.final_hidden(streams)` (mHC's head collapse and the final norm) compiled too:
+        eagerly it was ~20 small kernels at the end of every decode step."""
+        with _trace_settings():
+            return self._compiled_final(model, streams)
+
     def __deepcopy__(self, memo):  # a copied model compiles alike (dynamo's cache is per code)
         return CompiledLayers(self.backend, self.options)
+
+
+def _trace_settings():
+    """No duck shaping, floats as constants (see the module docstring)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    return stack
 
 
 def compile_layers(model, backend: str = "inductor"):

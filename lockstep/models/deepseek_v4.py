@@ -121,6 +121,11 @@ class DeepseekV4Model(nn.Module):
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
         for layer in self.layers:
             streams = call_layer(layer, streams, input_ids, routing, attend_for(layer))
+        final = getattr(call_layer, "final_hidden", None)  # compiled along with the layers
+        return final(self, streams) if final is not None else self.final_hidden(streams)
+
+    def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams [..., n, D] after the last layer -> hidden [..., D]: mHC's head, then the norm."""
         return self.norm(self.hc_head(streams))
 
 

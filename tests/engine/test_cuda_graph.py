@@ -95,7 +95,8 @@ def test_a_decode_step_syncs_once(graphs):
 
 def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     # the regional compile: per (attention kind, router kind) one graph for decode (one new token
-    # per row) shared by every bucket, and one for prefill shared by every prompt length and batch
+    # per row) shared by every bucket, and one for prefill shared by every prompt length and batch;
+    # the same two for the model's final head
     # (a single prompt gets a padding row: a batch of one would be specialised). Counted behind
     # AOT autograd, inductor's front end: its decompositions add guards of their own (a chunk of
     # 2..m tokens, m an overlapping compressor's rate, was one more graph; a float attribute
@@ -115,12 +116,12 @@ def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     layers = engine.model.model.layers
     kinds = {(type(layer.self_attn.compressor), layer.mlp.gate.is_hash) for layer in layers}
     assert len(kinds) < len(layers)  # the tiny config repeats a kind, so sharing is tested
-    assert len(traced) == 2 * len(kinds)
+    assert len(traced) == 2 * len(kinds) + 2  # + the final head and norm, decode and prefill
     # one prompt: its short chunks padded to two rows, its long ones eager; no new graph
     monkeypatch.setattr(runner, "PAD_ONE_ROW_MAX_TOKENS", 16)
     long_prompt = prompts(1, lo=34, hi=35, seed=35)
     single = engine.generate(requests(long_prompt, params_for))  # chunks of 32 (eager) and 2 (3 x 2 padded)
-    assert len(traced) == 2 * len(kinds)
+    assert len(traced) == 2 * len(kinds) + 2
     stand_in_engine = graph_engine(33, compile_backend=None, dtype="bfloat16")
     stand_in = stand_in_engine.generate(requests(ps, params_for))
     same_outputs(out, stand_in, exact=True)
