@@ -59,7 +59,8 @@ def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torc
 
 def _compiled_graphs() -> int:
     """Graphs torch.compile has built in this process (dynamo's count): the startup line reports
-    how many the decode graphs took (one per layer kind, unless a guard splits them)."""
+    how many the engine took (two per layer kind and two for the final head, unless a guard
+    splits them)."""
     from torch._dynamo.utils import counters
 
     return counters["stats"]["unique_graphs"]
@@ -102,10 +103,12 @@ class Engine:
             return
         # a failure costs speed, not correctness: without compilation, then without graphs
         start, compiled_before = time.perf_counter(), _compiled_graphs()
-        print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) and capturing decode "
-              "graphs: minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
+        print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) for decode and prefill, "
+              "capturing decode graphs: minutes on a machine's first start, seconds once inductor's cache holds them",
+              file=sys.stderr)
         try:
             self.adapter.enable_graphs(self.config.max_num_seqs, compile_options=self.config.compile_options)
+            self.adapter.warm_up_prefill()
         except RuntimeError as e:
             warnings.warn(f"compiling the decode step failed, capturing it uncompiled: {e}", RuntimeWarning,
                           stacklevel=3)
@@ -114,7 +117,7 @@ class Engine:
             except RuntimeError as e:
                 self.adapter.graphs = None
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
-        print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s "
+        print(f"lockstep engine: compiled and captured in {time.perf_counter() - start:.0f} s "
               f"({_compiled_graphs() - compiled_before} graphs compiled)", file=sys.stderr)
 
     def _refresh_graphs(self) -> None:

@@ -88,6 +88,18 @@ class DeepseekV4Adapter:
         self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture, compile_backend=compile_backend,
                                    compile_options=compile_options)
 
+    @torch.no_grad()
+    def warm_up_prefill(self) -> None:
+        """Compile the prefill graphs at engine start, not at the first request: one chunk of two
+        padding rows (no tokens, the scratch slot) has the shapes every compiled prefill shares."""
+        if self.graphs is None or self.graphs.compiled_layers is None or not self.compile_prefill:
+            return
+        N, S = 2, self.min_compiled_chunk
+        meta = to_device([0] * (N * S) + [self.cache.scratch_slot] * N + [0] * (2 * N), self.device)
+        ids, slots, start, num_new = meta.split([N * S, N, N, N])
+        batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=S, max_end=None)
+        self.run_step(ids.view(N, S), batch, None, self.graphs.compiled_layers)
+
     def run_step(self, ids_NS: torch.Tensor, batch, routing, call_layer=None) -> torch.Tensor:
         """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over
         the rows somebody samples from."""
