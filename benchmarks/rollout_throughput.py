@@ -192,6 +192,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-option", action="append", default=[], type=compile_option, metavar="KEY=VALUE",
                     help="an inductor setting for the engine's compiled layers (EngineConfig.compile_options), "
                          "e.g. combo_kernels=True; repeatable")
+    ap.add_argument("--compile-cache", metavar="FILE",
+                    help="the engine's compiled graphs, read before compiling and written after "
+                         "(EngineConfig.compile_cache): another machine's start skips the compilation")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
@@ -213,7 +216,7 @@ def main(argv=None) -> None:
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
                        cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
-                       compile_options=dict(args.compile_option))
+                       compile_options=dict(args.compile_option), compile_cache=args.compile_cache)
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")

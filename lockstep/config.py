@@ -82,6 +82,8 @@ class EngineConfig:
     chunks of long prompts at a long max_model_len.
     compile_options: inductor settings for the compiled decoder layers on top of lockstep's own
     (torch.compile's `options`; names from torch._inductor.config, e.g. {"combo_kernels": True}).
+    compile_cache: a file of compiled graphs carried between machines (engine/compile_cache.py):
+    read before the engine compiles, rewritten after.
     """
 
     max_num_seqs: int = 64
@@ -98,6 +100,7 @@ class EngineConfig:
     decode_steps: int = 16
     compile_prefill: bool = True
     compile_options: dict = field(default_factory=dict)
+    compile_cache: str | None = None
 
     def __post_init__(self):
         name = "EngineConfig"

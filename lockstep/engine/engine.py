@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from lockstep.config import EngineConfig
+from lockstep.engine import compile_cache
 from lockstep.engine.background import BackgroundLoop
 from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import decode_window, window_steps
@@ -103,6 +104,8 @@ class Engine:
             return
         # a failure costs speed, not correctness: without compilation, then without graphs
         start, compiled_before = time.perf_counter(), _compiled_graphs()
+        cache = self.config.compile_cache
+        loaded = bool(cache) and compile_cache.load(cache)
         print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) for decode and prefill, "
               "capturing decode graphs: minutes on a machine's first start, seconds once inductor's cache holds them",
               file=sys.stderr)
@@ -117,8 +120,12 @@ class Engine:
             except RuntimeError as e:
                 self.adapter.graphs = None
                 warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
+        note = ""
+        if cache:
+            written = compile_cache.save(cache)
+            note = f"; compile cache {cache}: {'read, ' if loaded else ''}{written / 2**20:.1f} MiB written"
         print(f"lockstep engine: compiled and captured in {time.perf_counter() - start:.0f} s "
-              f"({_compiled_graphs() - compiled_before} graphs compiled)", file=sys.stderr)
+              f"({_compiled_graphs() - compiled_before} graphs compiled{note})", file=sys.stderr)
 
     def _refresh_graphs(self) -> None:
         graphs = getattr(self.adapter, "graphs", None)
