@@ -73,8 +73,7 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
         apply_serving_format(self.model, config.serving_format)
-        if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM
-            self.model.fuse_projections()
+        self._fuse_projections()
         # never past the positions the model was built for
         limit = getattr(self.model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, limit)
@@ -126,6 +125,10 @@ class Engine:
             note = f"; compile cache {cache}: {'read, ' if loaded else ''}{written / 2**20:.1f} MiB written"
         print(f"lockstep engine: compiled and captured in {time.perf_counter() - start:.0f} s "
               f"({_compiled_graphs() - compiled_before} graphs compiled{note})", file=sys.stderr)
+
+    def _fuse_projections(self) -> None:
+        if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM
+            self.model.fuse_projections()
 
     def _refresh_graphs(self) -> None:
         graphs = getattr(self.adapter, "graphs", None)
@@ -357,8 +360,7 @@ class Engine:
         Running sequences are preempted and recomputed: their cached state is stale."""
         with self._lock:
             update_weights(self.model, named_tensors, self.config.serving_format)
-            if hasattr(self.model, "fuse_projections"):  # a no-op unless a weight was re-allocated
-                self.model.fuse_projections()
+            self._fuse_projections()  # a no-op unless a weight was re-allocated
             self.scheduler.preempt_all()
             self.cache.reset_all()
             self._refresh_graphs()  # weights were copied in place: the graphs already read them

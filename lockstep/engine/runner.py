@@ -95,10 +95,17 @@ class DeepseekV4Adapter:
         if self.graphs is None or self.graphs.compiled_layers is None or not self.compile_prefill:
             return
         N, S = 2, self.min_compiled_chunk
-        meta = to_device([0] * (N * S) + [self.cache.scratch_slot] * N + [0] * (2 * N), self.device)
-        ids, slots, start, num_new = meta.split([N * S, N, N, N])
-        batch = self._StepBatch(slots=slots, start_pos=start, num_new=num_new, max_new=S, max_end=None)
-        self.run_step(ids.view(N, S), batch, None, self.graphs.compiled_layers)
+        ids, batch, _ = self._device_step([0] * (N * S), [self.cache.scratch_slot] * N, [0] * N, [0] * N, S, None)
+        self.run_step(ids, batch, None, self.graphs.compiled_layers)
+
+    def _device_step(self, ids, slots, start, num_new, S: int, max_end, extra=()):
+        """A call's integers (ids N x S, per row slot, start, num_new, then `extra` lists) in one
+        host->device copy that does not stall the device -> (ids [N, S], StepBatch, extra tensors)."""
+        N = len(slots)
+        flat = ids + slots + start + num_new + [v for e in extra for v in e]
+        parts = to_device(flat, self.device).split([N * S, N, N, N] + [len(e) for e in extra])
+        batch = self._StepBatch(slots=parts[1], start_pos=parts[2], num_new=parts[3], max_new=S, max_end=max_end)
+        return parts[0].view(N, S), batch, parts[4:]
 
     def run_step(self, ids_NS: torch.Tensor, batch, routing, call_layer=None) -> torch.Tensor:
         """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over
@@ -120,8 +127,7 @@ class DeepseekV4Adapter:
         if compiled is not None and S > 1:
             S = max(S, self.min_compiled_chunk)  # masked tokens past num_new (see min_compiled_chunk)
         rows = [i for i in range(len(seqs)) if want_logits[i]]
-        # rows padded with token 0 past num_new (the model masks them as invalid); every integer
-        # of the call goes to the device in one copy that does not stall it
+        # rows padded with token 0 past num_new (the model masks them as invalid)
         ids = [t for seq, n in zip(seqs, nums)
                for t in seq.tokens[seq.num_computed:seq.num_computed + n] + [0] * (S - n)]
         slots, start, num_new = [s.slot for s in seqs], [s.num_computed for s in seqs], list(nums)
@@ -134,16 +140,14 @@ class DeepseekV4Adapter:
             else:
                 ids, slots, start, num_new = (ids + [0] * S, slots + [self.cache.scratch_slot], start + [0],
                                               num_new + [0])
-        N = len(slots)
-        meta = to_device(ids + slots + start + num_new + rows + [nums[i] - 1 for i in rows], self.device)
-        ids_t, slots_t, start_t, num_new_t, rows_t, last_t = meta.split([N * S, N, N, N, len(rows), len(rows)])
         # compiled: compressed attention over the cache's whole capacity, masked by position (as
         # in decode graphs): a host int bounding it would be a compile guard, one graph per value
         max_end = None if compiled is not None else max(s.num_computed + n for s, n in zip(seqs, nums))
-        batch = self._StepBatch(slots=slots_t, start_pos=start_t, num_new=num_new_t, max_new=S, max_end=max_end)
+        ids_t, batch, (rows_t, last_t) = self._device_step(ids, slots, start, num_new, S, max_end,
+                                                           (rows, [nums[i] - 1 for i in rows]))
         routing = self._Routing() if want_routing else None
-        hidden = self.run_step(ids_t.view(N, S), batch, routing, compiled)
-        picked = hidden[:, 0] if S == 1 and len(rows) == N else hidden[rows_t, last_t]
+        hidden = self.run_step(ids_t, batch, routing, compiled)
+        picked = hidden[:, 0] if S == 1 and len(rows) == len(slots) else hidden[rows_t, last_t]
         logits = self.model.compute_logits(picked)
         return logits, (routing.stacked() if routing is not None else None)
 

@@ -10,11 +10,10 @@ grouped_gemm_triton.py); LOCKSTEP_TRITON_MOE=0 switches them off.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import grouped_gemm_triton
+from .kernel_switch import forward_kernel_allowed
 
 
 def grouped_mm_reference(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -61,9 +60,6 @@ def triton_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -
     """Whether rows x can go through the experts (gate_up [G, 2F, K], down [G, K, F]) on the
     Triton kernels: on CUDA, in bf16, with no gradient wanted (they are forward-only), and not
     switched off. Experts.mlp asks at decode steps only."""
-    if not x.is_cuda or os.environ.get("LOCKSTEP_TRITON_MOE", "1") == "0":
-        return False
-    if torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad):
-        return False
-    return (grouped_gemm_triton.available(x, gate_up) and down.dtype == torch.bfloat16
+    return (forward_kernel_allowed("LOCKSTEP_TRITON_MOE", x, gate_up, down)
+            and grouped_gemm_triton.available(x, gate_up) and down.dtype == torch.bfloat16
             and gate_up.shape[1] == 2 * down.shape[2])

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hc_projection_triton
+from .kernel_switch import forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
 
@@ -31,13 +32,8 @@ def _triton_mixes(streams: torch.Tensor, fn: torch.Tensor) -> bool:
     already a compiled graph's specialisation, so the choice adds no compile guard), on CUDA,
     no gradient wanted (it is forward-only), the kernel available for the shapes, and not
     switched off (LOCKSTEP_TRITON_HC=0)."""
-    if not streams.is_cuda or os.environ.get("LOCKSTEP_TRITON_HC", "1") == "0":
-        return False
-    if streams.dim() != 4 or streams.shape[1] != 1:
-        return False
-    if torch.is_grad_enabled() and (streams.requires_grad or fn.requires_grad):
-        return False
-    return hc_projection_triton.available(streams.flatten(-2), fn)
+    return (forward_kernel_allowed("LOCKSTEP_TRITON_HC", streams, fn) and streams.dim() == 4
+            and streams.shape[1] == 1 and hc_projection_triton.available(streams.flatten(-2), fn))
 
 
 def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
