@@ -32,6 +32,7 @@ import torch
 
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine import Engine, GenerateRequest
+from lockstep.engine.engine import compiled_graph_count
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
@@ -230,9 +231,11 @@ def main(argv=None) -> None:
           + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off")
           + (f", compile options {cfg.compile_options}" if cfg.compile_options else ""))
 
-    t = time.perf_counter()
+    t, graphs_before = time.perf_counter(), compiled_graph_count()
     run_lockstep(engine, prompts, 2, args.device)  # warm-up: the timed run's prefill shapes, 2 tokens
-    print(f"warm-up generate in {time.perf_counter() - t:.1f} s")
+    # the engine compiled its graphs at start: any here is a guard the start's shapes missed
+    print(f"warm-up generate in {time.perf_counter() - t:.1f} s "
+          f"({compiled_graph_count() - graphs_before} graphs compiled)")
     out_tokens = args.batch * args.new_tokens
     for steps in args.decode_steps[1:]:  # the comparisons first: the headline run is the default's
         _, prefill, decode, _ = run_lockstep(engine, prompts, args.new_tokens, args.device, steps)

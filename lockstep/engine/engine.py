@@ -58,7 +58,7 @@ def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torc
     return model.eval()
 
 
-def _compiled_graphs() -> int:
+def compiled_graph_count() -> int:
     """Graphs torch.compile has built in this process (dynamo's count): the startup line reports
     how many the engine took (two per layer kind and two for the final head, unless a guard
     splits them)."""
@@ -102,7 +102,7 @@ class Engine:
             # bf16; other dtypes take a fallback that copies the group offsets to the host
             return
         # a failure costs speed, not correctness: without compilation, then without graphs
-        start, compiled_before = time.perf_counter(), _compiled_graphs()
+        start, compiled_before = time.perf_counter(), compiled_graph_count()
         cache = self.config.compile_cache
         loaded = bool(cache) and compile_cache.load(cache)
         print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) for decode and prefill, "
@@ -124,7 +124,7 @@ class Engine:
             written = compile_cache.save(cache)
             note = f"; compile cache {cache}: {'read, ' if loaded else ''}{written / 2**20:.1f} MiB written"
         print(f"lockstep engine: compiled and captured in {time.perf_counter() - start:.0f} s "
-              f"({_compiled_graphs() - compiled_before} graphs compiled{note})", file=sys.stderr)
+              f"({compiled_graph_count() - compiled_before} graphs compiled{note})", file=sys.stderr)
 
     def _fuse_projections(self) -> None:
         if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM

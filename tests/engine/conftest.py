@@ -59,13 +59,19 @@ def requests(prompt_list, params):
 
 
 @torch.no_grad()
-def full_sequence_logprobs(model, sample, temperature):
-    """log_softmax(logits / T) of the response tokens from one full forward (the trainer's view)."""
+def full_sequence_log_softmax(model, sample, temperature):
+    """log_softmax(logits / T) over the vocabulary at each response position, from one full
+    forward (the trainer's view) -> [response_len, vocab]."""
     ids = sample.tokens.unsqueeze(0).to(model.lm_head.weight.device)
     logits = model(ids)[0].float().cpu()
     P, R = sample.prompt_ids.numel(), sample.response_len
     t = temperature if temperature > 0 else 1.0
-    lp = torch.log_softmax(logits[P - 1:P + R - 1] / t, dim=-1)
+    return torch.log_softmax(logits[P - 1:P + R - 1] / t, dim=-1)
+
+
+def full_sequence_logprobs(model, sample, temperature):
+    """The response tokens' log_softmax(logits / T) from one full forward."""
+    lp = full_sequence_log_softmax(model, sample, temperature)
     return lp.gather(1, sample.response_ids.unsqueeze(1)).squeeze(1)
 
 

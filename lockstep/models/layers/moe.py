@@ -69,15 +69,25 @@ class Router(nn.Module):
         return experts, weights * self.routed_scaling_factor
 
 
-def dispatch_order(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+# above this many one-hot entries (slots x experts) a caller that lets the size decide sorts
+COUNTING_MAX_ENTRIES = 2**20
+
+
+def dispatch_order(flat: torch.Tensor, n_experts: int,
+                   counting: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flat [M] expert ids -> (order [M]: the slots sorted by expert, stably; counts [E]).
 
     Small batches (a decode step) count instead of sorting: a slot's place is the number of slots
     of lower experts plus the earlier slots of its own, from one [M, E] one-hot cumulative sum.
     On GPUs the stable argsort was a 27 us single-block radix sort per layer; the counting is a
     few fused element-wise kernels. Both give the same permutation. Counts are never read on the
-    host (bincount would read the max id back to size its output: a device sync)."""
-    if flat.numel() * n_experts > 2**20:
+    host (bincount would read the max id back to size its output: a device sync).
+    counting: True counts, False sorts, None decides by size. The layers pass the step's kind
+    (decode counts): in a compiled prefill graph a size test is a guard, and the first prefill
+    past it compiled every layer kind again (4 graphs, 100 s at the 1b config's start, H200)."""
+    if counting is None:
+        counting = flat.numel() * n_experts <= COUNTING_MAX_ENTRIES
+    if not counting:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
@@ -103,7 +113,7 @@ class Experts(nn.Module):
                 decode: bool = False) -> torch.Tensor:
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
         T, k = experts.shape
-        order, counts = dispatch_order(experts.flatten(), self.n_experts)
+        order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         ys = self.mlp(x[order // k], counts, decode)
         per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
         out = torch.zeros_like(x)
