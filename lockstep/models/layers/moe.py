@@ -84,7 +84,7 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     host (bincount would read the max id back to size its output: a device sync).
     counting: True counts, False sorts, None decides by size. The layers pass the step's kind
     (decode counts): in a compiled prefill graph a size test is a guard, and the first prefill
-    past it compiled every layer kind again (4 graphs, 100 s at the 1b config's start, H200)."""
+    past it compiled every layer kind again (4 graphs, 100 s at the 1b config's first prefill, H200)."""
     if counting is None:
         counting = flat.numel() * n_experts <= COUNTING_MAX_ENTRIES
     if not counting:
