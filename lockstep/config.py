@@ -76,7 +76,7 @@ class EngineConfig:
     steps per host round trip (engine/multi_step.py); 1 syncs after every step. New requests
     join at the next window's end (a few ms).
     compile_prefill: where the decode graphs run compiled layers, prefill runs them too (one
-    more compilation per layer kind, on the first prefill); False keeps prefill eager. Compiled,
+    more compilation per layer kind, at engine start); False keeps prefill eager. Compiled,
     a prefill chunk's compressed attention and indexer scores span the cache's whole capacity
     (max_model_len / 4 entries), not just the entries written so far: more memory for the first
     chunks of long prompts at a long max_model_len.
