@@ -40,7 +40,7 @@ def run(args) -> int:
     from ..models import load_pretrained
     from ..rl.arithmetic import arithmetic_prompts
     from ..rl.config import RunConfig
-    from ..rl.rollout import encode_prompt
+    from ..prompt_encoding import encode_prompt
     from ..rl.setup import model_path
     from ..train.config import TrainConfig
     from ..train.trainer import Trainer

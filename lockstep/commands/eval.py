@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..engine.engine import Engine
-    from ..eval.evaluate import evaluate
+    from ..rl.evaluate import evaluate
     from ..rl.rewards import get_reward_fn
     from ..rl.rollout import RolloutSpec
     from ..rl.setup import eval_sets, model_path

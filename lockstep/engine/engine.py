@@ -41,7 +41,8 @@ from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, load_update_from_disk,
                                            update_weights)
-from lockstep.rl.sample import Sample
+from lockstep.prompt_encoding import encode_prompt
+from lockstep.sample import Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -376,14 +377,8 @@ class Engine:
     # ---- text helpers ----------------------------------------------------------------------
 
     def tokenize_prompt(self, prompt: str | list[dict], chat_template: bool = True) -> list[int]:
-        """Token ids of a prompt; messages (or a string, with chat_template) go through the chat template."""
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer")
-        if isinstance(prompt, str) and not (chat_template and getattr(self.tokenizer, "chat_template", None)):
-            return self.tokenizer.encode(prompt)
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        """Token ids of a prompt, by the one rule in `lockstep.prompt_encoding`."""
+        return encode_prompt(self.tokenizer, prompt, chat_template)
 
     def decode(self, ids) -> str:
         if self.tokenizer is None:

@@ -12,7 +12,7 @@ An aborted request's sequences finish with "abort" and whatever they had sampled
 from __future__ import annotations
 
 from lockstep.engine.request import RequestState, Sequence
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 
 class StopChecker:

@@ -17,7 +17,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 Stop = str | list[str] | None
 

@@ -23,7 +23,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lockstep.engine.serving_format import served_value
+from lockstep.quant.serving_format import served_value
 
 
 class WeightUpdateError(ValueError):

@@ -1,1 +1,1 @@
-"""lockstep.eval."""
+"""lockstep.eval: pure pass@k arithmetic (the evaluation run itself is `lockstep.rl.evaluate`)."""

@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 
 from lockstep.rl.advantages import group_index
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 
 def zero_std_groups(rewards, group_ids, tol: float = 1e-8) -> torch.Tensor:

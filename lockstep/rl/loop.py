@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..eval.evaluate import evaluate
+from .evaluate import evaluate
 from ..metrics.sinks import make_sinks
 from .advantages import compute_advantages
 from .config import RunConfig

@@ -14,23 +14,15 @@ from dataclasses import dataclass
 
 from ..config import SamplingParams
 from ..engine.request import GenerateRequest
-from ..train.sft import chat_prompt_ids
+from ..prompt_encoding import encode_prompt
 from .filters import filter_zero_std
 from .rewards import safe_reward
-from .sample import Sample
+from ..sample import Sample
 
 
 def derive_seed(*parts) -> int:
     digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def encode_prompt(tokenizer, prompt, apply_chat_template: bool) -> list[int]:
-    if apply_chat_template and tokenizer.chat_template:
-        return chat_prompt_ids(tokenizer, prompt)
-    if isinstance(prompt, list):
-        prompt = "\n".join(m["content"] for m in prompt)
-    return tokenizer.encode(prompt)
 
 
 @dataclass

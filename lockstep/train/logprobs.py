@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 from lockstep.train.aggregation import pack
 from lockstep.train.losses import entropy_from_logits
 

@@ -2,7 +2,7 @@
 
 `apply_quant_aware(model, fmt)` registers a `torch.nn.utils.parametrize` parametrisation on
 every floating parameter that the serving format quantises. The storage rule is the engine's
-(`lockstep.engine.serving_format.serving_storage`: DeepSeek-V4 names per
+(`lockstep.quant.serving_format.serving_storage`: DeepSeek-V4 names per
 `lockstep.quant.formats`, dense Llama / Qwen3 names by their own rule), so both sides agree:
 
     storage   forward uses                                    tensors
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from lockstep.engine.serving_format import serving_storage as engine_storage
+from lockstep.quant.serving_format import serving_storage as served_storage
 from lockstep.quant.fake_quant import fake_quant_fp4, fake_quant_fp8
 from lockstep.quant.formats import Storage, UnknownTensorError
 
@@ -61,7 +61,7 @@ class FakeQuant(nn.Module):
 def serving_storage(name: str, fmt: str) -> Storage:
     """Storage of parameter `name` when served in `fmt` (the engine's rule; unknown names: BF16)."""
     try:
-        return engine_storage(name, fmt)
+        return served_storage(name, fmt)
     except UnknownTensorError:
         return Storage.BF16
 

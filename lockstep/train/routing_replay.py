@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 from lockstep.train.aggregation import pack
 from lockstep.train.logprobs import MicroBatch, forward_packed
 

@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from lockstep.prompt_encoding import encode_prompt
+
 
 @dataclass
 class SFTExample:
@@ -21,15 +23,9 @@ class SFTExample:
     response_ids: list[int]  # ends with eos
 
 
-def chat_prompt_ids(tokenizer, prompt) -> list[int]:
-    messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if hasattr(out, "keys") else out)
-
-
 def make_examples(tokenizer, pairs: Sequence[tuple[object, str]]) -> list[SFTExample]:
     eos = tokenizer.eos_token_id
-    return [SFTExample(chat_prompt_ids(tokenizer, p), tokenizer.encode(a, add_special_tokens=False) + [eos])
+    return [SFTExample(encode_prompt(tokenizer, p), tokenizer.encode(a, add_special_tokens=False) + [eos])
             for p, a in pairs]
 
 

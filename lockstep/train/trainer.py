@@ -37,7 +37,7 @@ from torch import nn
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig

@@ -10,7 +10,7 @@ from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine.engine import Engine
 from lockstep.engine.request import GenerateRequest
 from lockstep.rl.arithmetic import arithmetic_prompts
-from lockstep.rl.rollout import encode_prompt
+from lockstep.prompt_encoding import encode_prompt
 from lockstep.train.config import TrainConfig
 from lockstep.train.trainer import Trainer
 

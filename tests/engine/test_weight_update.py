@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lockstep.engine import WeightUpdateError
-from lockstep.engine.serving_format import serving_storage
+from lockstep.quant.serving_format import serving_storage
 from lockstep.quant.formats import Storage
 
 from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4

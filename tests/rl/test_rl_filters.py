@@ -1,5 +1,5 @@
 from lockstep.rl.filters import filter_zero_std, should_continue_sampling, zero_std_groups
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 
 def _s(group, reward):

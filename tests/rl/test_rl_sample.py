@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 
 def _example(**kw):

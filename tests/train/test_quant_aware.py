@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from lockstep.engine.serving_format import served_value
+from lockstep.quant.serving_format import served_value
 from lockstep.quant.formats import Storage
 from lockstep.train.config import TrainConfig
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name, is_quant_aware, remove_quant_aware

@@ -7,7 +7,7 @@ import torch
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, SLIDING
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
-from lockstep.rl.sample import Sample
+from lockstep.sample import Sample
 
 
 def small_config(**overrides):

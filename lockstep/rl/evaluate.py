@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..rl.rollout import RolloutSpec, make_requests, score
-from .pass_at_k import pass_at_k_metrics
+from .rollout import RolloutSpec, make_requests, score
+from ..eval.pass_at_k import pass_at_k_metrics
 
 
 def evaluate(engine, eval_sets: dict[str, list], reward_fn, spec: RolloutSpec, tag=("eval",)) -> dict[str, float]:
