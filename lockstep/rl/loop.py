@@ -44,8 +44,10 @@ class RLRun:
 
     def __post_init__(self):
         c = self.config
+        # routing replay trains on the experts the engine chose, so the rollout must record them
         self.spec = RolloutSpec(c.n_samples_per_prompt, c.rollout_temperature, c.rollout_top_p,
-                                c.rollout_max_response_len, c.apply_chat_template, c.seed)
+                                c.rollout_max_response_len, c.apply_chat_template, c.seed,
+                                routed_experts=self.trainer.config.use_rollout_routing_replay)
         self.eval_spec = RolloutSpec(c.n_samples_per_eval_prompt, c.eval_temperature, 1.0,
                                      c.eval_max_response_len, c.apply_chat_template, c.seed)
         self.sinks = make_sinks(self.run_dir, tensorboard=c.tensorboard, wandb=c.wandb)

@@ -33,13 +33,15 @@ class RolloutSpec:
     max_response_len: int
     apply_chat_template: bool
     seed: int
+    routed_experts: bool = False  # ask the engine for each token's experts (the trainer's routing replay)
 
 
 def make_requests(prompts, tokenizer, spec: RolloutSpec, tag: tuple, group_base: int) -> list[GenerateRequest]:
     requests = []
     for i, p in enumerate(prompts):
         sampling = SamplingParams(temperature=spec.temperature, top_p=spec.top_p, n=spec.n_samples,
-                                  max_new_tokens=spec.max_response_len, seed=derive_seed(spec.seed, *tag, i))
+                                  max_new_tokens=spec.max_response_len, seed=derive_seed(spec.seed, *tag, i),
+                                  return_routed_experts=spec.routed_experts)
         requests.append(GenerateRequest(prompt_ids=encode_prompt(tokenizer, p.prompt, spec.apply_chat_template),
                                         sampling=sampling, group_id=group_base + i, metadata=p.sample_metadata()))
     return requests
