@@ -29,7 +29,7 @@ from lockstep.plan.cluster import DTYPE_BYTES, ClusterSpec, RolloutSpec
 from lockstep.plan.layout import PlanError
 from lockstep.plan.memory import MemoryTerm
 from lockstep.plan.model import ModelSpec
-from lockstep.plan.params import ParamGroup, all_groups, buffer_bytes
+from lockstep.plan.params import ParamGroup, all_groups
 
 SERVE_BYTES = {"fp8": 1 + 4 / 128**2, "fp4": 0.5 + 1 / 32, "bf16": 2.0, "fp32": 4.0}
 
@@ -126,13 +126,9 @@ def rollout_memory(model: ModelSpec, cluster: ClusterSpec, rollout: RolloutSpec,
     return RolloutMemory(terms=terms, engines=cluster.rollout_gpus // G, seqs_per_gpu=seqs)
 
 
-def push_bytes(model: ModelSpec, rollout: RolloutSpec) -> float:
-    """Bytes of one full weight push: bf16 (fp32 groups stay fp32) or the serving format, plus
-    the policy-defining buffers (tid2eid, router bias)."""
-    return sum(g.count * push_bytes_per_param(g, rollout) for g in all_groups(model)) + buffer_bytes(model)
-
-
 def push_bytes_per_param(g: ParamGroup, rollout: RolloutSpec) -> float:
+    """Bytes one parameter of `g` sends in a weight push (comm.weight_push_term sums them): bf16
+    (fp32 groups stay fp32) or the serving format."""
     if rollout.push_format == "serving":
         return serve_bytes(g, rollout.weight_format)
     return 4.0 if g.serve == "fp32" else 2.0

@@ -4,13 +4,15 @@ from dataclasses import replace
 
 import pytest
 
-from lockstep.plan.cluster import RolloutSpec
+from lockstep.plan.cluster import RolloutSpec, TrainSpec
 from lockstep.plan.comm import step_comm
 from lockstep.plan.compute import mean_min
 from lockstep.plan.layout import PlanError, make_layout
 from lockstep.plan.memory import stage_layer_indices
 from lockstep.plan.model import DEEPSEEK_V4_FLASH
-from lockstep.plan.rollout import SERVE_BYTES, cache_bytes_per_seq, push_bytes, rollout_memory
+from lockstep.plan.params import all_groups, buffer_bytes
+from lockstep.plan.planner import plan
+from lockstep.plan.rollout import SERVE_BYTES, cache_bytes_per_seq, push_bytes_per_param, rollout_memory
 
 
 def test_v4_cache_per_sequence_by_hand(tiny_v4):
@@ -41,12 +43,23 @@ def test_v4_flash_rollout_weights():
     assert terms["routed experts"] == pytest.approx(277_025_390_592 * (0.5 + 1 / 32) / 8)
     assert terms["caches"] == 32 * 46_022_656  # 256 sequences / 8 GPUs with data-parallel attention
     assert rm.engines == 2
-    assert push_bytes(DEEPSEEK_V4_FLASH, RolloutSpec(push_format="serving")) < 0.3 * push_bytes(
-        DEEPSEEK_V4_FLASH, RolloutSpec())
     assert SERVE_BYTES["fp4"] == 0.53125
     with pytest.raises(PlanError, match="rollout EP 3"):
         rollout_memory(DEEPSEEK_V4_FLASH, replace(c, gpus_per_node=3, rollout_nodes=1, actor_nodes=1),
                        RolloutSpec(gpus_per_engine=3), 4096)
+
+
+def test_planned_weight_push_is_the_whole_model(v4_flash_cluster):
+    # every layout pushes every parameter once (stages summed) plus the policy buffers
+    train = TrainSpec(seq_len=4096, max_tokens_per_gpu=8192)
+    pushed = {}
+    for fmt in ("bf16", "serving"):
+        ro = RolloutSpec(push_format=fmt)
+        whole = sum(g.count * push_bytes_per_param(g, ro) for g in all_groups(DEEPSEEK_V4_FLASH))
+        plans = plan(DEEPSEEK_V4_FLASH, v4_flash_cluster, train, ro)
+        assert {p.comm_term("weight push").bytes for p in plans} == {whole + buffer_bytes(DEEPSEEK_V4_FLASH)}
+        pushed[fmt] = whole
+    assert pushed["serving"] < 0.3 * pushed["bf16"]
 
 
 def test_comm_terms_by_hand(tiny_llama, small_cluster, small_train, rollout):
