@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..config import SamplingParams
 from ..engine.request import GenerateRequest
 from ..prompt_encoding import encode_prompt
-from .filters import filter_zero_std
+from .filters import filter_zero_std, should_continue_sampling
 from .rewards import safe_reward
 from ..sample import Sample
 
@@ -60,7 +60,9 @@ def generate_rollout(engine, source, reward_fn, *, batch_size: int, spec: Rollou
                      dynamic_sampling: bool, max_rounds: int) -> tuple[list[Sample], dict[str, float]]:
     start = time.perf_counter()
     kept, drawn, errors, zero_std = [], [], 0, []
-    for rnd in range(max_rounds if dynamic_sampling else 1):
+    max_groups = batch_size * (max_rounds if dynamic_sampling else 1)  # prompts drawn at most
+    rnd = 0
+    while should_continue_sampling(len({s.group_id for s in kept}), batch_size, rnd * batch_size, max_groups):
         prompts = source.next_batch(batch_size)
         requests = make_requests(prompts, engine.tokenizer, spec, (rollout_id, rnd), (rollout_id * max_rounds + rnd) * batch_size)
         samples = engine.generate(requests)
@@ -69,8 +71,7 @@ def generate_rollout(engine, source, reward_fn, *, batch_size: int, spec: Rollou
         filtered, m = filter_zero_std(samples)
         zero_std.append(m["rollout/zero_std_ratio"])
         kept += filtered if dynamic_sampling else samples
-        if len(kept) >= batch_size * spec.n_samples:
-            break
+        rnd += 1
     if dynamic_sampling:
         kept = kept[: batch_size * spec.n_samples]
     return kept, rollout_metrics(drawn, kept, errors, zero_std, time.perf_counter() - start)
