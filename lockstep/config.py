@@ -8,10 +8,23 @@ this file holds what crosses the engine seam.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
+
+# the engine's weight formats; quant/formats.py ServingFormat holds the storage rule of each
+SERVING_FORMATS = ("bf16", "fp8", "fp8-fp4")
 
 
 def _fail(cls: str, field_name: str, why: str):
     raise ValueError(f"{cls}.{field_name}: {why}")
+
+
+def check_choices(config) -> None:
+    """Each field named in `type(config).CHOICES` holds one of its allowed values, or None (for
+    fields typed `X | None`). The CLI offers the same tuples as the flags' choices."""
+    for name, allowed in type(config).CHOICES.items():
+        value = getattr(config, name)
+        if value is not None and value not in allowed:
+            _fail(type(config).__name__, name, f"must be one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -65,51 +78,53 @@ def _check_inductor_options(name: str, options: dict) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Rollout engine settings.
+    """Rollout engine settings; each field's documentation is the string below it (also its --help)."""
 
-    serving_format: weights as served — "bf16", "fp8" (block e4m3, ue8m0 scales, experts too)
-    or "fp8-fp4" (fp8 attention/shared, e2m1 routed experts with e8m0 scales).
-    batch_invariant: a sequence's logprobs do not depend on what else is in the batch.
-    cuda_graph: on CUDA devices with dtype bfloat16, decode steps replay captured CUDA graphs
-    (engine/cuda_graph.py); ignored elsewhere.
-    decode_steps: when every scheduled sequence decodes through the decode graphs, run this many
-    steps per host round trip (engine/multi_step.py); 1 syncs after every step. New requests
-    join at the next window's end (a few ms).
-    compile_prefill: where the decode graphs run compiled layers, prefill runs them too (one
-    more compilation per layer kind, at engine start); False keeps prefill eager. Compiled,
-    a prefill chunk's compressed attention and indexer scores span the cache's whole capacity
-    (max_model_len / 4 entries), not just the entries written so far: more memory for the first
-    chunks of long prompts at a long max_model_len.
-    compile_options: inductor settings for the compiled decoder layers on top of lockstep's own
-    (torch.compile's `options`; names from torch._inductor.config, e.g. {"combo_kernels": True}).
-    compile_cache: a file of compiled graphs carried between machines (engine/compile_cache.py):
-    read before the engine compiles, rewritten after.
-    """
+    CHOICES: ClassVar[dict[str, tuple]] = {"serving_format": SERVING_FORMATS, "dtype": ("float32", "bfloat16")}
 
     max_num_seqs: int = 64
+    """Sequences decoded together at most (the batch size of a decode step)."""
     max_model_len: int = 2048
-    max_prefill_tokens: int = 2048  # chunked prefill: at most this many prompt tokens per step
-    cache_memory_bytes: int | None = None  # None: room for max_num_seqs sequences of max_model_len
-    block_size: int = 128  # cache memory is accounted in blocks of this many token positions
+    """Longest sequence, prompt + response, in tokens; capped by the model's max_position_embeddings."""
+    max_prefill_tokens: int = 2048
+    """Chunked prefill: at most this many prompt tokens per engine step."""
+    cache_memory_bytes: int | None = None
+    """Cache memory in bytes; None: room for max_num_seqs sequences of max_model_len."""
+    block_size: int = 128
+    """Cache memory is accounted in blocks of this many token positions (tokens)."""
     serving_format: str = "bf16"
+    """Weights as served: bf16; fp8 (block e4m3, ue8m0 scales, experts too); fp8-fp4 (fp8 attention and
+    shared experts, e2m1 routed experts with e8m0 scales)."""
     batch_invariant: bool = False
+    """A sequence's logprobs do not depend on what else is in the batch."""
     dtype: str = "float32"
+    """Compute dtype of the engine's model."""
     device: str = "cpu"
+    """torch device of the engine, e.g. cpu, cuda, cuda:1."""
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    """Token ids that end a sequence; empty: the tokenizer's EOS."""
     cuda_graph: bool = True
+    """On CUDA with dtype bfloat16, decode steps replay captured CUDA graphs (engine/cuda_graph.py); ignored
+    elsewhere."""
     decode_steps: int = 16
+    """When every scheduled sequence decodes through the decode graphs, run this many steps per host round
+    trip (engine/multi_step.py); 1 syncs after every step. New requests join at the window's end (a few ms)."""
     compile_prefill: bool = True
+    """Where the decode graphs run compiled layers, prefill runs them too (one more compilation per layer kind,
+    at engine start); off keeps prefill eager. Compiled prefill scores span the cache's whole capacity
+    (max_model_len / 4 compressed entries): more memory for the first chunks of long prompts."""
     compile_options: dict = field(default_factory=dict)
+    """Inductor settings for the compiled decoder layers on top of lockstep's own (torch.compile's `options`;
+    names from torch._inductor.config, e.g. {"combo_kernels": True}). Not a flag."""
     compile_cache: str | None = None
+    """File of compiled graphs carried between machines (engine/compile_cache.py): read before the engine
+    compiles, rewritten after; None: none."""
 
     def __post_init__(self):
         name = "EngineConfig"
         if self.compile_options:
             _check_inductor_options(name, self.compile_options)
-        if self.serving_format not in ("bf16", "fp8", "fp8-fp4"):
-            _fail(name, "serving_format", f"must be bf16, fp8 or fp8-fp4, got {self.serving_format!r}")
-        if self.dtype not in ("float32", "bfloat16"):
-            _fail(name, "dtype", f"must be float32 or bfloat16, got {self.dtype!r}")
+        check_choices(self)
         for f in ("max_num_seqs", "max_model_len", "max_prefill_tokens", "block_size", "decode_steps"):
             if getattr(self, f) < 1:
                 _fail(name, f, f"must be >= 1, got {getattr(self, f)}")

@@ -14,21 +14,30 @@ import json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--serving-format", default="bf16", choices=["bf16", "fp8", "fp8-fp4"])
-    parser.add_argument("--quant-aware-forward", default=None, choices=["fp8", "fp8-fp4"])
-    parser.add_argument("--routing-replay", action="store_true")
-    parser.add_argument("--batch-invariant", action="store_true")
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=0)
+    from ..config import SERVING_FORMATS
+    from ..train.config import DTYPES, QUANT_AWARE_FORMATS
+
+    parser.add_argument("--model", default="", help="checkpoint directory (default: the embedded tiny DeepSeek-V4)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="compute dtype of both engine and trainer (default: float32)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    parser.add_argument("--serving-format", default="bf16", choices=SERVING_FORMATS,
+                        help="the engine's weight format (default: bf16)")
+    parser.add_argument("--quant-aware-forward", default=None, choices=QUANT_AWARE_FORMATS,
+                        help="the trainer re-scores with dequant(quant(w)) in this format (default: plain weights)")
+    parser.add_argument("--routing-replay", action="store_true",
+                        help="the trainer uses the experts the engine chose for each token (default: off)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the engine's logprobs do not depend on the batch (default: off)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="arithmetic prompts sampled (default: 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens sampled per prompt (default: 16)")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="sampling temperature, also the trainer's logprob temperature (default: 1.0)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--layers", action="store_true",
                         help="also report per-layer drift between the full and the incremental path")
-    parser.add_argument("--chunk", type=int, default=1, help="incremental chunk size for --layers")
+    parser.add_argument("--chunk", type=int, default=1, help="incremental chunk size for --layers, in tokens (default: 1)")
 
 
 def run(args) -> int:

@@ -12,6 +12,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lockstep.config import SERVING_FORMATS
+
     kinds = parser.add_subparsers(dest="kind", metavar="KIND", required=True)
     g = kinds.add_parser("gguf", help="GGUF file -> Hugging Face style directory (config, safetensors, tokenizer)")
     g.add_argument("src", help="the .gguf file")
@@ -22,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     q = kinds.add_parser("quant", help="checkpoint directory -> serving format bf16 | fp8 | fp8-fp4")
     q.add_argument("src", help="source checkpoint directory")
     q.add_argument("dst", help="output directory")
-    q.add_argument("--to", required=True, choices=("bf16", "fp8", "fp8-fp4"), help="serving format")
+    q.add_argument("--to", required=True, choices=SERVING_FORMATS, help="serving format")
     q.add_argument("--scale-fmt", choices=("ue8m0", "fp32"), default="ue8m0",
                    help="fp8 scale format: power-of-two ue8m0 (V4) or float32 (V3)")
 

@@ -12,18 +12,23 @@ import json
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
 from ..rl.config import RunConfig
+from ..rl.embedded import ENGINE_RECIPE, RUN_RECIPE
+from .presets import PROMPT_ROOM, default_text, engine_preset, preset
 
 RUN_FIELDS = ("model", "eval_data", "eval_temperature", "eval_max_response_len", "n_samples_per_eval_prompt",
               "eval_prompts_limit", "rm_type", "custom_reward_path", "input_key", "label_key", "apply_chat_template",
               "skip_bad_rows", "seed")
+MAX_MODEL_LEN = f"{PROMPT_ROOM} + --eval-max-response-len"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dataclasses import fields
 
-    add_dataclass_arguments(parser, RunConfig, skip=tuple(f.name for f in fields(RunConfig) if f.name not in RUN_FIELDS))
-    add_dataclass_arguments(parser, EngineConfig, skip=("eos_token_ids",), group="rollout engine")
-    parser.add_argument("--output", help="also write the metrics as JSON to this file")
+    add_dataclass_arguments(parser, RunConfig, skip=tuple(f.name for f in fields(RunConfig) if f.name not in RUN_FIELDS),
+                            default_text=default_text(RunConfig, RUN_RECIPE))
+    add_dataclass_arguments(parser, EngineConfig, skip=("eos_token_ids",), group="rollout engine",
+                            default_text=default_text(EngineConfig, ENGINE_RECIPE, {"max_model_len": MAX_MODEL_LEN}))
+    parser.add_argument("--output", help="also write the metrics as JSON to this file (default: print only)")
 
 
 def run(args) -> int:
@@ -33,8 +38,9 @@ def run(args) -> int:
     from ..rl.rollout import RolloutSpec
     from ..rl.setup import eval_sets, model_path
 
-    cfg = dataclass_from_args(RunConfig, args)
-    engine = Engine.from_pretrained(model_path(cfg), dataclass_from_args(EngineConfig, args))
+    cfg = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
+    engine_cfg = dataclass_from_args(EngineConfig, args, **engine_preset(args, cfg.eval_max_response_len))
+    engine = Engine.from_pretrained(model_path(cfg), engine_cfg)
     spec = RolloutSpec(cfg.n_samples_per_eval_prompt, cfg.eval_temperature, 1.0, cfg.eval_max_response_len,
                        cfg.apply_chat_template, cfg.seed)
     metrics = evaluate(engine, eval_sets(cfg), get_reward_fn(cfg.custom_reward_path or cfg.rm_type), spec)

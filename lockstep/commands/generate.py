@@ -18,20 +18,25 @@ DEFAULT_PROMPTS = ("What is 2 + 3?", "Write the word hello.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lockstep.config import SERVING_FORMATS
+
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for several")
     parser.add_argument("--prompt-ids", action="append", default=None,
                         help='a prompt as space-separated token ids, e.g. "1 2 3"; repeat for several')
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--n", type=int, default=1, help="samples per prompt")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens sampled at most per completion (default: 64)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0: greedy (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (default: -1, off)")
+    parser.add_argument("--n", type=int, default=1, help="samples per prompt (default: 1)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
+    parser.add_argument("--serving-format", choices=SERVING_FORMATS, default="bf16",
+                        help="the engine's weight format (default: bf16)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="compute dtype (default: float32)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="longest sequence, prompt + completion, in tokens (default: 2048)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     parser.add_argument("--show-logprobs", action="store_true", help="print each token's rollout logprob")
 

@@ -22,9 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m = parser.add_argument_group("model")
     m.add_argument("--model", default="deepseek-v4-flash", help="preset name or path to a config.json")
     c = parser.add_argument_group("cluster")
-    c.add_argument("--nodes", type=int, default=4)
-    c.add_argument("--gpus-per-node", type=int, default=8)
-    c.add_argument("--gpu-memory-gb", type=float, default=288.0)
+    c.add_argument("--nodes", type=int, default=4, help="nodes in the cluster (default: 4)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
+    c.add_argument("--gpu-memory-gb", type=float, default=288.0, help="memory per GPU, GB (default: 288)")
     c.add_argument("--actor-nodes", type=int, default=None, help="default: half the nodes")
     c.add_argument("--rollout-nodes", type=int, default=None, help="default: the other nodes")
     c.add_argument("--intra-node-bandwidth-gbs", type=float, default=400.0, help="GB/s per GPU per direction")
@@ -35,31 +35,38 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--reserve-fraction", type=float, default=0.10,
                    help="GPU memory kept back for context, NCCL buffers, fragmentation")
     t = parser.add_argument_group("training (actor)")
-    t.add_argument("--seq-len", "--context-length", dest="seq_len", type=int, default=4096)
+    t.add_argument("--seq-len", "--context-length", dest="seq_len", type=int, default=4096,
+                   help="training sequence length, prompt + response, tokens (default: 4096)")
     t.add_argument("--max-tokens-per-gpu", type=int, default=8192, help="micro-batch tokens per GPU")
     t.add_argument("--rollout-batch-size", type=int, default=32, help="prompts per step")
-    t.add_argument("--n-samples-per-prompt", type=int, default=8)
-    t.add_argument("--param-dtype", choices=DTYPES, default="bf16")
-    t.add_argument("--grad-dtype", choices=DTYPES, default="fp32")
+    t.add_argument("--n-samples-per-prompt", type=int, default=8, help="responses per prompt (default: 8)")
+    t.add_argument("--param-dtype", choices=DTYPES, default="bf16", help="training weights' dtype (default: bf16)")
+    t.add_argument("--grad-dtype", choices=DTYPES, default="fp32", help="gradients' dtype (default: fp32)")
     t.add_argument("--optimizer-dtype", choices=DTYPES, default="fp32", help="Adam m and v")
     t.add_argument("--recompute", action="store_true", help="full activation recomputation")
     t.add_argument("--optimizer-offload", action="store_true", help="optimizer states on the host")
-    t.add_argument("--no-distributed-optimizer", action="store_true")
-    t.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    t.add_argument("--no-distributed-optimizer", action="store_true",
+                   help="every data-parallel rank keeps the whole optimizer state (default: sharded)")
+    t.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
+                   help="layers of the last pipeline stage (default: an even split)")
     r = parser.add_argument_group("rollout")
     r.add_argument("--rollout-concurrency", type=int, default=256, help="sequences in flight per engine")
     r.add_argument("--rollout-gpus-per-engine", type=int, default=None, help="default: gpus per node")
-    r.add_argument("--rollout-attention", choices=["dp", "tp"], default="dp")
-    r.add_argument("--rollout-weight-format", choices=["native", "bf16"], default="native")
-    r.add_argument("--kv-cache-dtype", choices=DTYPES, default="bf16")
-    r.add_argument("--rollout-chunk-tokens", type=int, default=8192)
-    r.add_argument("--weight-push-format", choices=["bf16", "serving"], default="bf16")
+    r.add_argument("--rollout-attention", choices=["dp", "tp"], default="dp",
+                   help="rollout attention: data-parallel (each GPU whole sequences) or tensor-parallel (default: dp)")
+    r.add_argument("--rollout-weight-format", choices=["native", "bf16"], default="native",
+                   help="rollout weights as released (fp8 / fp4) or bf16 (default: native)")
+    r.add_argument("--kv-cache-dtype", choices=DTYPES, default="bf16", help="rollout cache dtype (default: bf16)")
+    r.add_argument("--rollout-chunk-tokens", type=int, default=8192,
+                   help="chunked-prefill tokens per step, sizes the workspace (default: 8192)")
+    r.add_argument("--weight-push-format", choices=["bf16", "serving"], default="bf16",
+                   help="weights pushed to the rollout in bf16 or already in the serving format (default: bf16)")
     s = parser.add_argument_group("search and output")
     for dim in ("tp", "pp", "ep", "cp"):
         s.add_argument(f"--{dim}", type=int, default=None, help=f"fix {dim.upper()} instead of searching it")
     s.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     s.add_argument("--top", type=int, default=None, help="show only the best N rows")
-    s.add_argument("--feasible-only", action="store_true")
+    s.add_argument("--feasible-only", action="store_true", help="list only the layouts that fit")
     s.add_argument("--show-activations", action="store_true",
                    help="also print the saved activations per token, tensor by tensor")
 

@@ -22,22 +22,27 @@ TOKEN_ENV = "LOCKSTEP_ADMIN_TOKEN"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lockstep.config import SERVING_FORMATS
+
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
+    parser.add_argument("--port", type=int, default=30000, help="TCP port (default: 30000)")
+    parser.add_argument("--serving-format", choices=SERVING_FORMATS, default="bf16",
+                        help="the engine's weight format (default: bf16)")
     parser.add_argument("--admin-token", default=None,
                         help=f"bearer token for the state-changing endpoints (default: ${TOKEN_ENV})")
     parser.add_argument("--weights-dir", default=None,
                         help="the only directory /update_weights_from_disk may read from (default: none, refused)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default: float32)")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default: cpu)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most (default: 64)")
+    parser.add_argument("--max-model-len", type=int, default=2048,
+                        help="longest sequence, prompt + completion, in tokens (default: 2048)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="a request's logprobs do not depend on what else is in the batch")
     parser.add_argument("--served-model-name", default=None, help="the `model` field of OpenAI answers")
-    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                        help="uvicorn log level (default: info)")
 
 
 def run(args) -> int:

@@ -15,16 +15,17 @@ from pathlib import Path
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="", help="HF-style directory to start from (default: a new tiny DeepSeek-V4)")
     parser.add_argument("--data", default="", help="jsonl/parquet of prompt/answer rows (default: synthetic arithmetic)")
-    parser.add_argument("--input-key", default="prompt")
-    parser.add_argument("--label-key", default="label")
+    parser.add_argument("--input-key", default="prompt", help="column of the prompt in --data rows (default: prompt)")
+    parser.add_argument("--label-key", default="label", help="column of the target answer (default: label)")
     parser.add_argument("--output", default="", help="output directory (default: the embedded asset directory)")
-    parser.add_argument("--steps", type=int, default=3000)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--steps", type=int, default=3000, help="optimizer steps at most (default: 3000)")
+    parser.add_argument("--batch-size", type=int, default=64, help="examples per step (default: 64)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
     parser.add_argument("--target-accuracy", type=float, default=0.35,
                         help="stop once held-out greedy accuracy reaches this (1.0 = train all steps)")
-    parser.add_argument("--eval-every", type=int, default=50)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--eval-every", type=int, default=50,
+                        help="measure held-out greedy accuracy every this many steps (default: 50)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and data order (default: 0)")
 
 
 def _new_embedded_model(seed: int):

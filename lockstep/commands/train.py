@@ -9,33 +9,36 @@ from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
 from ..rl.config import RunConfig
 from ..rl.embedded import ENGINE_RECIPE, RUN_RECIPE, TRAIN_RECIPE
+from .presets import PROMPT_ROOM, default_text, describe, engine_preset, preset
 
 # set from RunConfig instead (one flag per concept)
 TRAIN_SHARED = ("temperature", "seed", "rollout_max_response_len")
 ENGINE_SHARED = ("dtype", "eos_token_ids")
+MAX_MODEL_LEN = f"{PROMPT_ROOM} + the longer of --rollout-max-response-len and --eval-max-response-len"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..train.config import TrainConfig
 
-    add_dataclass_arguments(parser, RunConfig, group="run")
-    add_dataclass_arguments(parser, TrainConfig, skip=TRAIN_SHARED, group="trainer")
-    add_dataclass_arguments(parser, EngineConfig, skip=ENGINE_SHARED, group="rollout engine")
+    parser.description = (f"{parser.description}. Defaults: without --model the embedded preset "
+                          "(lockstep/rl/embedded.py); with --model the real-model values; each flag's "
+                          "help shows both where they differ.")
+    add_dataclass_arguments(parser, RunConfig, group="run", default_text=default_text(RunConfig, RUN_RECIPE))
+    add_dataclass_arguments(parser, TrainConfig, skip=TRAIN_SHARED, group="trainer",
+                            default_text=default_text(TrainConfig, TRAIN_RECIPE))
+    add_dataclass_arguments(parser, EngineConfig, skip=ENGINE_SHARED, group="rollout engine",
+                            default_text=default_text(EngineConfig, ENGINE_RECIPE, {"max_model_len": MAX_MODEL_LEN}))
 
 
 def configs_from_args(args):
     from ..train.config import TrainConfig
 
-    embedded = not getattr(args, "model", "")
-
-    def recipe(values: dict) -> dict:  # the embedded default's settings, unless given as flags
-        return {k: v for k, v in values.items() if k not in vars(args)} if embedded else {}
-
-    run = dataclass_from_args(RunConfig, args, **recipe(RUN_RECIPE))
-    train_defaults, engine_defaults = recipe(TRAIN_RECIPE), recipe(ENGINE_RECIPE)
+    run = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
     train = dataclass_from_args(TrainConfig, args, temperature=run.rollout_temperature, seed=run.seed,
-                                rollout_max_response_len=run.rollout_max_response_len, **train_defaults)
-    engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, **engine_defaults)
+                                rollout_max_response_len=run.rollout_max_response_len,
+                                **preset(args, TRAIN_RECIPE))
+    engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, **engine_preset(
+        args, run.rollout_max_response_len, run.eval_max_response_len))
     return run, train, engine
 
 
@@ -45,6 +48,7 @@ def run(args) -> int:
     from ..rl.setup import build_run
 
     run_cfg, train_cfg, engine_cfg = configs_from_args(args)
+    print(describe(args))
     with RunProgress(run_cfg.num_rollout) as progress:
         rl = build_run(run_cfg, train_cfg, engine_cfg, progress=progress.update)
         progress.start(rl.rollout_id)

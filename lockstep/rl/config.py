@@ -7,46 +7,89 @@ The trainer's knobs live in `lockstep.train.config.TrainConfig` and the engine's
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
+
+from ..config import check_choices
+from .rewards import BUILTIN_REWARDS
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    model: str = ""  # HF-style directory; "" = the embedded tiny DeepSeek-V4
-    prompt_data: str = ""  # jsonl / parquet; "" = the synthetic arithmetic task
+    """One RL run; each field's documentation is the string below it (also its --help)."""
+
+    CHOICES: ClassVar[dict[str, tuple]] = {"rm_type": BUILTIN_REWARDS}
+
+    model: str = ""
+    """Hugging Face style checkpoint directory; "": the embedded tiny DeepSeek-V4 (and its preset)."""
+    prompt_data: str = ""
+    """Training prompts, jsonl or parquet; "": the synthetic arithmetic task."""
     input_key: str = "prompt"
+    """Column of the prompt in prompt_data and eval_data rows (a.b reads a nested key)."""
     label_key: str = "label"
+    """Column of the reference answer the reward checks against (a.b reads a nested key)."""
     metadata_key: str = ""
+    """Column of a dict carried into each sample's metadata; "": none."""
     apply_chat_template: bool = True
+    """Wrap string prompts as one user turn of the tokenizer's chat template."""
     skip_bad_rows: bool = False
-    rm_type: str = "arithmetic"  # dapo | math | gsm8k | arithmetic
-    custom_reward_path: str = ""  # module:function, overrides rm_type
+    """Skip malformed data rows (counted in data/skipped_rows) instead of stopping."""
+    rm_type: str = "arithmetic"
+    """Reward: dapo (DAPO string match), math (math-verify), gsm8k (last number) or arithmetic."""
+    custom_reward_path: str = ""
+    """Custom reward module:function (or path/file.py:function), fn(response, label) -> float; overrides
+    rm_type."""
     num_rollout: int = 40
-    rollout_batch_size: int = 16  # prompts per rollout
+    """Rollouts (generate + train steps) in the run."""
+    rollout_batch_size: int = 16
+    """Prompts per rollout."""
     n_samples_per_prompt: int = 8
+    """Responses sampled per prompt (the GRPO group size)."""
     num_steps_per_rollout: int = 1
+    """Optimizer steps per rollout; the rollout's samples are split evenly between them."""
     rollout_temperature: float = 1.0
+    """Sampling temperature of the rollout (also the trainer's logprob temperature)."""
     rollout_top_p: float = 1.0
-    rollout_max_response_len: int = 8
-    dynamic_sampling: bool = False  # drop groups whose rewards all agree, over-sample to refill
-    max_sampling_rounds: int = 4  # cap on over-sampling rounds per rollout
-    eval_data: tuple[str, ...] = ()  # NAME PATH pairs, flattened
+    """Top-p of the rollout's sampling."""
+    rollout_max_response_len: int = 4096
+    """Longest response sampled in a rollout, in tokens (Miles' DeepSeek-V4 DAPO run uses 4096)."""
+    dynamic_sampling: bool = False
+    """Drop prompt groups whose rewards all agree and over-sample prompts to refill the batch (DAPO)."""
+    max_sampling_rounds: int = 4
+    """Dynamic sampling: at most this many batches of prompts drawn per rollout."""
+    eval_data: tuple[str, ...] = ()
+    """Held-out sets as NAME PATH pairs, e.g. math500 data/math500/test.jsonl."""
     eval_interval: int = 10
+    """Evaluate every this many rollouts (and after the last)."""
     n_samples_per_eval_prompt: int = 4
+    """Responses sampled per eval prompt (pass@k up to this k)."""
     eval_temperature: float = 1.0
-    eval_max_response_len: int = 8
-    eval_prompts_limit: int = 0  # 0 = all
-    run_dir: str = ""  # "" = runs/<timestamp>
+    """Sampling temperature of evaluation."""
+    eval_max_response_len: int = 4096
+    """Longest response sampled in evaluation, in tokens."""
+    eval_prompts_limit: int = 0
+    """Evaluate on at most this many prompts per set; 0: all."""
+    run_dir: str = ""
+    """Directory for metrics.jsonl, config.json and plots; "": runs/<timestamp>."""
     save: str = ""
+    """Directory to save the run to (trainer state, data cursor, RNG); "": no saving."""
     load: str = ""
-    save_interval: int = 0  # 0 = only at the end (when --save is set)
+    """Directory of a --save to resume from; "": start fresh."""
+    save_interval: int = 0
+    """Save every this many rollouts; 0: only at the end (when save is set)."""
     seed: int = 1234
+    """Seed of the data order, sampling and trainer."""
     tensorboard: bool = False
+    """Also log metrics to TensorBoard under run_dir."""
     wandb: bool = False
+    """Also log metrics to Weights & Biases."""
     plot: bool = True
+    """Draw the run's plots into run_dir/plots at the end."""
 
     def __post_init__(self):
         def bad(field, why):
             raise ValueError(f"RunConfig.{field}: {why}")
+
+        check_choices(self)
 
         for f in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "num_steps_per_rollout",
                   "rollout_max_response_len", "eval_interval", "n_samples_per_eval_prompt", "max_sampling_rounds"):

@@ -18,10 +18,11 @@ TASK = dict(digits=2, operators=("+",))
 TRAIN_SEED, EVAL_SEED = 0, 1
 NUM_TRAIN_PROMPTS, NUM_EVAL_PROMPTS = 5000, 128
 
-# What `lockstep train` with no arguments runs (any flag given on the command line wins).
+# What `lockstep train` with no arguments runs (any flag given on the command line wins; with --model the
+# config classes' own defaults apply instead: lockstep/commands/presets.py).
 # GRPO with TIS and clip-higher, dynamic sampling; measured on 2 CPU cores: see README.
 RUN_RECIPE = dict(num_rollout=120, rollout_batch_size=32, n_samples_per_prompt=8, rollout_max_response_len=8,
-                  dynamic_sampling=True, eval_interval=10, n_samples_per_eval_prompt=4)
+                  eval_max_response_len=8, dynamic_sampling=True, eval_interval=10, n_samples_per_eval_prompt=4)
 TRAIN_RECIPE = dict(lr=1e-3, use_tis=True, eps_clip_high=0.28, max_tokens_per_gpu=8192)
 ENGINE_RECIPE = dict(max_num_seqs=256, max_model_len=64)
 

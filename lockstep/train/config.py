@@ -1,22 +1,9 @@
 """`TrainConfig`: every trainer setting, one field per Miles / slime launch flag.
 
-Field names are the flags without dashes (`--eps-clip-high` -> `eps_clip_high`). Defaults:
-
-    optimiser        AdamW, lr 1e-6, weight_decay 0.0, betas (0.9, 0.98), eps 1e-8, clip_grad 1.0
-    batching         max_tokens_per_gpu 4096 (real tokens, prompt + response, per micro-batch)
-    policy loss      PPO clip eps_clip 0.2, eps_clip_high None (= eps_clip; DAPO uses 0.28),
-                     dual_clip_c None (off; Ye et al. use 3.0), loss_agg "token" (DAPO token mean)
-    estimator        "grpo"; "gspo" also switches the loss to the sequence-level ratio
-    KL / entropy     kl_loss_coef 0.0 (off), kl_loss_type "low_var_kl" (k3), entropy_coef 0.0
-    mismatch         use_tis False (tis_clip 2.0, tis_clip_low 0.0); mis None, mis_mode "mask",
-                     mis_lower 0.5, mis_upper 2.0; veto_threshold None
-    numerics         dtype "float32"; "bfloat16" computes in bf16 with fp32 master weights
-    forward          quant_aware_forward None; "fp8" | "fp8-fp4" = the engine's serving_format, whose
-                     weights (dequant(quant(w))) the forward then uses; compile_backend None
-                     (eager layers), "inductor" compiles the decoder layers as the engine's decode
-                     step does (models/compiled_layers.py; not with recompute or quant-aware)
-    temperature      1.0: logprobs are log softmax(logits / temperature) over the full vocabulary,
-                     so it must equal the rollout's sampling temperature
+Field names are the flags without dashes (`--eps-clip-high` -> `eps_clip_high`). Each field's
+meaning, unit and default are in the string below it (also its `lockstep train --help` line).
+The defaults are Miles' (AdamW lr 1e-6, betas (0.9, 0.98), PPO clip 0.2, TIS off): what a run with
+`--model DIR` gets. The embedded CPU run has its own preset (lockstep/rl/embedded.py TRAIN_RECIPE).
 
 loss_agg maps onto `lockstep.train.aggregation`: "token" -> token_mean, "sequence" ->
 sequence_mean, "dr_grpo" -> constant with max_len = rollout_max_response_len (None: the longest
@@ -27,6 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import ClassVar
+
+from lockstep.config import check_choices
 
 ADVANTAGE_ESTIMATORS = ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 LOSS_AGGS = {"token": "token_mean", "sequence": "sequence_mean", "dr_grpo": "constant"}
@@ -46,49 +36,96 @@ def _fail(field_name: str, why: str):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Trainer settings; see the module docstring for defaults and meanings."""
+    """Trainer settings; each field's documentation is the string below it (also its --help)."""
+
+    CHOICES: ClassVar[dict[str, tuple]] = {
+        "advantage_estimator": ADVANTAGE_ESTIMATORS, "loss_agg": tuple(LOSS_AGGS), "kl_loss_type": KL_LOSS_TYPES,
+        "mis": MIS_LEVELS, "mis_mode": MIS_MODES, "quant_aware_forward": QUANT_AWARE_FORMATS,
+        "dtype": DTYPES}
 
     # optimiser
     lr: float = 1e-6
+    """AdamW learning rate, constant over the run."""
     weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.98
+    """AdamW beta2."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     clip_grad: float | None = 1.0
+    """Clip the global gradient L2 norm to this; None: no clipping."""
     # batching
     max_tokens_per_gpu: int = 4096
+    """Micro-batch size in real tokens (prompt + response, no padding) per device."""
     # policy loss
     eps_clip: float = 0.2
+    """PPO clip: the ratio is clipped to [1 - eps_clip, 1 + eps_clip_high]."""
     eps_clip_high: float | None = None
+    """Upper PPO clip (clip-higher; DAPO uses 0.28); None: eps_clip."""
     dual_clip_c: float | None = None
+    """Dual-clip bound on the loss of negative-advantage tokens (Ye et al. use 3.0); None: off."""
     advantage_estimator: str = "grpo"
+    """Group advantage estimator; gspo also switches the loss to the sequence-level ratio."""
     loss_agg: str = "token"
+    """Loss aggregation: token = mean over the batch's tokens (DAPO), sequence = mean of per-sample means,
+    dr_grpo = sum / (samples x rollout_max_response_len)."""
     rollout_max_response_len: int | None = None
+    """dr_grpo's constant normaliser length in tokens; None: the longest response of the batch."""
     kl_loss_coef: float = 0.0
+    """Weight of the KL penalty against the reference model; 0: off."""
     kl_loss_type: str = "low_var_kl"
+    """KL estimator of the penalty: k1, k2 or low_var_kl (k3)."""
     entropy_coef: float = 0.0
+    """Weight of the entropy bonus; 0: off."""
     # train / rollout mismatch
     use_tis: bool = False
+    """Truncated importance sampling: weight each token's loss by clamp(pi_train / pi_rollout, tis_clip_low,
+    tis_clip)."""
     tis_clip: float = 2.0
+    """TIS upper bound on the token weight."""
     tis_clip_low: float = 0.0
+    """TIS lower bound on the token weight."""
     mis: str | None = None
+    """Masked importance sampling level (token, sequence or geometric mean ratio); None: off. An alternative
+    to use_tis."""
     mis_mode: str = "mask"
+    """MIS: mask zeroes the weight outside [mis_lower, mis_upper], truncate clamps it."""
     mis_lower: float = 0.5
+    """MIS lower bound on the importance weight."""
     mis_upper: float = 2.0
+    """MIS upper bound on the importance weight."""
     veto_threshold: float | None = None
+    """TIS / MIS: a sample with any token ratio pi_train / pi_rollout below this (e.g. 1e-4) gets weight 0;
+    None: no veto."""
     use_rollout_logprobs: bool = False
+    """pi_old in the PPO ratio is the engine's logprobs instead of the trainer's re-scored ones."""
     # forward path
     quant_aware_forward: str | None = None
+    """The trainer's forward uses dequant(quant(w)) in this serving format (the engine's); None: plain
+    weights."""
     use_rollout_routing_replay: bool = False
+    """The trainer's MoE layers use the experts the engine chose for each token (rollout routing replay)."""
     recompute_activations: bool = False
+    """Recompute each decoder layer's activations in the backward pass: less memory, one more forward."""
     compile_backend: str | None = None
+    """torch.compile backend for the decoder layers, compiled as the engine's decode step is
+    (models/compiled_layers.py): inductor (CUDA), eager / aot_eager (trace only). Not with
+    recompute_activations or quant_aware_forward. None: eager layers."""
     optimizer_offload: bool = False
+    """Keep the fp32 master weights and AdamW states in host memory."""
     dtype: str = "float32"
+    """Compute dtype; bfloat16 computes in bf16 with fp32 master weights."""
     temperature: float = 1.0
+    """Logprobs are log softmax(logits / temperature) over the full vocabulary: the rollout's temperature."""
     seed: int = 1234
+    """torch seed of the trainer."""
     deterministic: bool = False
+    """torch deterministic algorithms (slower kernels, reproducible on the GPU)."""
 
     def __post_init__(self):
+        check_choices(self)
         self._check_optimiser()
         self._check_loss()
         self._check_mismatch()
@@ -116,14 +153,8 @@ class TrainConfig:
             _fail("eps_clip_high", f"must be > 0 or None (= eps_clip), got {self.eps_clip_high}")
         if self.dual_clip_c is not None and not self.dual_clip_c > 1:
             _fail("dual_clip_c", f"must be > 1 or None (off), got {self.dual_clip_c}")
-        if self.advantage_estimator not in ADVANTAGE_ESTIMATORS:
-            _fail("advantage_estimator", f"must be one of {ADVANTAGE_ESTIMATORS}, got {self.advantage_estimator!r}")
-        if self.loss_agg not in LOSS_AGGS:
-            _fail("loss_agg", f"must be one of {tuple(LOSS_AGGS)}, got {self.loss_agg!r}")
         if self.rollout_max_response_len is not None and self.rollout_max_response_len < 1:
             _fail("rollout_max_response_len", f"must be >= 1 or None, got {self.rollout_max_response_len}")
-        if self.kl_loss_type not in KL_LOSS_TYPES:
-            _fail("kl_loss_type", f"must be one of {KL_LOSS_TYPES}, got {self.kl_loss_type!r}")
         for f in ("kl_loss_coef", "entropy_coef"):
             if not getattr(self, f) >= 0:
                 _fail(f, f"must be >= 0, got {getattr(self, f)}")
@@ -131,25 +162,17 @@ class TrainConfig:
     def _check_mismatch(self):
         if not 0 <= self.tis_clip_low < self.tis_clip:
             _fail("tis_clip", f"need 0 <= tis_clip_low < tis_clip, got {self.tis_clip_low}, {self.tis_clip}")
-        if self.mis is not None and self.mis not in MIS_LEVELS:
-            _fail("mis", f"must be None or one of {MIS_LEVELS}, got {self.mis!r}")
         if self.mis is not None and self.use_tis:
             _fail("mis", "use_tis and mis are alternatives; set only one")
-        if self.mis_mode not in MIS_MODES:
-            _fail("mis_mode", f"must be one of {MIS_MODES}, got {self.mis_mode!r}")
         if not 0 <= self.mis_lower < self.mis_upper:
             _fail("mis_lower", f"need 0 <= mis_lower < mis_upper, got {self.mis_lower}, {self.mis_upper}")
         if self.veto_threshold is not None and not 0 < self.veto_threshold < 1:
             _fail("veto_threshold", f"must be in (0, 1) or None, got {self.veto_threshold}")
 
     def _check_forward(self):
-        if self.quant_aware_forward is not None and self.quant_aware_forward not in QUANT_AWARE_FORMATS:
-            _fail("quant_aware_forward", f"must be None or one of {QUANT_AWARE_FORMATS}, got {self.quant_aware_forward!r}")
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
-        if self.dtype not in DTYPES:
-            _fail("dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         if not self.temperature > 0:
             _fail("temperature", f"must be > 0 (the rollout's sampling temperature), got {self.temperature}")
 
