@@ -44,7 +44,11 @@ def field_docs(cls) -> dict[str, str]:
     for klass in reversed(cls.__mro__):
         if not dataclasses.is_dataclass(klass):
             continue
-        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # no source shipped: flags still work, only their help is bare
+            continue
+        body = ast.parse(textwrap.dedent(source)).body[0].body
         for node, after in zip(body, body[1:]):
             if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                     and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
