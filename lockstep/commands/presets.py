@@ -14,9 +14,9 @@ import dataclasses
 
 from ..rl.embedded import ENGINE_RECIPE
 
-# Prompt tokens the engine's context leaves room for when --max-model-len is not given (the
-# DAPO-Math and MATH-500 prompts are a few hundred tokens); the engine caps it at the model's
-# max_position_embeddings.
+# Prompt tokens the engine's context leaves room for when --max-model-len is not given. Measured
+# with the SmolLM2 tokenizer and chat template: DAPO-Math-17k median 106, max 1602 (first 3,000
+# rows); MATH-500 median 82, max 943. The engine caps it at the model's max_position_embeddings.
 PROMPT_ROOM = 2048
 
 
