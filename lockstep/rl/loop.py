@@ -7,7 +7,10 @@
         push the new weights into the engine (re-quantised to its serving format)
         evaluate every eval_interval, save every save_interval, log one metrics line
 
-A non-finite loss or gradient makes the trainer skip the step; then no weights are pushed.
+The rollout's samples are split into num_steps_per_rollout nearly equal consecutive slices (sizes
+differ by at most one; every sample is trained on). A non-finite loss or gradient makes the trainer
+skip that step (counted in train/skipped_steps); the weights are pushed whenever at least one step
+of the rollout changed them, so the engine never serves a policy older than the trainer's.
 """
 
 from __future__ import annotations
@@ -26,6 +29,19 @@ from .config import RunConfig
 from .rollout import RolloutSpec, generate_rollout
 
 STATE_FILE = "loop_state.json"
+
+
+def step_slices(num_samples: int, num_steps: int) -> list[slice]:
+    """Consecutive slices covering all samples, sizes differing by at most one (larger first); a
+    step with no sample gets no slice. E.g. 10 samples, 3 steps -> [0:4], [4:7], [7:10]."""
+    base, extra = divmod(num_samples, num_steps)
+    out, start = [], 0
+    for i in range(num_steps):
+        size = base + (i < extra)
+        if size:
+            out.append(slice(start, start + size))
+        start += size
+    return out
 
 
 @dataclass
@@ -62,7 +78,7 @@ class RLRun:
             samples, metrics = self.generate()
             self.add_advantages(samples)
             metrics.update(self.train(samples))
-            if not metrics.get("train/skipped_nonfinite"):
+            if metrics["train/optimizer_steps"] > 0:
                 metrics.update(self.sync_weights())
             self.rollout_id += 1
             if self.eval_sets and (self.rollout_id % c.eval_interval == 0 or self.rollout_id == c.num_rollout):
@@ -89,19 +105,22 @@ class RLRun:
             s.advantages = a
 
     def train(self, samples) -> dict[str, float]:
+        """num_steps_per_rollout optimiser steps over consecutive slices of `samples`. Metrics are the
+        mean over the steps run (empty slices are not run), plus train/optimizer_steps (steps that
+        changed the weights) and train/skipped_steps (steps run but skipped, e.g. non-finite)."""
         start = time.perf_counter()
         steps = self.config.num_steps_per_rollout
-        per_step = max(len(samples) // steps, 1)
         # with several steps, pi_old is the policy before the first of them (PPO's ratio and clip)
-        old = self.trainer.logprobs(samples) if steps > 1 else None
-        totals: dict[str, float] = {}
-        for i in range(steps):
-            sl = slice(i * per_step, (i + 1) * per_step)
-            if samples[sl]:
-                metrics = self.trainer.train_step(samples[sl], old_logprobs=old[sl] if old else None)
-                for k, v in metrics.items():
-                    totals[k] = totals.get(k, 0.0) + float(v) / steps
-        totals["perf/train_time"] = time.perf_counter() - start
+        old = self.trainer.logprobs(samples) if steps > 1 and samples else None
+        runs = []
+        for sl in step_slices(len(samples), steps):
+            runs.append(self.trainer.train_step(samples[sl], old_logprobs=old[sl] if old else None))
+        totals = {k: sum(float(m[k]) for m in runs) / len(runs) for k in runs[0]} if runs else {}
+        skipped = sum(int(m["train/skipped"]) for m in runs)
+        if runs:  # a counter, not a quantity to average
+            totals["train/step"] = float(runs[-1]["train/step"])
+        totals.update({"train/optimizer_steps": float(len(runs) - skipped), "train/skipped_steps": float(skipped),
+                       "perf/train_time": time.perf_counter() - start})
         return totals
 
     def sync_weights(self) -> dict[str, float]:
