@@ -187,15 +187,21 @@ class Trainer:
         pg = ppo_policy_loss(log_ratio, advantages, eps_clip=c.eps_clip, eps_clip_high=c.clip_high,
                              clip_c=c.dual_clip_c, is_weights=is_weights)
 
-        def agg(values: torch.Tensor) -> torch.Tensor:
+        def agg(values: torch.Tensor) -> torch.Tensor:  # the loss terms: the configured aggregation
             return aggregate(values, mask, cu, c.aggregation, **norms)
 
-        pg_loss, ent = agg(pg.loss), agg(entropy)
-        loss = pg_loss - c.entropy_coef * ent if c.entropy_coef > 0 else pg_loss
-        stats = {"train/pg_loss": pg_loss.detach(), "train/entropy": ent.detach(),
-                 "train/pg_clipfrac": agg(pg.clipfrac), "train/ppo_kl": agg(pg.ppo_kl)}
+        def token_mean(values: torch.Tensor) -> torch.Tensor:
+            # diagnostics are fractions / means per token whatever the loss aggregation (a constant
+            # dr_grpo normaliser would report a fully clipped batch as < 1); summed over micro-batches
+            # with the global token count they are the step's token means
+            return aggregate(values.detach(), mask, cu, "token_mean", num_tokens=norms["num_tokens"])
+
+        pg_loss = agg(pg.loss)
+        loss = pg_loss - c.entropy_coef * agg(entropy) if c.entropy_coef > 0 else pg_loss
+        stats = {"train/pg_loss": pg_loss.detach(), "train/entropy": token_mean(entropy),
+                 "train/pg_clipfrac": token_mean(pg.clipfrac), "train/ppo_kl": token_mean(pg.ppo_kl)}
         if c.dual_clip_c is not None:
-            stats["train/dual_clipfrac"] = agg(pg.dual_clipfrac)
+            stats["train/dual_clipfrac"] = token_mean(pg.dual_clipfrac)
         if self.ref_model is not None:
             kl = agg(kl_penalty(logp, self._ref_logprobs(mb, routing), c.kl_loss_type))
             loss = loss + c.kl_loss_coef * kl
