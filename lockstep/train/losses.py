@@ -22,8 +22,10 @@ is that of logp_t (times s_i after exp). `gspo_log_ratio` returns that [T] tenso
 
 KL penalty estimators of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL"),
 with d = ref_logp - logp:
-    k1 = -d              k2 = d^2 / 2              k3 = exp(d) - 1 - d   (low_var_kl)
-k3 is clamped to [-10, 10] as commonly done (verl / slime), since exp(d) can overflow.
+    k1 = -d              k2 = d^2 / 2              k3 = exp(d') - 1 - d', d' = clamp(d, -20, 20)   (low_var_kl)
+As verl does, d is clamped to [-20, 20] before exp and k3 to [-10, 10] after: without the first
+clamp exp(d) overflows float32 for d > ~88, and the second clamp's zero gradient times inf is a
+NaN gradient.
 
 Entropy from logits [..., V]: H = logsumexp(z) - sum softmax(z) * z, in float32; tokens with
 -inf logits (masked vocabulary) contribute 0 rather than 0 * inf = NaN.
@@ -38,6 +40,7 @@ import torch
 from lockstep.train.aggregation import segment_ids, segment_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+LOG_RATIO_CLAMP = 20.0  # |ref_logp - logp| bound inside k3's exp (verl's value)
 
 
 @dataclass
@@ -105,7 +108,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3", cla
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind in ("k3", "low_var_kl"):
-        d = -log_ratio
+        # verl kl_penalty_forward "low_var_kl" (verl/trainer/ppo/core_algos.py, commit b178a3c):
+        # log-ratio clamped to [-20, 20] "for numerical stability" before exp, the estimate to [-10, 10]
+        d = (-log_ratio).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         return (torch.exp(d) - 1.0 - d).clamp(-clamp, clamp)
     raise ValueError(f"unknown KL estimator {kind!r}; choose one of {KL_ESTIMATORS}")
 

@@ -9,7 +9,7 @@ and rho_t = exp(delta_t), the per-token importance ratio pi_train / pi_rollout.
 Measures (per-sample mean over valid tokens, then mean over samples that have a valid token, as
 slime / Miles report them):
     train/train_rollout_logprob_abs_diff = mean |delta_t|
-    train/train_rollout_kl               = mean k3, k3 = rho_t - 1 - delta_t, clamped to [-10, 10].
+    train/train_rollout_kl               = mean k3, k3 = rho_t - 1 - delta_t, clamped as losses.kl_penalty does.
         This is the low-variance estimator of KL(pi_rollout || pi_train) from tokens sampled by the
         rollout engine (Miles' choice: compute_approx_kl(rollout, train, "low_var_kl")); it is >= 0.
 
@@ -39,6 +39,7 @@ from typing import Sequence
 import torch
 
 from lockstep.train.aggregation import pack, segment_ids, segment_sum
+from lockstep.train.losses import kl_penalty
 
 MIS_LEVELS = ("token", "sequence", "geometric")
 MIS_MODES = ("truncate", "mask")
@@ -84,9 +85,8 @@ def train_rollout_kl(
 ) -> torch.Tensor:
     """k3 estimate of KL(pi_rollout || pi_train), clamped per token to [-10, 10], averaged as above."""
     lt, lr, m, cu = _unpack(logp_train, logp_rollout, mask, cu_seqlens)
-    delta = lt - lr
-    k3 = (torch.exp(delta) - 1.0 - delta).clamp(-10.0, 10.0)
-    return _per_sample_mean(k3, m, cu)
+    # KL(rollout || train) from rollout tokens: the KL loss's k3 with pi = rollout, pi_ref = train
+    return _per_sample_mean(kl_penalty(lr, lt, "low_var_kl"), m, cu)
 
 
 def mismatch_metrics(

@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 
 from lockstep.train.losses import entropy_from_logits, gspo_log_ratio, kl_penalty, ppo_policy_loss
@@ -62,6 +63,18 @@ def test_kl_estimators_hand_values():
     torch.testing.assert_close(kl_penalty(logp, ref, "low_var_kl"), torch.tensor([math.log(2) - 0.5]))
     # Huge ref/logp gap: exp(20) is clamped to 10.
     assert kl_penalty(torch.tensor([-30.0]), torch.tensor([-10.0]), "k3").item() == 10.0
+
+
+def test_low_var_kl_huge_log_ratio_has_finite_loss_and_gradient():
+    # ref_logp - logp = 100 > ~88: exp overflowed float32 and the clamp's zero gradient times inf
+    # was a NaN gradient (issue 14 item 6); verl clamps the log-ratio to [-20, 20] before exp
+    logp = torch.tensor([-100.0, 100.0, -1.0], requires_grad=True)
+    ref = torch.tensor([0.0, 0.0, -0.5])
+    kl = kl_penalty(logp, ref, "low_var_kl")
+    kl.sum().backward()
+    assert torch.isfinite(kl).all() and torch.isfinite(logp.grad).all()
+    assert kl[0].item() == 10.0 and kl[1].item() == 10.0  # both beyond the [-10, 10] bound
+    assert logp.grad[2].item() == pytest.approx(1 - math.exp(0.5))  # in range: d k3 / d logp = 1 - exp(d)
 
 
 def test_entropy_from_logits_stable_and_masked():
