@@ -74,6 +74,9 @@ class RunConfig:
     """Directory to save the run to (trainer state, data cursor, RNG); "": no saving."""
     load: str = ""
     """Directory of a --save to resume from; "": start fresh."""
+    ref_load: str = ""
+    """Reference model of the KL loss (--kl-loss-coef > 0), a model directory as --model takes; "": a frozen
+    copy of --model's weights (the run's initial policy, also when resuming with --load)."""
     save_interval: int = 0
     """Save every this many rollouts; 0: only at the end (when save is set)."""
     seed: int = 1234

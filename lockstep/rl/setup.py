@@ -70,6 +70,30 @@ def make_run_dir(run: RunConfig) -> Path:
     return d
 
 
+def check_ref_load(run: RunConfig, kl_loss_coef: float) -> None:
+    if run.ref_load and kl_loss_coef == 0:
+        raise ValueError(f"--ref-load {run.ref_load}: a reference model is only used with --kl-loss-coef > 0")
+    if run.ref_load and not (Path(run.ref_load) / "config.json").is_file():
+        raise FileNotFoundError(f"--ref-load {run.ref_load}: no config.json there (a model directory as --model takes)")
+
+
+def reference_model(run: RunConfig, kl_loss_coef: float, policy):
+    """The KL loss's frozen reference (None when kl_loss_coef is 0): --ref-load's model, else a copy
+    of the policy as loaded, before the trainer wraps it or --load restores later weights."""
+    import copy
+
+    if kl_loss_coef == 0:
+        return None
+    if not run.ref_load:
+        return copy.deepcopy(policy)
+    param = next(policy.parameters())
+    ref = load_pretrained(run.ref_load, dtype=param.dtype, device=param.device)
+    if ref.config.vocab_size != policy.config.vocab_size:  # the KL compares logprobs of the same token ids
+        raise ValueError(f"--ref-load {run.ref_load}: vocab_size {ref.config.vocab_size} differs from the "
+                         f"policy's {policy.config.vocab_size}")
+    return ref
+
+
 def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None):
     import torch
 
@@ -79,12 +103,14 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
 
     # inputs first: a bad data file or reward name fails before any model is loaded
     path = model_path(run)
+    check_ref_load(run, train_cfg.kl_loss_coef)
     prompts, skipped = train_prompts(run)
     source = PromptSource(prompts, seed=run.seed)
     held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     engine = Engine.from_pretrained(path, engine_cfg)
-    trainer = Trainer(load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device), train_cfg)
+    policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
+    trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
     run_dir = make_run_dir(run)
     (run_dir / "config.json").write_text(json.dumps(
         {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
