@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="every data-parallel rank keeps the whole optimizer state (default: sharded)")
     t.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
                    help="layers of the last pipeline stage (default: an even split)")
+    t.add_argument("--use-kl-loss", action="store_true",
+                   help="a KL loss against a frozen reference model: one more copy of the weights per GPU")
     r = parser.add_argument_group("rollout")
     r.add_argument("--rollout-concurrency", type=int, default=256, help="sequences in flight per engine")
     r.add_argument("--rollout-gpus-per-engine", type=int, default=None, help="default: gpus per node")
@@ -87,7 +89,8 @@ def _specs(args):
         grad_dtype=args.grad_dtype, optimizer_dtype=args.optimizer_dtype, recompute=args.recompute,
         optimizer_offload=args.optimizer_offload, distributed_optimizer=not args.no_distributed_optimizer,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
-        rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt)
+        rollout_batch_size=args.rollout_batch_size, n_samples_per_prompt=args.n_samples_per_prompt,
+        use_kl_loss=args.use_kl_loss)
     roll = RolloutSpec(
         concurrency=args.rollout_concurrency, gpus_per_engine=args.rollout_gpus_per_engine or args.gpus_per_node,
         attention=args.rollout_attention, weight_format=args.rollout_weight_format,

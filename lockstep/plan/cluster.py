@@ -94,6 +94,7 @@ class TrainSpec:
     decoder_last_pipeline_num_layers: int | None = None
     rollout_batch_size: int = 32
     n_samples_per_prompt: int = 8
+    use_kl_loss: bool = False  # a frozen reference model for the KL loss lives next to the actor
 
     def __post_init__(self):
         _positive(self, "seq_len", "max_tokens_per_gpu", "rollout_batch_size", "n_samples_per_prompt")

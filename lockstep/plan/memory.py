@@ -5,6 +5,9 @@ For the stage's parameters on one GPU, P = Pd + Pe with
   Pe = sum(expert groups) / EP                                                   (routed experts),
 the terms are
   weights     P * param_bytes                         (bf16: 2 B; full copy, not sharded)
+  reference weights   P * param_bytes                 (only with the KL loss: the frozen reference model,
+              sharded as the actor and kept on the GPU as lockstep's trainer does; its forward takes
+              no gradient, so it adds no activations beyond one micro-batch's transient working set)
   gradients   P * grad_bytes                          (Megatron's main-grad buffer, fp32: 4 B)
   optimizer   (Pd / (DP*CP) + Pe / EDP) * (4 + 2*state_bytes)   with the distributed optimizer
               (fp32 master + Adam m, v = 12 B per param), P * 12 B without it; with offload the
@@ -95,6 +98,8 @@ def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list
         MemoryTerm("weights", p * pb, f"({pd / 1e9:.3f}B dense + {pe / 1e9:.3f}B expert) params x {pb:g} B"),
         MemoryTerm("gradients", p * gb, f"{p / 1e9:.3f}B params x {gb:g} B ({train.grad_dtype} main grads)"),
     ]
+    if train.use_kl_loss:
+        terms.append(MemoryTerm("reference weights", p * pb, f"{p / 1e9:.3f}B params x {pb:g} B (KL reference)"))
     if train.distributed_optimizer:
         shard = pd / (layout.dp * layout.cp) + pe / layout.edp
         how = f"({pd / 1e9:.3f}B / DP*CP {layout.dp * layout.cp} + {pe / 1e9:.3f}B / EDP {layout.edp})"

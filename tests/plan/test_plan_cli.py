@@ -57,3 +57,9 @@ def test_bad_input_is_a_clear_error(capsys):
     assert "exceeds nodes" in capsys.readouterr().err
     assert main(["plan", "--model", "nope"]) == 2
     assert "neither a preset" in capsys.readouterr().err
+
+
+def test_use_kl_loss_counts_the_reference_weights(capsys):
+    fixed = EXAMPLE + ["--recompute", "--optimizer-offload", "--tp", "1", "--pp", "4", "--ep", "4", "--cp", "1"]
+    plain, kl = _find(_json(capsys, fixed), 1, 4, 4, 1), _find(_json(capsys, fixed + ["--use-kl-loss"]), 1, 4, 4, 1)
+    assert kl["actor_gb_per_gpu"] > plain["actor_gb_per_gpu"]

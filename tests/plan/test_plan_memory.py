@@ -78,3 +78,12 @@ def test_bf16_grads_and_plain_optimizer(tiny_llama, small_cluster, small_train):
     p = 276_032
     assert t["gradients"] == p * 2
     assert t["optimizer states"] == p * (4 + 2 + 2)  # not sharded over DP without the distributed optimizer
+
+
+def test_kl_loss_adds_one_copy_of_the_weights(tiny_llama, small_cluster, small_train):
+    lay = make_layout(tiny_llama, small_cluster, small_train, tp=2, pp=2, ep=1, cp=1)
+    plain = actor_memory(tiny_llama, small_cluster, small_train, lay)[1]
+    kl = actor_memory(tiny_llama, small_cluster, replace(small_train, use_kl_loss=True), lay)[1]
+    assert "reference weights" not in _terms(plain)
+    assert _terms(kl)["reference weights"] == STAGE1 * 2  # bf16, sharded as the actor's weights
+    assert kl.gpu_bytes == plain.gpu_bytes + STAGE1 * 2
