@@ -24,11 +24,30 @@ Correction weights w_t (always detached; 0 at masked positions):
     Veto (optional, both): a sample with any valid token rho_t < veto_threshold (e.g. 1e-4) gets
       w = 0 on all its tokens: such a token is one the trainer considers near impossible.
 
-Metrics (DESIGN.md names): train/tis = mean w over valid tokens; train/ois = mean raw rho over valid
-tokens ("original IS"); train/tis_clipfrac = fraction of valid tokens whose raw weight fell outside
-[lower, upper]; train/tis_veto_frac = fraction of samples vetoed; train/ess = normalised effective
-sample size (sum w)^2 / (n * sum w^2) in (0, 1], over the units the level weights: valid tokens for
-token level, samples for sequence / geometric (0 when every weight is 0).
+Metrics, named and defined as in Miles (miles/backends/training_utils/loss_hub/losses.py and
+corrections.py, vanilla_tis_function; slime's megatron_utils/loss.py is the same), so dashboards
+carry over. "Sample mean" = mean over a sample's valid tokens, then over samples with a valid token
+(Miles' sum_of_sample_mean); "token mean" = over all valid tokens of the step. pi_old is the PPO
+ratio's denominator (the trainer's logprobs before the step, or the rollout's with
+use_rollout_logprobs); rho_t = pi_train / pi_rollout as above.
+
+    metric                               value per token (dimensionless)     averaged      reported
+    train/train_rollout_logprob_abs_diff |delta_t|                             sample mean   always
+    train/train_rollout_kl               k3 = rho_t - 1 - delta_t              sample mean   always
+    train/tis                            rho_t, raw, before truncation/mask    sample mean   TIS / MIS on
+    train/tis_abs                        |rho_t - 1|                           sample mean   TIS / MIS on
+    train/tis_clipfrac                   1 where w was truncated or masked     sample mean   TIS / MIS on
+                                         (rho outside [lower, upper] at the level)
+    train/tis_weight      (lockstep)     w_t, the weight applied to the loss   sample mean   TIS / MIS on
+    train/tis_veto_frac   (lockstep)     1 per vetoed sample                   over samples  TIS / MIS on
+    train/ess             (lockstep)     (sum w)^2 / (n sum w^2) over the level's units (valid tokens; samples
+                                         for sequence / geometric); 0 when every weight is 0   TIS / MIS on
+    train/ois             (trainer.py)   pi_theta / pi_old = exp(-ppo_kl)      sample mean   always
+                                         (GSPO: the sequence-level ratio)
+
+rho_t in the metrics is exp(min(delta_t, 80)) so that one runaway token cannot make them inf. The
+trainer's loss diagnostics (train/pg_clipfrac, train/ppo_kl, train/entropy, train/dual_clipfrac)
+are token means under every loss aggregation; train/pg_loss and train/kl_loss follow loss_agg.
 """
 
 from __future__ import annotations
@@ -59,6 +78,12 @@ def _unpack(logp_train: Packed, logp_rollout: Packed, mask: Packed, cu_seqlens: 
     if int(cu[-1]) != logp_train.numel() or logp_rollout.shape != logp_train.shape or mask.shape != logp_train.shape:
         raise ValueError("logp_train, logp_rollout and mask must all be [T] with T = cu_seqlens[-1]")
     return logp_train.detach().float(), logp_rollout.detach().float(), mask.bool(), cu
+
+
+def metric_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    """exp(log_ratio) for the ratio metrics, the exponent capped at 80 so that one token cannot make
+    a logged mean inf."""
+    return torch.exp(log_ratio.detach().float().clamp(max=80.0))
 
 
 def _per_sample_mean(values: torch.Tensor, mask: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
@@ -151,16 +176,17 @@ def importance_weights(
         vetoed = segment_sum(low_token, cu) > 0
         w = torch.where(vetoed[segment_ids(cu)], torch.zeros_like(w), w)
     w = w * maskf
-    n_valid = max(float(maskf.sum()), 1.0)
     if level == "token":
         ess = _ess(w[m])
     else:  # one weight per sample: the value at any of its tokens (samples without tokens excluded)
         has = segment_sum(maskf, cu) > 0
         ess = _ess(segment_sum(w, cu)[has] / segment_sum(maskf, cu)[has])
+    rho = metric_ratio(delta)
     metrics = {
-        "train/tis": float(w.sum()) / n_valid,
-        "train/ois": float((torch.exp(delta.clamp(max=80.0)) * maskf).sum()) / n_valid,
-        "train/tis_clipfrac": float((outside & m).float().sum()) / n_valid,
+        "train/tis": float(_per_sample_mean(rho, m, cu)),
+        "train/tis_abs": float(_per_sample_mean((rho - 1.0).abs(), m, cu)),
+        "train/tis_clipfrac": float(_per_sample_mean(outside.float(), m, cu)),
+        "train/tis_weight": float(_per_sample_mean(w, m, cu)),
         "train/tis_veto_frac": float(vetoed.float().mean()) if vetoed.numel() else 0.0,
         "train/ess": ess,
     }

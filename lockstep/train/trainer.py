@@ -17,7 +17,8 @@ rollout compute `old = trainer.logprobs(samples)` once and pass `old_logprobs=ol
     loss      = agg(pg) - entropy_coef * agg(H) + kl_loss_coef * agg(KL_k(logp, ref_logp))
 
 The train/rollout mismatch (`train/train_rollout_logprob_abs_diff`, `train/train_rollout_kl`) is
-always measured, between the trainer's logprobs before the update and the rollout's. A loss or
+always measured, between the trainer's logprobs before the update and the rollout's; every metric's
+definition (Miles' where Miles has the name) is tabled in mismatch.py. A loss or
 gradient that is not finite skips the optimiser step and leaves weights and optimiser state as
 they were (`train/skipped_nonfinite` = 1). `num_steps` counts optimiser steps taken.
 
@@ -44,7 +45,7 @@ from lockstep.train.config import TrainConfig
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
-from lockstep.train.mismatch import importance_weights, mismatch_metrics
+from lockstep.train.mismatch import importance_weights, metric_ratio, mismatch_metrics
 from lockstep.train.optimizer import MasterAdamW
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name
 from lockstep.train.recompute import apply_recompute
@@ -167,7 +168,9 @@ class Trainer:
         c = self.config
         max_len = c.rollout_max_response_len or max(s.response_len for s in samples)
         num_tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
-        return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len}
+        # samples with a valid token: the denominator of the sample-mean metrics (mismatch.py)
+        valid = float(sum(int(s.loss_mask.any()) for s in samples))
+        return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len, "valid_samples": valid}
 
     def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs):
         """(loss to backward, detached stats, trainer logprobs before the update [T_r])."""
@@ -188,7 +191,8 @@ class Trainer:
                              clip_c=c.dual_clip_c, is_weights=is_weights)
 
         def agg(values: torch.Tensor) -> torch.Tensor:  # the loss terms: the configured aggregation
-            return aggregate(values, mask, cu, c.aggregation, **norms)
+            return aggregate(values, mask, cu, c.aggregation, num_tokens=norms["num_tokens"],
+                             num_samples=norms["num_samples"], max_len=norms["max_len"])
 
         def token_mean(values: torch.Tensor) -> torch.Tensor:
             # diagnostics are fractions / means per token whatever the loss aggregation (a constant
@@ -199,7 +203,10 @@ class Trainer:
         pg_loss = agg(pg.loss)
         loss = pg_loss - c.entropy_coef * agg(entropy) if c.entropy_coef > 0 else pg_loss
         stats = {"train/pg_loss": pg_loss.detach(), "train/entropy": token_mean(entropy),
-                 "train/pg_clipfrac": token_mean(pg.clipfrac), "train/ppo_kl": token_mean(pg.ppo_kl)}
+                 "train/pg_clipfrac": token_mean(pg.clipfrac), "train/ppo_kl": token_mean(pg.ppo_kl),
+                 # Miles' ois: pi_theta / pi_old, a sample mean like the other ratio metrics
+                 "train/ois": aggregate(metric_ratio(-pg.ppo_kl), mask, cu, "sequence_mean",
+                                        num_samples=norms["valid_samples"])}
         if c.dual_clip_c is not None:
             stats["train/dual_clipfrac"] = token_mean(pg.dual_clipfrac)
         if self.ref_model is not None:

@@ -56,20 +56,32 @@ def test_tis_truncates_and_reports():
     w, m = tis_weights(lt, lr, mask)
     torch.testing.assert_close(w, torch.tensor([0.5, 1.0, 2.0, 0.0]))
     assert not w.requires_grad
-    assert m["train/tis"] == pytest.approx(3.5 / 3)
-    assert m["train/ois"] == pytest.approx(4.5 / 3)
+    # Miles' names: tis is the raw ratio pi_train / pi_rollout, before truncation
+    assert m["train/tis"] == pytest.approx(4.5 / 3)
+    assert m["train/tis_abs"] == pytest.approx(2.5 / 3)
+    assert m["train/tis_weight"] == pytest.approx(3.5 / 3)
     assert m["train/tis_clipfrac"] == pytest.approx(1 / 3)
+    assert "train/ois" not in m  # pi_theta / pi_old: the trainer's (test_trainer_diagnostics.py)
     assert m["train/ess"] == pytest.approx(3.5**2 / (3 * 5.25))
     w, m = tis_weights(lt, lr, mask, tis_clip_low=0.6)
     torch.testing.assert_close(w, torch.tensor([0.6, 1.0, 2.0, 0.0]))
     assert m["train/tis_clipfrac"] == pytest.approx(2 / 3)
 
 
+def test_ratio_metrics_are_sample_means():
+    # sample 0: one token, ratio 3 (clipped at 2); sample 1: three tokens, ratio 1. Miles averages per
+    # sample, then over samples (a token mean would give 1.5 and clipfrac 0.25)
+    lt, cu = _logs([3.0, 1.0, 1.0, 1.0]), torch.tensor([0, 1, 4])
+    _, m = tis_weights(lt, torch.zeros(4), torch.ones(4), cu)
+    assert m["train/tis"] == pytest.approx(2.0) and m["train/tis_clipfrac"] == pytest.approx(0.5)
+    assert m["train/tis_weight"] == pytest.approx(1.5) and m["train/tis_abs"] == pytest.approx(1.0)
+
+
 def test_mis_token_mask():
     w, m = mis_weights(_logs([0.4, 1.0, 3.0, 1.5]), torch.zeros(4), torch.ones(4), level="token", mode="mask")
     torch.testing.assert_close(w, torch.tensor([0.0, 1.0, 0.0, 1.5]))
     assert m["train/tis_clipfrac"] == pytest.approx(0.5)
-    assert m["train/tis"] == pytest.approx(2.5 / 4)
+    assert m["train/tis"] == pytest.approx(5.9 / 4) and m["train/tis_weight"] == pytest.approx(2.5 / 4)
 
 
 def test_mis_sequence_and_geometric_levels():
@@ -88,7 +100,7 @@ def test_sequence_level_long_response_does_not_overflow():
     lt, lr = torch.ones(200), torch.zeros(200)  # product of ratios = e^200
     w, m = importance_weights(lt, lr, torch.ones(200), level="sequence", mode="truncate", upper=2.0)
     assert torch.isfinite(w).all() and torch.allclose(w, torch.full((200,), 2.0))
-    assert m["train/ois"] == pytest.approx(math.e, rel=1e-5)
+    assert m["train/tis"] == pytest.approx(math.e, rel=1e-5)
 
 
 def test_veto_rejects_whole_sequence():

@@ -3,6 +3,8 @@ item 13: under dr_grpo's constant normaliser a fully clipped batch reported pg_c
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from lockstep.train.config import TrainConfig
@@ -34,3 +36,10 @@ def test_diagnostics_equal_token_aggregation(loss_agg):
         assert other[name] == pytest.approx(ref[name], rel=1e-5), name
     if loss_agg == "dr_grpo":  # the loss keeps its aggregation: sum / (6 samples x 16 tokens)
         assert other["train/pg_loss"] == pytest.approx(ref["train/pg_loss"] * ref["train/num_tokens"] / 96, rel=1e-5)
+
+
+def test_ois_is_pi_theta_over_pi_old():
+    # Miles' train/ois = exp(logp - old_logp); here old = logp - 1 on every token, over micro-batches
+    metrics = _step("token")
+    assert metrics["train/ois"] == pytest.approx(math.e, rel=1e-5)
+    assert _step("token", 0.0)["train/ois"] == pytest.approx(1.0)
