@@ -1,0 +1,105 @@
+"""lockstep.dist.groups on 2 gloo processes: the groups of each layout, control-group agreement, and
+that a hung or dead peer ends in DistributedError naming the rank and operation within the timeout."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_world import run_world
+from lockstep.dist.config import DistConfig
+from lockstep.dist.groups import DistributedError, Layout, collective, init_distributed
+
+
+def _layout_world(rank, disaggregated):
+    config = DistConfig(actor_num_gpus=1, rollout_num_gpus=1) if disaggregated else DistConfig()
+    ctx = init_distributed(30.0, config=config)
+    members = [g is not None for g in (ctx.trainer_group, ctx.engine_group, ctx.weight_group)]
+    # the weight group carries a broadcast from the trainer source rank
+    t = torch.tensor([float(rank + 7)])
+    with ctx.collective("broadcast test"):
+        dist.broadcast(t, src=ctx.weight_src, group=ctx.weight_group)
+    agree = ctx.all_true(rank == 0, "flag")
+    everyone = ctx.all_true(True, "flag")
+    ctx.barrier("end")
+    return dict(members=members, trainer=ctx.is_trainer, engine=ctx.is_engine, got=t.item(), agree=agree,
+                everyone=everyone, device=str(ctx.device))
+
+
+@pytest.mark.parametrize("disaggregated", [False, True])
+def test_groups_of_each_layout(disaggregated):
+    r0, r1 = run_world(_layout_world, 2, guard_s=60, args=(disaggregated,))
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    if disaggregated:
+        assert (r0.value["trainer"], r0.value["engine"]) == (True, False)
+        assert (r1.value["trainer"], r1.value["engine"]) == (False, True)
+        assert r0.value["members"] == [True, False, True] and r1.value["members"] == [False, True, True]
+    else:
+        assert r0.value["members"] == r1.value["members"] == [True, True, True]
+        assert r0.value["engine"] and r1.value["trainer"]
+    assert r0.value["got"] == r1.value["got"] == 7.0  # rank 0's value reached rank 1
+    assert r0.value["agree"] is False and r1.value["agree"] is False  # one rank said no
+    assert r0.value["everyone"] and r1.value["everyone"]
+    assert r0.value["device"] == "cpu"
+
+
+def _hung_peer_world(rank):
+    ctx = init_distributed(2.0)
+    if rank == 1:
+        time.sleep(4)  # alive but never joins the barrier
+        return "slept"
+    ctx.barrier("before weight push")
+
+
+def test_hung_peer_times_out_with_rank_and_operation():
+    r0, r1 = run_world(_hung_peer_world, 2, guard_s=45)
+    assert not r0.hung and r0.error_type == "DistributedError", r0.error
+    assert "rank 0: barrier before weight push timed out after 2s" in r0.error
+    assert r0.elapsed_s < 7, r0.elapsed_s  # the configured 2 s, not gloo's default
+    assert r1.value == "slept"
+
+
+def _dead_peer_world(rank):
+    ctx = init_distributed(20.0)
+    ctx.barrier("start")
+    if rank == 1:
+        os._exit(3)  # dies without a word to its peer
+    time.sleep(0.5)
+    ctx.barrier("after the peer died")
+
+
+def test_dead_peer_raises_within_timeout():
+    r0, r1 = run_world(_dead_peer_world, 2, guard_s=45)
+    assert r1.exitcode == 3
+    assert not r0.hung and r0.error_type == "DistributedError", r0.error
+    assert "rank 0: barrier after the peer died" in r0.error
+    assert r0.elapsed_s < 25, r0.elapsed_s
+
+
+def test_init_without_launcher_env_says_how_to_launch(monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(DistributedError, match="torchrun"):
+        init_distributed(5.0)
+
+
+def test_collective_wraps_runtime_errors_with_rank_and_op():
+    with pytest.raises(DistributedError, match=r"rank 3: all_reduce grads failed after .*timeout 9s.*boom"):
+        with collective("all_reduce grads", rank=3, timeout_s=9.0):
+            raise RuntimeError("boom")
+    with pytest.raises(ValueError):  # not a distributed failure: left alone
+        with collective("x", rank=0, timeout_s=1.0):
+            raise ValueError("bad shape")
+
+
+def test_layout_and_config_validation():
+    assert Layout.disaggregated(3, 1).weight_ranks == (0, 3)
+    assert Layout.colocated(2).is_colocated
+    with pytest.raises(ValueError, match="world size 3"):
+        Layout.from_config(DistConfig(actor_num_gpus=1, rollout_num_gpus=1), 3)
+    with pytest.raises(ValueError, match="DistConfig.actor_num_gpus"):
+        DistConfig(actor_num_gpus=1)
+    with pytest.raises(ValueError, match="DistConfig.distributed_timeout"):
+        DistConfig(distributed_timeout=0)
