@@ -8,14 +8,24 @@ TRL / verl / slime use; a group of one has std 0):
     GRPO     A_i = (r_i - mean_g) / (std_g + eps)                 eps = 1e-6
     Dr.GRPO  A_i = r_i - mean_g                                   (no std division: Liu et al. 2025)
     RLOO     A_i = r_i - mean_{j in g, j != i} r_j = n_g / (n_g - 1) * (r_i - mean_g)   (0 if n_g = 1)
-    REINFORCE++          A_i = (r_i - mean_batch) / (std_batch + eps)   (global batch normalisation)
-    REINFORCE++-baseline A_i = (r_i - mean_g) / (std_batch(r - mean_g) + eps)
+    REINFORCE++          A_i = whiten_tokens(r)_i
+    REINFORCE++-baseline A_i = whiten_tokens(r - mean_g)_i
     GSPO     uses the GRPO advantages.
 
-With a single terminal reward and gamma = 1, every token's return equals the sample's reward, so
-one scalar per sample is the whole advantage. REINFORCE++ with a per-token KL-shaped reward
-(r_t = -beta * KL_t, plus the terminal reward) gives per-token returns and is out of scope here:
-put a KL loss term in the trainer instead (losses.kl_penalty).
+REINFORCE++ whitens over every valid (loss-mask) response token of the batch, as verl
+(compute_reinforce_plus_plus[_baseline]_outcome_advantage -> verl.utils.torch_functional.masked_whiten)
+and slime (normalize_advantages -> distributed_masked_whiten) do. With a single terminal reward and
+gamma = 1 every token's return is its sample's value v_i, so with n_i valid tokens in sample i and
+N = sum n_i:
+
+    mean = sum_i n_i v_i / N        var = sum_i n_i (v_i - mean)^2 / (N - 1)   (Bessel over tokens; 0 if N < 2)
+    whiten_tokens(v)_i = (v_i - mean) / sqrt(var + 1e-8)                       (the mean is not added back)
+
+Each token of a sample gets the same value, so it stays one scalar per sample, but a long answer
+weighs n_i times in the statistics (per-sample whitening would weigh every answer once). Without
+token counts every sample counts as one token. A per-token KL-shaped reward (r_t = -beta * KL_t plus
+the terminal reward) would give per-token returns and is out of scope here: put a KL loss term in
+the trainer instead (losses.kl_penalty).
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ from typing import Sequence
 import torch
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo")
+TOKEN_WHITENED = ("reinforce_pp", "reinforce_pp_baseline")  # their statistics weigh each valid token
 
 
 def group_index(
@@ -74,23 +85,30 @@ def rloo_advantages(rewards, group_ids=None, group_size=None) -> torch.Tensor:
     return (scale * (r - mean)).float()
 
 
-def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
-    std = x.std() if x.numel() > 1 else torch.zeros((), dtype=x.dtype)
-    return (x - x.mean()) / (std + eps)
+def whiten_tokens(values: torch.Tensor, token_counts=None, eps: float = 1e-8) -> torch.Tensor:
+    """verl's masked_whiten over the batch's valid tokens, for per-sample values [N] that every one of
+    a sample's token_counts[i] tokens carries (None: one token each); see the module docstring."""
+    v = torch.as_tensor(values, dtype=torch.float64).reshape(-1)
+    n = torch.ones_like(v) if token_counts is None else torch.as_tensor(token_counts, dtype=torch.float64).reshape(-1)
+    if n.numel() != v.numel():
+        raise ValueError(f"token_counts has {n.numel()} entries for {v.numel()} samples")
+    total = float(n.sum())
+    if total == 0:
+        return torch.zeros_like(v)
+    mean = (n * v).sum() / total
+    var = (n * (v - mean) ** 2).sum() / (total - 1) if total >= 2 else torch.zeros((), dtype=v.dtype)
+    return (v - mean) / torch.sqrt(var + eps)
 
 
-def reinforce_pp_advantages(rewards, group_ids=None, group_size=None, eps: float = 1e-6) -> torch.Tensor:
-    """Global batch normalisation; groups are ignored (the arguments exist for a uniform signature)."""
-    r = torch.as_tensor(rewards, dtype=torch.float64).reshape(-1)
-    return _whiten(r, eps).float()
+def reinforce_pp_advantages(rewards, group_ids=None, group_size=None, token_counts=None) -> torch.Tensor:
+    """Batch whitening over tokens; groups are ignored (the arguments exist for a uniform signature)."""
+    return whiten_tokens(rewards, token_counts).float()
 
 
-def reinforce_pp_baseline_advantages(rewards, group_ids=None, group_size=None, eps: float = 1e-6) -> torch.Tensor:
-    """Subtract the group mean, then normalise by the batch std of the result (mean is then ~0)."""
+def reinforce_pp_baseline_advantages(rewards, group_ids=None, group_size=None, token_counts=None) -> torch.Tensor:
+    """Subtract the group mean, then whiten over the batch's tokens."""
     r, (mean, _, _) = _prepare(rewards, group_ids, group_size)
-    centred = r - mean
-    std = centred.std() if centred.numel() > 1 else torch.zeros((), dtype=centred.dtype)
-    return (centred / (std + eps)).float()
+    return whiten_tokens(r - mean, token_counts).float()
 
 
 _FNS = {
@@ -103,8 +121,10 @@ _FNS = {
 }
 
 
-def compute_advantages(estimator: str, rewards, group_ids=None, group_size=None) -> torch.Tensor:
-    """Advantages [N] float32 with the named estimator (one of ESTIMATORS)."""
+def compute_advantages(estimator: str, rewards, group_ids=None, group_size=None, token_counts=None) -> torch.Tensor:
+    """Advantages [N] float32 with the named estimator (one of ESTIMATORS). token_counts [N], each
+    sample's valid response tokens, weigh REINFORCE++'s whitening; the group estimators ignore them."""
     if estimator not in _FNS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {ESTIMATORS}")
-    return _FNS[estimator](rewards, group_ids=group_ids, group_size=group_size)
+    extra = {"token_counts": token_counts} if estimator in TOKEN_WHITENED else {}
+    return _FNS[estimator](rewards, group_ids=group_ids, group_size=group_size, **extra)

@@ -100,7 +100,8 @@ class RLRun:
         if not samples:
             return
         adv = compute_advantages(self.advantage_estimator, torch.tensor([s.reward for s in samples]),
-                                 group_ids=[s.group_id for s in samples])
+                                 group_ids=[s.group_id for s in samples],
+                                 token_counts=[int(s.loss_mask.sum()) for s in samples])
         for s, a in zip(samples, adv.tolist()):
             s.advantages = a
 

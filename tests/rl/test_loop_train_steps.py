@@ -99,3 +99,13 @@ def test_no_step_taken_no_push(tmp_path):
     rl = _run(tmp_path, 2, FakeTrainer(bad={0, 1}), 12)
     rl.run()
     assert rl.engine.pushes == 0
+
+
+def test_add_advantages_weighs_reinforce_pp_by_valid_tokens(tmp_path):
+    rl = _run(tmp_path, 1, FakeTrainer(), 3)
+    rl.advantage_estimator = "reinforce_pp"
+    samples = [Sample(prompt_ids=[1], response_ids=[2] * r, rollout_logprobs=[0.0] * r, loss_mask=m, reward=reward)
+               for r, m, reward in ((1, [1], 1.0), (4, [0, 1, 1, 1], 0.0), (2, [1, 1], 0.0))]
+    RLRun.add_advantages(rl, samples)  # the class's method (the fixture stubs the instance's out)
+    # valid tokens 1, 3, 2: the hand example of tests/rl/test_rl_advantages.py
+    assert [s.advantages for s in samples] == pytest.approx([2.0412415, -0.4082483, -0.4082483], abs=1e-5)
