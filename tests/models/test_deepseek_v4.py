@@ -3,6 +3,7 @@ and the rollout (incremental) path against the training (full-sequence) path."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import DeepseekV4Config as HFConfig
 from transformers import DeepseekV4ForCausalLM as HFModel
 
@@ -10,6 +11,7 @@ from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing, StepBatc
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers.grouped_gemm import grouped_mm, grouped_mm_reference
+from lockstep.models.layers.moe import router_scores
 
 CONFIGS = {
     # every layer kind: window-only, C4 + indexer top-k, C128-style dense, hash and top-k MoE
@@ -153,3 +155,80 @@ def test_rope_frequencies_follow_the_device_not_the_dtype():
         assert layer.self_attn._inv_freq.dtype == torch.float32 and torch.equal(layer.self_attn._inv_freq, freq)
     model.to("meta")
     assert all(layer.self_attn._inv_freq.device.type == "meta" for layer in model.model.layers)
+
+
+def _router_inputs_and_logits(model, ids):
+    """Each MoE layer's input x [T, H] and the logits its router routed on, from one forward."""
+    from lockstep.models.layers.moe import MoE, Router
+
+    seen, logits = [], []
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+             for m in model.modules() if isinstance(m, MoE)]
+    route = Router.route
+
+    def recording(self, lg, *args, **kwargs):
+        logits.append(lg)
+        return route(self, lg, *args, **kwargs)
+
+    Router.route = recording
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        Router.route = route
+        for h in hooks:
+            h.remove()
+    return seen, logits
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_bf16_router_logits_are_fp32_products(fused):
+    # as DeepSeek's inference code: F.linear(x.float(), W.float()), also out of the engine's fused
+    # projections (bf16 logits rounded near-ties differently in engine and trainer GEMM shapes)
+    config = CONFIGS["mixed"]
+    model = DeepseekV4ForCausalLM(config)
+    init_deepseek_v4_(model, 13)
+    model.to(torch.bfloat16).eval()
+    if fused:
+        model.fuse_projections()
+    ids = torch.randint(0, config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(14))
+    xs, logits = _router_inputs_and_logits(model, ids)
+    assert len(logits) == config.num_hidden_layers  # hash and top-k layers alike
+    for layer, x, lg in zip(model.model.layers, xs, logits):
+        assert lg.dtype == torch.float32
+        assert torch.equal(lg, F.linear(x.float(), layer.mlp.gate.weight.float()))
+
+
+def test_bf16_routing_matches_transformers_up_to_its_bf16_logits():
+    # transformers 5.23 computes router logits in the weight dtype; lockstep in fp32 (above). On
+    # transformers' own router inputs, lockstep's logits round to transformers' and the experts
+    # agree wherever transformers' k-th and (k+1)-th scores are further apart than bf16 rounding
+    config = CONFIGS["wide"]
+    ours, ref = make_pair(config, seed=15)
+    ours.to(torch.bfloat16), ref.to(torch.bfloat16)
+    captured = []
+    hooks = [m.register_forward_hook(lambda m, args, out: captured.append((args, out)))
+             for name, m in ref.named_modules() if name.endswith("mlp.gate")]
+    ids = torch.randint(0, config.vocab_size, (4, 40), generator=torch.Generator().manual_seed(16))
+    with torch.no_grad():
+        ref(ids)
+    for h in hooks:
+        h.remove()
+    assert len(captured) == config.num_hidden_layers
+    k = config.num_experts_per_tok
+    for layer, (args, (hf_logits, hf_weights, hf_experts)) in zip(ours.model.layers, captured):
+        router = layer.mlp.gate
+        x = args[0].reshape(-1, config.hidden_size)
+        logits = router.logits(x)
+        assert torch.allclose(logits.to(torch.bfloat16).float(), hf_logits.float(), rtol=2**-7, atol=1e-6)
+        experts, weights = router.route(logits, ids.reshape(-1))
+        order = hf_experts.argsort(dim=-1)  # ours ascending by expert id
+        hf_experts, hf_weights = hf_experts.gather(1, order), hf_weights.float().gather(1, order)
+        differ = (experts != hf_experts).any(-1)
+        if router.is_hash:
+            assert not differ.any()
+        else:
+            biased = router_scores(hf_logits, router.scoring_func) + router.e_score_correction_bias.float()
+            top = biased.topk(k + 1, dim=-1).values
+            assert (top[differ, k - 1] - top[differ, k] < 2e-2).all()  # only near-ties flip
+        assert torch.allclose(weights[~differ], hf_weights[~differ], rtol=2e-2, atol=1e-3)

@@ -2,7 +2,7 @@
 
 A decode step multiplies each layer's input by up to seven small matrices (DeepSeek-V4's
 attention: q_a, kv, the compressor's kv and gate, the indexer's kv, gate and head weights; the
-MoE: router, shared gate and up). At a few dozen rows each product is one latency-bound kernel
+MoE: shared gate and up; its router computes in fp32, moe.py). At a few dozen rows each product is one latency-bound kernel
 of ~4 us on a GPU; stacked into one [sum(out), in] matrix they are one kernel.
 
 `fuse_linears(owner, linears)` stores the weights as row blocks of one buffer, the owner's
@@ -11,7 +11,7 @@ linear's weight a view of its block: a weight update that writes a linear's weig
 (Engine.update_weights) writes the fused matrix too, so there is nothing to rebuild.
 `project(owner, linears, x)` returns the outputs in order, through the fused matrix when there is
 one. Unfused (the trainer), one GEMM per weight: the same values up to the GEMM's summation order.
-"Linears" are modules with a bias-free `weight` [out, in] (nn.Linear, the MoE router); the weight
+"Linears" are modules with a bias-free `weight` [out, in] (nn.Linear); the weight
 is read through the attribute, so a trainer's parametrisation (quant_aware.py) applies.
 """
 
@@ -39,7 +39,7 @@ def is_fused(owner: nn.Module, linears: list[nn.Module]) -> bool:
 def fuse_linears(owner: nn.Module, linears: list[nn.Module]) -> None:
     """(Re)build the owner's fused matrix from the linears' current weights; nothing to do when
     they are still its views."""
-    if is_fused(owner, linears):
+    if not linears or is_fused(owner, linears):
         return
     if any(getattr(lin, "bias", None) is not None for lin in linears):
         raise ValueError(f"{type(owner).__name__}: fused projections take bias-free linears")

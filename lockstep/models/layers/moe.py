@@ -1,7 +1,9 @@
 """DeepSeek-V4 mixture of experts: routers (top-k or hash), routed experts, shared expert.
 
-Router: score = sqrt(softplus(logits)) (`sqrtsoftplus`; `softmax` and `sigmoid` also
-accepted); experts = top-k of score + bias (the bias only selects), or tid2eid[token] for
+Router: logits = W x in fp32 (both operands cast up, as DeepSeek's inference code computes
+them: bf16 logits round near-ties differently in the engine's and the trainer's GEMM shapes,
+and a flipped top-k choice changes the token's logprob); score = sqrt(softplus(logits))
+(`sqrtsoftplus`; `softmax` and `sigmoid` also accepted); experts = top-k of score + bias (the bias only selects), or tid2eid[token] for
 hash layers; weights = score / sum(selected scores) * routed_scaling_factor.
 Experts are SwiGLU with a clamp: gate <= limit, -limit <= up <= limit (the shared expert
 too). Each token's k expert outputs are added in ascending expert order, one at a time, so
@@ -50,7 +52,11 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32)."""
-        return self.route(F.linear(x, self.weight), token_ids, forced)
+        return self.route(self.logits(x), token_ids, forced)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> logits [T, E] fp32. Never part of a fused bf16 GEMM (MoE.input_linears)."""
+        return F.linear(x.float(), self.weight.float())
 
     def route(self, logits: torch.Tensor, token_ids: torch.Tensor | None,
               forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,14 +171,14 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
-        logits, *shared_gate_up = project(self, self.input_linears(), flat)
-        experts, weights = self.gate.route(logits, token_ids, forced_flat)
+        experts, weights = self.gate.route(self.gate.logits(flat), token_ids, forced_flat)
         out = self.experts(flat, experts, weights, decode=x.dim() == 3 and x.shape[1] == 1)
         if self.shared_experts is not None:
-            out = out + self.shared_experts.from_gate_up(*shared_gate_up)
+            out = out + self.shared_experts.from_gate_up(*project(self, self.input_linears(), flat))
         return out.view(shape), experts.view(*shape[:-1], -1)
 
     def input_linears(self) -> list[nn.Module]:
-        """The router and the shared expert's gate and up: they read the same x (fused_linear.py)."""
+        """The shared expert's gate and up: they read the same x (fused_linear.py). The router
+        reads it too but computes in fp32 (Router.logits), so it stays out of the bf16 GEMM."""
         shared = self.shared_experts
-        return [self.gate] + ([shared.gate_proj, shared.up_proj] if shared is not None else [])
+        return [shared.gate_proj, shared.up_proj] if shared is not None else []
