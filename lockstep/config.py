@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+# Above this temperature sampling is near uniform for any logit scale a model produces: the cap
+# catches typos and overflow (1e6, Infinity), not taste. OpenAI's API stops at 2.
+MAX_TEMPERATURE = 100.0
+
 # the engine's weight formats; quant/formats.py ServingFormat holds the storage rule of each
 SERVING_FORMATS = ("bf16", "fp8", "fp8-fp4")
 
@@ -49,8 +53,8 @@ class SamplingParams:
 
     def __post_init__(self):
         name = "SamplingParams"
-        if not self.temperature >= 0:
-            _fail(name, "temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:  # NaN fails too
+            _fail(name, "temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             _fail(name, "top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -61,6 +65,8 @@ class SamplingParams:
             _fail(name, "n", f"must be >= 1, got {self.n}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        if "" in self.stop:  # it would match before the first token: every answer empty
+            _fail(name, "stop", "stop strings must not be empty")
 
 
 def _check_inductor_options(name: str, options: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 
 class BackgroundLoop:
@@ -22,6 +23,12 @@ class BackgroundLoop:
         self._stopping = False
         self._pending: set[str] = set()
         self._pending_lock = threading.Lock()
+        self.last_progress = time.monotonic()  # the loop's last step end, or last idle moment
+
+    def stalled_for(self) -> float:
+        """Seconds since the loop last finished a step or sat idle: how long work has waited on it
+        (a long step, a deadlock). /health turns this into a 503."""
+        return time.monotonic() - self.last_progress
 
     @property
     def running(self) -> bool:
@@ -52,7 +59,8 @@ class BackgroundLoop:
         self._inbox.put(("add", state))
         self._wake.set()
 
-    def submit_abort(self, request_id: str) -> None:
+    def submit_abort(self, request_id: str | None) -> None:
+        """Abort request_id at the next step boundary; None: every request in flight."""
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
@@ -64,24 +72,31 @@ class BackgroundLoop:
         return not self._inbox.empty()
 
     def _drain(self) -> None:
-        with self.engine._lock:
+        """Register what arrived, in order. Consecutive aborts are applied together, in one pass over
+        the scheduler's queues: an abort_all of k requests costs O(sequences + queue), not k passes."""
+        eng, aborts = self.engine, []
+        with eng._lock:
             while True:
                 try:
                     kind, item = self._inbox.get_nowait()
                 except queue.Empty:
-                    return
+                    break
                 if kind == "add":
+                    eng._abort_now(aborts)  # before the add: an abort never reaches a later request
+                    aborts = []
                     with self._pending_lock:
                         self._pending.discard(item.request_id)
-                    self.engine._add(item)
+                    eng._add(item)
                 else:
-                    self.engine._abort_now(item)
+                    aborts += list(eng._requests) if item is None else [item]
+            eng._abort_now(aborts)
 
     def _run(self) -> None:
         eng = self.engine
         while not self._stopping:
             self._drain()
             if eng.paused or not eng.scheduler.has_work():
+                self.last_progress = time.monotonic()  # idle, or held on purpose: not stuck
                 self._wake.wait(timeout=1.0)
                 self._wake.clear()
                 continue
@@ -92,3 +107,4 @@ class BackgroundLoop:
                     eng.step()
                 except Exception as e:  # fail the requests in flight, keep serving new ones
                     eng._fail_all(e)
+            self.last_progress = time.monotonic()

@@ -39,8 +39,9 @@ from lockstep.engine.request import GenerateRequest, RequestState, SequenceStatu
 from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
-from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, load_update_from_disk,
-                                           update_weights)
+from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, check_version,
+                                           load_update_from_disk, update_weights)
+from lockstep.models.precision import cast_model
 from lockstep.prompt_encoding import encode_prompt
 from lockstep.sample import Sample
 
@@ -49,14 +50,9 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
-    """Move the model to device and its weights to dtype, except the ones it keeps in fp32.
-    Non-persistent buffers (RoPE inv_freq) are derived values and stay as they are."""
-    pats = tuple(getattr(model, "keep_in_fp32", ()) or ()) + tuple(getattr(model, "_keep_in_fp32", ()) or ())
-    model.to(device)
-    for name, t in model.state_dict(keep_vars=True).items():
-        if t.is_floating_point():
-            t.data = t.data.to(torch.float32 if any(p in name for p in pats) else dtype)
-    return model.eval()
+    """Move the model to device and its weights to dtype, except the ones it keeps in fp32
+    (models/precision.py: the rule the trainer and the checkpoint loader use too)."""
+    return cast_model(model.to(device), dtype).eval()
 
 
 def compiled_graph_count() -> int:
@@ -273,16 +269,24 @@ class Engine:
         return window_steps([s for s, _ in scheduled], self.config.decode_steps, self.max_model_len)
 
     def _finish(self, seq, reason: str) -> None:
-        seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
-        if seq.num_output == 0:
-            seq.weight_version = self.weight_version  # aborted before sampling: the version serving now
-        self.scheduler.remove(seq)
-        state = seq.group
-        if state.finished and state.samples is None:
-            state.samples = build_samples(state, self.stop, self.adapter.routing_shape)
-            self._requests.pop(state.request_id, None)
-            if state.on_done is not None:
-                state.on_done(state)
+        self._finish_many([seq], reason)
+
+    def _finish_many(self, seqs, reason: str) -> None:
+        """Finish seqs (of one or many requests) with reason: one pass over the scheduler's queues
+        and O(1) per sequence, so an abort costs time linear in what it aborts."""
+        self.scheduler.remove(seqs)
+        states = {}
+        for seq in seqs:
+            if seq.num_output == 0:
+                seq.weight_version = self.weight_version  # aborted before sampling: the version serving now
+            seq.group.mark_finished(seq, reason)
+            states[id(seq.group)] = seq.group
+        for state in states.values():
+            if state.finished and state.samples is None:
+                state.samples = build_samples(state, self.stop, self.adapter.routing_shape)
+                self._requests.pop(state.request_id, None)
+                if state.on_done is not None:
+                    state.on_done(state)
 
     # ---- control ---------------------------------------------------------------------------
 
@@ -306,6 +310,13 @@ class Engine:
         self._unpaused.set()
         self._loop.wake()
 
+    def stalled_for(self) -> float:
+        """Seconds the background loop has held work without finishing a step; 0 when it has none
+        or is paused (the HTTP server's /health answers 503 past its limit)."""
+        if self.paused or not (self.scheduler.has_work() or self._loop.has_pending()):
+            return 0.0
+        return self._loop.stalled_for()
+
     @property
     def paused(self) -> bool:
         return not self._unpaused.is_set()
@@ -318,31 +329,36 @@ class Engine:
             self._loop.submit_abort(request_id)
         else:
             with self._lock:
-                self._abort_now(request_id)
+                self._abort_now([request_id])
         return known
 
-    def _abort_now(self, request_id: str) -> None:
-        state = self._requests.get(request_id)
-        if state is not None:
-            for seq in state.sequences:
-                if not seq.is_finished:
-                    self._finish(seq, "abort")
+    def abort_all(self) -> None:
+        """abort() of every request in flight, those still on their way to the loop included."""
+        if self._loop.running:
+            self._loop.submit_abort(None)
+        else:
+            with self._lock:
+                self._abort_all()
+
+    def _abort_now(self, request_ids) -> None:
+        states = [s for s in map(self._requests.get, request_ids) if s is not None]
+        self._finish_many([q for s in states for q in s.sequences if not q.is_finished], "abort")
 
     def _fail_all(self, error: BaseException) -> None:
         """The step failed: every request in flight gets the error, its memory is freed."""
         with self._lock:
-            for state in list(self._requests.values()):
+            states = list(self._requests.values())
+            self.scheduler.remove([q for s in states for q in s.sequences if not q.is_finished])
+            for state in states:
                 for seq in state.sequences:
-                    self.scheduler.remove(seq)
-                    seq.status = SequenceStatus.FINISHED
+                    state.mark_finished(seq, None)
                 state.error = error
                 self._requests.pop(state.request_id, None)
                 if state.on_done is not None:
                     state.on_done(state)
 
     def _abort_all(self) -> None:
-        for rid in list(self._requests):
-            self._abort_now(rid)
+        self._abort_now(list(self._requests))
 
     def flush_cache(self) -> bool:
         """Reset the whole cache; only when idle (nothing running or queued). Returns whether it did."""
@@ -355,24 +371,26 @@ class Engine:
 
     # ---- weights ---------------------------------------------------------------------------
 
-    def update_weights(self, named_tensors, version: int) -> None:
-        """Validate all tensors, then quantise to the serving format and write them in place.
-        A rejected update (WeightUpdateError) writes nothing and leaves `weight_version` alone.
-        Running sequences are preempted and recomputed: their cached state is stale."""
+    def update_weights(self, named_tensors, version: int, partial: bool = False) -> None:
+        """Validate all tensors and the version, then quantise to the serving format and write them in
+        place. An update holds every tensor of the model unless `partial`; versions only increase
+        (weight_update.py). A rejected update (WeightUpdateError) writes nothing and leaves
+        `weight_version` alone. Running sequences are preempted and recomputed: their cached state is stale."""
         with self._lock:
-            update_weights(self.model, named_tensors, self.config.serving_format)
+            check_version(self.weight_version, int(version), partial)
+            update_weights(self.model, named_tensors, self.config.serving_format, partial)
             self._fuse_projections()  # a no-op unless a weight was re-allocated
             self.scheduler.preempt_all()
             self.cache.reset_all()
             self._refresh_graphs()  # weights were copied in place: the graphs already read them
             self.weight_version = int(version)
 
-    def update_weights_from_disk(self, path, version: int | None = None) -> None:
+    def update_weights_from_disk(self, path, version: int | None = None, partial: bool = False) -> None:
         try:
             tensors = load_update_from_disk(path, self.model)
         except (ValueError, OSError) as e:
             raise WeightUpdateError(f"cannot load weights from {path}: {e}") from e
-        self.update_weights(tensors, self.weight_version + 1 if version is None else version)
+        self.update_weights(tensors, self.weight_version + 1 if version is None else version, partial)
 
     # ---- text helpers ----------------------------------------------------------------------
 

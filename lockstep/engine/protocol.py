@@ -118,7 +118,8 @@ class GenerateIn(_Strict):
 
 class UpdateWeightsFromDiskIn(_Lenient):  # SGLang also sends load_format, flush_cache, ...
     model_path: str
-    weight_version: int | None = None  # None: the current version + 1
+    weight_version: int | None = None  # None: the current version + 1; otherwise above the current one
+    partial: bool = False  # True: the checkpoint may hold only some of the model's tensors
 
 
 class AbortIn(_Strict):
@@ -127,6 +128,19 @@ class AbortIn(_Strict):
 
 
 # ---- answers ----------------------------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorOut(BaseModel):
+    """Every error answer (OpenAI's shape): the OpenAPI schema documents it per status code."""
+
+    error: ErrorDetail
 
 
 def error_body(message: str, *, param: str | None = None, code: int = 400, kind: str = "invalid_request_error"):

@@ -146,6 +146,12 @@ class RequestState:
         self.sequences = [Sequence(request, i, self, device) for i in range(request.sampling.n)]
         self.samples: list | None = None  # filled by the engine when done
         self.error: BaseException | None = None  # or this, if the engine failed it
+        self.num_finished = 0  # a count, not a scan: `finished` is asked once per finishing sequence
+
+    def mark_finished(self, seq: Sequence, reason: str | None) -> None:
+        if not seq.is_finished:
+            seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
+            self.num_finished += 1
 
     @property
     def done(self) -> bool:
@@ -162,4 +168,4 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.is_finished for s in self.sequences)
+        return self.num_finished == len(self.sequences)

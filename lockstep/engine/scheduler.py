@@ -56,16 +56,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take seq out of every queue and give its memory back (finish or abort)."""
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        for other in [*self.running, *self.waiting]:
-            if seq in other.parked:
-                other.parked.remove(seq)
-        self.cache.free(seq)
+    def remove(self, seqs: list[Sequence]) -> None:
+        """Take seqs out of every queue and give their memory back (finish or abort); call it before
+        they are marked finished, their status says where they are. Each queue is filtered once at
+        most, so aborting a request of n samples costs O(n + queue length): removing them one at a
+        time cost O(n * (queue + parked)) (2.8 s at n = 5,000, 31 s at 20,000, issue 15)."""
+        gone = set(seqs)
+        where = {s.status for s in seqs}
+        if SequenceStatus.RUNNING in where:
+            self.running[:] = [s for s in self.running if s not in gone]
+        if SequenceStatus.WAITING in where:
+            kept = [s for s in self.waiting if s not in gone]
+            self.waiting.clear()
+            self.waiting.extend(kept)
+        if SequenceStatus.PARKED in where:  # siblings park on their request's sample 0 (see add)
+            for leader in {s.group.sequences[0] for s in seqs if s.status is SequenceStatus.PARKED}:
+                leader.parked = [s for s in leader.parked if s not in gone]
+        for s in seqs:
+            self.cache.free(s)
 
     # ---- one step ------------------------------------------------------------------------
 

@@ -50,6 +50,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import logging
 import re
 import time
 import uuid
@@ -60,20 +61,30 @@ from pathlib import Path
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 
 from lockstep.config import SamplingParams
 from lockstep.engine.engine import Engine
-from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, GenerateIn, UpdateWeightsFromDiskIn,
-                                      chat_logprobs, completion_logprobs, completion_response, error_body,
-                                      native_output, usage)
+from lockstep.engine.limits import ServerLimits
+from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, ErrorOut, GenerateIn,
+                                      UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
+                                      completion_response, error_body, native_output, usage)
 from lockstep.engine.request import GenerateRequest
-from lockstep.engine.weight_update import WeightUpdateError
+from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
+
+log = logging.getLogger("lockstep.server")
+
+# HTTP status -> OpenAI's error `type`
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable"}
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.status, self.message, self.param = status, message, param
+        self.kind = kind or _KINDS.get(status, "invalid_request_error")
 
 
 def is_loopback(host: str) -> bool:
@@ -89,11 +100,14 @@ def resolve_weights_path(weights_dir: Path | None, model_path: str) -> Path:
     """model_path with symlinks and `..` resolved; 403 unless it lies inside weights_dir."""
     if weights_dir is None:
         raise APIError(403, "model_path: loading weights from disk is disabled; start the server with "
-                            "--weights-dir DIR to allow checkpoints under DIR", "model_path", "permission_error")
-    path = (weights_dir / model_path).resolve()  # an absolute model_path replaces weights_dir
+                            "--weights-dir DIR to allow checkpoints under DIR", "model_path")
+    try:
+        path = (weights_dir / model_path).resolve()  # an absolute model_path replaces weights_dir
+    except (ValueError, OSError, RuntimeError) as e:  # a NUL byte, a symlink loop
+        raise APIError(400, f"model_path: not a usable path ({e})", "model_path") from e
     if not path.is_relative_to(weights_dir):
         raise APIError(403, f"model_path: {model_path!r} resolves to {path}, outside the weights directory "
-                            f"{weights_dir}", "model_path", "permission_error")
+                            f"{weights_dir}", "model_path")
     return path
 
 
@@ -116,12 +130,20 @@ def _validation_error(errors) -> tuple[str, str | None]:
     return "; ".join(parts[:4]), first
 
 
-class _Server:
-    """What the endpoints share: the engine, prompt checks, and the rids in flight."""
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has closed the connection: with the body read, the next ASGI
+    message is `http.disconnect` (sent when the client goes, or after the response)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, engine: Engine, model_name: str):
-        self.engine, self.model_name = engine, model_name
+
+class _Server:
+    """What the endpoints share: the engine, the limits, prompt checks, and the requests in flight."""
+
+    def __init__(self, engine: Engine, model_name: str, limits: ServerLimits):
+        self.engine, self.model_name, self.limits = engine, model_name, limits
         self.active: Counter[str] = Counter()  # rid -> requests holding it (a duplicate rid is refused later)
+        self.in_flight = 0  # generation requests between admission and answer
 
     def check_ids(self, ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -135,14 +157,41 @@ class _Server:
                                 f"{self.engine.max_model_len} to leave room for a new token", field)
         return ids
 
-    def encode(self, prompt, field: str, chat: bool) -> list[int]:
+    async def encode(self, prompt, field: str, chat: bool) -> list[int]:
+        """Token ids of a text prompt, tokenised in a worker thread: a long text must not hold the
+        event loop (a 5M-character body held it, /health too, for 3 s)."""
         if self.engine.tokenizer is None:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
         try:
-            ids = self.engine.tokenize_prompt(prompt, chat_template=chat)
+            ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt, chat)
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", field) from e
         return self.check_ids(ids, field)
+
+    def check_n(self, n: int, field: str) -> None:
+        if n > self.limits.max_n:
+            raise APIError(400, f"{field}: {n} samples asked for; this server allows at most {self.limits.max_n} "
+                                "per request (--max-n)", field)
+
+    def check_work(self, prompts: list[list[int]], n: int, field: str) -> None:
+        tokens = sum(map(len, prompts)) * n
+        if tokens > self.limits.max_request_tokens:
+            raise APIError(400, f"{field}: prompt tokens x n = {tokens}; this server allows at most "
+                                f"{self.limits.max_request_tokens} per request (--max-request-tokens)", field)
+
+    def max_new_tokens(self, asked: int | None, ids: list[int], field: str, default: int | None = None) -> int:
+        """The completion length for a prompt. Asked for: it must fit max_model_len with the prompt
+        (400 in OpenAI's words otherwise; silently cutting it short looked like a real "length"
+        finish). Not asked for: `default`, or all the room left, capped by the room left."""
+        room = self.engine.max_model_len - len(ids)
+        if asked is None:
+            return room if default is None else min(default, room)
+        if asked > room:  # (below 1, SamplingParams names the field)
+            total = self.engine.max_model_len
+            raise APIError(400, f"{field}: this model's maximum context length is {total} tokens; the prompt has "
+                                f"{len(ids)} tokens and {field} asks for {asked} more ({len(ids) + asked} in all). "
+                                f"Ask for at most {room}, or shorten the prompt.", field)
+        return asked
 
     def sampling(self, names: dict[str, str], **kw) -> SamplingParams:
         """SamplingParams, with its ValueError turned into a 400 under the request's own field names."""
@@ -161,26 +210,51 @@ class _Server:
             return [f"token_id:{t}" for t in ids]
         return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
-    async def run(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
-        """Every prompt through the engine at once; samples per prompt. A failure aborts the rest."""
+    def overloaded(self) -> str | None:
+        if self.in_flight >= self.limits.max_queued_requests:
+            return (f"the server is full: {self.in_flight} requests in flight, at most "
+                    f"{self.limits.max_queued_requests} (--max-queued-requests); retry shortly")
+        return None
+
+    def health_problem(self) -> str | None:
+        """Why the server cannot take work now (/health answers 503), or None."""
+        stalled = self.engine.stalled_for()
+        if stalled > self.limits.stall_seconds:
+            return (f"the engine has finished no step for {stalled:.0f} s while requests wait "
+                    f"(--stall-seconds {self.limits.stall_seconds:g})")
+        return self.overloaded()
+
+    async def run(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
+        """Every prompt through the engine at once; samples per prompt. A failure aborts the rest,
+        and so does the client closing its connection (nobody would read the answer)."""
+        full = self.overloaded()
+        if full:
+            raise APIError(429, full)
         reqs = [GenerateRequest(p, sp, request_id=r) for p, sp, r in zip(prompts, params, rids)]
         self.active.update(rids)
+        self.in_flight += 1
         tasks = [asyncio.ensure_future(self.engine.generate_async(r)) for r in reqs]
+        work, gone = asyncio.gather(*tasks), asyncio.ensure_future(_client_gone(request))
         try:
-            _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-            if pending:  # one failed: the rest of the answer is not wanted
+            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
+            client_left = not work.done()
+            if client_left or work.exception() is not None:  # the rest of the answer is not wanted
                 for rid, t in zip(rids, tasks):
-                    if t in pending:
+                    if not t.done():
                         self.engine.abort(rid)
-                await asyncio.wait(pending)
-            return [t.result() for t in tasks]  # raises the first failure
+                await asyncio.wait(tasks)
+            if client_left:
+                raise APIError(499, "the client closed the connection; its request was aborted")
+            return work.result()  # raises the first failure
         except ValueError as e:  # the engine's checks (e.g. a rid already running)
             raise APIError(400, str(e)) from e
-        except asyncio.CancelledError:  # the client went away: generate_async aborts on cancel
+        except asyncio.CancelledError:  # shutdown past its grace period: generate_async aborts on cancel
             for t in tasks:
                 t.cancel()
             raise
         finally:
+            gone.cancel()
+            self.in_flight -= 1
             self.active.subtract(rids)
             self.active = +self.active  # drop the zeros
 
@@ -214,7 +288,7 @@ def _admin_guard(admin_token: str | None, require_admin: bool):
 
 
 def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | None, require_admin: bool,
-               model_name: str | None = None) -> FastAPI:
+               model_name: str | None = None, limits: ServerLimits | None = None) -> FastAPI:
     """The FastAPI app; its lifespan starts the engine's background loop and shuts it down."""
     if require_admin and not admin_token:
         raise ValueError("refusing to serve beyond loopback without an admin token: pass --admin-token or set "
@@ -225,7 +299,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         if not root.is_dir():
             raise ValueError(f"--weights-dir {weights_dir}: not a directory")
     name = model_name or Path(getattr(engine.model, "source_dir", "lockstep")).name
-    srv = _Server(engine, name)
+    limits = limits or ServerLimits()
+    srv = _Server(engine, name, limits)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -237,11 +312,16 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
 
     app = FastAPI(title="lockstep", lifespan=lifespan)
     app.state.server = srv
+    app.add_middleware(_BodyLimit, max_bytes=limits.max_request_bytes)
     admin = [Depends(_admin_guard(admin_token, require_admin))]
     _install_error_handlers(app)
+    gen, adm = _responses(400, 413, 429), _responses(400, 401, 413)
 
-    @app.get("/health")
+    @app.get("/health", responses=_responses(503))
     async def health():
+        problem = srv.health_problem()
+        if problem is not None:
+            raise APIError(503, problem)
         return {"status": "ok", "paused": engine.paused, "weight_version": engine.weight_version}
 
     @app.get("/get_weight_version")
@@ -253,21 +333,25 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "lockstep", "max_model_len": engine.max_model_len}]}
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionIn):
+    @app.post("/v1/completions", responses=gen)
+    async def completions(body: CompletionIn, request: Request):
         _refuse(body)
+        srv.check_n(body.n, "n")
         p = body.prompt
         if not p:
             raise APIError(400, "prompt: the prompt is empty", "prompt")
         if isinstance(p, str):
-            prompts = [srv.encode(p, "prompt", chat=False)]
+            prompts = [await srv.encode(p, "prompt", chat=False)]
         elif isinstance(p[0], int):
             prompts = [srv.check_ids(list(p), "prompt")]
         else:
-            prompts = [srv.encode(x, "prompt", False) if isinstance(x, str) else srv.check_ids(x, "prompt") for x in p]
-        params = [_openai_sampling(srv, body, body.max_tokens if body.max_tokens is not None
-                                   else engine.max_model_len - len(ids)) for ids in prompts]
-        results = await srv.run(prompts, params, [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))])
+            prompts = [await srv.encode(x, "prompt", False) if isinstance(x, str) else srv.check_ids(x, "prompt")
+                       for x in p]
+        srv.check_work(prompts, body.n, "prompt")
+        default = None if "max_tokens" in body.model_fields_set else 16  # OpenAI's default, when it fits
+        params = [_openai_sampling(srv, body, srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default))
+                  for ids in prompts]
+        results = await srv.run(request, prompts, params, [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))])
         choices, flat = [], [s for samples in results for s in samples]
         for i, s in enumerate(flat):
             lp = None
@@ -278,83 +362,95 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         version = max(s.weight_version for s in flat)
         return completion_response(name, choices, usage([len(x) for x in prompts], flat), version, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionIn):
+    @app.post("/v1/chat/completions", responses=gen)
+    async def chat_completions(body: ChatCompletionIn, request: Request):
         _refuse(body)
-        ids = srv.encode([{"role": m.role, "content": m.text()} for m in body.messages], "messages", chat=True)
+        srv.check_n(body.n, "n")
+        ids = await srv.encode([{"role": m.role, "content": m.text()} for m in body.messages], "messages", chat=True)
+        srv.check_work([ids], body.n, "messages")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        sp = _openai_sampling(srv, body, limit if limit is not None else engine.max_model_len - len(ids), field)
-        (samples,) = await srv.run([ids], [sp], [f"chatcmpl-{_uid()}"])
+        sp = _openai_sampling(srv, body, srv.max_new_tokens(limit, ids, field), field)
+        (samples,) = await srv.run(request, [ids], [sp], [f"chatcmpl-{_uid()}"])
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
                     "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist())
                     if body.logprobs else None, "finish_reason": s.finish_reason} for i, s in enumerate(samples)]
         version = max(s.weight_version for s in samples)
         return completion_response(name, choices, usage([len(ids)], samples), version, chat=True)
 
-    @app.post("/generate")
-    async def generate(body: GenerateIn):
+    @app.post("/generate", responses=gen)
+    async def generate(body: GenerateIn, request: Request):
         if body.stream:
             raise APIError(400, "stream: streaming is not supported by this server; send stream=false", "stream")
         if (body.input_ids is None) == (body.text is None):
             raise APIError(400, "input_ids: give exactly one of input_ids or text", "input_ids")
+        spi = body.sampling_params
+        srv.check_n(spi.n, "sampling_params.n")
+        field = "input_ids" if body.input_ids is not None else "text"
         if body.input_ids is not None:
             batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
             prompts = [srv.check_ids(list(x), "input_ids") for x in (body.input_ids if batch else [body.input_ids])]
         else:
             batch = isinstance(body.text, list)
-            prompts = [srv.encode(x, "text", chat=False) for x in (body.text if batch else [body.text])]
+            prompts = [await srv.encode(x, "text", chat=False) for x in (body.text if batch else [body.text])]
+        if not prompts:
+            raise APIError(400, f"{field}: the batch holds no prompt", field)
+        srv.check_work(prompts, spi.n, field)
         rids = body.rid if isinstance(body.rid, list) else [body.rid] if body.rid is not None else None
         if rids is not None and len(rids) != len(prompts):
             raise APIError(400, f"rid: {len(rids)} ids for {len(prompts)} prompts", "rid")
         rids = rids or [_uid() for _ in prompts]
-        spi = body.sampling_params
         names = {k: f"sampling_params.{k}" for k in type(spi).model_fields}
+        asked = spi.max_new_tokens if "max_new_tokens" in spi.model_fields_set else None
+        longest = max(prompts, key=len)  # one SamplingParams for the batch: the longest prompt bounds it
+        max_new = srv.max_new_tokens(asked, longest, "sampling_params.max_new_tokens", spi.max_new_tokens)
         sp = srv.sampling(names, temperature=spi.temperature, top_p=spi.top_p, top_k=spi.top_k, seed=spi.seed,
-                          max_new_tokens=spi.max_new_tokens, n=spi.n, ignore_eos=spi.ignore_eos,
+                          max_new_tokens=max_new, n=spi.n, ignore_eos=spi.ignore_eos,
                           stop=[spi.stop] if isinstance(spi.stop, str) else (spi.stop or ()),
                           stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts)
-        results = await srv.run(prompts, [sp] * len(prompts), rids)
+        results = await srv.run(request, prompts, [sp] * len(prompts), rids)
         outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
                 for rid, samples in zip(rids, results) for s in samples]
         return outs if batch or sp.n > 1 else outs[0]
 
-    @app.post("/update_weights_from_disk", dependencies=admin)
+    @app.post("/update_weights_from_disk", dependencies=admin, responses=_responses(400, 401, 403, 409, 413))
     async def update_weights_from_disk(body: UpdateWeightsFromDiskIn):
         path = resolve_weights_path(root, body.model_path)
         try:
-            await asyncio.to_thread(engine.update_weights_from_disk, path, body.weight_version)
+            await asyncio.to_thread(engine.update_weights_from_disk, path, body.weight_version, body.partial)
+        except WeightVersionError as e:
+            raise APIError(409, f"weight_version: {e}", "weight_version") from e
         except WeightUpdateError as e:
             raise APIError(400, f"model_path: {e}", "model_path") from e
         return {"success": True, "message": f"loaded weights from {path}", "weight_version": engine.weight_version}
 
-    @app.post("/pause_generation", dependencies=admin)
+    @app.post("/pause_generation", dependencies=admin, responses=_responses(401, 413))
     async def pause_generation():
         await asyncio.to_thread(engine.pause)
         return {"success": True, "paused": True}
 
-    @app.post("/continue_generation", dependencies=admin)
+    @app.post("/continue_generation", dependencies=admin, responses=_responses(401, 413))
     async def continue_generation():
         engine.resume()
         return {"success": True, "paused": False}
 
-    @app.post("/flush_cache", dependencies=admin)
+    @app.post("/flush_cache", dependencies=admin, responses=_responses(401, 409, 413))
     async def flush_cache():
         if not await asyncio.to_thread(engine.flush_cache):
             raise APIError(409, "cache not flushed: requests are running or waiting; retry when idle")
         return {"success": True, "message": "cache flushed"}
 
-    @app.post("/abort_request", dependencies=admin)
+    @app.post("/abort_request", dependencies=admin, responses=adm)
     async def abort_request(body: AbortIn):
         if body.abort_all:
             rids = sorted(srv.active)  # the requests this server has in flight
-            for rid in rids:
-                engine.abort(rid)
+            engine.abort_all()  # the engine's every request, in one pass
             return {"success": True, "aborted": rids}
         if body.rid is None:
             raise APIError(400, "rid: give the request id to abort (or abort_all: true)", "rid")
         return {"success": True, "aborted": [body.rid] if engine.abort(body.rid) else []}
 
+    _document_errors(app)
     return app
 
 
@@ -362,10 +458,66 @@ def _uid() -> str:
     return uuid.uuid4().hex
 
 
+def _responses(*codes: int) -> dict:
+    """The error answers a route documents (OpenAPI), all in OpenAI's shape."""
+    return {code: {"model": ErrorOut, "description": _KINDS.get(code, "error")} for code in codes}
+
+
+def _document_errors(app: FastAPI) -> None:
+    """FastAPI documents 422 for a body that fails validation; this server answers 400 (OpenAI's
+    code) in OpenAI's shape, which each route documents itself (`_responses`). The schema says what is sent."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build()
+            for ops in schema["paths"].values():
+                for op in ops.values():
+                    op.get("responses", {}).pop("422", None)
+            for unused in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(unused, None)
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+class _BodyLimit:
+    """ASGI middleware: 413 for a body over max_bytes, from its Content-Length before anything is
+    read, or as soon as a body sent without one (chunked) passes the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def _too_large(self) -> str:
+        return f"body: the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            response = JSONResponse(error_body(self._too_large(), param="body", code=413), 413,
+                                    {"Connection": "close"})  # the unread body makes the connection unusable
+            return await response(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # an HTTPException: the error handlers answer it (FastAPI re-raises it)
+                raise HTTPException(413, self._too_large())
+            return message
+
+        await self.app(scope, counted, send)
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        if e.status == 429:
+            headers = {"Retry-After": "1"}
         return JSONResponse(error_body(e.message, param=e.param, code=e.status, kind=e.kind), e.status, headers)
 
     @app.exception_handler(RequestValidationError)
@@ -373,6 +525,17 @@ def _install_error_handlers(app: FastAPI) -> None:
         message, param = _validation_error(e.errors())
         return JSONResponse(error_body(message, param=param), 400)
 
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):  # 404, 405, 413 from the body limit: OpenAI's shape too
+        message = e.detail if e.status_code == 413 else f"{request.method} {request.url.path}: {e.detail}"
+        param = "body" if e.status_code == 413 else None
+        return JSONResponse(error_body(message, param=param, code=e.status_code,
+                                       kind=_KINDS.get(e.status_code, "invalid_request_error")),
+                            e.status_code, e.headers)
+
     @app.exception_handler(Exception)
-    async def internal(_request, e: Exception):
-        return JSONResponse(error_body(f"{type(e).__name__}: {e}", code=500, kind="internal_error"), 500)
+    async def internal(request, e: Exception):
+        # the traceback goes to the server's log, not to the client (no internals in answers)
+        log.exception("internal error answering %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("internal server error; the server log has the details", code=500,
+                                       kind="internal_error"), 500)

@@ -2,11 +2,14 @@
 
 `update_weights(model, named_tensors, fmt)` takes (name, tensor) pairs with the trainer's names,
 which are the model's state-dict names (parameters AND persistent buffers: `tid2eid` and
-`e_score_correction_bias` define the policy too, see Miles PR 2706). A subset is allowed
-(bucketed sync sends several). Before anything is written, every tensor is checked:
+`e_score_correction_bias` define the policy too, see Miles PR 2706). An update holds every tensor
+of the model (a tensor tied to a sent one, e.g. a tied LM head, counts as sent), unless the caller
+says `partial=True` (a bucketed sync sends several): a checkpoint holding 1 of 272 tensors was
+accepted and the model then emitted garbage. Before anything is written, every tensor is checked:
 
-    unknown name, duplicated name, wrong shape, float where an integer table is expected
-    (or the reverse), non-finite values, hash-routing ids outside [0, n_routed_experts)
+    missing names (unless partial), unknown name, duplicated name, wrong shape, float where an
+    integer table is expected (or the reverse), non-finite values, hash-routing ids outside
+    [0, n_routed_experts)
 
 and the first problem raises `WeightUpdateError` naming the tensor; the model is untouched and
 keeps serving the previous version. Then each tensor is replaced by its served value
@@ -28,6 +31,18 @@ from lockstep.quant.serving_format import served_value
 
 class WeightUpdateError(ValueError):
     """A weight update was rejected; the message names the offending tensor. Nothing was written."""
+
+
+class WeightVersionError(WeightUpdateError):
+    """The update's version does not come after the one serving. Nothing was written."""
+
+
+def check_version(current: int, version: int, partial: bool) -> None:
+    """Versions only increase: a sample's weight_version must name one set of weights. The buckets
+    of one partial (bucketed) update may share the version they build up to."""
+    if version < current or (version == current and not partial):
+        raise WeightVersionError(f"version {version} does not come after the version serving now, {current}; "
+                                 f"weight versions only increase")
 
 
 def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -61,7 +76,15 @@ def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
             raise WeightUpdateError(f"{name}: expert ids must be in [0, {n_experts}), got [{lo}, {hi}]")
 
 
-def validate_update(model: torch.nn.Module, named_tensors) -> list[tuple[str, torch.Tensor]]:
+def missing_tensors(dest: dict[str, torch.Tensor], sent: set[str]) -> list[str]:
+    """The model's tensors an update leaves out; one sharing storage with a sent tensor (tied) is covered."""
+    def key(t):
+        return t.data_ptr(), tuple(t.shape)
+    covered = {key(dest[n]) for n in sent}
+    return [n for n, t in dest.items() if n not in sent and key(t) not in covered]
+
+
+def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False) -> list[tuple[str, torch.Tensor]]:
     """All checks of the module docstring, for every tensor, before anything is written."""
     pairs = _pairs(named_tensors)
     dest = serving_tensors(model)
@@ -75,6 +98,10 @@ def validate_update(model: torch.nn.Module, named_tensors) -> list[tuple[str, to
             raise WeightUpdateError(f"{name}: sent twice in one update")
         seen.add(name)
         _check_one(name, t, dest[name], n_experts)
+    missing = [] if partial else missing_tensors(dest, seen)
+    if missing:
+        raise WeightUpdateError(f"{missing[0]}: missing from the update ({len(missing)} of the model's {len(dest)} "
+                                f"tensors are); send them all, or mark the update partial")
     return pairs
 
 
@@ -86,9 +113,9 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
 
 
-def update_weights(model: torch.nn.Module, named_tensors, fmt: str) -> int:
+def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False) -> int:
     """Validate all, then write all; returns the number of tensors written."""
-    pairs = validate_update(model, named_tensors)
+    pairs = validate_update(model, named_tensors, partial)
     write_served(model, pairs, fmt)
     return len(pairs)
 

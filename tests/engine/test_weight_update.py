@@ -124,11 +124,11 @@ def test_bucketed_updates_and_duplicates():
     names = sorted(new)
     half = {k: new[k] for k in names[: len(names) // 2]}
     before = {k: v.clone() for k, v in engine.model.state_dict().items()}
-    engine.update_weights(half, version=1)
+    engine.update_weights(half, version=1, partial=True)
     sd = engine.model.state_dict()
     assert all(torch.equal(sd[k], before[k]) for k in names[len(names) // 2:])
     assert not torch.equal(sd["model.layers.0.mlp.gate.tid2eid"], before["model.layers.0.mlp.gate.tid2eid"]) \
         or "model.layers.0.mlp.gate.tid2eid" not in half
     with pytest.raises(WeightUpdateError, match="sent twice"):
-        engine.update_weights([(names[0], new[names[0]]), (names[0], new[names[0]])], version=2)
+        engine.update_weights([(names[0], new[names[0]]), (names[0], new[names[0]])], version=2, partial=True)
     assert engine.weight_version == 1
