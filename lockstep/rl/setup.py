@@ -12,10 +12,9 @@ from pathlib import Path
 
 from ..config import EngineConfig
 from ..models import load_pretrained
-from .arithmetic import arithmetic_prompts
 from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
-from .embedded import ASSET_DIR, EVAL_SEED, NUM_EVAL_PROMPTS, NUM_TRAIN_PROMPTS, TASK, TRAIN_SEED
+from .embedded import ASSET_DIR, embedded_prompts
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
@@ -51,14 +50,14 @@ def train_prompts(run: RunConfig):
     """(prompts, malformed rows skipped)."""
     if run.prompt_data:
         return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
-    return arithmetic_prompts(NUM_TRAIN_PROMPTS, seed=TRAIN_SEED, **TASK), 0
+    return embedded_prompts("train"), 0
 
 
 def eval_sets(run: RunConfig) -> dict[str, list]:
     sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0]
             for name, path in run.eval_sets}
     if not run.eval_sets and not run.prompt_data:
-        sets["arithmetic"] = arithmetic_prompts(NUM_EVAL_PROMPTS, seed=EVAL_SEED, **TASK)
+        sets["arithmetic"] = embedded_prompts("eval")
     if run.eval_prompts_limit:
         sets = {k: v[: run.eval_prompts_limit] for k, v in sets.items()}
     return sets

@@ -121,7 +121,8 @@ def test_prompt_source_resume_continues_with_next_unseen_prompt():
 def test_arithmetic_prompts():
     prompts = arithmetic_prompts(50, seed=5)
     assert prompts == arithmetic_prompts(50, seed=5)
-    assert prompts[10:20] == arithmetic_prompts(10, seed=5, start=10)  # prompt i is independent of n
+    assert prompts[:10] == arithmetic_prompts(10, seed=5)  # a set of n is a prefix of the set of n + 1
+    assert len({p.prompt for p in prompts}) == 50  # distinct
     assert prompts != arithmetic_prompts(50, seed=6)
     for p in prompts:
         a, op, b = re.fullmatch(r"What is (\d+) ([-+*]) (\d+)\?", p.prompt).groups()
