@@ -1,9 +1,10 @@
 """Hugging Face style checkpoint directories: load (any known layout, lazily) and save.
 
 A directory holds `config.json` and safetensors weights, one `model.safetensors` or shards
-listed in `model.safetensors.index.json`. Loading is planned from the safetensors headers
+listed in `model.safetensors.index.json` (read through quant/safetensors_io.py, the reader
+conversion uses too). Loading is planned from the safetensors headers
 first (names, shapes, dtypes), so a missing, unexpected or mis-shaped tensor fails before any
-data is read; then each tensor is read with `safe_open`, dequantised if it has a sibling
+data is read; then each tensor is read by name, dequantised if it has a sibling
 scale (FP8 e4m3 block scales, or packed FP4 with e8m0 1x32 scales), and copied straight into
 its destination (a model parameter, or one expert's slice of a stacked expert tensor). Every
 error is a `CheckpointError` naming the tensor and the file.
@@ -12,108 +13,58 @@ error is a `CheckpointError` naming the tensor and the file.
 from __future__ import annotations
 
 import json
-import re
 from collections import defaultdict
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from lockstep.models import registry
 from lockstep.models.key_maps import EXPERT_PARTS, KEY_MAPS, KeyMap, Mapped, expert_slice
+from lockstep.models.precision import cast_model, model_tensors, storage_dtype  # noqa: F401  (re-export)
+from lockstep.quant.formats import scale_names
+from lockstep.quant.fp4 import PACKED_DTYPES
+from lockstep.quant.safetensors_io import INDEX_NAME as INDEX  # noqa: F401  (re-export)
+from lockstep.quant.safetensors_io import CheckpointError, TensorHeader, TensorReader, read_headers
 
-INDEX = "model.safetensors.index.json"
-# (weight suffix, scale suffix): DeepSeek's release uses `.scale`, HF FP8 dumps `.weight_scale_inv`
-SCALE_SUFFIXES = ((".weight", ".scale"), (".weight", ".weight_scale_inv"))
-_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-              "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-              "F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "generation_config.json")
 
 
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the model; the message names the tensor and the file."""
-
-
 @dataclass
 class _Entry:
-    """One checkpoint tensor as its header describes it."""
+    """One checkpoint tensor as its header describes it, and what loading makes of it."""
 
-    name: str
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str
+    header: TensorHeader
     scale: str | None = None  # name of the sibling scale tensor, if quantised
     mapped: Mapped | None = None
 
+    name = property(lambda self: self.header.name)
+    file = property(lambda self: self.header.file)
+    shape = property(lambda self: self.header.shape)  # torch's (packed fp4: bytes)
+    dtype = property(lambda self: self.header.dtype)
+
     @property
     def logical_shape(self) -> tuple[int, ...]:
-        if self.scale and self.dtype in ("U8", "I8"):  # FP4 e2m1, two values per byte along the last dim
+        if self.scale and self.dtype in PACKED_DTYPES:  # FP4 e2m1, two values per byte along the last dim
             return (*self.shape[:-1], self.shape[-1] * 2)
         return self.shape
 
 
 # ---- reading headers -----------------------------------------------------------------------------
 
-def _open(file: Path, stack: ExitStack, why: str = ""):
-    try:
-        return stack.enter_context(safe_open(str(file), framework="pt"))
-    except Exception as e:  # safetensors raises its own error type for truncated / corrupt headers
-        raise CheckpointError(f"cannot read safetensors file {file}{why}: {e} (truncated or corrupt?)") from e
-
-
-def _weight_files(path: Path) -> tuple[dict[Path, list[str] | None], str]:
-    """{file: tensor names the index assigns to it (None: all)}, and where we looked, for messages."""
-    index = path / INDEX
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise CheckpointError(f"bad index {index}: {e}") from e
-        files: dict[Path, list[str]] = defaultdict(list)
-        for name, file in weight_map.items():
-            files[path / file].append(name)
-        for file, names in files.items():
-            if not file.exists():
-                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
-                raise CheckpointError(f"index {index} maps tensor {names[0]}{more} to shard {file.name}, "
-                                      f"which does not exist in {path}")
-        return dict(files), str(index)
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"no *.safetensors files (and no {INDEX}) in {path}")
-    return {f: None for f in files}, str(path)
-
-
 def _read_headers(path: Path) -> tuple[dict[str, _Entry], str]:
-    files, where = _weight_files(path)
-    entries: dict[str, _Entry] = {}
-    with ExitStack() as stack:
-        for file, listed in files.items():
-            why = f" (holds tensor {listed[0]} per {INDEX})" if listed else ""
-            handle = _open(file, stack, why)
-            present = set(handle.keys())
-            for name in listed or sorted(present):
-                if name not in present:
-                    raise CheckpointError(f"tensor {name} listed in {where} is missing from shard {file}")
-                sl = handle.get_slice(name)
-                entries[name] = _Entry(name, file, tuple(sl.get_shape()), sl.get_dtype())
-    return entries, where
+    headers, where = read_headers(path)
+    return {n: _Entry(h) for n, h in headers.items()}, where
 
 
 def _plan(entries: dict[str, _Entry], key_map: KeyMap) -> list[_Entry]:
     """Pair weights with their scales, drop skipped names, map the rest; unknown names are errors."""
-    scales = set()
     for e in entries.values():
-        for wsuf, ssuf in SCALE_SUFFIXES:
-            if e.name.endswith(wsuf) and (s := e.name[: -len(wsuf)] + ssuf) in entries:
-                e.scale = s
-                scales.add(s)
+        e.scale = next((s for s in scale_names(e.name) if s in entries and s != e.name), None)
+    scales = {e.scale for e in entries.values() if e.scale}
     plan = []
     for e in entries.values():
         if e.name in scales or key_map.is_skipped(e.name):
@@ -177,7 +128,7 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e:
     if q.dtype == torch.float8_e4m3fn:
         from lockstep.quant.fp8 import dequantize_fp8_block
         return dequantize_fp8_block(q, scale, out_dtype, name=e.name, block=block)
-    if q.dtype in (torch.uint8, torch.int8):
+    if q.dtype in PACKED_DTYPES:
         from lockstep.quant.fp4 import dequantize_fp4_block
         return dequantize_fp4_block(q, scale, out_dtype, name=e.name)
     raise CheckpointError(f"tensor {e.name} in {e.file} has scale {e.scale} but dtype {q.dtype} "
@@ -186,26 +137,15 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e:
 
 def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, _Entry], aliases: set[str],
           fp8_block: tuple[int, int]):
-    with ExitStack() as stack:
-        handles: dict[Path, object] = {}
-
-        def get(name: str) -> torch.Tensor:
-            file = entries[name].file
-            if file not in handles:
-                handles[file] = _open(file, stack)
-            try:
-                return handles[file].get_tensor(name)
-            except Exception as err:
-                raise CheckpointError(f"cannot read tensor {name} from {file}: {err}") from err
-
+    with TensorReader({n: e.header for n, e in entries.items()}) as reader:
         for e in plan:
             if e.mapped.name in aliases:
                 continue
             view = _dest_view(dest, e)
-            t = get(e.name)
+            t = reader.get(e.name)
             if e.scale:
-                t = _dequantize(t, get(e.scale), view.dtype if view.is_floating_point() else torch.float32, e,
-                                fp8_block)
+                t = _dequantize(t, reader.get(e.scale), view.dtype if view.is_floating_point() else torch.float32,
+                                e, fp8_block)
             with torch.no_grad():
                 view.copy_(t)
 
@@ -227,19 +167,15 @@ def _resolve(path: Path, model_type_or_config) -> tuple[str, object | None]:
     return model_type_or_config.model_type, model_type_or_config
 
 
-def _matches(name: str, patterns) -> bool:
-    return any(re.search(p.replace("*", ".*"), name) for p in patterns)
-
-
-def _alloc_dest(plan: list[_Entry], dtype, keep_fp32, n_experts: int | None) -> dict[str, torch.Tensor]:
+def _alloc_dest(plan: list[_Entry], dtype, model_type: str, n_experts: int | None) -> dict[str, torch.Tensor]:
     """Destination tensors for a model-less load, shaped from the headers (experts stacked)."""
     shapes, dtypes, experts = {}, {}, defaultdict(int)
     for e in plan:
-        name, src = e.mapped.name, _ST_DTYPES.get(e.dtype) or torch.float32
-        if e.scale:
-            src = dtype or torch.bfloat16
+        name, src = e.mapped.name, e.dtype
+        if e.scale:  # dequantised: to `dtype`, bf16 by default
+            src = storage_dtype(model_type, name, dtype or torch.bfloat16)
         elif dtype is not None and src.is_floating_point:
-            src = torch.float32 if _matches(name, keep_fp32) else dtype
+            src = storage_dtype(model_type, name, dtype)
         dtypes[name] = src
         if e.mapped.part is None:
             shapes[name] = e.logical_shape
@@ -262,22 +198,10 @@ def load_state_dict(path, model_type_or_config=None, *, dtype: torch.dtype | Non
     key_map = KEY_MAPS[registry.entry(model_type).key_map]
     entries, where = _read_headers(path)
     plan = _plan(entries, key_map)
-    dest = _alloc_dest(plan, dtype, registry.keep_in_fp32_patterns(model_type),
-                       getattr(config, "n_routed_experts", None))
+    dest = _alloc_dest(plan, dtype, model_type, getattr(config, "n_routed_experts", None))
     _validate(plan, dest, set(), key_map, where)
     _fill(plan, dest, entries, set(), _fp8_block(path))
     return dest
-
-
-def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], set[str]]:
-    """(parameters + persistent buffers, de-duplicated; names that alias another, e.g. tied lm_head)."""
-    tensors = {n: p.data for n, p in model.named_parameters()}
-    for name, buf in model.named_buffers():
-        mod, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(mod) if mod else model
-        if leaf not in owner._non_persistent_buffers_set:
-            tensors[name] = buf
-    return tensors, set(model.state_dict().keys()) - set(tensors)
 
 
 def load_into(model: torch.nn.Module, path, model_type: str | None = None) -> None:
@@ -290,21 +214,6 @@ def load_into(model: torch.nn.Module, path, model_type: str | None = None) -> No
     dest, aliases = model_tensors(model)
     _validate(plan, dest, aliases, key_map, where)
     _fill(plan, dest, entries, aliases, _fp8_block(path))
-
-
-def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast floating parameters and persistent buffers to `dtype`, except the model's fp32 patterns."""
-    keep = registry.fp32_patterns_of(model)
-    tensors, _ = model_tensors(model)
-    for name, t in tensors.items():
-        if t.is_floating_point():
-            target = torch.float32 if _matches(name, keep) else dtype
-            mod, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(mod) if mod else model
-            if leaf in owner._parameters:
-                owner._parameters[leaf].data = t.to(target)
-            else:
-                owner._buffers[leaf] = t.to(target)
 
 
 @contextmanager

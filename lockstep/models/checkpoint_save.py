@@ -2,7 +2,8 @@
 
 `save_state_dict` writes config.json (`config.to_hf_dict()`) and safetensors in the layout
 transformers 5.23's `save_pretrained` writes (or DeepSeek's official one), sharded with
-`model.safetensors.index.json` above `max_shard_size`, so that `load_pretrained` and
+`model.safetensors.index.json` above `max_shard_size` (written by quant/safetensors_io.py's
+`write_index`, as conversion writes it), so that `load_pretrained` and
 `transformers.AutoModelForCausalLM.from_pretrained` both read it back to identical tensors.
 """
 
@@ -18,8 +19,10 @@ import torch
 from safetensors.torch import save_file
 
 from lockstep.models import registry
-from lockstep.models.checkpoint import INDEX, TOKENIZER_FILES, model_tensors
+from lockstep.models.checkpoint import TOKENIZER_FILES
 from lockstep.models.key_maps import KEY_MAPS
+from lockstep.models.precision import model_tensors
+from lockstep.quant.safetensors_io import INDEX_NAME, write_index
 
 def _parse_size(size) -> int:
     if isinstance(size, int):
@@ -44,7 +47,7 @@ def _dedupe(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _clear_old_weights(path: Path):
-    for f in [*path.glob("model*.safetensors"), path / INDEX]:
+    for f in [*path.glob("model*.safetensors"), path / INDEX_NAME]:
         if f.exists():
             f.unlink()
 
@@ -91,8 +94,7 @@ def save_state_dict(state_dict: dict[str, torch.Tensor], config, path, *, max_sh
             save_file(shard, str(path / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(shard, file))
             total += sum(t.numel() * t.element_size() for t in shard.values())
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        write_index(path, weight_map, total)
     if tokenizer_dir is not None and Path(tokenizer_dir).resolve() != path.resolve():
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).exists():

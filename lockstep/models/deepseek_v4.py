@@ -141,9 +141,9 @@ def _bf16_gemm_fp32_out(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 class DeepseekV4ForCausalLM(nn.Module):
     config_class = DeepseekV4Config
-    # kept in fp32 whatever the model dtype (as DeepSeek ships them)
-    keep_in_fp32 = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias",
-                    "norm.weight", "layernorm.weight")
+    # kept in fp32 whatever the model dtype (as DeepSeek ships them); matched as precision.py says
+    _keep_in_fp32_modules_strict = ("attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias",
+                                    "e_score_correction_bias", "norm.weight", "layernorm.weight")
 
     def __init__(self, config: DeepseekV4Config):
         super().__init__()

@@ -248,7 +248,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    _keep_in_fp32: tuple[str, ...] = ()  # transformers keeps nothing of Llama in fp32 under bf16
+    _keep_in_fp32_modules_strict: tuple[str, ...] = ()  # transformers keeps nothing of Llama in fp32 under bf16
 
     def __init__(self, config: LlamaConfig):
         super().__init__()

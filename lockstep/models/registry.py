@@ -52,19 +52,3 @@ def config_from_hf_dict(d: dict):
         raise ValueError("config.json has no 'model_type'")
     return config_class(d["model_type"]).from_hf_dict(d)
 
-
-def keep_in_fp32_patterns(model_type: str) -> tuple[str, ...]:
-    """Name patterns the model keeps in fp32 whatever the load dtype; () if the model isn't importable."""
-    try:
-        cls = model_class(model_type)
-    except ImportError:
-        return ()
-    return fp32_patterns_of(cls)
-
-
-def fp32_patterns_of(model_or_cls) -> tuple[str, ...]:
-    # lockstep models declare `_keep_in_fp32` (or `keep_in_fp32`); HF-style `_keep_in_fp32_modules_strict` too
-    pats = []
-    for attr in ("_keep_in_fp32", "keep_in_fp32", "_keep_in_fp32_modules_strict"):
-        pats.extend(getattr(model_or_cls, attr, None) or ())
-    return tuple(dict.fromkeys(pats))

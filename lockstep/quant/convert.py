@@ -18,12 +18,14 @@ Weights already in the target storage with fitting scales are copied, not re-qua
 scale's dtype may change), so converting an official checkpoint to its own format is lossless.
 
 Output keeps the input's shard files (same names; a scale lands in its weight's shard) and writes
-an index json when the input was sharded. config.json's `quantization_config` is rewritten
+an index json when the input was sharded (reading, F4 / F8 headers included, and the index are
+safetensors_io.py's, shared with the model loader and `save_pretrained`). config.json's
+`quantization_config` is rewritten
 ({"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128],
 "expert_dtype": "fp4" | "fp8", ...}) or removed for bf16. Other top-level files (tokenizer,
 generation config, chat template) are copied.
 
-Tensors are read one at a time (safe_open) and written one at a time (SafetensorsWriter), so
+Tensors are read one at a time (`TensorReader`) and written one at a time (SafetensorsWriter), so
 memory holds one tensor and its conversion, not a shard. Errors name the tensor and its file.
 """
 
@@ -37,33 +39,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from lockstep.quant.errors import QuantFormatError
 from lockstep.quant.formats import STORAGE_DTYPE, ServingFormat, Storage, UnknownTensorError, scale_names, storage_for
 from lockstep.quant.fp4 import PACKED_DTYPES, check_fp4_scale, dequantize_fp4_block, fp4_scale_shape, quantize_fp4_block
 from lockstep.quant.fp8 import FP8_BLOCK, check_fp8_scale, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
-from lockstep.quant.safetensors_io import CODE_DTYPES, SafetensorsWriter, TensorSpec
+from lockstep.quant.safetensors_io import INDEX_NAME, SafetensorsWriter, TensorHeader, TensorReader, TensorSpec, \
+    read_headers, write_index
 from lockstep.quant.scales import E8M0, is_pow2, scale_to_e8m0
 
-INDEX_NAME = "model.safetensors.index.json"
 SCALE_FMTS = ("ue8m0", "fp32")
-
-
-@dataclass(frozen=True)
-class _Source:
-    name: str
-    file: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]  # torch shape (packed bytes for fp4)
 
 
 @dataclass
 class _Unit:
     """One output weight (and its scale, for quantised storage) made from one source tensor (and its scale)."""
 
-    src: _Source
-    src_scale: _Source | None
+    src: TensorHeader
+    src_scale: TensorHeader | None
     target: Storage | None  # None: copy unchanged (unknown name, strict=False)
     out: list[TensorSpec] = field(default_factory=list)
 
@@ -123,8 +116,8 @@ def convert_checkpoint(
     out_block = tuple(block) if block is not None else src_block
     scale_dtype = E8M0 if scale_fmt == "ue8m0" else torch.float32
 
-    files, sharded = _shard_files(src)
-    sources = _read_headers(files)
+    sources, _ = read_headers(src)
+    files = sorted({h.file for h in sources.values()})
     plan = _plan(sources, files, fmt, strict, out_block, scale_dtype, fp4_dtype)
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -133,18 +126,17 @@ def convert_checkpoint(
     written: list[Path] = []
     show = sys.stderr.isatty() if progress is None else progress
     with contextlib.ExitStack() as stack:
-        handles = {f: stack.enter_context(safe_open(str(f), framework="pt")) for f in files}
+        reader = stack.enter_context(TensorReader(sources))
         bar = stack.enter_context(_progress(show))
         task = bar.add_task(f"convert -> {fmt.value}", total=sum(len(units) for units in plan.values()))
         for f in files:
             units = plan[f]
             specs = [spec for unit in units for spec in unit.out]
-            metadata = handles[f].metadata() or {}
-            metadata = {**metadata, "format": "pt"}
+            metadata = {**reader.metadata(f), "format": "pt"}
             with SafetensorsWriter(dst / f.name, specs, metadata) as writer:
                 for unit in units:
                     try:
-                        tensors = _produce(unit, handles, src_block, out_block, scale_dtype, fp4_dtype)
+                        tensors = _produce(unit, reader, src_block, out_block, scale_dtype, fp4_dtype)
                         for t in tensors:
                             writer.write(t)
                     except (QuantFormatError, ValueError, RuntimeError, TypeError) as e:
@@ -156,9 +148,8 @@ def convert_checkpoint(
                 weight_map[spec.name] = f.name
                 total_size += spec.nbytes
 
-    if sharded or len(files) > 1:
-        index = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
-        (dst / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+    if (src / INDEX_NAME).exists() or len(files) > 1:
+        write_index(dst, weight_map, total_size)
     if config is not None:
         new_config = updated_config(config, fmt, scale_fmt, out_block)
         (dst / "config.json").write_text(json.dumps(new_config, indent=2) + "\n")
@@ -204,40 +195,8 @@ def _config_block(config: dict | None) -> tuple[int, int] | None:
     return (int(wbs[0]), int(wbs[1])) if wbs else None
 
 
-def _shard_files(src: Path) -> tuple[list[Path], bool]:
-    index = src / INDEX_NAME
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted(set(weight_map.values()))
-        missing = [n for n in names if not (src / n).exists()]
-        if missing:
-            raise FileNotFoundError(f"{index}: shard files missing: {missing}")
-        return [src / n for n in names], True
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{src}: no *.safetensors files")
-    return files, False
-
-
-def _read_headers(files: list[Path]) -> dict[str, _Source]:
-    sources: dict[str, _Source] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            for name in h.keys():
-                if name in sources:
-                    raise QuantFormatError(f"{f}: {name}: also in {sources[name].file}")
-                sl = h.get_slice(name)
-                code, shape = sl.get_dtype(), tuple(sl.get_shape())
-                if code not in CODE_DTYPES:
-                    raise QuantFormatError(f"{f}: {name}: unsupported safetensors dtype {code}")
-                if code == "F4":  # the header counts e2m1 elements; torch counts bytes
-                    shape = (*shape[:-1], shape[-1] // 2)
-                sources[name] = _Source(name, f, CODE_DTYPES[code], shape)
-    return sources
-
-
 def _plan(sources, files, fmt, strict, block, scale_dtype, fp4_dtype) -> dict[Path, list[_Unit]]:
-    scale_of: dict[str, _Source] = {}
+    scale_of: dict[str, TensorHeader] = {}
     for name in sources:
         for cand in scale_names(name):
             if cand in sources and cand != name:
@@ -305,10 +264,10 @@ def _out_specs(unit: _Unit, block, scale_dtype, fp4_dtype) -> list[TensorSpec]:
 # ----------------------------------------------------------------------------- producing
 
 
-def _produce(unit: _Unit, handles, src_block, block, scale_dtype, fp4_dtype) -> list[torch.Tensor]:
+def _produce(unit: _Unit, reader: TensorReader, src_block, block, scale_dtype, fp4_dtype) -> list[torch.Tensor]:
     name = unit.src.name
-    t = handles[unit.src.file].get_tensor(name)
-    s = handles[unit.src_scale.file].get_tensor(unit.src_scale.name) if unit.src_scale is not None else None
+    t = reader.get(name)
+    s = reader.get(unit.src_scale.name) if unit.src_scale is not None else None
     kind, target = unit.kind, unit.target
     if target is None:
         return [t]

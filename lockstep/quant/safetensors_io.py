@@ -1,5 +1,13 @@
-"""Streaming safetensors writing: the header is planned up front, tensors are written one at a time.
+"""Safetensors checkpoint IO, the one reader and index writer for loading, saving and conversion.
 
+Reading: a directory holds one or more `*.safetensors` files, or shards listed in
+`model.safetensors.index.json` (the index is authoritative: each tensor is read from the shard
+it names). `read_headers` plans from the headers alone (name, file, torch dtype, torch shape),
+so nothing is read before the whole layout is known; `TensorReader` then reads tensors by name,
+each shard opened once. Every error is a `CheckpointError` naming the file (and the tensor).
+
+Writing: `write_index` writes the index transformers 5.23 writes ({"metadata": {"total_size":
+bytes}, "weight_map": {name: shard}}, names sorted). `SafetensorsWriter` streams one file:
 `safetensors.torch.save_file` needs every tensor of a file in memory at once; converting a
 checkpoint shard by shard with it would hold a whole (possibly 4x larger, fp4 -> bf16) shard.
 The format is simple enough to stream: an 8-byte little-endian header length, a JSON header
@@ -12,10 +20,15 @@ from __future__ import annotations
 import json
 import math
 import struct
+from collections import defaultdict
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
+
+INDEX_NAME = "model.safetensors.index.json"
 
 # safetensors dtype codes; "F4" (float4_e2m1fn_x2) is left out on purpose: its header shape
 # counts e2m1 elements, not bytes, and we only ever write packed fp4 as U8 / I8.
@@ -38,6 +51,122 @@ DTYPE_CODES = {
     torch.bool: "BOOL",
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()} | {"F4": torch.float4_e2m1fn_x2}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be read, or does not fit the model; the message names the tensor and the file."""
+
+
+# ---- reading -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TensorHeader:
+    """One stored tensor as its file's header describes it, in torch's terms."""
+
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # as torch holds it: packed fp4 counts bytes (pairs of e2m1), F4 included
+
+
+def shard_files(directory: str | Path) -> tuple[dict[Path, list[str] | None], str]:
+    """{file: tensor names the index assigns to it (None: all it holds)}, and where we looked (for messages)."""
+    path = Path(directory)
+    index = path / INDEX_NAME
+    if not index.exists():
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"no *.safetensors files (and no {INDEX_NAME}) in {path}")
+        return dict.fromkeys(files), str(path)
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"bad index {index}: {e}") from e
+    files: dict[Path, list[str]] = defaultdict(list)
+    for name, file in weight_map.items():
+        files[path / file].append(name)
+    for file, names in files.items():
+        if not file.exists():
+            more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+            raise CheckpointError(f"index {index} maps tensor {names[0]}{more} to shard {file.name}, "
+                                  f"which does not exist in {path}")
+    return dict(files), str(index)
+
+
+def open_file(file: Path, stack: ExitStack, why: str = ""):
+    """A safe_open handle, closed with `stack`; unreadable files are CheckpointErrors."""
+    try:
+        return stack.enter_context(safe_open(str(file), framework="pt"))
+    except Exception as e:  # safetensors raises its own error type for truncated / corrupt headers
+        raise CheckpointError(f"cannot read safetensors file {file}{why}: {e} (truncated or corrupt?)") from e
+
+
+def _header(handle, name: str, file: Path) -> TensorHeader:
+    sl = handle.get_slice(name)
+    code, shape = sl.get_dtype(), tuple(sl.get_shape())
+    if code not in CODE_DTYPES:
+        raise CheckpointError(f"tensor {name} in {file}: unsupported safetensors dtype {code}")
+    if code == "F4":  # the header counts e2m1 elements; torch's float4_e2m1fn_x2 counts bytes
+        shape = (*shape[:-1], shape[-1] // 2)
+    return TensorHeader(name, file, CODE_DTYPES[code], shape)
+
+
+def read_headers(directory: str | Path) -> tuple[dict[str, TensorHeader], str]:
+    """Every tensor of a checkpoint directory (index order, else file by file), and where we looked."""
+    files, where = shard_files(directory)
+    headers: dict[str, TensorHeader] = {}
+    with ExitStack() as stack:
+        for file, listed in files.items():
+            handle = open_file(file, stack, f" (holds tensor {listed[0]} per {INDEX_NAME})" if listed else "")
+            present = set(handle.keys())
+            for name in listed or sorted(present):
+                if name not in present:
+                    raise CheckpointError(f"tensor {name} listed in {where} is missing from shard {file}")
+                if name in headers:
+                    raise CheckpointError(f"tensor {name} is in both {headers[name].file} and {file}")
+                headers[name] = _header(handle, name, file)
+    return headers, where
+
+
+class TensorReader:
+    """Reads the tensors `read_headers` found, by name, opening each file once (close with `with`)."""
+
+    def __init__(self, headers: dict[str, TensorHeader]):
+        self.headers = headers
+        self._stack = ExitStack()
+        self._handles: dict[Path, object] = {}
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = open_file(file, self._stack)
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        file = self.headers[name].file
+        try:
+            return self._handle(file).get_tensor(name)
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"cannot read tensor {name} from {file}: {err}") from err
+
+    def metadata(self, file: Path) -> dict[str, str]:
+        """The file's `__metadata__` ({} when it has none)."""
+        return self._handle(file).metadata() or {}
+
+    def __enter__(self) -> "TensorReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+
+
+# ---- writing -------------------------------------------------------------------------------------
+
+def write_index(directory: str | Path, weight_map: dict[str, str], total_size: int) -> None:
+    """`model.safetensors.index.json` as transformers writes it; total_size: bytes of all tensors."""
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
+    (Path(directory) / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)

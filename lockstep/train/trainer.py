@@ -38,6 +38,7 @@ from torch import nn
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.models.precision import cast_model
 from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
@@ -50,19 +51,6 @@ from lockstep.train.optimizer import MasterAdamW
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name
 from lockstep.train.recompute import apply_recompute
 from lockstep.train.routing_replay import replay_routing, response_experts
-
-
-def keep_in_fp32_names(model: nn.Module) -> tuple[str, ...]:
-    return tuple(getattr(model, "keep_in_fp32", None) or getattr(model, "_keep_in_fp32", None) or ())
-
-
-@torch.no_grad()
-def cast_model(model: nn.Module, dtype: torch.dtype) -> None:
-    """Floating parameters and buffers to `dtype`, except names listed in the model's keep_in_fp32."""
-    keep = keep_in_fp32_names(model)
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_floating_point() and not any(k in name for k in keep):
-            t.data = t.data.to(dtype)
 
 
 class Trainer:
