@@ -7,7 +7,8 @@ drawn without replacement is correct:
 
 The product form avoids the huge binomials. A sample is correct when its reward is >=
 success_threshold (default 1.0, matching the 0/1 built-in rewards). Per set, pass@k is the mean over
-prompts, for k = 1, 2, 4, ... (powers of two) up to the smallest n of any prompt.
+prompts, for every k = 1, 2, 3, ... up to the smallest n of any prompt (a reference run's pass@1 and
+pass@8 are both there with n = 8; the curve over k shows where extra samples stop paying).
 `eval/<set>/truncated_ratio` is the fraction of all samples whose finish_reason is "length".
 """
 
@@ -29,12 +30,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def ks_up_to(n: int) -> list[int]:
-    """[1, 2, 4, ...] up to n."""
-    ks, k = [], 1
-    while k <= n:
-        ks.append(k)
-        k *= 2
-    return ks
+    """[1, 2, ..., n]: every k that n samples per prompt can estimate."""
+    return list(range(1, n + 1))
 
 
 def pass_at_k_metrics(

@@ -3,7 +3,9 @@
     train_rollout_logprob_abs_diff.png   train/train_rollout_logprob_abs_diff per step
     raw_reward.png                       rollout/raw_reward per step, its trailing moving average
                                          (window W = 10) and the least-squares line y = a + b * step
-    eval_<set>_pass_at_k.png             eval/<set>/pass@<k> over steps, one line per k
+    eval_<set>_pass_at_k.png             eval/<set>/pass@<k> over steps, one line per k (every k up to
+                                         the samples per eval prompt), and eval/<set>/truncated_ratio
+                                         (dashed: answers cut at the length limit, scored as wrong)
 
 The moving average at step i is the mean of the last min(W, i + 1) points. The least-squares slope
 is b = sum((x - mean x)(y - mean y)) / sum((x - mean x)^2) (reward gained per step). A metric
@@ -55,13 +57,17 @@ def least_squares_line(x: Sequence[float], y: Sequence[float]) -> tuple[float, f
     return slope, float(y.mean() - slope * x.mean())
 
 
-def eval_series(records: Sequence[dict[str, Any]]) -> dict[str, dict[int, tuple[np.ndarray, np.ndarray]]]:
-    """{set: {k: (steps, values)}} for every eval/<set>/pass@<k> key present."""
-    keys = sorted({k for r in records for k in r if _EVAL_RE.match(k)})
-    out: dict[str, dict[int, tuple[np.ndarray, np.ndarray]]] = {}
-    for key in keys:
-        m = _EVAL_RE.match(key)
-        out.setdefault(m.group(1), {})[int(m.group(2))] = series(records, key)
+def eval_curves(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """{set: {"pass@<k>": (steps, values) for every k present, in k order, then "truncated ratio" if
+    eval/<set>/truncated_ratio is present}}: the lines of each set's eval plot."""
+    found = {_EVAL_RE.match(k) for r in records for k in r} - {None}
+    out: dict[str, dict[str, tuple[np.ndarray, np.ndarray]]] = {}
+    for m in sorted(found, key=lambda m: (m.group(1), int(m.group(2)))):
+        out.setdefault(m.group(1), {})[f"pass@{m.group(2)}"] = series(records, m.group(0))
+    for set_name, curves in out.items():
+        steps, values = series(records, f"eval/{set_name}/truncated_ratio")
+        if len(steps):
+            curves["truncated ratio"] = (steps, values)
     return out
 
 
@@ -111,10 +117,11 @@ def plot_run(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
         ax.plot(steps, intercept + slope * steps, linestyle="--", label=f"least squares, slope {slope:.3g}/step")
         files.append(_save(plt, fig, ax, out_dir / "raw_reward.png"))
 
-    for set_name, by_k in eval_series(records).items():
-        plt, fig, ax = _figure(f"eval {set_name}", "pass@k")
-        for k, (s, v) in sorted(by_k.items()):
-            ax.plot(s, v, marker="o", label=f"pass@{k}")
+    for set_name, curves in eval_curves(records).items():
+        plt, fig, ax = _figure(f"eval {set_name}", "pass@k / truncated ratio")
+        for label, (s, v) in curves.items():
+            style = dict(color="black", linestyle="--", marker="x") if label == "truncated ratio" else dict(marker="o")
+            ax.plot(s, v, label=label, **style)
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", set_name)
         files.append(_save(plt, fig, ax, out_dir / f"eval_{safe}_pass_at_k.png"))
     return {"files": files, "reward_slope": slope}

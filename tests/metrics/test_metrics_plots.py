@@ -1,7 +1,7 @@
 import pytest
 
 from lockstep.cli import main
-from lockstep.metrics.plots import least_squares_line, moving_average, plot_run
+from lockstep.metrics.plots import eval_curves, least_squares_line, moving_average, plot_run
 from lockstep.metrics.sinks import JsonlSink
 
 
@@ -47,3 +47,13 @@ def test_plot_command_reports_bad_file_and_line(tmp_path, capsys):
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1}\n{oops\n')
     assert main(["plot", str(tmp_path)]) == 1
     assert f"{tmp_path / 'metrics.jsonl'}, line 3: not valid JSON" in capsys.readouterr().err
+
+
+def test_eval_plot_has_every_k_and_the_truncated_ratio():
+    records = [{"step": 0, **{f"eval/aime/pass@{k}": k / 10 for k in range(1, 11)}, "eval/aime/truncated_ratio": 0.5},
+               {"step": 1, "rollout/raw_reward": 0.5},
+               {"step": 2, "eval/aime/pass@1": 0.2, "eval/aime/truncated_ratio": 0.25}]
+    curves = eval_curves(records)
+    assert list(curves["aime"]) == [f"pass@{k}" for k in range(1, 11)] + ["truncated ratio"]  # k in numeric order
+    steps, values = curves["aime"]["truncated ratio"]
+    assert steps.tolist() == [0.0, 2.0] and values.tolist() == [0.5, 0.25]
