@@ -132,3 +132,28 @@ def test_bucketed_updates_and_duplicates():
     with pytest.raises(WeightUpdateError, match="sent twice"):
         engine.update_weights([(names[0], new[names[0]]), (names[0], new[names[0]])], version=2, partial=True)
     assert engine.weight_version == 1
+
+
+def test_updates_cover_every_tensor_and_versions_only_increase():
+    """A push of some tensors is refused unless it says partial (1 of 272 tensors was accepted and
+    the model emitted garbage, issue 15); a version at or below the serving one is refused; nothing
+    is written either way."""
+    from lockstep.engine.weight_update import WeightVersionError
+
+    engine = make_engine(seed=60)
+    new = trainer_weights(61)
+    before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    one = dict([next(iter(new.items()))])
+    with pytest.raises(WeightUpdateError, match=rf"missing from the update \({len(new) - 1} of the model's {len(new)}"):
+        engine.update_weights(one, version=1)
+    for version in (-7, 0):
+        with pytest.raises(WeightVersionError, match="only increase"):
+            engine.update_weights(new, version=version)
+    assert engine.weight_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in engine.model.state_dict().items())
+    engine.update_weights(one, version=1, partial=True)  # buckets of one version share it
+    engine.update_weights(one, version=1, partial=True)
+    with pytest.raises(WeightVersionError):
+        engine.update_weights(new, version=1)  # a whole new set of weights needs a new version
+    engine.update_weights(new, version=2)
+    assert engine.weight_version == 2
