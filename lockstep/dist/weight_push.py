@@ -1,0 +1,243 @@
+"""Weight push trainer -> engines over torch.distributed: header, buckets, two-phase commit.
+
+Every rank of the world calls `push_weights(ctx, manifest, version, named_tensors=..., engine=...)`
+at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, engine ranks their
+`Engine`; a colocated rank passes both). One push:
+
+1. Engines pause (the current step finishes) and CUDA work drains (a broadcast racing in-flight
+   kernels hung sglang#22620).
+2. Header on the gloo control group: the trainer source rank broadcasts [version, manifest hash,
+   manifest length]. Any rank whose own manifest hash differs makes every rank raise
+   `ManifestMismatch` naming the first differing tensor, both sides' view of it.
+3. Buckets on the weight group: the source packs each bucket's tensors (cast to the manifest's
+   wire dtype, a no-op for the trainer's own dtype) into one flat uint8 buffer and broadcasts it;
+   two buckets are in flight at once (packing bucket i+1 overlaps broadcasting bucket i). Every
+   trainer rank takes the bucket's tensors from its iterator at the same point, so FSDP's gathers
+   inside `named_weights()` stay in step. Engines keep each bucket's tensors as views of it and run
+   `engine.weight_update.validate_update` on them: this is the staging.
+4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
+   Only if all did does each engine call `Engine.update_weights(staged, version)`, which
+   re-quantises to its serving format, re-fuses and flushes its caches; otherwise every rank keeps
+   the old version and raises `WeightPushError` naming the failed ranks. A sender that fails
+   mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
+5. Engines resume (in `finally`: a failed push never leaves an engine paused, slime#2371).
+
+A dead or hung peer surfaces as `DistributedError` (groups.collective) naming rank and step.
+Staging holds one extra copy of the pushed weights on each engine (the received buckets); engines
+whose memory cannot hold it need the KV cache freed first (sglang#8076) -- not done yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from lockstep.dist.groups import DistContext
+from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
+from lockstep.engine.weight_update import check_version, validate_update
+
+
+class WeightPushError(RuntimeError):
+    """A push was voted down (some rank failed to pack or stage); every engine kept its old version."""
+
+
+def _drain(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def _paused(engine, device: torch.device):
+    was_paused = engine is None or engine.paused
+    if engine is not None:
+        engine.pause()
+    _drain(device)
+    try:
+        yield
+    finally:
+        if not was_paused:
+            engine.resume()
+
+
+# ---- header and manifest agreement ---------------------------------------------------------
+
+def _header(ctx: DistContext, manifest: Manifest, version: int | None, op: str) -> tuple[int, int, int]:
+    """The source's (version, hash, manifest length), known to every rank afterwards."""
+    body = manifest.to_bytes()
+    hdr = torch.tensor([version if version is not None else -1, manifest.hash, len(body)], dtype=torch.int64)
+    with ctx.collective(f"{op}: header broadcast"):
+        dist.broadcast(hdr, src=ctx.weight_src, group=ctx.control_group)
+    return tuple(int(x) for x in hdr.tolist())
+
+
+def _mismatch_report(ctx: DistContext, mine: Manifest, length: int, op: str) -> str:
+    """Ship the source's manifest to every rank; each names its first difference; all agree on one."""
+    body = torch.frombuffer(bytearray(mine.to_bytes()), dtype=torch.uint8) if ctx.rank == ctx.weight_src \
+        else torch.empty(length, dtype=torch.uint8)
+    with ctx.collective(f"{op}: manifest broadcast"):
+        dist.broadcast(body, src=ctx.weight_src, group=ctx.control_group)
+    theirs = Manifest.from_bytes(body.numpy().tobytes())
+    i = theirs.first_difference(mine)
+    finding = None
+    if i is not None:
+        finding = (i, ctx.rank, theirs.describe(i), mine.describe(i))
+    elif theirs.bucket_bytes != mine.bucket_bytes:
+        finding = (len(mine.entries), ctx.rank, f"bucket_bytes {theirs.bucket_bytes}", f"bucket_bytes {mine.bucket_bytes}")
+    found = [None] * ctx.world_size
+    with ctx.collective(f"{op}: manifest mismatch report"):
+        dist.all_gather_object(found, finding, group=ctx.control_group)
+    found = [f for f in found if f is not None]
+    if not found:  # equal lists but different hashes: a bug in the hash, not in a model
+        return f"rank {ctx.rank}: {op}: manifest hashes differ but no entry does"
+    i, rank, sent, expected = min(found)
+    return (f"rank {ctx.rank}: {op}: manifest mismatch at tensor #{i}: the trainer (rank {ctx.weight_src}) "
+            f"sends {sent}, engine rank {rank} expects {expected}")
+
+
+def _check_manifest(ctx: DistContext, manifest: Manifest, expected_version: int | None,
+                    header: tuple[int, int, int], op: str) -> None:
+    sent_version, sent_hash, length = header
+    if expected_version is not None and sent_version != expected_version:
+        raise WeightPushError(f"rank {ctx.rank}: {op}: the trainer pushes version {sent_version}, this rank "
+                              f"expected {expected_version} (the loop is out of step)")
+    if not ctx.all_true(sent_hash == manifest.hash, f"{op}: manifest hash"):
+        raise ManifestMismatch(_mismatch_report(ctx, manifest, length, op))
+
+
+# ---- buckets ---------------------------------------------------------------------------------
+
+def _views(manifest: Manifest, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for spec, at in zip(manifest.entries[bucket.start:bucket.stop], bucket.offsets):
+        out.append((spec.name, buf[at:at + spec.nbytes].view(spec.torch_dtype).view(spec.shape)))
+    return out
+
+
+def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: str) -> list[torch.Tensor]:
+    """The bucket's tensors from the trainer's iterator, checked against the manifest by name and shape."""
+    out = []
+    for spec in manifest.entries[bucket.start:bucket.stop]:
+        name, t = next(tensors, (None, None))
+        if name != spec.name or tuple(t.shape) != spec.shape:
+            got = "the end of named_weights()" if name is None else f"{name} {list(t.shape)}"
+            raise ManifestMismatch(f"rank {rank}: {op}: the trainer's tensor #{manifest.entries.index(spec)} is "
+                                   f"{got}, its manifest says {spec}")
+        out.append(t)
+    return out
+
+
+def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], device) -> torch.Tensor:
+    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+    for (_, view), t in zip(_views(manifest, bucket, buf), tensors):
+        view.copy_(t.detach().to(device=device, dtype=view.dtype))
+    return buf
+
+
+class _Stream:
+    """One rank's side of the bucket broadcasts; remembers the first local failure instead of
+    stopping, so the collectives of every rank stay matched up to the vote."""
+
+    def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str):
+        self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
+        self.tensors = iter(named_tensors) if named_tensors is not None else None
+        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.error: BaseException | None = None
+        if engine is not None:
+            try:  # a stale version is a staging failure: voted on, not discovered after the vote
+                check_version(engine.weight_version, version, partial=False)
+            except ValueError as e:
+                self.error = e
+
+    def source_buffer(self, b: int, bucket: Bucket) -> torch.Tensor | None:
+        """Take the bucket from the iterator (every trainer rank); pack it on the source rank."""
+        tensors = None
+        if self.tensors is not None and self.error is None:
+            try:
+                tensors = _take(self.tensors, self.manifest, bucket, self.ctx.rank, self.op)
+            except (ManifestMismatch, RuntimeError) as e:  # a gather inside named_weights() can fail too
+                self.error = e
+        if self.ctx.rank != self.ctx.weight_src:
+            return None
+        if tensors is None:  # failed earlier: zeros keep the receivers in step until the vote
+            return torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
+        return _pack(self.manifest, bucket, tensors, self.device)
+
+    def stage(self, b: int, bucket: Bucket, buf: torch.Tensor) -> None:
+        if self.engine is None or self.error is not None:
+            return
+        pairs = _views(self.manifest, bucket, buf)
+        try:
+            validate_update(self.engine.model, pairs, partial=True)  # every bucket is part of the one update
+        except ValueError as e:
+            self.error = e
+            return
+        self.staged.extend(pairs)
+
+    def run(self) -> None:
+        n = len(self.manifest.buckets)
+        in_flight = None  # (work, buffer, index): bucket i's broadcast overlaps packing bucket i + 1
+        for b, bucket in enumerate(self.manifest.buckets):
+            buf = self.source_buffer(b, bucket)
+            if self.ctx.weight_group is None:
+                continue  # a trainer rank that is not the source: it only kept its gathers in step
+            if buf is None:
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
+                work = dist.broadcast(buf, src=self.ctx.weight_src, group=self.ctx.weight_group, async_op=True)
+            self._finish(in_flight, n)
+            in_flight = (work, buf, b)
+        self._finish(in_flight, n)
+
+    def _finish(self, in_flight, n: int) -> None:
+        if in_flight is None:
+            return
+        work, buf, b = in_flight
+        with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n}"):
+            work.wait()
+        self.stage(b, self.manifest.buckets[b], buf)
+
+
+# ---- commit ----------------------------------------------------------------------------------
+
+def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
+    """Ranks that failed to pack or stage (every rank learns the same list)."""
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(ctx.world_size)]
+    with ctx.collective(f"{op}: commit vote"):
+        dist.all_gather(flags, torch.tensor([1 if error is not None else 0], dtype=torch.int32),
+                        group=ctx.control_group)
+    return [r for r, f in enumerate(flags) if f.item()]
+
+
+def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, named_tensors=None, engine=None,
+                 device: torch.device | None = None) -> dict[str, float]:
+    """One push (module docstring), called on every rank. The source rank must pass `version` and
+    `named_tensors`; engine ranks may pass version None (they take the header's). Returns metrics
+    `perf/weight_sync_time` (s) and `perf/weight_sync_bytes` (bytes broadcast)."""
+    start = time.perf_counter()
+    device = device or ctx.device
+    if ctx.rank == ctx.weight_src and (named_tensors is None or version is None):
+        raise ValueError(f"rank {ctx.rank}: push_weights on the trainer source rank needs named_tensors and version")
+    if ctx.is_engine and engine is None:
+        raise ValueError(f"rank {ctx.rank}: push_weights on an engine rank needs its engine")
+    with _paused(engine, device):
+        header = _header(ctx, manifest, version, "weight push" if version is None else f"weight push v{version}")
+        op = f"weight push v{header[0]}"
+        _check_manifest(ctx, manifest, version, header, op)
+        version = header[0]
+        stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op)
+        stream.run()
+        failed = _vote(ctx, stream.error, op)
+        if failed:
+            mine = f"this rank: {stream.error}" if stream.error is not None else "this rank staged everything"
+            kept = f"; engines keep version {engine.weight_version}" if engine is not None else ""
+            raise WeightPushError(f"rank {ctx.rank}: {op} aborted, rank(s) {failed} failed to pack or stage "
+                                  f"({mine}){kept}") from stream.error
+        if engine is not None:
+            engine.update_weights(stream.staged, version)
+        _drain(device)
+    pushed = manifest.total_bytes if ctx.weight_group is not None else 0
+    return {"perf/weight_sync_time": time.perf_counter() - start, "perf/weight_sync_bytes": float(pushed)}

@@ -1,0 +1,192 @@
+"""Weight push over gloo, 2 processes, the bundled tiny DeepSeek-V4: rank 0 trains, rank 1 serves.
+
+(d) a push equals the in-process `Engine.update_weights` bit for bit, every tensor (tid2eid and the
+    router bias included), in each serving format: the engine is poisoned first, so a tensor the
+    push missed cannot pass; a push with a NaN is voted down and both sides keep the old version.
+(e) a manifest mismatch raises on both ranks naming the first differing tensor; a peer killed
+    mid-push makes the survivor raise DistributedError naming its rank and the step, in seconds.
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import lockstep
+from dist_world import run_world
+from lockstep.config import EngineConfig
+from lockstep.dist.config import DistConfig
+from lockstep.dist.groups import init_distributed
+from lockstep.dist.manifest import build_manifest
+from lockstep.dist.weight_push import push_weights
+from lockstep.engine import Engine
+from lockstep.models import load_pretrained
+from lockstep.models.registry import config_from_hf_dict, model_class
+from lockstep.train.config import TrainConfig
+from lockstep.train.trainer import Trainer
+
+ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
+BUCKET = 128 * 1024  # the 2.5 MB model travels in ~20 buckets
+FORMATS = ("bf16", "fp8", "fp8-fp4")
+TID2EID = "model.layers.0.mlp.gate.tid2eid"
+BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
+DISAGGREGATED = DistConfig(actor_num_gpus=1, rollout_num_gpus=1)
+
+
+def new_policy():
+    """A trainer whose weights differ from the asset everywhere, the routing tables included."""
+    trainer = Trainer(load_pretrained(ASSET), TrainConfig())
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, t in trainer.model.state_dict().items():
+            if name.endswith("tid2eid"):
+                t.copy_((t + 1) % trainer.model.config.n_routed_experts)
+            elif t.is_floating_point():
+                t.add_(0.01 * torch.randn(t.shape, generator=g))
+    return trainer
+
+
+def engine(fmt="bf16", model=None):
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_prefill_tokens=32, serving_format=fmt)
+    return Engine(model if model is not None else load_pretrained(ASSET), cfg)
+
+
+def poison(e):
+    with torch.no_grad():
+        for t in e.model.state_dict().values():
+            t.fill_(0.25) if t.is_floating_point() else t.zero_()
+
+
+def state(e):
+    return {k: v.clone() for k, v in e.model.state_dict().items()}
+
+
+def _push_world(rank):
+    ctx = init_distributed(30.0, config=DISAGGREGATED)
+    if rank == 0:
+        trainer = new_policy()
+        manifest = build_manifest(trainer.model, torch.float32, BUCKET)
+        metrics = [push_weights(ctx, manifest, v, named_tensors=trainer.named_weights())
+                   for v in range(1, len(FORMATS) + 1)]
+        bad = [(n, t.clone().fill_(float("nan")) if n == BIAS else t) for n, t in trainer.named_weights()]
+        try:
+            push_weights(ctx, manifest, len(FORMATS) + 1, named_tensors=bad)
+        except Exception as e:
+            return {"metrics": metrics, "nan_error": f"{type(e).__name__}: {e}", "buckets": len(manifest.buckets)}
+        return {"metrics": metrics, "nan_error": None}
+    new = dict(new_policy().named_weights())
+    out = {"differs": {}, "versions": [], "asset_equal": {}}
+    for v, fmt in enumerate(FORMATS, start=1):
+        pushed, reference = engine(fmt), engine(fmt)
+        out["asset_equal"][fmt] = {n: torch.equal(state(reference)[n], new[n]) for n in (TID2EID, BIAS)}
+        reference.update_weights(new.items(), version=v)  # the in-process path
+        poison(pushed)
+        manifest = build_manifest(pushed.model, torch.float32, BUCKET)
+        push_weights(ctx, manifest, None, engine=pushed)
+        ref = reference.model.state_dict()
+        out["differs"][fmt] = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
+        out["versions"].append(pushed.weight_version)
+        out["n_tensors"] = len(ref)
+    before = state(pushed)
+    try:
+        push_weights(ctx, manifest, None, engine=pushed)
+    except Exception as e:
+        out["nan_error"] = f"{type(e).__name__}: {e}"
+    out["kept"] = all(torch.equal(t, before[n]) for n, t in pushed.model.state_dict().items())
+    out["after_nan"] = (pushed.weight_version, pushed.paused)
+    return out
+
+
+def test_push_equals_in_process_update_in_every_format():
+    r0, r1 = run_world(_push_world, 2, guard_s=120)
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    assert r1.value["differs"] == {f: [] for f in FORMATS}, r1.value["differs"]
+    assert r1.value["n_tensors"] > 100 and r1.value["versions"] == [1, 2, 3]
+    # the routing tables really changed, so equality above means they travelled
+    assert r1.value["asset_equal"]["bf16"] == {TID2EID: False, BIAS: False}
+    m = r0.value["metrics"][0]
+    assert m["perf/weight_sync_bytes"] >= 4 * 600_000 and m["perf/weight_sync_time"] > 0
+    # a NaN in the router bias: engine rank 1 fails staging, both ranks abort, version 3 keeps serving
+    assert r0.value["nan_error"].startswith("WeightPushError: rank 0: weight push v4 aborted, rank(s) [1]")
+    assert "WeightPushError: rank 1: weight push v4 aborted" in r1.value["nan_error"]
+    assert BIAS in r1.value["nan_error"] and "non-finite" in r1.value["nan_error"]
+    assert r1.value["kept"] and r1.value["after_nan"] == (3, False)
+
+
+def _narrow_experts():
+    import json
+
+    cfg = json.loads((ASSET / "config.json").read_text())
+    cfg["moe_intermediate_size"] = 32  # e.g. an engine started from another checkpoint
+    model = model_class(cfg["model_type"])(config_from_hf_dict(cfg))
+    return model
+
+
+def _mismatch_world(rank):
+    ctx = init_distributed(30.0, config=DISAGGREGATED)
+    if rank == 0:
+        trainer = Trainer(load_pretrained(ASSET), TrainConfig())
+        push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), 1,
+                     named_tensors=trainer.named_weights())
+    else:
+        e = engine(model=_narrow_experts())
+        try:
+            push_weights(ctx, build_manifest(e.model, torch.float32, BUCKET), None, engine=e)
+        finally:
+            assert e.weight_version == 0 and not e.paused
+
+
+def test_manifest_mismatch_names_the_first_differing_tensor_on_both_ranks():
+    r0, r1 = run_world(_mismatch_world, 2, guard_s=60)
+    for r in (r0, r1):
+        assert r.error_type == "ManifestMismatch", r.error
+        assert f"rank {r.rank}: weight push v1: manifest mismatch at tensor #" in r.error
+        assert ("the trainer (rank 0) sends model.layers.0.mlp.experts.gate_up_proj [8, 128, 64] float32, "
+                "engine rank 1 expects model.layers.0.mlp.experts.gate_up_proj [8, 64, 64] float32") in r.error
+        assert r.elapsed_s < 30
+
+
+def _exit_after(n_calls, fn):
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n_calls:
+            os._exit(7)
+        return fn(*args, **kwargs)
+    return wrapped
+
+
+def _dead_peer_world(rank, dying):
+    import lockstep.dist.weight_push as wp
+
+    ctx = init_distributed(10.0, config=DISAGGREGATED)
+    if rank == 0:
+        trainer = Trainer(load_pretrained(ASSET), TrainConfig())
+        tensors = trainer.named_weights()
+        if dying == 0:  # the trainer dies while gathering its weights, a few buckets in
+            die = _exit_after(40, lambda x: x)
+            tensors = (die(x) for x in tensors)
+        push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), 1, named_tensors=tensors)
+        return "pushed"
+    e = engine()
+    before = state(e)
+    if dying == 1:  # the engine dies while staging its third bucket
+        wp.validate_update = _exit_after(3, wp.validate_update)
+    try:
+        push_weights(ctx, build_manifest(e.model, torch.float32, BUCKET), None, engine=e)
+    finally:
+        kept = all(torch.equal(t, before[n]) for n, t in e.model.state_dict().items())
+        assert kept and e.weight_version == 0 and not e.paused  # nothing committed, serving again
+
+
+@pytest.mark.parametrize("dying", [0, 1])
+def test_dead_peer_mid_push_raises_naming_rank_and_step(dying):
+    results = run_world(_dead_peer_world, 2, guard_s=60, args=(dying,))
+    dead, alive = results[dying], results[1 - dying]
+    assert dead.exitcode == 7 and not alive.hung
+    assert alive.error_type == "DistributedError", alive.error
+    assert alive.error.startswith(f"rank {alive.rank}: weight push v1: "), alive.error
+    assert "broadcast bucket" in alive.error or "commit vote" in alive.error
+    assert alive.elapsed_s < 20
