@@ -103,3 +103,17 @@ def test_layout_and_config_validation():
         DistConfig(actor_num_gpus=1)
     with pytest.raises(ValueError, match="DistConfig.distributed_timeout"):
         DistConfig(distributed_timeout=0)
+
+
+def test_every_dist_flag_is_documented():
+    import argparse
+    import dataclasses
+
+    from lockstep.cli_args import add_dataclass_arguments, field_docs
+
+    docs = field_docs(DistConfig)
+    assert all(docs.get(f.name) for f in dataclasses.fields(DistConfig)), docs
+    parser = argparse.ArgumentParser()
+    add_dataclass_arguments(parser, DistConfig)
+    args = parser.parse_args(["--distributed-timeout", "30", "--actor-num-gpus", "1", "--rollout-num-gpus", "1"])
+    assert (args.distributed_timeout, args.actor_num_gpus) == (30.0, 1)
