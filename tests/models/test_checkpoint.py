@@ -110,6 +110,78 @@ def test_dsv4_fp8_fp4_checkpoint_is_dequantised(dsv4, tmp_path):
     assert 0 < err < 0.2  # quantised, not garbage
 
 
+def _as_f4(src, dst):
+    """A copy of checkpoint `src` whose packed fp4 weights are stored as safetensors F4
+    (float4_e2m1fn_x2: the header counts e2m1 values, twice the bytes) instead of I8."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    fp4 = {n for n, t in tensors.items() if t.dtype == torch.int8 and n.replace(".weight", ".scale") in tensors}
+    assert fp4
+    save_file({n: t.view(torch.float4_e2m1fn_x2) if n in fp4 else t for n, t in tensors.items()},
+              str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return fp4
+
+
+def test_f4_headers_read_alike_by_loader_and_convert(dsv4, tmp_path):
+    """The loader read F4 (fp4 e2m1 packed) headers as unknown and refused the tensors; the
+    reader convert uses handled them. Now one reader serves both."""
+    from lockstep.quant.convert import convert_checkpoint
+    from lockstep.quant.safetensors_io import read_headers
+
+    hf, config = dsv4
+    save_state_dict({k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in hf.state_dict().items()},
+                    config, tmp_path / "bf16")
+    convert_checkpoint(tmp_path / "bf16", tmp_path / "i8", to="fp8-fp4", progress=False)
+    fp4 = _as_f4(tmp_path / "i8", tmp_path / "f4")
+    i8, _ = read_headers(tmp_path / "i8")
+    f4, _ = read_headers(tmp_path / "f4")
+    for name in fp4:  # torch's view of both: bytes along the last dim
+        assert (f4[name].dtype, f4[name].shape) == (torch.float4_e2m1fn_x2, i8[name].shape)
+    assert_same(load_state_dict(tmp_path / "f4", dtype=torch.bfloat16),
+                load_state_dict(tmp_path / "i8", dtype=torch.bfloat16))
+    convert_checkpoint(tmp_path / "f4", tmp_path / "back", to="bf16", progress=False)
+    assert_same(load_state_dict(tmp_path / "back"), load_state_dict(tmp_path / "i8"))
+
+
+def _index_of_shards(path) -> str:
+    """The index text for the shards an index names, rebuilt from their headers alone."""
+    from lockstep.quant.safetensors_io import read_headers
+
+    headers, _ = read_headers(path)
+    weight_map = {n: h.file.name for n, h in headers.items()}
+    tensors = {n: load_file(str(path / f))[n] for n, f in weight_map.items()}
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))},
+                      indent=2, sort_keys=True) + "\n"
+
+
+def test_save_pretrained_and_convert_write_one_index_format(dsv4, tmp_path):
+    from lockstep.quant.convert import convert_checkpoint
+
+    hf, config = dsv4
+    save_state_dict(hf.state_dict(), config, tmp_path / "saved", max_shard_size="8KB")
+    convert_checkpoint(tmp_path / "saved", tmp_path / "converted", to="fp8-fp4", progress=False)
+    for d in ("saved", "converted"):
+        text = (tmp_path / d / "model.safetensors.index.json").read_text()
+        assert text == _index_of_shards(tmp_path / d), d
+
+
+def test_convert_reads_the_index_as_the_loader_does(tmp_path):
+    """A tensor the index lists but its shard lacks: convert used to skip it silently."""
+    from lockstep.quant.convert import convert_checkpoint
+
+    save_pretrained(tiny_llama(), tmp_path / "src", max_shard_size="20KB")
+    file = tmp_path / "src" / "model.safetensors.index.json"
+    index = json.loads(file.read_text())
+    shard = index["weight_map"]["model.norm.weight"]
+    index["weight_map"]["model.layers.0.mlp.extra.weight"] = shard
+    file.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"model.layers.0.mlp.extra.weight .*{shard}"):
+        convert_checkpoint(tmp_path / "src", tmp_path / "dst", to="bf16", strict=False, progress=False)
+
+
 # ---- Llama ----------------------------------------------------------------------------------------
 
 def tiny_llama(**overrides):
