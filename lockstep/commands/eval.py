@@ -1,7 +1,9 @@
 """`lockstep eval`: pass@k of a model on held-out sets (no training).
 
-    lockstep eval --model DIR --eval-data math500 ../shared/data/math500/test.jsonl --rm-type math
-With no --model and no --eval-data: the embedded tiny model on held-out arithmetic.
+    lockstep eval --model DIR --eval-data math500 ../shared/data/math500/test.jsonl
+Each set is scored by its own reward, as in `lockstep train` (RunConfig.eval_data: NAME:RM, else the
+data set's checker, here math-verify, else --rm-type). With no --model and no --eval-data: the
+embedded tiny model on the arithmetic task's held-out "eval" split.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..engine.engine import Engine
     from ..rl.evaluate import evaluate
-    from ..rl.rewards import get_reward_fn
     from ..rl.rollout import RolloutSpec
     from ..rl.setup import eval_sets, model_path
 
@@ -43,7 +44,10 @@ def run(args) -> int:
     engine = Engine.from_pretrained(model_path(cfg), engine_cfg)
     spec = RolloutSpec(cfg.n_samples_per_eval_prompt, cfg.eval_temperature, 1.0, cfg.eval_max_response_len,
                        cfg.apply_chat_template, cfg.seed)
-    metrics = evaluate(engine, eval_sets(cfg), get_reward_fn(cfg.custom_reward_path or cfg.rm_type), spec)
+    sets = eval_sets(cfg)
+    for name, eval_set in sets.items():
+        print(f"{name}: {len(eval_set.prompts)} prompts scored by reward {eval_set.reward}")
+    metrics = evaluate(engine, sets, spec)
     for k, v in sorted(metrics.items()):
         print(f"{k:40s} {v:.4f}")
     if args.output:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from ..config import check_choices
-from .rewards import BUILTIN_REWARDS
+from .rewards import BUILTIN_REWARDS, natural_reward
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +57,10 @@ class RunConfig:
     max_sampling_rounds: int = 4
     """Dynamic sampling: at most this many batches of prompts drawn per rollout."""
     eval_data: tuple[str, ...] = ()
-    """Held-out sets as NAME PATH pairs, e.g. math500 data/math500/test.jsonl."""
+    """Held-out sets as NAME[:RM] PATH pairs, e.g. math500 data/math500/test.jsonl. Each set is scored by
+    its own reward: RM if given (a built-in or module:function, e.g. math500:math), else the data set's
+    checker known from NAME or PATH (math500 / aime: math, gsm8k: gsm8k, dapo: dapo, arithmetic), else
+    the run's reward (custom_reward_path or rm_type)."""
     eval_interval: int = 10
     """Evaluate every this many rollouts (and after the last)."""
     n_samples_per_eval_prompt: int = 4
@@ -99,12 +102,25 @@ class RunConfig:
             if getattr(self, f) < 1:
                 bad(f, f"must be >= 1, got {getattr(self, f)}")
         if len(self.eval_data) % 2:
-            bad("eval_data", "takes NAME PATH pairs")
+            bad("eval_data", "takes NAME[:RM] PATH pairs")
+        names = [spec.partition(":")[0] for spec in self.eval_data[0::2]]
+        if len(set(names)) < len(names) or not all(names):
+            bad("eval_data", f"set names must be non-empty and distinct, got {names}")
+        for spec in self.eval_data[0::2]:
+            rm = spec.partition(":")[2]
+            if spec.endswith(":") or rm and rm not in BUILTIN_REWARDS and ":" not in rm:
+                bad("eval_data", f"{spec!r}: RM after ':' must be one of {BUILTIN_REWARDS} or module:function")
         if self.rollout_batch_size * self.n_samples_per_prompt % self.num_steps_per_rollout:
             bad("num_steps_per_rollout", "must divide rollout_batch_size * n_samples_per_prompt")
         if self.custom_reward_path and ":" not in self.custom_reward_path:
             bad("custom_reward_path", f"expected module:function, got {self.custom_reward_path!r}")
 
     @property
-    def eval_sets(self) -> list[tuple[str, str]]:
-        return list(zip(self.eval_data[0::2], self.eval_data[1::2]))
+    def eval_sets(self) -> list[tuple[str, str, str]]:
+        """(name, path, reward) of each eval_data set, its reward resolved as eval_data says."""
+        return [(name, path, self.eval_reward(name, path, rm))
+                for (name, _, rm), path in zip((s.partition(":") for s in self.eval_data[0::2]), self.eval_data[1::2])]
+
+    def eval_reward(self, name: str, path: str = "", rm: str = "") -> str:
+        """The reward (a get_reward_fn name) of eval set `name` at `path`: the one home of the rule."""
+        return rm or natural_reward(name, path) or self.custom_reward_path or self.rm_type

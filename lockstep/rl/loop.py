@@ -51,7 +51,7 @@ class RLRun:
     trainer: object  # lockstep.train.Trainer
     source: object  # lockstep.rl.data.PromptSource
     reward_fn: object
-    eval_sets: dict = field(default_factory=dict)
+    eval_sets: dict = field(default_factory=dict)  # name -> EvalSet (each scored by its own reward)
     run_dir: Path = Path("runs/default")
     advantage_estimator: str = "grpo"
     rollout_id: int = 0
@@ -131,7 +131,7 @@ class RLRun:
 
     def evaluate(self) -> dict[str, float]:
         start = time.perf_counter()
-        metrics = evaluate(self.engine, self.eval_sets, self.reward_fn, self.eval_spec, tag=("eval", self.rollout_id))
+        metrics = evaluate(self.engine, self.eval_sets, self.eval_spec, tag=("eval", self.rollout_id))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
 

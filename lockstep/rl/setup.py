@@ -15,6 +15,7 @@ from ..models import load_pretrained
 from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
 from .embedded import ASSET_DIR, embedded_prompts
+from .evaluate import EvalSet
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
@@ -53,13 +54,17 @@ def train_prompts(run: RunConfig):
     return embedded_prompts("train"), 0
 
 
-def eval_sets(run: RunConfig) -> dict[str, list]:
-    sets = {name: load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0]
-            for name, path in run.eval_sets}
-    if not run.eval_sets and not run.prompt_data:
-        sets["arithmetic"] = embedded_prompts("eval")
-    if run.eval_prompts_limit:
-        sets = {k: v[: run.eval_prompts_limit] for k, v in sets.items()}
+def eval_sets(run: RunConfig) -> dict[str, EvalSet]:
+    """name -> EvalSet: --eval-data's sets, or with neither --eval-data nor --prompt-data the embedded
+    task's "eval" split; each with its own reward (RunConfig.eval_reward)."""
+    files = {name: (path, reward) for name, path, reward in run.eval_sets}
+    if not files and not run.prompt_data:
+        files["arithmetic"] = (None, run.eval_reward("arithmetic"))
+    sets = {}
+    for name, (path, reward) in files.items():
+        prompts = (embedded_prompts("eval") if path is None else
+                   load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0])
+        sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)
     return sets
 
 
@@ -112,7 +117,8 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
     run_dir = make_run_dir(run)
     (run_dir / "config.json").write_text(json.dumps(
-        {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__}, indent=1, default=str))
+        {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
+         "eval_rewards": {name: s.reward for name, s in held_out.items()}}, indent=1, default=str))
     rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
                advantage_estimator=train_cfg.advantage_fn, progress=progress,
                start_metrics={"data/skipped_rows": float(skipped)})

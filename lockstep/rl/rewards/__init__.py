@@ -6,6 +6,10 @@
     arithmetic  integer after the last "Answer:" (else the last integer) == label      (1.0 / 0.0)
     "pkg.mod:fn" or "path/to/file.py:fn"   a custom function, loaded by `load_custom_reward`
 
+Eval sets are scored by their data set's own checker, not the training reward: `natural_reward`
+maps a set's name (else its file path) to the reward it was built for (MATH-500, AIME -> math;
+GSM8K -> gsm8k; DAPO -> dapo; the synthetic set -> arithmetic); RunConfig.eval_sets applies it.
+
 All built-in rewards are 0/1 so that `rollout/raw_reward` reads as accuracy and pass@k can use the
 same numbers. `safe_reward` wraps any of them so an exception (a custom reward's bug, a parser
 blow-up on a pathological response) scores 0 and is counted instead of killing the run.
@@ -23,6 +27,23 @@ from typing import Callable
 RewardFn = Callable[[str, str], float]
 
 BUILTIN_REWARDS = ("dapo", "math", "gsm8k", "arithmetic")
+
+# data set name prefix (lower case, "-" / "_" / spaces dropped) -> the checker its answers are written for
+NATURAL_REWARDS = {"math500": "math", "aime": "math", "amc": "math", "gsm8k": "gsm8k", "dapo": "dapo",
+                   "arithmetic": "arithmetic"}
+
+
+def natural_reward(name: str, path: str = "") -> str | None:
+    """The built-in reward of a known data set, from its name ("math500", "AIME-2024", "gsm8k_test"),
+    else from its path's file stem or directory (".../math500/test.jsonl"); None if none names a known
+    set. Directories further up are not read: /home/amcgill/... is no AMC set."""
+    file = Path(path)
+    for word in (name, file.stem, file.parent.name) if path else (name,):
+        key = "".join(c for c in word.lower() if c not in "-_ ")
+        for prefix, reward in NATURAL_REWARDS.items():
+            if key.startswith(prefix):
+                return reward
+    return None
 
 
 def load_custom_reward(spec: str) -> RewardFn:
