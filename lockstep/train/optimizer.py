@@ -10,9 +10,16 @@ order of operations, so the two agree to rounding), with g the (clipped) gradien
     v <- b2 v + (1 - b2) g^2
     w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-Gradient clipping: total = || all grads ||_2 (fp32); if total > max_norm every gradient is
-scaled by max_norm / (total + 1e-6). A non-finite total skips the update (nothing changes,
-gradients are cleared) and `step` reports it.
+Gradient clipping: total = || all grads ||_2; if total > max_norm every gradient is scaled by
+max_norm / (total + 1e-6). A non-finite total skips the update (nothing changes, gradients are
+cleared) and `step` reports it. The squares are summed in fp64 and the norm rounded to fp32, so
+the total does not depend (short of an fp64 rounding landing on an fp32 rounding boundary) on how
+the sum was split: over parameters here, over FSDP shards across ranks (`data_parallel`: the
+squares of sharded (DTensor) gradients are summed over ranks, those of replicated ones counted once).
+
+FSDP2 (lockstep/dist/fsdp.py): a parameter may be a DTensor whose local shard is this rank's part
+of the fp32 master; the update runs on the local shards, elementwise, so N ranks together compute
+what one process computes on the full tensors.
 
 Offload (`offload=True`): w, m, v live on the CPU (pinned when CUDA is present); each update
 moves one parameter's state to the parameter's device, updates it there and copies it back, so
@@ -26,19 +33,24 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from lockstep.train.data_parallel import DataParallel
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2's sharded parameters and gradients); a tensor as is."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 @dataclass
 class _Slot:
     param: torch.nn.Parameter
-    master: torch.Tensor  # fp32; `param` itself when fp32 and not offloaded
+    master: torch.Tensor  # fp32; the parameter's (local) tensor itself when fp32 and not offloaded
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     decay: bool
-
-    @property
-    def aliased(self) -> bool:
-        return self.master is self.param
+    aliased: bool
 
 
 class MasterAdamW:
@@ -46,9 +58,10 @@ class MasterAdamW:
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float = 1e-6,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8, weight_decay: float = 0.0,
-                 offload: bool = False):
+                 offload: bool = False, data_parallel: DataParallel | None = None):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload
+        self.dp = data_parallel or DataParallel()
         self.step_count = 0
         self.slots: dict[str, _Slot] = {}
         for name, p in named_params:
@@ -56,16 +69,18 @@ class MasterAdamW:
                 self.slots[name] = self._make_slot(p)
 
     def _make_slot(self, p: torch.nn.Parameter) -> _Slot:
+        local = _local(p.detach())
+        aliased = not self.offload and p.dtype == torch.float32
         if self.offload:
             pin = torch.cuda.is_available()
-            master = p.detach().to("cpu", torch.float32, copy=True)
+            master = local.to("cpu", torch.float32, copy=True)
             master = master.pin_memory() if pin else master
-        elif p.dtype == torch.float32:
-            master = p
+        elif aliased:
+            master = local
         else:
-            master = p.detach().float().clone()
+            master = local.float().clone()
         zeros = lambda: torch.zeros_like(master, memory_format=torch.preserve_format).detach()  # noqa: E731
-        return _Slot(p, master, zeros(), zeros(), decay=p.dim() >= 2)
+        return _Slot(p, master, zeros(), zeros(), decay=p.dim() >= 2, aliased=aliased)
 
     # ---- gradients ------------------------------------------------------------------------
 
@@ -74,12 +89,21 @@ class MasterAdamW:
             s.param.grad = None
 
     def grad_norm(self) -> torch.Tensor:
-        """Total L2 norm of all gradients, fp32 scalar on the first parameter's device."""
-        norms = [s.param.grad.detach().float().norm() for s in self.slots.values() if s.param.grad is not None]
-        if not norms:
-            return torch.zeros(())
-        dev = norms[0].device
-        return torch.stack([n.to(dev) for n in norms]).norm()
+        """Total L2 norm of all gradients (over every rank's shards), fp32 scalar on the CPU."""
+        squares: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded?, per-tensor fp64 sums
+        for s in self.slots.values():
+            g = s.param.grad
+            if g is not None:
+                local = _local(g.detach()).float()
+                # squares are elementwise, so identical however the tensor is split into shards
+                squares[isinstance(g, DTensor)].append(torch.sum(local * local, dtype=torch.float64))
+        total = torch.zeros((), dtype=torch.float64)
+        if self.dp.enabled or squares[True]:  # every rank joins the sum, with or without shards of its own
+            sharded = torch.stack(squares[True]).sum() if squares[True] else torch.zeros((), dtype=torch.float64)
+            total += self.dp.sum(sharded.to(self.dp.device)).cpu()
+        if squares[False]:
+            total += torch.stack([t.to(squares[False][0].device) for t in squares[False]]).sum().cpu()
+        return total.sqrt().float()
 
     # ---- update ---------------------------------------------------------------------------
 
@@ -108,7 +132,7 @@ class MasterAdamW:
     def _update(self, s: _Slot, scale: float, bc1: float, bc2_sqrt: float) -> None:
         dev = s.param.device
         w, m, v = (t.to(dev, non_blocking=True) for t in (s.master, s.exp_avg, s.exp_avg_sq))
-        g = s.param.grad.float()
+        g = _local(s.param.grad).float()
         if scale != 1.0:
             g = g * scale
         b1, b2 = self.betas
@@ -122,7 +146,7 @@ class MasterAdamW:
             for src, dst in ((w, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)):
                 dst.copy_(src, non_blocking=True)
         if not s.aliased:
-            s.param.copy_(w)
+            _local(s.param).copy_(w)
 
     # ---- state ----------------------------------------------------------------------------
 
@@ -148,4 +172,4 @@ class MasterAdamW:
             s.exp_avg_sq.copy_(entry["exp_avg_sq"])
             if not s.aliased:
                 s.master.copy_(entry["master"])
-                s.param.copy_(s.master)
+                _local(s.param).copy_(s.master)

@@ -24,6 +24,12 @@ they were (`train/skipped_nonfinite` = 1). `num_steps` counts optimiser steps ta
 
 Wrappers are applied from outside the model (DESIGN principle 3), in this order: dtype (bf16
 compute, fp32 masters in the optimiser), quantisation-aware forward, activation recomputation.
+
+Data parallel (FSDP2): shard the fp32 model with `lockstep.dist.fsdp.apply_fsdp` first, then pass
+`data_parallel=DataParallel(group)`; each rank calls every method with its own samples (at least
+one). The dtype is then FSDP's MixedPrecisionPolicy (no cast here), the optimiser steps the local
+shards, and data_parallel.py says what is summed across ranks so that the step, its metrics and
+`named_weights` (full tensors) are those of one process on all the samples.
 """
 
 from __future__ import annotations
@@ -35,14 +41,16 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.models.precision import cast_model
+from lockstep.models.precision import cast_model, storage_dtype
 from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig
+from lockstep.train.data_parallel import DataParallel
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
@@ -56,8 +64,11 @@ from lockstep.train.routing_replay import replay_routing, response_experts
 class Trainer:
     """RL trainer over one model; see the module docstring."""
 
-    def __init__(self, model: nn.Module, config: TrainConfig, ref_model: nn.Module | None = None):
+    def __init__(self, model: nn.Module, config: TrainConfig, ref_model: nn.Module | None = None,
+                 data_parallel: DataParallel | None = None):
         self.config, self.model, self.ref_model = config, model, ref_model
+        self.dp = data_parallel or DataParallel()
+        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP applied
         self.device = next(model.parameters()).device
         self.num_steps = 0
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
@@ -73,8 +84,10 @@ class Trainer:
                 raise ValueError(f"compile_backend: {type(model).__name__} has no compilable decoder layers")
             compile_layers(model, config.compile_backend)
         c = config
+        # FSDP's CPUOffloadPolicy already keeps the sharded masters on the host
         self.optimizer = MasterAdamW(self._named_parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
-                                     eps=c.adam_eps, weight_decay=c.weight_decay, offload=c.optimizer_offload)
+                                     eps=c.adam_eps, weight_decay=c.weight_decay,
+                                     offload=c.optimizer_offload and not self.sharded, data_parallel=self.dp)
         with torch.no_grad():
             for name, value in masters.items():  # fp32 values from before the bf16 cast
                 self.optimizer.slots[name].master.copy_(value)
@@ -101,10 +114,12 @@ class Trainer:
         """Cast to bf16 when configured; returns the fp32 values the optimiser's masters start from."""
         if self.config.dtype != "bfloat16":
             return {}
-        fp32 = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.dtype != torch.bfloat16}
-        cast_model(self.model, torch.bfloat16)
         if self.ref_model is not None:
             cast_model(self.ref_model, torch.bfloat16)
+        if self.sharded:  # FSDP's MixedPrecisionPolicy casts the gathered copies; the shards are the masters
+            return {}
+        fp32 = {n: p.detach().float().clone() for n, p in self.model.named_parameters() if p.dtype != torch.bfloat16}
+        cast_model(self.model, torch.bfloat16)
         cast = {n for n, p in self.model.named_parameters() if p.dtype == torch.bfloat16}
         return {n: v for n, v in fp32.items() if n in cast}
 
@@ -127,11 +142,26 @@ class Trainer:
             logits = microbatch_logits(self.ref_model, mb, self.device, ref_routing)
             return token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
 
+    def _microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch | None]:
+        """The samples' micro-batches, then None for each one another data-parallel rank has more:
+        FSDP gathers parameters in every forward, so every rank runs as many (a None runs the
+        first micro-batch again, its result unused)."""
+        mbs: list[MicroBatch | None] = pack_microbatches(samples, self.config.max_tokens_per_gpu)
+        if self.dp.enabled:
+            if not samples:
+                raise ValueError(f"data-parallel rank {self.dp.rank} got no samples; every rank needs one")
+            mbs += [None] * (self.dp.max_ints([len(mbs)])[0] - len(mbs))
+        return mbs
+
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-sample [R_i] float32 (CPU) logprobs of the response tokens under the current weights."""
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for mb in pack_microbatches(samples, self.config.max_tokens_per_gpu):
+        mbs = self._microbatches(samples)
+        for mb in mbs:
+            if mb is None:
+                microbatch_logits(self.model, mbs[0], self.device, self._routing(mbs[0], samples))
+                continue
             logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
             logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
             for i, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
@@ -143,7 +173,11 @@ class Trainer:
         """Experts of the positions predicting each response token (P - 1 + t, as the engine records
         them) in the trainer's forward, [R_i, L, k] per sample."""
         out: list[torch.Tensor | None] = [None] * len(samples)
-        for mb in pack_microbatches(samples, self.config.max_tokens_per_gpu):
+        mbs = self._microbatches(samples)
+        for mb in mbs:
+            if mb is None:
+                microbatch_logits(self.model, mbs[0], self.device, self._routing(mbs[0], samples))
+                continue
             routing = self._routing(mb, samples) or Routing()
             microbatch_logits(self.model, mb, self.device, routing)
             for i, experts in zip(mb.indices, response_experts(routing, mb)):
@@ -158,6 +192,11 @@ class Trainer:
         num_tokens = float(sum(int(s.loss_mask.sum()) for s in samples))
         # samples with a valid token: the denominator of the sample-mean metrics (mismatch.py)
         valid = float(sum(int(s.loss_mask.any()) for s in samples))
+        if self.dp.enabled:  # the global batch's counts: every rank divides by the same numbers
+            num_tokens, num_samples, valid = self.dp.sum_floats([num_tokens, len(samples), valid])
+            max_len = self.dp.max_ints([max_len])[0]
+            return {"num_tokens": num_tokens, "num_samples": int(num_samples), "max_len": max_len,
+                    "valid_samples": valid}
         return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len, "valid_samples": valid}
 
     def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs):
@@ -224,26 +263,33 @@ class Trainer:
             raise ValueError("train_step needs at least one sample")
         self.model.train()
         norms = self._normalisers(samples)
-        mbs = pack_microbatches(samples, self.config.max_tokens_per_gpu)
+        mbs = self._microbatches(samples)
         totals: dict[str, torch.Tensor] = {}
         before: list[torch.Tensor | None] = [None] * len(samples)
         for mb in mbs:
+            if mb is None:  # a zero-weight pass: this rank's share of FSDP's collectives, no gradient
+                (self._microbatch_loss(mbs[0], samples, norms, old_logprobs)[0] * 0.0).backward()
+                continue
             loss, stats, mb_before = self._microbatch_loss(mb, samples, norms, old_logprobs)
             loss.backward()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
             for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
                 before[i] = lp
-        metrics = {k: float(v) for k, v in totals.items()}
+        self.dp.sum_grads(p for p in self.model.parameters() if not isinstance(p, DTensor))
+        totals["train/num_microbatches"] = torch.tensor(float(sum(mb is not None for mb in mbs)))
+        metrics = {k: float(v) for k, v in self.dp.sum_tensors(totals).items()}
         metrics.update(self._mismatch_metrics(samples, before))
         metrics["train/loss_finite"] = float(math.isfinite(metrics["train/loss"]))
-        metrics["train/num_microbatches"] = float(len(mbs))
         metrics["train/num_tokens"] = norms["num_tokens"]
         return metrics
 
     def _mismatch_metrics(self, samples: Sequence[Sample], before: list[torch.Tensor]) -> dict[str, float]:
         rollout = [s.rollout_logprobs for s in samples]
         masks = [s.loss_mask for s in samples]
+        if self.dp.enabled:  # per-sample metrics over the global batch, samples in rank order
+            ranks = self.dp.gather((before, rollout, masks))
+            before, rollout, masks = ([x for r in ranks for x in r[j]] for j in range(3))
         metrics = mismatch_metrics(before, rollout, masks)
         if self.config.importance_sampling:
             flat_before, cu = pack(before)
@@ -273,7 +319,17 @@ class Trainer:
         (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached, in the
         model's state-dict order."""
         for name, t in self._live_tensors():
-            yield name, t.detach()
+            yield name, self._full(name, t).detach()
+
+    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """An FSDP shard -> the full tensor (a collective: every rank iterates named_weights), in the
+        dtype it computes in (what cast_model gives a single-process bf16 run); others as they are."""
+        if not isinstance(t, DTensor):
+            return t
+        full = t.full_tensor()
+        if self.config.dtype == "bfloat16" and full.is_floating_point():
+            full = full.to(storage_dtype(self.model, name, torch.bfloat16))
+        return full
 
     def _live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_name = {canonical_name(n): t.data for n, t in self.model.state_dict(keep_vars=True).items()}

@@ -1,0 +1,86 @@
+"""`DataParallel`: the trainer's view of its data-parallel ranks, the sums that make N ranks one step.
+
+Each rank's `Trainer.train_step` gets its own samples; the step must still be the step one process
+would take on all of them, micro-batch by micro-batch. What has to cross ranks, and why:
+
+    loss normalisers   token / sample counts summed, max_len maxed: every rank's loss is (its
+                       tokens' sum) / (global count), so the gradients summed over ranks (FSDP,
+                       divide factor 1) are the gradient of the global loss
+    micro-batch count  maxed: FSDP gathers parameters on every forward, so all ranks run as many;
+                       a rank with fewer runs extra zero-weight passes (Trainer)
+    replicated grads   summed: parameters left out of FSDP (fp32 ones in low-precision units,
+                       lockstep/dist/fsdp.py) are plain tensors on every rank
+    grad-norm squares  summed over sharded gradients (each rank holds a disjoint shard); squares of
+                       replicated gradients are counted once, on every rank
+    metrics            loss terms summed (each already divided by the global count); per-sample
+                       metrics computed on the gathered samples, in rank order
+
+`DataParallel()` (no group) is one process: every method returns its input. The group is any
+torch.distributed group of the data-parallel ranks (lockstep.dist builds it; the trainer imports
+no launcher). Tensors travel on `device` (NCCL needs CUDA tensors, gloo takes CPU ones).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class DataParallel:
+    """Sums and gathers over the data-parallel group; the identity for one process."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+        self.group = group
+        self.device = torch.device(device)
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.size > 1
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        if self.enabled:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise sum over ranks (in place on `t`, which is returned)."""
+        return self._all_reduce(t, dist.ReduceOp.SUM)
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        return [int(v) for v in self._all_reduce(t, dist.ReduceOp.MAX).tolist()]
+
+    def sum_floats(self, values: list[float]) -> list[float]:
+        # float64: counts stay exact integers whatever the rank count
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        return [float(v) for v in self.sum(t).tolist()]
+
+    def sum_tensors(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Scalar tensors summed over ranks, one collective; the dict's keys must agree on every rank."""
+        if not self.enabled or not values:
+            return values
+        keys = sorted(values)
+        flat = self.sum(torch.stack([values[k].detach().reshape(()).to(self.device) for k in keys]))
+        return dict(zip(keys, flat.unbind()))
+
+    @torch.no_grad()
+    def sum_grads(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum `.grad` of replicated parameters over ranks (a parameter without one on every rank is
+        skipped everywhere: autograd gives the same graph to every rank's forward)."""
+        if not self.enabled:
+            return
+        for p in params:
+            if p.grad is not None:
+                self.sum(p.grad)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (pickled; for small per-sample metadata only)."""
+        if not self.enabled:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
