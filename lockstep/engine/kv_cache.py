@@ -17,6 +17,7 @@ Two implementations:
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
@@ -27,6 +28,8 @@ from lockstep.engine.transfer import to_device
 
 class CacheManager(Protocol):
     num_blocks: int
+    nbytes: int  # the cache's memory
+    full_sequences: int  # sequences of max_model_len tokens the cache holds at once
 
     def num_free_blocks(self) -> int: ...
     def can_allocate(self, seq: Sequence, num_tokens: int) -> bool: ...
@@ -49,6 +52,31 @@ def copy_slot(cache, src: int, dst: int) -> None:
             t[dst].copy_(t[src])
 
 
+def available_memory_bytes(device) -> int:
+    """Memory free on device now: CUDA's free memory, else the host's available memory (Linux
+    MemAvailable, sysconf elsewhere; 4 GiB assumed where neither answers)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):  # macOS has no SC_AVPHYS_PAGES
+        return 4 * 2**30
+
+
+def describe(cache: CacheManager, max_model_len: int) -> str:
+    """One line for the server's start: what the cache takes and holds."""
+    return (f"{cache.nbytes / 2**30:.2f} GiB, room for {cache.full_sequences} sequences of {max_model_len} tokens "
+            f"at once")
+
+
 def slots_for_budget(bytes_per_slot: int, cache_memory_bytes: int | None, max_num_seqs: int) -> int:
     if cache_memory_bytes is None:
         return max_num_seqs
@@ -68,6 +96,7 @@ class SlotCacheManager:
         self.bytes_per_slot = probe.bytes_per_slot()
         self.num_blocks = slots_for_budget(self.bytes_per_slot, cache_memory_bytes, max_num_seqs)
         self.cache = model.new_cache(self.num_blocks, max_model_len, dtype=dtype, device=device)
+        self.nbytes, self.full_sequences = self.num_blocks * self.bytes_per_slot, self.num_blocks
         self._free = list(range(self.num_blocks - 1, -1, -1))  # pop() hands out slot 0 first
         self._dirty: set[int] = set()  # slots handed out since the last prepare(), still to be reset
 

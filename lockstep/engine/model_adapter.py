@@ -36,17 +36,16 @@ class LlamaAdapter:
         c, bs = self.model.config, config.block_size
         per_seq = math.ceil(config.max_model_len / bs)
         block_bytes = 2 * c.num_hidden_layers * bs * c.num_key_value_heads * c.head_dim * dtype.itemsize
-        if config.cache_memory_bytes is None:
-            num_blocks = config.max_num_seqs * per_seq
-        else:
-            num_blocks = config.cache_memory_bytes // block_bytes
+        num_blocks = config.max_num_seqs * per_seq  # what max_num_seqs running sequences can use at most
+        if config.cache_memory_bytes is not None:
+            num_blocks = min(num_blocks, config.cache_memory_bytes // block_bytes)
             if num_blocks < per_seq:
                 raise ValueError(f"EngineConfig.cache_memory_bytes: {config.cache_memory_bytes} bytes hold "
                                  f"{num_blocks} KV blocks of {block_bytes} bytes; one max_model_len sequence "
                                  f"needs {per_seq}")
         self.kv = self._llama.PagedKVCache.allocate(c, num_blocks, bs, dtype=dtype, device=self.device)
         self.block_size = bs
-        return PagedCacheManager(self.kv, num_blocks, bs)
+        return PagedCacheManager(self.kv, num_blocks, bs, per_seq)
 
     def forward(self, seqs, nums, want_logits, want_routing):
         dev = self.device

@@ -16,9 +16,11 @@ from lockstep.engine.request import Sequence
 
 
 class PagedCacheManager:
-    def __init__(self, kv_cache, num_blocks: int, block_size: int):
+    def __init__(self, kv_cache, num_blocks: int, block_size: int, blocks_per_sequence: int):
         self.kv = kv_cache  # exposes .k / .v [layers, num_blocks, block_size, ...]
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.nbytes = kv_cache.k.nbytes + kv_cache.v.nbytes
+        self.full_sequences = num_blocks // blocks_per_sequence
         self._free = list(range(num_blocks - 1, -1, -1))
         self._refs = [0] * num_blocks
 
