@@ -35,8 +35,9 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from lockstep.dist.groups import DistContext
+from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.engine.weight_update import check_version, validate_update
 
@@ -95,7 +96,7 @@ def _mismatch_report(ctx: DistContext, mine: Manifest, length: int, op: str) -> 
         return f"rank {ctx.rank}: {op}: manifest hashes differ but no entry does"
     i, rank, sent, expected = min(found)
     return (f"rank {ctx.rank}: {op}: manifest mismatch at tensor #{i}: the trainer (rank {ctx.weight_src}) "
-            f"sends {sent}, engine rank {rank} expects {expected}")
+            f"sends {sent}, rank {rank} expects {expected}")
 
 
 def _check_manifest(ctx: DistContext, manifest: Manifest, expected_version: int | None,
@@ -118,10 +119,13 @@ def _views(manifest: Manifest, bucket: Bucket, buf: torch.Tensor) -> list[tuple[
 
 
 def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: str) -> list[torch.Tensor]:
-    """The bucket's tensors from the trainer's iterator, checked against the manifest by name and shape."""
+    """The bucket's tensors from the trainer's iterator, checked against the manifest by name and shape.
+    A sharded DTensor (FSDP) is gathered here: every trainer rank takes the same tensor at this point."""
     out = []
     for spec in manifest.entries[bucket.start:bucket.stop]:
         name, t = next(tensors, (None, None))
+        if isinstance(t, DTensor):
+            t = t.full_tensor()
         if name != spec.name or tuple(t.shape) != spec.shape:
             got = "the end of named_weights()" if name is None else f"{name} {list(t.shape)}"
             raise ManifestMismatch(f"rank {rank}: {op}: the trainer's tensor #{manifest.entries.index(spec)} is "
@@ -152,13 +156,15 @@ class _Stream:
             except ValueError as e:
                 self.error = e
 
-    def source_buffer(self, b: int, bucket: Bucket) -> torch.Tensor | None:
+    def source_buffer(self, bucket: Bucket) -> torch.Tensor | None:
         """Take the bucket from the iterator (every trainer rank); pack it on the source rank."""
         tensors = None
         if self.tensors is not None and self.error is None:
             try:
                 tensors = _take(self.tensors, self.manifest, bucket, self.ctx.rank, self.op)
-            except (ManifestMismatch, RuntimeError) as e:  # a gather inside named_weights() can fail too
+            except DistributedError:
+                raise  # a trainer peer is gone: there is no one to vote with
+            except (ManifestMismatch, RuntimeError) as e:  # e.g. a trainer whose weights are not the manifest's
                 self.error = e
         if self.ctx.rank != self.ctx.weight_src:
             return None
@@ -166,7 +172,7 @@ class _Stream:
             return torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
         return _pack(self.manifest, bucket, tensors, self.device)
 
-    def stage(self, b: int, bucket: Bucket, buf: torch.Tensor) -> None:
+    def stage(self, bucket: Bucket, buf: torch.Tensor) -> None:
         if self.engine is None or self.error is not None:
             return
         pairs = _views(self.manifest, bucket, buf)
@@ -181,7 +187,7 @@ class _Stream:
         n = len(self.manifest.buckets)
         in_flight = None  # (work, buffer, index): bucket i's broadcast overlaps packing bucket i + 1
         for b, bucket in enumerate(self.manifest.buckets):
-            buf = self.source_buffer(b, bucket)
+            buf = self.source_buffer(bucket)
             if self.ctx.weight_group is None:
                 continue  # a trainer rank that is not the source: it only kept its gathers in step
             if buf is None:
@@ -198,7 +204,7 @@ class _Stream:
         work, buf, b = in_flight
         with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n}"):
             work.wait()
-        self.stage(b, self.manifest.buckets[b], buf)
+        self.stage(self.manifest.buckets[b], buf)
 
 
 # ---- commit ----------------------------------------------------------------------------------

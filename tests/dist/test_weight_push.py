@@ -143,7 +143,7 @@ def test_manifest_mismatch_names_the_first_differing_tensor_on_both_ranks():
         assert r.error_type == "ManifestMismatch", r.error
         assert f"rank {r.rank}: weight push v1: manifest mismatch at tensor #" in r.error
         assert ("the trainer (rank 0) sends model.layers.0.mlp.experts.gate_up_proj [8, 128, 64] float32, "
-                "engine rank 1 expects model.layers.0.mlp.experts.gate_up_proj [8, 64, 64] float32") in r.error
+                "rank 1 expects model.layers.0.mlp.experts.gate_up_proj [8, 64, 64] float32") in r.error
         assert r.elapsed_s < 30
 
 
