@@ -22,12 +22,14 @@ from lockstep.sample import Sample
 Stop = str | list[str] | None
 
 
+# strict: a value of the wrong JSON type is a 400, as the OpenAPI schema says (lax pydantic read
+# `false` as token id 0 and "3" as n = 3); integers are still accepted where a float is expected
 class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _OpenAISampling(_Lenient):
