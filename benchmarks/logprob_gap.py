@@ -6,7 +6,7 @@ re-scores them (with and without the quantisation-aware forward); prints the mea
 project starts from (0.09 mean, the ROCm bring-up of DeepSeek-V4-Flash; DSV4_SPEC.md).
 
     python benchmarks/logprob_gap.py --config 1b --device cuda --dtype bfloat16
-    LOCKSTEP_COMPILE=0 python benchmarks/logprob_gap.py ...       # the engine's decode uncompiled
+    python benchmarks/logprob_gap.py ... --no-compile-decode      # the engine's decode uncompiled
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     train_model.load_state_dict(state)
     engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
                                                batch_invariant=invariant, max_num_seqs=args.batch,
-                                               max_model_len=args.prompt_len + args.new_tokens + 8))
+                                               max_model_len=args.prompt_len + args.new_tokens + 8,
+                                               compile_decode=args.compile_decode))
     # the quant-aware parametrisation does not trace: those settings keep eager trainer layers
     compiled = args.compile_trainer and qat is None
     trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
@@ -61,7 +62,7 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     start = time.perf_counter()
     report = compare(engine, trainer, prompts, sampling)
     return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
-            "routing_replay": replay, "compiled_trainer": compiled,
+            "routing_replay": replay, "compiled_trainer": compiled, "engine_path": engine.serving_path,
             "seconds": time.perf_counter() - start}
 
 
@@ -79,6 +80,9 @@ def main():
     ap.add_argument("--compile-trainer", action="store_true",
                     help="the trainer's decoder layers compiled with inductor, as the engine's decode step is "
                          "(settings without the quant-aware forward)")
+    ap.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
+                    help="EngineConfig.compile_decode: the engine's decoder layers compiled before the decode "
+                         "graphs are captured (the default); --no-compile-decode captures the eager forward")
     args = ap.parse_args()
     state = make_model(args.config, 0).state_dict()
     print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")

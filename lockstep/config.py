@@ -125,6 +125,22 @@ class EngineConfig:
     compile_cache: str | None = None
     """File of compiled graphs carried between machines (engine/compile_cache.py): read before the engine
     compiles, rewritten after; None: none."""
+    compile_decode: bool = True
+    """On CUDA in bf16 with cuda_graph, the decoder layers are compiled (inductor) before the decode graphs are
+    captured; off: the graphs replay the eager forward (a different rounding: README, train/rollout agreement).
+    LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
+    compile_fallback: bool = False
+    """If compiling the decoder layers or capturing the decode graphs fails at engine start, warn and serve the
+    eager path instead of raising (its train/rollout gap differs from the compiled one's)."""
+    triton_moe: bool = True
+    """The routed experts of decode steps run lockstep's Triton grouped GEMMs (CUDA, bf16); off: torch's grouped
+    GEMM. LOCKSTEP_TRITON_MOE=0 / 1, when set, overrides (models/layers/kernel_switch.py)."""
+    triton_hc: bool = True
+    """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA); off: a torch GEMM.
+    LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
+    compile_hc: bool = True
+    """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
+    trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
 
     def __post_init__(self):
         name = "EngineConfig"

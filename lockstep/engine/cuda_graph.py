@@ -25,19 +25,43 @@ Compiled before capture: a graph removes the launch cost from Python, not the pe
 the GPU. An eager decode step of a 1B config is ~4,000 small kernels (element-wise mHC, RoPE,
 norms, masks) at ~2 us each inside a graph; the decoder layers are compiled first
 (models/compiled_layers.py: one compilation per layer kind, dynamic batch), which fuses them.
-`compile_backend=None` or LOCKSTEP_COMPILE=0 captures the eager forward; the default ("auto")
-compiles with inductor when capturing on CUDA only (on CPU inductor needs a C++ toolchain and
-minutes per layer kind; the CPU tests trace the compiled region with the "eager" backend).
+`compile_backend=None` captures the eager forward (EngineConfig.compile_decode off, or
+LOCKSTEP_COMPILE=0: engine/decode_path.py decides); the default ("auto") compiles with inductor
+when capturing on CUDA only (on CPU inductor needs a C++ toolchain and minutes per layer kind; the
+CPU tests trace the compiled region with the "eager" backend).
+
+Each start-up step runs as a named `stage`: a failure raises `StageError` saying which step
+failed (compiling the layers, compiling the decode step at a batch size, capturing its graph), so
+that decode_path.py can report it or, if asked to, fall back.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 
 import torch
 
 from lockstep.engine.transfer import copy_into
 from lockstep.models.compiled_layers import CompiledLayers
+
+
+class StageError(RuntimeError):
+    """A start-up stage of the compiled / captured decode path failed; `stage` names it."""
+
+    def __init__(self, stage: str, cause: BaseException, hint: str = ""):
+        super().__init__(f"{stage} failed: {type(cause).__name__}: {cause}" + (f" ({hint})" if hint else ""))
+        self.stage, self.cause = stage, cause
+
+
+@contextlib.contextmanager
+def stage(name: str):
+    """Run a start-up step; any exception leaves as a StageError naming it."""
+    try:
+        yield
+    except StageError:
+        raise
+    except Exception as e:
+        raise StageError(name, e) from e
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -62,9 +86,10 @@ class DecodeGraphs:
         self.compiled_layers = None  # None: run_step calls the layers eagerly
         if compile_backend == "auto":
             compile_backend = "inductor" if self.capture else None
-        if compile_backend and os.environ.get("LOCKSTEP_COMPILE", "1") != "0":
+        if compile_backend:
             options = compile_options if compile_backend == "inductor" else None  # inductor's settings
-            self.compiled_layers = CompiledLayers(compile_backend, options)
+            with stage("compiling the decoder layers"):
+                self.compiled_layers = CompiledLayers(compile_backend, options)
         if self.capture:
             self.capture_all()
 
@@ -139,12 +164,14 @@ class DecodeGraphs:
     def _capture(self, B: int, pool):
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: cuBLAS handles, lazily built tensors, autotuning
+        # warm-up: the compilation (first bucket), cuBLAS handles, lazily built tensors, autotuning
+        warm_up = "compiling" if self.compiled_layers is not None else "running"
+        with stage(f"{warm_up} the decode step (batch {B})"), torch.cuda.stream(side):
             for _ in range(2):
                 self._forward(B)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with stage(f"capturing the decode CUDA graph (batch {B})"), torch.cuda.graph(graph, pool=pool):
             self.outputs[B] = self._forward(B)
         self.graphs[B] = graph
         return graph.pool()

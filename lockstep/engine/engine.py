@@ -24,7 +24,6 @@ import dataclasses
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine import compile_cache
 from lockstep.engine.background import BackgroundLoop
+from lockstep.engine.decode_path import describe, start_graphs
 from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import decode_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
@@ -41,6 +41,7 @@ from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, check_version,
                                            load_update_from_disk, update_weights)
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.precision import cast_model
 from lockstep.prompt_encoding import encode_prompt
 from lockstep.sample import Sample
@@ -71,6 +72,10 @@ class Engine:
         self.model = cast_for_serving(model, self.dtype, config.device)
         apply_serving_format(self.model, config.serving_format)
         self._fuse_projections()
+        # the model imports no config: its kernel switches are handed over (kernel_switch.py)
+        self.kernels = KernelSwitches(triton_moe=config.triton_moe, triton_hc=config.triton_hc,
+                                      compile_hc=config.compile_hc)
+        set_kernel_switches(self.model, self.kernels)
         # never past the positions the model was built for
         limit = getattr(self.model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, limit)
@@ -81,8 +86,12 @@ class Engine:
         self.runner = ModelRunner(self.adapter, config.batch_invariant)
         if hasattr(self.adapter, "compile_prefill"):
             self.adapter.compile_prefill = config.compile_prefill
-        if config.cuda_graph and torch.device(config.device).type == "cuda":
+        on_cuda = torch.device(config.device).type == "cuda"
+        if config.cuda_graph and on_cuda:
             self._capture_graphs()
+        self.serving_path = describe(self.adapter, self.kernels)  # what serves, for the log and the tests
+        if on_cuda:
+            print(f"lockstep engine: {self.serving_path}", file=sys.stderr)
         self.sampler = Sampler()
         self.stop = StopChecker(self._eos_ids(), tokenizer, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
@@ -98,24 +107,14 @@ class Engine:
             # torch._grouped_mm (the MoE GEMMs) runs on CUDA without reading the device only in
             # bf16; other dtypes take a fallback that copies the group offsets to the host
             return
-        # a failure costs speed, not correctness: without compilation, then without graphs
+        # a failure is an error naming its stage, unless config.compile_fallback (decode_path.py)
         start, compiled_before = time.perf_counter(), compiled_graph_count()
         cache = self.config.compile_cache
         loaded = bool(cache) and compile_cache.load(cache)
-        print("lockstep engine: compiling the decoder layers (unless LOCKSTEP_COMPILE=0) for decode and prefill, "
+        print("lockstep engine: compiling the decoder layers for decode and prefill (EngineConfig.compile_decode), "
               "capturing decode graphs: minutes on a machine's first start, seconds once inductor's cache holds them",
               file=sys.stderr)
-        try:
-            self.adapter.enable_graphs(self.config.max_num_seqs, compile_options=self.config.compile_options)
-            self.adapter.warm_up_prefill()
-        except RuntimeError as e:
-            warnings.warn(f"compiling the decode step failed, capturing it uncompiled: {e}", RuntimeWarning,
-                          stacklevel=3)
-            try:
-                self.adapter.enable_graphs(self.config.max_num_seqs, compile_backend=None)
-            except RuntimeError as e:
-                self.adapter.graphs = None
-                warnings.warn(f"CUDA graph capture failed, decoding eagerly: {e}", RuntimeWarning, stacklevel=3)
+        start_graphs(self.adapter, self.config)
         note = ""
         if cache:
             written = compile_cache.save(cache)

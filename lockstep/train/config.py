@@ -113,6 +113,10 @@ class TrainConfig:
     """torch.compile backend for the decoder layers, compiled as the engine's decode step is
     (models/compiled_layers.py): inductor (CUDA), eager / aot_eager (trace only). Not with
     recompute_activations or quant_aware_forward. None: eager layers."""
+    compile_hc: bool = True
+    """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
+    (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The Triton switches are
+    the engine's only: they act on single-token steps, which the trainer's forward never takes.)"""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and AdamW states in host memory."""
     dtype: str = "float32"

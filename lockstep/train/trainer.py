@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.precision import cast_model, storage_dtype
 from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
@@ -74,6 +75,9 @@ class Trainer:
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
         self._setup_determinism()
         self._check(model, ref_model)
+        for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
+            if m is not None:
+                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc))
         masters = self._prepare_dtype()
         if config.quant_aware_forward:
             apply_quant_aware(model, config.quant_aware_forward)

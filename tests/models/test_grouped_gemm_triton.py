@@ -125,11 +125,9 @@ def test_experts_take_the_triton_path_at_decode_only(monkeypatch):
         torch.nn.init.normal_(p, std=0.3)
     x, _, counts, _ = _setup(7, 1, 64)  # the rows only
     with torch.no_grad():
-        assert triton_experts(x, experts.gate_up_proj, experts.down_proj) == (DEVICE == "cuda")
-        monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "0")
-        assert not triton_experts(x, experts.gate_up_proj, experts.down_proj)
-    monkeypatch.delenv("LOCKSTEP_TRITON_MOE")
-    assert not triton_experts(x, experts.gate_up_proj, experts.down_proj)  # gradients wanted
+        assert triton_experts(x, experts.gate_up_proj, experts.down_proj, True) == (DEVICE == "cuda")
+        assert not triton_experts(x, experts.gate_up_proj, experts.down_proj, False)  # switched off
+    assert not triton_experts(x, experts.gate_up_proj, experts.down_proj, True)  # gradients wanted
 
     counts = counts.to(DEVICE)
     with torch.no_grad():

@@ -127,18 +127,16 @@ def test_hyper_connections_take_the_kernel_without_gradients(monkeypatch):
     step = streams[:, :1]  # a decode step: one new token per row
 
     with torch.no_grad():
-        assert hyper_connection._triton_mixes(step, hc.fn) == (DEVICE == "cuda")
-        assert not hyper_connection._triton_mixes(streams, hc.fn)  # prefill: cuBLAS
-        monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
-        assert not hyper_connection._triton_mixes(step, hc.fn)
-    monkeypatch.delenv("LOCKSTEP_TRITON_HC")
-    assert not hyper_connection._triton_mixes(step, hc.fn)  # gradients wanted (fn is a parameter)
+        assert hyper_connection._triton_mixes(step, hc.fn, True) == (DEVICE == "cuda")
+        assert not hyper_connection._triton_mixes(streams, hc.fn, True)  # prefill: cuBLAS
+        assert not hyper_connection._triton_mixes(step, hc.fn, False)  # switched off
+    assert not hyper_connection._triton_mixes(step, hc.fn, True)  # gradients wanted (fn is a parameter)
 
     with torch.no_grad():
         monkeypatch.setattr(hyper_connection, "_triton_mixes", lambda *args: False)
         ref_hc, ref_head = hc(streams), head(streams)
         monkeypatch.setattr(hyper_connection, "_triton_mixes", lambda *args: True)
-        mixes = hyper_connection._mixes(streams, hc.fn, EPS)
+        mixes = hyper_connection._mixes(streams, hc.fn, EPS, True)
         assert mixes.shape == (2, 5, (2 + n) * n)
         _assert_close(mixes, _reference(x, hc.fn), hc.fn)
         fused_hc, fused_head = hc(streams), head(streams)

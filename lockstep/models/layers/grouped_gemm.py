@@ -5,7 +5,7 @@ CPU builds that have it, fp32 too; its CPU backward rejects empty groups, so tra
 takes the reference loop, as does fp32 on GPUs). `grouped_mm_reference` is the pure-PyTorch
 definition both must match. At decode (CUDA, bf16, no gradient: few rows per expert) the experts
 take Triton kernels instead, the SwiGLU fused into the first (`triton_experts`,
-grouped_gemm_triton.py); LOCKSTEP_TRITON_MOE=0 switches them off.
+grouped_gemm_triton.py); the `triton_moe` switch turns them off (kernel_switch.py).
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     return grouped_mm_reference(x, w, counts)
 
 
-def triton_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def triton_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, enabled: bool) -> bool:
     """Whether rows x can go through the experts (gate_up [G, 2F, K], down [G, K, F]) on the
-    Triton kernels: on CUDA, in bf16, with no gradient wanted (they are forward-only), and not
-    switched off. Experts.mlp asks at decode steps only."""
-    return (forward_kernel_allowed("LOCKSTEP_TRITON_MOE", x, gate_up, down)
+    Triton kernels: `enabled` (the triton_moe switch), on CUDA, in bf16, with no gradient wanted
+    (they are forward-only). Experts.mlp asks at decode steps only."""
+    return (forward_kernel_allowed(enabled, x, gate_up, down)
             and grouped_gemm_triton.available(x, gate_up) and down.dtype == torch.bfloat16
             and gate_up.shape[1] == 2 * down.shape[2])

@@ -14,39 +14,37 @@ The projection m = fn @ rms_norm(x) is one Triton kernel on CUDA without gradien
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import hc_projection_triton
-from .kernel_switch import forward_kernel_allowed
+from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
 
 
-def _triton_mixes(streams: torch.Tensor, fn: torch.Tensor) -> bool:
-    """Whether `_mixes` takes the Triton kernel for streams [N, S, n, D]: a decode step (S = 1:
+def _triton_mixes(streams: torch.Tensor, fn: torch.Tensor, enabled: bool) -> bool:
+    """Whether `_mixes` takes the Triton kernel for streams [N, S, n, D]: `enabled` (the
+    triton_hc switch, kernel_switch.py), a decode step (S = 1:
     at prefill sizes cuBLAS is faster, 207 vs 300 us at 4,096 tokens on an H200; and S = 1 is
     already a compiled graph's specialisation, so the choice adds no compile guard), on CUDA,
-    no gradient wanted (it is forward-only), the kernel available for the shapes, and not
-    switched off (LOCKSTEP_TRITON_HC=0)."""
-    return (forward_kernel_allowed("LOCKSTEP_TRITON_HC", streams, fn) and streams.dim() == 4
+    no gradient wanted (it is forward-only), and the kernel available for the shapes."""
+    return (forward_kernel_allowed(enabled, streams, fn) and streams.dim() == 4
             and streams.shape[1] == 1 and hc_projection_triton.available(streams.flatten(-2), fn))
 
 
-def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) -> torch.Tensor:
     """m = fn @ rms_norm(X.flatten()) in fp32: streams [..., n, D], fn [J, n * D] -> [..., J].
     On the Triton path, one kernel (products and sums of squares, split over K) plus a few
     element-wise ops that a compiled caller fuses; equal up to fp32 rounding."""
     x = streams.flatten(-2)
-    if _triton_mixes(streams, fn):
+    if _triton_mixes(streams, fn, triton):
         return hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
     return F.linear(rms_norm(x.float(), eps), fn.float())
 
 
-class HyperConnection(nn.Module):
+class HyperConnection(Switched, nn.Module):
     def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
         super().__init__()
         n = hc_mult
@@ -57,8 +55,9 @@ class HyperConnection(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
-        mixes = _mixes(streams, self.fn, self.norm_eps)
-        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps)
+        mixes = _mixes(streams, self.fn, self.norm_eps, self.kernels.on("triton_hc"))
+        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
+                                          compiled=self.kernels.on("compile_hc"))
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
         return collapsed, post, comb
 
@@ -77,14 +76,15 @@ def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
 # On GPUs, outside a compiled region (the trainer's eager forward, the engine's prefill), the
 # coefficients' element-wise ops are compiled once (dynamic shapes) so that they fuse; the Sinkhorn
 # in them is one Triton kernel either way (sinkhorn_triton.py). Trainer and engine call the same
-# function, so both sides run the same kernels. LOCKSTEP_COMPILE=0 keeps everything eager.
+# function, so both sides run the same kernels; their `compile_hc` switch (kernel_switch.py) off
+# keeps it eager.
 _compiled_coefficients = None
 
 
-def hc_coefficients(mixes, base, scale, n: int, iters: int, eps: float):
+def hc_coefficients(mixes, base, scale, n: int, iters: int, eps: float, compiled: bool = True):
     global _compiled_coefficients
     # inside a compiled region (the engine's decode step) the caller's compilation fuses it
-    if not mixes.is_cuda or torch.compiler.is_compiling() or os.environ.get("LOCKSTEP_COMPILE", "1") == "0":
+    if not compiled or not mixes.is_cuda or torch.compiler.is_compiling():
         return _coefficients(mixes, base, scale, n, iters, eps)
     if _compiled_coefficients is None:
         _compiled_coefficients = torch.compile(_coefficients, dynamic=True, fullgraph=True)
@@ -107,7 +107,7 @@ def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
 
 
-class HyperHead(nn.Module):
+class HyperHead(Switched, nn.Module):
     """Final collapse of the streams before the output norm: u = sum_i pre_i X_i."""
 
     def __init__(self, hc_mult: int, hidden_size: int, hc_eps: float, norm_eps: float):
@@ -118,6 +118,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        mixes = _mixes(streams, self.hc_fn, self.norm_eps)
+        mixes = _mixes(streams, self.hc_fn, self.norm_eps, self.kernels.on("triton_hc"))
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)

@@ -1,20 +1,83 @@
-"""When one of lockstep's forward-only Triton kernels may stand in for the torch ops it replaces.
+"""Which of lockstep's optional kernels a model may run: the one place the switches are decided.
 
-The kernels (grouped_gemm_triton.py, hc_projection_triton.py) have no backward, so they run only
-where no gradient is wanted (the engine, the trainer's scoring passes); only on CUDA; and each can
-be switched off by its environment variable (`LOCKSTEP_TRITON_MOE=0`, `LOCKSTEP_TRITON_HC=0`) to
-compare against the torch path. Each caller adds its own shape checks.
+The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
+hc_projection_triton.py: mHC's projection at decode) and the compiled mHC coefficients
+(hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are settings,
+not environment: `EngineConfig` and `TrainConfig` carry one field each (triton_moe, triton_hc,
+compile_hc), and the engine and the trainer hand them to their model with `set_kernel_switches`
+at construction (the model imports neither config: DESIGN principle 3). A model nobody configured
+runs the defaults (all on).
+
+The environment overrides a setting when set, for A/B runs without touching a config:
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE ("0" off, anything else on;
+LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
+line says which kernels are on.
+
+A Triton kernel runs only where it can: on CUDA (under TRITON_INTERPRET=1 the tests run the
+kernels themselves, not this gate), with no gradient wanted (no backward), and where each caller's
+shape checks pass.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
+from torch import nn
+
+# each switch's environment override
+ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE"}
 
 
-def forward_kernel_allowed(switch: str, *tensors: torch.Tensor) -> bool:
-    """On CUDA, no gradient wanted through `tensors`, and the environment variable `switch` not "0"."""
-    if not tensors[0].is_cuda or os.environ.get(switch, "1") == "0":
+def env_override(variable: str, configured: bool) -> bool:
+    """`configured`, unless the environment variable is set: then whether it is not "0"."""
+    value = os.environ.get(variable)
+    return configured if value is None else value != "0"
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    triton_moe: bool = True
+    """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused)."""
+    triton_hc: bool = True
+    """mHC's projection + RMSNorm of a decode step is one Triton kernel."""
+    compile_hc: bool = True
+    """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
+
+    def on(self, name: str) -> bool:
+        """Whether switch `name` is on: the setting, or its environment variable when set."""
+        return env_override(ENV[name], getattr(self, name))
+
+    def describe(self) -> str:
+        """e.g. "triton_moe on, triton_hc off (LOCKSTEP_TRITON_HC), compile_hc on"."""
+        parts = []
+        for f in dataclasses.fields(self):
+            on, env = self.on(f.name), os.environ.get(ENV[f.name])
+            parts.append(f"{f.name} {'on' if on else 'off'}" + (f" ({ENV[f.name]}={env})" if env is not None else ""))
+        return ", ".join(parts)
+
+
+DEFAULT = KernelSwitches()
+
+
+class Switched:
+    """Mixin of the modules that ask a switch: `self.kernels`, the defaults until set from outside."""
+
+    kernels: KernelSwitches = DEFAULT
+
+
+def set_kernel_switches(model: nn.Module, switches: KernelSwitches) -> nn.Module:
+    """Every switched module of `model` runs with `switches`. Returns the model."""
+    for module in model.modules():
+        if isinstance(module, Switched):
+            module.kernels = switches
+    return model
+
+
+def forward_kernel_allowed(enabled: bool, *tensors: torch.Tensor) -> bool:
+    """A forward-only kernel may run: switched on, on CUDA, no gradient wanted through `tensors`."""
+    if not enabled or not tensors[0].is_cuda:
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))

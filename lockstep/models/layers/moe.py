@@ -19,6 +19,7 @@ from torch import nn
 from . import grouped_gemm_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
+from .kernel_switch import Switched
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -106,7 +107,7 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     return order, counts
 
 
-class Experts(nn.Module):
+class Experts(Switched, nn.Module):
     """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F]."""
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float):
@@ -132,7 +133,7 @@ class Experts(nn.Module):
         A decode step's few rows per expert take the Triton kernels (SwiGLU fused, one kernel per
         GEMM); prefill's many take CUTLASS's large tiles. Deciding by the step's kind, not by the
         row count, adds no compile guard: a compiled graph is already specialised to S = 1."""
-        if decode and triton_experts(xs, self.gate_up_proj, self.down_proj):
+        if decode and triton_experts(xs, self.gate_up_proj, self.down_proj, self.kernels.on("triton_moe")):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             act = grouped_gemm_triton.grouped_swiglu(xs, self.gate_up_proj, offs, self.limit)
             return grouped_gemm_triton.grouped_mm(act, self.down_proj, offs)

@@ -1,0 +1,90 @@
+"""Which path serves the engine (engine/decode_path.py): a compile or capture failure is an error
+naming its stage unless EngineConfig.compile_fallback; the startup line says what serves and which
+kernels are on. On the CPU the decode graphs run their stand-in (no capture), compiled with the
+"eager" backend, so the same start-up code runs as on a GPU."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lockstep.engine.cuda_graph import StageError
+from lockstep.engine.decode_path import describe, start_graphs
+from lockstep.models import compiled_layers
+from lockstep.models.layers.kernel_switch import Switched
+
+from conftest import make_engine
+
+
+def _start(engine, **config):
+    config = dataclasses.replace(engine.config, **config)
+    start_graphs(engine.adapter, config, capture=False, compile_backend="eager")
+    return describe(engine.adapter, engine.kernels)
+
+
+def _failing_compile(*args, **kwargs):
+    raise RuntimeError("no compiler here")
+
+
+def test_a_failed_compilation_is_an_error_naming_its_stage(monkeypatch):
+    engine = make_engine(seed=1)
+    monkeypatch.setattr(compiled_layers.torch, "compile", _failing_compile)
+    with pytest.raises(StageError, match="compiling the decoder layers failed: RuntimeError: no compiler here") as e:
+        _start(engine)
+    assert e.value.stage == "compiling the decoder layers" and "compile_fallback" in str(e.value)
+
+
+def test_a_failed_prefill_compilation_names_the_prefill(monkeypatch):
+    engine = make_engine(seed=2)
+
+    def failing_call(self, *args, **kwargs):
+        raise RuntimeError("inductor crashed")
+
+    monkeypatch.setattr(compiled_layers.CompiledLayers, "__call__", failing_call)
+    with pytest.raises(StageError, match="compiling the prefill step failed: RuntimeError: inductor crashed"):
+        _start(engine)
+
+
+def test_with_the_fallback_it_warns_and_serves_eagerly(monkeypatch):
+    engine = make_engine(seed=3)
+    monkeypatch.setattr(compiled_layers.torch, "compile", _failing_compile)
+    with pytest.warns(RuntimeWarning, match="compiling the decoder layers failed.*capturing the eager forward"):
+        path = _start(engine, compile_fallback=True)
+    assert path.startswith("decode: eager + graph stand-in (no capture); prefill: eager;")
+    assert engine.adapter.graphs is not None and engine.adapter.graphs.compiled_layers is None
+
+
+def test_when_the_eager_graphs_fail_too_the_fallback_decodes_without_graphs(monkeypatch):
+    engine = make_engine(seed=4)
+    monkeypatch.setattr(compiled_layers.torch, "compile", _failing_compile)
+    monkeypatch.setattr(engine.adapter, "warm_up_prefill", _failing_compile)  # fails in both attempts
+    with pytest.warns(RuntimeWarning) as record:
+        path = _start(engine, compile_fallback=True)
+    assert [str(w.message).split(";")[-1].strip() for w in record] == [
+        "EngineConfig.compile_fallback: capturing the eager forward", "EngineConfig.compile_fallback: decoding eagerly"]
+    assert engine.adapter.graphs is None and path.startswith("decode: eager; prefill: eager;")
+
+
+def test_compile_decode_off_and_the_environment_override(monkeypatch):
+    engine = make_engine(seed=5)
+    assert _start(engine).startswith("decode: compiled (eager) + graph stand-in (no capture); prefill: compiled;")
+    assert _start(engine, compile_decode=False).startswith("decode: eager + graph stand-in")
+    monkeypatch.setenv("LOCKSTEP_COMPILE", "1")  # the environment wins when set
+    assert _start(engine, compile_decode=False).startswith("decode: compiled (eager)")
+    monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
+    assert _start(engine).startswith("decode: eager + graph stand-in")
+
+
+def test_the_engine_hands_its_kernel_switches_to_the_model(monkeypatch):
+    monkeypatch.delenv("LOCKSTEP_TRITON_MOE", raising=False)
+    monkeypatch.delenv("LOCKSTEP_TRITON_HC", raising=False)
+    monkeypatch.delenv("LOCKSTEP_COMPILE", raising=False)
+    engine = make_engine(seed=6, triton_moe=False, compile_hc=False)
+    switched = [m for m in engine.model.modules() if isinstance(m, Switched)]
+    assert len(switched) == 3 * engine.model.config.num_hidden_layers + 1  # 2 mHC + experts per layer, head
+    assert all(m.kernels is engine.kernels for m in switched)
+    assert engine.serving_path == "decode: eager; prefill: eager; kernels: triton_moe off, triton_hc on, compile_hc off"
+    monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
+    assert "triton_hc off (LOCKSTEP_TRITON_HC=0)" in describe(engine.adapter, engine.kernels)
+    with torch.no_grad():  # still serves
+        assert engine.model(torch.tensor([[1, 2, 3]])).shape[-1] == engine.model.config.vocab_size

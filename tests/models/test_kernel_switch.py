@@ -1,0 +1,84 @@
+"""Kernel switches (models/layers/kernel_switch.py): settings handed to the model from outside,
+the environment overriding them when set, and the layers asking them at every decode step. The
+Triton kernels themselves run only on CUDA (or under the interpreter in their own tests), so
+here the decisions are checked: what each layer asks, and the gate's answer."""
+
+import pytest
+import torch
+
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, StepBatch
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+from lockstep.models.layers import hyper_connection, moe
+from lockstep.models.layers.kernel_switch import (ENV, KernelSwitches, Switched, forward_kernel_allowed,
+                                                  set_kernel_switches)
+
+
+@pytest.fixture(autouse=True)
+def no_overrides(monkeypatch):
+    for variable in ENV.values():
+        monkeypatch.delenv(variable, raising=False)
+
+
+def test_the_environment_wins_when_set(monkeypatch):
+    off = KernelSwitches(triton_moe=False, triton_hc=False, compile_hc=False)
+    assert KernelSwitches().on("triton_moe") and not off.on("triton_moe")
+    monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")
+    assert off.on("triton_moe") and not off.on("triton_hc")
+    monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
+    assert not KernelSwitches().on("triton_hc")
+    monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
+    assert not KernelSwitches().on("compile_hc")
+    assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
+                                           "compile_hc off (LOCKSTEP_COMPILE=0)")
+
+
+def test_the_gate_needs_the_switch_cuda_and_no_gradient():
+    w = torch.zeros(2, 2, requires_grad=True)
+    assert not forward_kernel_allowed(True, torch.zeros(2, 2), w)  # CPU: never
+    assert not forward_kernel_allowed(False, torch.zeros(2, 2, device="meta"))
+    if torch.cuda.is_available():
+        x = torch.zeros(2, 2, device="cuda")
+        assert forward_kernel_allowed(True, x) and not forward_kernel_allowed(False, x)
+        assert not forward_kernel_allowed(True, x, w.cuda())  # a gradient wanted
+
+
+def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
+    """Run one decode step (one new token per row) and record what each switched layer asked."""
+    asked = {"triton_moe": set(), "triton_hc": set(), "compile_hc": set()}
+    triton_experts, triton_mixes, coefficients = moe.triton_experts, hyper_connection._triton_mixes, \
+        hyper_connection.hc_coefficients
+
+    def experts_spy(x, gate_up, down, enabled):
+        asked["triton_moe"].add(enabled)
+        return triton_experts(x, gate_up, down, enabled)
+
+    def mixes_spy(streams, fn, enabled):
+        asked["triton_hc"].add(enabled)
+        return triton_mixes(streams, fn, enabled)
+
+    def coefficients_spy(*args, compiled):
+        asked["compile_hc"].add(compiled)
+        return coefficients(*args, compiled=compiled)
+
+    monkeypatch.setattr(moe, "triton_experts", experts_spy)
+    monkeypatch.setattr(hyper_connection, "_triton_mixes", mixes_spy)
+    monkeypatch.setattr(hyper_connection, "hc_coefficients", coefficients_spy)
+    cache = model.new_cache(num_slots=2, max_len=8)
+    with torch.no_grad():
+        model.forward_step(torch.tensor([[3], [5]]), StepBatch(slots=torch.tensor([0, 1]), start_pos=torch.tensor([0, 0]),
+                                                                num_new=torch.tensor([1, 1])), cache)
+    return asked
+
+
+def test_the_switches_set_from_outside_reach_every_layer(monkeypatch):
+    model = DeepseekV4ForCausalLM(tiny_config())
+    init_deepseek_v4_(model, 0)
+    assert _decode_step_asks(model.eval(), monkeypatch) == {"triton_moe": {True}, "triton_hc": {True},
+                                                            "compile_hc": {True}}  # nobody configured it
+    switches = KernelSwitches(triton_moe=False, triton_hc=False, compile_hc=False)
+    set_kernel_switches(model, switches)
+    assert all(m.kernels is switches for m in model.modules() if isinstance(m, Switched))
+    assert _decode_step_asks(model, monkeypatch) == {"triton_moe": {False}, "triton_hc": {False}, "compile_hc": {False}}
+    monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")
+    assert _decode_step_asks(model, monkeypatch)["triton_moe"] == {True}
+
