@@ -18,11 +18,14 @@ would take on all of them, micro-batch by micro-batch. What has to cross ranks, 
 `DataParallel()` (no group) is one process: every method returns its input. The group is any
 torch.distributed group of the data-parallel ranks (lockstep.dist builds it; the trainer imports
 no launcher). Tensors travel on `device` (NCCL needs CUDA tensors, gloo takes CPU ones).
+`collective(op)`, a context manager factory, wraps each call: lockstep.dist passes
+`DistContext.collective`, which turns a timeout or a dead peer into an error naming the rank and op.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
@@ -31,9 +34,11 @@ import torch.distributed as dist
 class DataParallel:
     """Sums and gathers over the data-parallel group; the identity for one process."""
 
-    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, group: dist.ProcessGroup | None = None, device: torch.device | str = "cpu",
+                 collective: Callable[[str], ContextManager] | None = None):
         self.group = group
         self.device = torch.device(device)
+        self.collective = collective or (lambda op: contextlib.nullcontext())
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
 
@@ -41,30 +46,31 @@ class DataParallel:
     def enabled(self) -> bool:
         return self.size > 1
 
-    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+    def _all_reduce(self, t: torch.Tensor, op, what: str) -> torch.Tensor:
         if self.enabled:
-            dist.all_reduce(t, op=op, group=self.group)
+            with self.collective(f"data-parallel all_reduce ({what})"):
+                dist.all_reduce(t, op=op, group=self.group)
         return t
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def sum(self, t: torch.Tensor, what: str = "sum") -> torch.Tensor:
         """Elementwise sum over ranks (in place on `t`, which is returned)."""
-        return self._all_reduce(t, dist.ReduceOp.SUM)
+        return self._all_reduce(t, dist.ReduceOp.SUM, what)
 
-    def max_ints(self, values: list[int]) -> list[int]:
+    def max_ints(self, values: list[int], what: str = "max") -> list[int]:
         t = torch.tensor(values, dtype=torch.int64, device=self.device)
-        return [int(v) for v in self._all_reduce(t, dist.ReduceOp.MAX).tolist()]
+        return [int(v) for v in self._all_reduce(t, dist.ReduceOp.MAX, what).tolist()]
 
-    def sum_floats(self, values: list[float]) -> list[float]:
+    def sum_floats(self, values: list[float], what: str = "sum") -> list[float]:
         # float64: counts stay exact integers whatever the rank count
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        return [float(v) for v in self.sum(t).tolist()]
+        return [float(v) for v in self.sum(t, what).tolist()]
 
     def sum_tensors(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Scalar tensors summed over ranks, one collective; the dict's keys must agree on every rank."""
         if not self.enabled or not values:
             return values
         keys = sorted(values)
-        flat = self.sum(torch.stack([values[k].detach().reshape(()).to(self.device) for k in keys]))
+        flat = self.sum(torch.stack([values[k].detach().reshape(()).to(self.device) for k in keys]), "metrics")
         return dict(zip(keys, flat.unbind()))
 
     @torch.no_grad()
@@ -75,12 +81,13 @@ class DataParallel:
             return
         for p in params:
             if p.grad is not None:
-                self.sum(p.grad)
+                self.sum(p.grad, "replicated gradients")
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (pickled; for small per-sample metadata only)."""
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self.collective("data-parallel all_gather_object"):
+            dist.all_gather_object(out, obj, group=self.group)
         return out

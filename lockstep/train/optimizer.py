@@ -100,7 +100,7 @@ class MasterAdamW:
         total = torch.zeros((), dtype=torch.float64)
         if self.dp.enabled or squares[True]:  # every rank joins the sum, with or without shards of its own
             sharded = torch.stack(squares[True]).sum() if squares[True] else torch.zeros((), dtype=torch.float64)
-            total += self.dp.sum(sharded.to(self.dp.device)).cpu()
+            total += self.dp.sum(sharded.to(self.dp.device), "gradient norm").cpu()
         if squares[False]:
             total += torch.stack([t.to(squares[False][0].device) for t in squares[False]]).sum().cpu()
         return total.sqrt().float()

@@ -154,7 +154,7 @@ class Trainer:
         if self.dp.enabled:
             if not samples:
                 raise ValueError(f"data-parallel rank {self.dp.rank} got no samples; every rank needs one")
-            mbs += [None] * (self.dp.max_ints([len(mbs)])[0] - len(mbs))
+            mbs += [None] * (self.dp.max_ints([len(mbs)], "micro-batch count")[0] - len(mbs))
         return mbs
 
     @torch.no_grad()
@@ -197,8 +197,8 @@ class Trainer:
         # samples with a valid token: the denominator of the sample-mean metrics (mismatch.py)
         valid = float(sum(int(s.loss_mask.any()) for s in samples))
         if self.dp.enabled:  # the global batch's counts: every rank divides by the same numbers
-            num_tokens, num_samples, valid = self.dp.sum_floats([num_tokens, len(samples), valid])
-            max_len = self.dp.max_ints([max_len])[0]
+            num_tokens, num_samples, valid = self.dp.sum_floats([num_tokens, len(samples), valid], "loss normalisers")
+            max_len = self.dp.max_ints([max_len], "max response length")[0]
             return {"num_tokens": num_tokens, "num_samples": int(num_samples), "max_len": max_len,
                     "valid_samples": valid}
         return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len, "valid_samples": valid}

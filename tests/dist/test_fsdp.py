@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 import lockstep
@@ -19,6 +20,7 @@ from dist_world import run_world
 from lockstep.models import load_pretrained
 from lockstep.train.config import TrainConfig
 from lockstep.train.data_parallel import DataParallel
+from lockstep.train.logprobs import pack_microbatches
 from lockstep.train.trainer import Trainer
 from tests.train.trainer_fixtures import make_samples
 
@@ -31,12 +33,10 @@ def _samples(n: int = 4):
     return make_samples(n, seed=3, vocab=103, prompt_len=(3, 7), response_len=(3, 8))
 
 
-def _budget(samples) -> int:
-    """max_tokens_per_gpu that packs the first and second half as one micro-batch each."""
-    half = len(samples) // 2
-    first, second = (sum(s.num_tokens for s in part) for part in (samples[:half], samples[half:]))
-    budget = max(first, second)
-    assert first + samples[half].num_tokens > budget  # the single process starts a new micro-batch there
+def _budget(samples, groups: list[list[int]]) -> int:
+    """max_tokens_per_gpu with which one process packs `samples` into exactly these micro-batches."""
+    budget = max(sum(samples[i].num_tokens for i in g) for g in groups)
+    assert [mb.indices for mb in pack_microbatches(samples, budget)] == groups
     return budget
 
 
@@ -55,7 +55,8 @@ def _run(trainer: Trainer, samples) -> dict:
         if not grads:
             for name, p in trainer.model.named_parameters():
                 g = p.grad  # None for the indexer (its top-k is not differentiable), on every rank
-                grads[name] = None if g is None else (g.full_tensor() if hasattr(g, "full_tensor") else g).float().clone()
+                g = g.full_tensor() if hasattr(g, "full_tensor") else g
+                grads[name] = None if g is None else g.float().clone()
         return step(*args)
 
     trainer.optimizer.step = recording_step
@@ -66,17 +67,28 @@ def _run(trainer: Trainer, samples) -> dict:
     return out
 
 
-def _fsdp_rank(rank: int, dtype: str, world_size: int) -> dict:
+# (dtype, samples per rank, micro-batches of one process): even halves, one micro-batch each; rank 0
+# with three samples in two micro-batches and rank 1 with one, so rank 1 runs a zero-weight pass
+EVEN, UNEVEN = [[0, 1], [2, 3]], [[0, 1], [2], [3]]
+SCENARIOS = {"fp32": ("float32", (2, 2), EVEN), "fp32-uneven": ("float32", (3, 1), UNEVEN),
+             "bf16": ("bfloat16", (2, 2), EVEN)}
+
+
+def _fsdp_rank(rank: int, names: tuple[str, ...]) -> dict:
     from lockstep.dist.fsdp import apply_fsdp, dp_mesh
     from lockstep.dist.groups import init_distributed
 
     ctx = init_distributed(30.0)
-    samples = _samples()
-    per_rank = len(samples) // world_size
-    model = apply_fsdp(load_pretrained(ASSET), dp_mesh(ctx.trainer_group, "cpu"),
-                       param_dtype=getattr(torch, dtype))
-    trainer = Trainer(model, _config(dtype, _budget(samples)), data_parallel=DataParallel(ctx.trainer_group))
-    return _run(trainer, samples[rank * per_rank:(rank + 1) * per_rank])
+    samples, out = _samples(), {}
+    for name in names:
+        dtype, split, groups = SCENARIOS[name]
+        counts = split if ctx.world_size > 1 else (sum(split),)
+        mine = samples[sum(counts[:rank]):sum(counts[:rank + 1])]
+        mesh = dp_mesh(ctx.trainer_group, "cpu")
+        model = apply_fsdp(load_pretrained(ASSET), mesh, param_dtype=getattr(torch, dtype))
+        dp = DataParallel(ctx.trainer_group, collective=ctx.collective)
+        out[name] = _run(Trainer(model, _config(dtype, _budget(samples, groups)), data_parallel=dp), mine)
+    return out
 
 
 def _assert_same(got: dict, want: dict, what: str) -> None:
@@ -95,35 +107,59 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
             assert g[name].dtype == w[name].dtype and torch.equal(g[name], w[name]), f"{what} step {i}: {name}"
 
 
-def _world(dtype: str, world_size: int) -> list[dict]:
-    results = run_world(_fsdp_rank, world_size, guard_s=120, args=(dtype, world_size))
+def _world(world_size: int, names: tuple[str, ...]) -> list[dict]:
+    results = run_world(_fsdp_rank, world_size, guard_s=120, args=(names,))
     assert all(r.ok for r in results), [r.error for r in results]
     return [r.value for r in results]
 
 
-def test_two_ranks_equal_one_process_fp32():
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every scenario on one 2-process world (starting processes costs more than the steps)."""
+    return _world(2, tuple(SCENARIOS))
+
+
+def test_two_ranks_equal_one_process_fp32(two_ranks):
     samples = _samples()
-    reference = _run(Trainer(load_pretrained(ASSET), _config("float32", _budget(samples))), samples)
-    assert reference["metrics"][0]["train/num_microbatches"] == 2.0
+    reference = _run(Trainer(load_pretrained(ASSET), _config("float32", _budget(samples, EVEN))), samples)
     assert reference["metrics"][0]["train/grad_norm"] > 1e-3  # clipping binds
-    r0, r1 = _world("float32", 2)
-    _assert_same(r0, reference, "rank 0")
-    _assert_same(r1, reference, "rank 1")
+    for rank, result in enumerate(two_ranks):
+        _assert_same(result["fp32"], reference, f"rank {rank}")
     moved = [n for n, w in reference["weights"][-1].items() if w.is_floating_point()
              and not torch.equal(w, load_pretrained(ASSET).state_dict()[n])]
     assert len(moved) > 50  # the steps changed the weights that are compared
 
 
-def test_two_ranks_equal_one_rank_bf16():
-    (one,) = _world("bfloat16", 1)
-    r0, r1 = _world("bfloat16", 2)
-    _assert_same(r0, one, "rank 0")
-    _assert_same(r1, one, "rank 1")
+def test_uneven_ranks_pad_and_agree(two_ranks):
+    """Rank 0: micro-batches [s0 s1] [s2]; rank 1: [s3] and a zero-weight pass (FSDP needs every rank
+    in every forward). One process packs [s0 s1] [s2] [s3]. The forward metrics are sums in the same
+    order, so bitwise; the gradient is not: FSDP reduces after each backward, (g01 + g3) + g2, where
+    one process accumulates (g01 + g2) + g3. Bitwise equality holds for one micro-batch per rank."""
+    samples = _samples()
+    reference = _run(Trainer(load_pretrained(ASSET), _config("float32", _budget(samples, UNEVEN))), samples)
+    r0, r1 = (r["fp32-uneven"] for r in two_ranks)
+    assert reference["metrics"][0]["train/num_microbatches"] == r0["metrics"][0]["train/num_microbatches"] == 3.0
+    forward = [k for k in reference["metrics"][0] if k not in ("train/grad_norm",)]
+    for got in (r0, r1):
+        assert {k: got["metrics"][0][k] for k in forward} == {k: reference["metrics"][0][k] for k in forward}
+        for name, w in reference["grads"].items():
+            if w is not None:
+                torch.testing.assert_close(got["grads"][name], w, rtol=1e-5, atol=1e-9)
+        for name, w in reference["weights"][-1].items():
+            torch.testing.assert_close(got["weights"][-1][name], w, rtol=1e-4, atol=1e-6)
+    for name in r0["weights"][-1]:  # the ranks agree with each other exactly
+        assert torch.equal(r0["weights"][-1][name], r1["weights"][-1][name]), name
+
+
+def test_two_ranks_equal_one_rank_bf16(two_ranks):
+    (one,) = _world(1, ("bf16",))
+    for rank, result in enumerate(two_ranks):
+        _assert_same(result["bf16"], one["bf16"], f"rank {rank}")
     # FSDP on one rank and today's bf16 Trainer compute the same forward: the first step's loss terms
     # and logprob metrics agree bit for bit (its gradient then differs: today's sums micro-batch
     # gradients in bf16, FSDP in fp32)
     samples = _samples()
-    today = Trainer(load_pretrained(ASSET), _config("bfloat16", _budget(samples))).train_step(samples)
+    today = Trainer(load_pretrained(ASSET), _config("bfloat16", _budget(samples, EVEN))).train_step(samples)
     forward = [k for k in today if k not in ("train/grad_norm",)]
-    assert {k: one["metrics"][0][k] for k in forward} == {k: today[k] for k in forward}
-    assert one["metrics"][0]["train/grad_norm"] != today["train/grad_norm"]
+    assert {k: one["bf16"]["metrics"][0][k] for k in forward} == {k: today[k] for k in forward}
+    assert one["bf16"]["metrics"][0]["train/grad_norm"] != today["train/grad_norm"]
