@@ -19,7 +19,9 @@ Endpoints (names after SGLang; every answer is JSON; all answers are non-streami
                                   finish_reason: {type}, prompt_tokens, completion_tokens, weight_version,
                                   output_token_logprobs: [[logprob, id, null]], routed_experts: [R][L][k]}};
                                   a list of those for a batch (list of prompts) or n > 1
-    POST /update_weights_from_disk  {model_path, weight_version?} (admin; only under --weights-dir)
+    POST /update_weights_from_disk  {model_path, weight_version?, partial?} (admin; only under --weights-dir);
+                                  every tensor of the model unless partial: true (400), the version above the
+                                  serving one (409)
     POST /pause_generation        (admin) finish the current step, then hold; requests in flight stay
     POST /continue_generation     (admin)
     POST /flush_cache             (admin) 200 when flushed, 409 while requests run or wait
@@ -31,11 +33,18 @@ finish_reason is "stop", "length" or "abort". Logprobs are the engine's rollout 
 protocol.py): one per sampled token, including tokens after a stop string that the text leaves out
 and a final EOS; OpenAI's alternatives (`top_logprobs`) are not computed (null / empty lists) and
 `text_offset` counts from the start of the completion. The request's `model` is not checked (one
-model is served). `stream: true` is refused with 400; a client that disconnects does not abort its
-request (use /abort_request). Errors use OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing or mistyped fields, prompts
-that do not fit max_model_len, token ids outside the vocabulary and bad sampling values are 400 and
-name the field; the server keeps serving everything else.
+model is served). `stream: true` is refused with 400; a client that closes its connection has its
+request aborted. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, every
+one of them (404 and 405 too), with no internals (a 500 says to read the server log): malformed JSON,
+missing or mistyped fields, prompts that do not fit max_model_len, a max_tokens that does not fit
+with the prompt ("This model's maximum context length is ..."), token ids outside the vocabulary and
+bad sampling values are 400 and name the field; the server keeps serving everything else. The
+OpenAPI schema (/openapi.json) documents these codes (400, not FastAPI's 422).
+
+Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
+per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
+body is read). /health also answers 503 when the engine has had work and finished no step for
+`stall_seconds`. Text is tokenised in a worker thread, so a long prompt never holds the event loop.
 
 Security. State-changing endpoints (marked admin) need `Authorization: Bearer <admin_token>` when
 `require_admin` (the server listens beyond loopback) or when an admin token is configured;
