@@ -29,6 +29,25 @@ from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def full_tensor(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`t`, a local shard laid out as DTensor `like` is (same mesh, placements, global shape), gathered
+    whole (a collective); `t` itself when `like` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return t
+    return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride()).full_tensor()
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of `full` as DTensor `like` holds its own (cut locally, no communication);
+    `full` itself when `like` is a plain tensor."""
+    if not isinstance(like, DTensor):
+        return full
+    full = full.to(like.device)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
 
 
 class DataParallel:
@@ -82,6 +101,11 @@ class DataParallel:
         for p in params:
             if p.grad is not None:
                 self.sum(p.grad, "replicated gradients")
+
+    def barrier(self, what: str) -> None:
+        if self.enabled:
+            with self.collective(f"data-parallel barrier ({what})"):
+                dist.barrier(group=self.group)
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order (pickled; for small per-sample metadata only)."""

@@ -35,7 +35,7 @@ from typing import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from lockstep.train.data_parallel import DataParallel
+from lockstep.train.data_parallel import DataParallel, full_tensor, local_part
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -151,12 +151,15 @@ class MasterAdamW:
     # ---- state ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Moments and (non-aliased) master weights by parameter name, on the CPU."""
+        """Moments and (non-aliased) master weights by parameter name, full tensors on the CPU.
+        Sharded (FSDP) parameters: gathered from every rank (a collective: all ranks call it), and the
+        fp32 master is always included, since the model's weights may be saved in bf16."""
         state = {}
         for name, s in self.slots.items():
-            entry = {"exp_avg": s.exp_avg.detach().cpu(), "exp_avg_sq": s.exp_avg_sq.detach().cpu()}
-            if not s.aliased:
-                entry["master"] = s.master.detach().cpu()
+            full = lambda t: full_tensor(t.detach(), s.param).cpu()  # noqa: E731
+            entry = {"exp_avg": full(s.exp_avg), "exp_avg_sq": full(s.exp_avg_sq)}
+            if not s.aliased or isinstance(s.param, DTensor):
+                entry["master"] = full(s.master)
             state[name] = entry
         return {"step": self.step_count, "lr": self.lr, "state": state}
 
@@ -168,8 +171,9 @@ class MasterAdamW:
         self.step_count, self.lr = int(sd["step"]), float(sd["lr"])
         for name, s in self.slots.items():
             entry = sd["state"][name]
-            s.exp_avg.copy_(entry["exp_avg"])
-            s.exp_avg_sq.copy_(entry["exp_avg_sq"])
+            s.exp_avg.copy_(local_part(entry["exp_avg"], s.param))
+            s.exp_avg_sq.copy_(local_part(entry["exp_avg_sq"], s.param))
+            if "master" in entry and (not s.aliased or isinstance(s.param, DTensor)):
+                s.master.copy_(local_part(entry["master"], s.param))
             if not s.aliased:
-                s.master.copy_(entry["master"])
                 _local(s.param).copy_(s.master)

@@ -51,7 +51,7 @@ from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig
-from lockstep.train.data_parallel import DataParallel
+from lockstep.train.data_parallel import DataParallel, local_part
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
@@ -341,16 +341,43 @@ class Trainer:
             yield name, by_name[name]
 
     def save(self, directory: str | Path) -> None:
-        """Write weights, optimiser state, RNG states and the step counter into `directory`."""
+        """Write weights, optimiser state, RNG states and the step counter into `directory`.
+        Data parallel: every rank calls it (the shards are gathered); the files are the one-process
+        checkpoint (consolidated, written by rank 0, loadable by any rank count) plus each other
+        rank's RNG state (`_trainer_file`)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        ckpt.save_weights(self.named_weights(), d / ckpt.WEIGHTS)
-        torch.save(self.optimizer.state_dict(), d / ckpt.OPTIMIZER)
-        ckpt.save_trainer_state(d / ckpt.TRAINER, self.num_steps, self.config.to_dict())
+        weights, optimizer = self.named_weights(), self.optimizer.state_dict()
+        if self.dp.rank == 0:
+            ckpt.save_weights(weights, d / ckpt.WEIGHTS)
+            torch.save(optimizer, d / ckpt.OPTIMIZER)
+        else:
+            for _ in weights:  # the gathers are collectives: run them with rank 0
+                pass
+        ckpt.save_trainer_state(d / self._trainer_file(), self.num_steps, self.config.to_dict())
+        self.dp.barrier("checkpoint saved")
 
     def load(self, directory: str | Path) -> None:
-        """Restore what `save` wrote (into this trainer's existing model and optimiser)."""
+        """Restore what `save` wrote (into this trainer's existing model and optimiser); each rank
+        takes its shard of every tensor."""
         d = Path(directory)
-        ckpt.load_weights(self._live_tensors(), d / ckpt.WEIGHTS)
+        targets = ((n, _ShardTarget(t)) if isinstance(t, DTensor) else (n, t) for n, t in self._live_tensors())
+        ckpt.load_weights(targets, d / ckpt.WEIGHTS)
         self.optimizer.load_state_dict(torch.load(d / ckpt.OPTIMIZER, weights_only=False))
-        self.num_steps = int(ckpt.load_trainer_state(d / ckpt.TRAINER)["num_steps"])
+        own = d / self._trainer_file()
+        self.num_steps = int(ckpt.load_trainer_state(own if own.exists() else d / ckpt.TRAINER)["num_steps"])
+
+    def _trainer_file(self) -> str:
+        # ranks may draw different random numbers; rank 0's state is the one-process file
+        return ckpt.TRAINER if self.dp.rank == 0 else f"trainer.rank{self.dp.rank}.pt"
+
+
+class _ShardTarget:
+    """A sharded parameter as a `checkpointing.load_weights` target: copying a full tensor in keeps
+    this rank's part."""
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+
+    def copy_(self, full: torch.Tensor) -> None:
+        self.param.to_local().copy_(local_part(full, self.param))

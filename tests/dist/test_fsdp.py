@@ -42,7 +42,7 @@ def _budget(samples, groups: list[list[int]]) -> int:
 
 def _config(dtype: str, budget: int) -> TrainConfig:
     # a large lr and a clip that binds make both steps move every parameter visibly
-    return TrainConfig(lr=1e-2, clip_grad=1e-3, max_tokens_per_gpu=budget, dtype=dtype, use_tis=True,
+    return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=budget, dtype=dtype, use_tis=True,
                        weight_decay=0.01)
 
 
@@ -74,8 +74,27 @@ SCENARIOS = {"fp32": ("float32", (2, 2), EVEN), "fp32-uneven": ("float32", (3, 1
              "bf16": ("bfloat16", (2, 2), EVEN)}
 
 
-def _fsdp_rank(rank: int, names: tuple[str, ...]) -> dict:
+def _fsdp_trainer(ctx, dtype: str, groups) -> Trainer:
     from lockstep.dist.fsdp import apply_fsdp, dp_mesh
+
+    model = apply_fsdp(load_pretrained(ASSET), dp_mesh(ctx.trainer_group, "cpu"), param_dtype=getattr(torch, dtype))
+    dp = DataParallel(ctx.trainer_group, collective=ctx.collective)
+    return Trainer(model, _config(dtype, _budget(_samples(), groups)), data_parallel=dp)
+
+
+def _resume(ctx, dtype: str, mine, directory: str) -> dict:
+    """Step, save, step (unbroken) on one trainer; load into a fresh one and step again."""
+    unbroken = _fsdp_trainer(ctx, dtype, EVEN)
+    unbroken.train_step(mine)
+    unbroken.save(directory)
+    out = {"unbroken": unbroken.train_step(mine), "unbroken_weights": dict(unbroken.named_weights())}
+    resumed = _fsdp_trainer(ctx, dtype, EVEN)
+    resumed.load(directory)
+    out.update(resumed=resumed.train_step(mine), resumed_weights=dict(resumed.named_weights()))
+    return out
+
+
+def _fsdp_rank(rank: int, names: tuple[str, ...], tmp: str | None = None) -> dict:
     from lockstep.dist.groups import init_distributed
 
     ctx = init_distributed(30.0)
@@ -84,10 +103,9 @@ def _fsdp_rank(rank: int, names: tuple[str, ...]) -> dict:
         dtype, split, groups = SCENARIOS[name]
         counts = split if ctx.world_size > 1 else (sum(split),)
         mine = samples[sum(counts[:rank]):sum(counts[:rank + 1])]
-        mesh = dp_mesh(ctx.trainer_group, "cpu")
-        model = apply_fsdp(load_pretrained(ASSET), mesh, param_dtype=getattr(torch, dtype))
-        dp = DataParallel(ctx.trainer_group, collective=ctx.collective)
-        out[name] = _run(Trainer(model, _config(dtype, _budget(samples, groups)), data_parallel=dp), mine)
+        out[name] = _run(_fsdp_trainer(ctx, dtype, groups), mine)
+    for dtype in ("float32", "bfloat16") if tmp else ():
+        out[f"resume-{dtype}"] = _resume(ctx, dtype, samples[2 * rank:2 * rank + 2], f"{tmp}/{dtype}")
     return out
 
 
@@ -107,22 +125,27 @@ def _assert_same(got: dict, want: dict, what: str) -> None:
             assert g[name].dtype == w[name].dtype and torch.equal(g[name], w[name]), f"{what} step {i}: {name}"
 
 
-def _world(world_size: int, names: tuple[str, ...]) -> list[dict]:
-    results = run_world(_fsdp_rank, world_size, guard_s=120, args=(names,))
+def _world(world_size: int, names: tuple[str, ...], tmp: str | None = None) -> list[dict]:
+    results = run_world(_fsdp_rank, world_size, guard_s=120, args=(names, tmp))
     assert all(r.ok for r in results), [r.error for r in results]
     return [r.value for r in results]
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
+def checkpoints(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fsdp-checkpoints")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoints) -> list[dict]:
     """Every scenario on one 2-process world (starting processes costs more than the steps)."""
-    return _world(2, tuple(SCENARIOS))
+    return _world(2, tuple(SCENARIOS), str(checkpoints))
 
 
 def test_two_ranks_equal_one_process_fp32(two_ranks):
     samples = _samples()
     reference = _run(Trainer(load_pretrained(ASSET), _config("float32", _budget(samples, EVEN))), samples)
-    assert reference["metrics"][0]["train/grad_norm"] > 1e-3  # clipping binds
+    assert reference["metrics"][0]["train/grad_norm"] > 1e-5  # clipping binds
     for rank, result in enumerate(two_ranks):
         _assert_same(result["fp32"], reference, f"rank {rank}")
     moved = [n for n, w in reference["weights"][-1].items() if w.is_floating_point()
@@ -163,3 +186,24 @@ def test_two_ranks_equal_one_rank_bf16(two_ranks):
     forward = [k for k in today if k not in ("train/grad_norm",)]
     assert {k: one["bf16"]["metrics"][0][k] for k in forward} == {k: today[k] for k in forward}
     assert one["bf16"]["metrics"][0]["train/grad_norm"] != today["train/grad_norm"]
+
+
+def test_resume_from_two_ranks(two_ranks, checkpoints):
+    """Consolidated checkpoint: saved by 2 ranks after one step, loaded into fresh FSDP trainers on 2
+    ranks, the next step's metrics and weights equal the unbroken run's, fp32 masters included in
+    bf16; loaded into one process (today's Trainer), the next step equals it too (fp32)."""
+    for rank, result in enumerate(two_ranks):
+        for dtype in ("float32", "bfloat16"):
+            r = result[f"resume-{dtype}"]
+            assert r["resumed"] == r["unbroken"], (rank, dtype)
+            for name, w in r["unbroken_weights"].items():
+                assert torch.equal(r["resumed_weights"][name], w), (rank, dtype, name)
+    samples = _samples()
+    one = Trainer(load_pretrained(ASSET), _config("float32", _budget(samples, EVEN)))
+    one.load(checkpoints / "float32")
+    assert one.num_steps == 1
+    metrics = one.train_step(samples)
+    unbroken = two_ranks[0]["resume-float32"]
+    assert metrics == unbroken["unbroken"]
+    for name, w in one.named_weights():
+        assert torch.equal(w, unbroken["unbroken_weights"][name]), name
