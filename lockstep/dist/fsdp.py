@@ -4,22 +4,28 @@
     apply_fsdp(model, mesh, param_dtype=torch.bfloat16)     # the model is still fp32 here
     trainer = Trainer(model, config, data_parallel=DataParallel(mesh.get_group()))
 
-Units (`torch.distributed.fsdp.fully_shard`, innermost first):
+Units (`torch.distributed.fsdp.fully_shard`, innermost first; `plan_units` lists them):
 
-    per decoder layer   one unit of the layer's fp32 modules (norms, mHC), fp32 policy;
-                        then the layer itself, param_dtype policy
+    per decoder layer   each child holding low-precision parameters (DeepSeek-V4: the attention,
+                        the MoE), param_dtype policy; then the layer itself with what is left (the
+                        norms and mHC): fp32 policy when all of it is kept fp32, else param_dtype
     embedding           param_dtype (left in the root when its weight is tied to the LM head)
-    final fp32 modules  one unit (DeepSeek-V4: the final norm and mHC's head), fp32 policy
+    final fp32 modules  one grouped unit (DeepSeek-V4: mHC's head and the final norm), fp32 policy
     root                param_dtype; holds the LM head: DeepSeek-V4's compute_logits reads
-                        lm_head.weight without calling lm_head, so no hook of a unit of its own
-                        would gather it
+                        lm_head.weight without calling lm_head, so a unit of its own would never
+                        be gathered
 
-Which modules stay fp32 is the model's own keep_in_fp32 rule, the one `cast_model` applies in a
-single-process bf16 run, so every unsharded parameter has the dtype it has there. A kept parameter
-held directly by a module with low-precision parameters (DeepSeek-V4's attention `sinks`, the
-compressors' `position_bias`) cannot get a unit of its own without one for every sibling: it is
-left out of FSDP (`ignored_params`), replicated in fp32 on every rank, and the Trainer all-reduces
-its gradient (`DataParallel.sum_replicated_grads`). These are a few hundred values per layer.
+Which parameters stay fp32 is the model's rule (models/precision.py), the one `cast_model` applies
+in a single-process bf16 run, so every gathered parameter has the dtype it has there. Why the fp32
+modules are not inner units of their own (DISTRIBUTED.md's first sketch): FSDP passes a unit's
+inputs through an identity autograd node (its post-backward hook); where that input has other
+consumers (mHC's streams, the attention's projections feeding its norms), autograd then sums the
+gradient contributions in another grouping, and the gradients stop being bitwise those of one
+process (measured: ~1e-7 relative on every layer below the first such unit). The attention and the
+MoE each take a tensor nothing else uses, so units there change no sum. Kept-fp32 parameters inside
+a low-precision unit (the attention's `sinks` and norms, the compressors' `position_bias` and
+norms: a few hundred values per layer) are left out of FSDP (`ignored_params`): replicated in fp32
+on every rank, their gradients summed by the Trainer (`DataParallel.sum_grads`).
 
 The sharded parameters stay fp32: they are the optimiser's master weights (MasterAdamW steps the
 local shards in place). Gradients are reduced in fp32 as sums, not means

@@ -71,15 +71,17 @@ def _run(trainer: Trainer, samples) -> dict:
 # with three samples in two micro-batches and rank 1 with one, so rank 1 runs a zero-weight pass
 EVEN, UNEVEN = [[0, 1], [2, 3]], [[0, 1], [2], [3]]
 SCENARIOS = {"fp32": ("float32", (2, 2), EVEN), "fp32-uneven": ("float32", (3, 1), UNEVEN),
-             "bf16": ("bfloat16", (2, 2), EVEN)}
+             "bf16": ("bfloat16", (2, 2), EVEN), "fp32-offload": ("float32", (2, 2), EVEN)}
 
 
-def _fsdp_trainer(ctx, dtype: str, groups) -> Trainer:
+def _fsdp_trainer(ctx, dtype: str, groups, offload: bool = False) -> Trainer:
     from lockstep.dist.fsdp import apply_fsdp, dp_mesh
 
-    model = apply_fsdp(load_pretrained(ASSET), dp_mesh(ctx.trainer_group, "cpu"), param_dtype=getattr(torch, dtype))
+    model = apply_fsdp(load_pretrained(ASSET), dp_mesh(ctx.trainer_group, "cpu"), param_dtype=getattr(torch, dtype),
+                       offload=offload)
     dp = DataParallel(ctx.trainer_group, collective=ctx.collective)
-    return Trainer(model, _config(dtype, _budget(_samples(), groups)), data_parallel=dp)
+    config = _config(dtype, _budget(_samples(), groups)).replace(optimizer_offload=offload)
+    return Trainer(model, config, data_parallel=dp)
 
 
 def _resume(ctx, dtype: str, mine, directory: str) -> dict:
@@ -103,7 +105,7 @@ def _fsdp_rank(rank: int, names: tuple[str, ...], tmp: str | None = None) -> dic
         dtype, split, groups = SCENARIOS[name]
         counts = split if ctx.world_size > 1 else (sum(split),)
         mine = samples[sum(counts[:rank]):sum(counts[:rank + 1])]
-        out[name] = _run(_fsdp_trainer(ctx, dtype, groups), mine)
+        out[name] = _run(_fsdp_trainer(ctx, dtype, groups, offload=name.endswith("offload")), mine)
     for dtype in ("float32", "bfloat16") if tmp else ():
         out[f"resume-{dtype}"] = _resume(ctx, dtype, samples[2 * rank:2 * rank + 2], f"{tmp}/{dtype}")
     return out
@@ -151,6 +153,13 @@ def test_two_ranks_equal_one_process_fp32(two_ranks):
     moved = [n for n, w in reference["weights"][-1].items() if w.is_floating_point()
              and not torch.equal(w, load_pretrained(ASSET).state_dict()[n])]
     assert len(moved) > 50  # the steps changed the weights that are compared
+
+
+def test_optimizer_offload_changes_nothing(two_ranks):
+    # CPUOffloadPolicy (sharded masters, gradients and the AdamW step on the host); on this CPU-only
+    # machine it checks the path runs and steps the same shards, not the host <-> device copies
+    for rank, result in enumerate(two_ranks):
+        _assert_same(result["fp32-offload"], result["fp32"], f"rank {rank}")
 
 
 def test_uneven_ranks_pad_and_agree(two_ranks):
@@ -207,3 +216,20 @@ def test_resume_from_two_ranks(two_ranks, checkpoints):
     assert metrics == unbroken["unbroken"]
     for name, w in one.named_weights():
         assert torch.equal(w, unbroken["unbroken_weights"][name]), name
+
+
+def test_plan_units_keep_fp32_parameters_fp32():
+    from lockstep.dist.fsdp import plan_units, replicated_fp32_params
+    from lockstep.models.precision import keeps_fp32
+
+    model = load_pretrained(ASSET)
+    units = plan_units(model)
+    names = [n for u in units for n in u.params]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters())  # every parameter in one unit
+    fp32_units = [u for u in units if not u.low]
+    assert len(fp32_units) == model.config.num_hidden_layers + 1  # each layer's norms + mHC, and the head
+    assert all(keeps_fp32(model, n) for u in fp32_units for n in u.params)
+    replicated = replicated_fp32_params(model)
+    assert all(keeps_fp32(model, n) for n in replicated)
+    assert any(n.endswith("sinks") for n in replicated) and any(n.endswith("position_bias") for n in replicated)
+    assert not any("_hc" in n for n in replicated)  # mHC is sharded, in its layer's fp32 unit
