@@ -35,8 +35,8 @@ def test_build_run_train_source_and_eval_sets_do_not_overlap():
     run = RunConfig()
     prompts, _ = train_prompts(run)
     held_out = eval_sets(run)
-    assert list(held_out) == ["arithmetic"] and len(held_out["arithmetic"]) == SPLIT_SIZES["eval"]
-    assert not questions(prompts) & questions(held_out["arithmetic"])
+    assert list(held_out) == ["arithmetic"] and len(held_out["arithmetic"].prompts) == SPLIT_SIZES["eval"]
+    assert not questions(prompts) & questions(held_out["arithmetic"].prompts)
 
 
 def test_split_is_a_function_of_the_problem_not_the_seed():
