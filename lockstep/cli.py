@@ -41,6 +41,23 @@ def build_parser(names: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_device(device: str | None) -> None:
+    """`--device` names a device this torch can use (a CPU-only torch otherwise fails deep inside with
+    "AssertionError: Torch not compiled with CUDA enabled")."""
+    if device is None or device == "cpu":
+        return
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as e:
+        raise ValueError(f"--device {device}: not a torch device ({e})") from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        why = ("this torch build has no CUDA support (torch " + torch.__version__ + ")" if torch.version.cuda is None
+               else "no CUDA device is visible")
+        raise ValueError(f"--device {device}: {why}; use --device cpu or a CUDA build of torch on a GPU machine")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     chosen = [a for a in argv if a in SUBCOMMANDS][:1]
@@ -50,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        _check_device(getattr(args, "device", None))
         return int(_load(args.command).run(args) or 0)
     except (ValueError, OSError) as e:  # bad input: configs, data rows, checkpoints name what is wrong
         if os.environ.get("LOCKSTEP_TRACEBACK"):

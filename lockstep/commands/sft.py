@@ -73,16 +73,15 @@ def output_dir(args) -> Path:
 def run(args) -> int:
     import torch
     from rich.console import Console
-    from transformers import AutoTokenizer
-
     from ..models import load_pretrained, save_pretrained
+    from ..models.tokenizer import load_tokenizer
     from ..train.sft import greedy_accuracy, make_examples, run_sft
 
     out = output_dir(args)  # before any work: a refused output wastes no training
     torch.manual_seed(args.seed)
     console = Console()
     if args.model:
-        model, tok = load_pretrained(args.model, dtype=torch.float32), AutoTokenizer.from_pretrained(args.model)
+        model, tok = load_pretrained(args.model, dtype=torch.float32), load_tokenizer(args.model)
     else:
         model, tok = _new_embedded_model(args.seed)
     train, held = _pairs(args)

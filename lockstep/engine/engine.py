@@ -24,7 +24,6 @@ import dataclasses
 import sys
 import threading
 import time
-from pathlib import Path
 
 import torch
 
@@ -47,7 +46,6 @@ from lockstep.prompt_encoding import encode_prompt
 from lockstep.sample import Sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 def cast_for_serving(model: torch.nn.Module, dtype: torch.dtype, device) -> torch.nn.Module:
@@ -134,14 +132,10 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, config: EngineConfig) -> "Engine":
         from lockstep.models import load_pretrained
+        from lockstep.models.tokenizer import has_tokenizer, load_tokenizer
 
         model = load_pretrained(path, dtype=_DTYPES[config.dtype], device=config.device)
-        tokenizer = None
-        if any((Path(path) / f).exists() for f in _TOKENIZER_FILES):
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(str(path))
-        return cls(model, config, tokenizer)
+        return cls(model, config, load_tokenizer(path) if has_tokenizer(path) else None)
 
     def _eos_ids(self) -> tuple[int, ...]:
         if self.config.eos_token_ids:

@@ -12,7 +12,6 @@ error is a `CheckpointError` naming the tensor and the file.
 
 from __future__ import annotations
 
-import json
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.files import read_json
 from lockstep.models import registry
 from lockstep.models.key_maps import EXPERT_PARTS, KEY_MAPS, KeyMap, Mapped, expert_slice
 from lockstep.models.precision import cast_model, model_tensors, storage_dtype  # noqa: F401  (re-export)
@@ -120,7 +120,7 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
 def _fp8_block(path: Path) -> tuple[int, int]:
     """The FP8 block shape config.json declares (quantization_config.weight_block_size), else 128x128."""
     file = path / "config.json"
-    qc = (json.loads(file.read_text()).get("quantization_config") or {}) if file.exists() else {}
+    qc = (read_json(file).get("quantization_config") or {}) if file.exists() else {}
     return tuple(qc.get("weight_block_size") or (128, 128))
 
 
@@ -152,16 +152,16 @@ def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, 
 
 # ---- public loading API ---------------------------------------------------------------------------
 
-def _read_config(path: Path) -> dict:
+def _config_file(path: Path) -> Path:
     file = path / "config.json"
     if not file.exists():
         raise CheckpointError(f"no config.json in {path}")
-    return json.loads(file.read_text())
+    return file
 
 
 def _resolve(path: Path, model_type_or_config) -> tuple[str, object | None]:
     if model_type_or_config is None:
-        return _read_config(path)["model_type"], None
+        return registry.config_from_file(_config_file(path)).model_type, None
     if isinstance(model_type_or_config, str):
         return model_type_or_config, None
     return model_type_or_config.model_type, model_type_or_config
@@ -234,7 +234,7 @@ def _skip_init():
 def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu") -> torch.nn.Module:
     """Build the model config.json names and load its weights; `dtype` None keeps float32."""
     path = Path(path)
-    config = registry.config_from_hf_dict(_read_config(path))
+    config = registry.config_from_file(_config_file(path))
     with torch.device(device), _skip_init():
         model = registry.model_class(config.model_type)(config)
     if dtype is not None:

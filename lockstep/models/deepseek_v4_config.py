@@ -12,12 +12,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from lockstep.files import FieldError, check_positive, check_types
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"  # C4: compress 4:1 + lightning-indexer top-k
 HCA = "heavily_compressed_attention"  # C128: compress 128:1, dense over entries
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
 _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
+# sizes and counts that must be >= 1
+_SIZES = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers", "num_attention_heads", "head_dim",
+          "q_lora_rank", "num_experts_per_tok", "n_routed_experts", "hc_mult", "sliding_window", "o_groups",
+          "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,8 +82,9 @@ class DeepseekV4Config:
 
     def _validate(self):
         def bad(field_name, why):
-            raise ValueError(f"DeepseekV4Config.{field_name}: {why}")
+            raise FieldError("DeepseekV4Config", field_name, why)
 
+        check_positive("DeepseekV4Config", {n: getattr(self, n) for n in _SIZES})
         for name, types, allowed in (("layer_types", self.layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", self.mlp_layer_types, MLP_LAYER_TYPES)):
             if len(types) != self.num_hidden_layers:
@@ -114,6 +121,7 @@ class DeepseekV4Config:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "DeepseekV4Config":
+        check_types(cls, d)
         d = dict(d)
         if "compress_ratios" in d and not d.get("layer_types"):
             d["layer_types"] = [_RATIO_TO_LAYER_TYPE[r] for r in d["compress_ratios"]][: d["num_hidden_layers"]]

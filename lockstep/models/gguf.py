@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lockstep.files import FileError, naming
 from lockstep.models.key_maps import KEY_MAPS
 from lockstep.models.llama_config import LlamaConfig
 
@@ -83,13 +84,26 @@ def unpermute_qk(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _open_reader(reader_cls, path: Path):
+    """gguf's reader parses the whole layout at open: a truncated or corrupt file fails there, with numpy's
+    words ("cannot reshape array of size ..."); say which file and what is likely wrong."""
+    if not path.is_file():
+        raise FileError(f"{path}: GGUF file not found")
+    try:
+        return reader_cls(str(path))
+    except (ValueError, IndexError, KeyError, TypeError) as e:
+        raise FileError(f"{path}: not a readable GGUF file ({path.stat().st_size:,} bytes; truncated or corrupt?): "
+                        f"{e}") from e
+
+
 def gguf_state_dict(path, dtype: torch.dtype = torch.float32) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """(config, tensors under lockstep / transformers names), dequantised to `dtype`."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
-    config = gguf_config(reader)
+    reader = _open_reader(GGUFReader, Path(path))
+    with naming(path):
+        config = gguf_config(reader)
     arch = _field(reader, "general.architecture")
     key_map = KEY_MAPS["gguf_llama"]
     out = {}

@@ -12,8 +12,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from lockstep.files import FieldError, check_positive, check_types
+
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ROPE_TYPES = ("default", "linear", "llama3")
+# sizes and counts that must be >= 1 (None: derived)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +47,7 @@ class LlamaConfig:
     pad_token_id: int | None = None
 
     def __post_init__(self):
+        check_positive("LlamaConfig", {n: getattr(self, n) for n in _SIZES})
         if self.num_key_value_heads is None:
             object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
         if self.head_dim is None:
@@ -50,7 +56,7 @@ class LlamaConfig:
 
     def _validate(self):
         def bad(field_name, why):
-            raise ValueError(f"LlamaConfig.{field_name}: {why}")
+            raise FieldError("LlamaConfig", field_name, why)
 
         if self.model_type not in MODEL_TYPES:
             bad("model_type", f"{self.model_type!r} is not one of {sorted(MODEL_TYPES)}")
@@ -76,6 +82,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+        check_types(cls, d)
         d = dict(d)
         if d.get("use_sliding_window"):
             raise ValueError("LlamaConfig: sliding-window attention (use_sliding_window) is not supported")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from pathlib import Path
+
+from lockstep.files import FieldError, naming, read_json
 
 
 @dataclass(frozen=True)
@@ -30,7 +33,7 @@ def entry(model_type: str) -> ModelEntry:
     try:
         return REGISTRY[model_type]
     except KeyError:
-        raise ValueError(f"unsupported model_type {model_type!r}; known: {sorted(REGISTRY)}") from None
+        raise FieldError("config", "model_type", f"unsupported {model_type!r}; known: {sorted(REGISTRY)}") from None
 
 
 def _import(spec: str):
@@ -48,7 +51,15 @@ def config_class(model_type: str):
 
 def config_from_hf_dict(d: dict):
     """The lockstep config for a config.json dict, chosen by its `model_type`."""
+    if not isinstance(d, dict):
+        raise ValueError(f"must hold a JSON object, got {type(d).__name__}")
     if "model_type" not in d:
-        raise ValueError("config.json has no 'model_type'")
+        raise FieldError("config", "model_type", "missing (it names the architecture, e.g. 'llama')")
     return config_class(d["model_type"]).from_hf_dict(d)
+
+
+def config_from_file(file: str | Path):
+    """The lockstep config a config.json file describes; any problem is a FileError naming the file."""
+    with naming(file):
+        return config_from_hf_dict(read_json(file))
 

@@ -16,9 +16,9 @@ Accepted config.json shapes:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from lockstep.files import FieldError, naming, read_json
 from lockstep.plan.model import PRESETS, ModelSpec, v4_layer_schedule
 
 V4_LAYER_TYPES = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
@@ -35,22 +35,21 @@ def load_model(name_or_path: str) -> ModelSpec:
     if not path.is_file():
         presets = ", ".join(PRESETS)
         raise ValueError(f"--model {name_or_path!r} is neither a preset ({presets}) nor a config.json")
-    with open(path) as f:
-        cfg = json.load(f)
-    return spec_from_config(cfg, name=str(name_or_path))
+    with naming(path):
+        return spec_from_config(read_json(path), name=str(name_or_path))
 
 
 def spec_from_config(cfg: dict, name: str = "config.json") -> ModelSpec:
     """Dispatch on the config's family (see module docstring)."""
     if not isinstance(cfg, dict):
-        raise ValueError("config.json must hold a JSON object")
+        raise ValueError("must hold a JSON object")
     is_v4 = cfg.get("model_type") == "deepseek_v4" or any(k in cfg for k in ("hc_mult", "compress_ratios", "o_lora_rank"))
     return _v4_spec(cfg, name) if is_v4 else _llama_spec(cfg, name)
 
 
 def _need(cfg: dict, key: str):
     if key not in cfg or cfg[key] is None:
-        raise ValueError(f"config.json: missing required field {key!r}")
+        raise FieldError("config", key, "missing (required)")
     return cfg[key]
 
 
@@ -61,7 +60,7 @@ def _v4_schedule(cfg: dict, num_layers: int) -> tuple[int, ...]:
         out = []
         for t in cfg["layer_types"][:num_layers]:
             if t not in V4_LAYER_TYPES:
-                raise ValueError(f"config.json: layer_types entry {t!r} is not one of {V4_LAYER_TYPES}")
+                raise FieldError("config", "layer_types", f"entry {t!r} is not one of {V4_LAYER_TYPES}")
             out.append(0 if t == "sliding_attention" else int(rates[t]))
         return tuple(out)
     if cfg.get("compress_ratios"):

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.files import read_json
 from lockstep.quant.errors import QuantFormatError
 from lockstep.quant.formats import STORAGE_DTYPE, ServingFormat, Storage, UnknownTensorError, scale_names, storage_for
 from lockstep.quant.fp4 import PACKED_DTYPES, check_fp4_scale, dequantize_fp4_block, fp4_scale_shape, quantize_fp4_block
@@ -111,7 +112,7 @@ def convert_checkpoint(
     src, dst = Path(src_dir), Path(dst_dir)
     if src.resolve() == dst.resolve():
         raise ValueError("convert_checkpoint: src_dir and dst_dir must differ")
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").exists() else None
+    config = read_json(src / "config.json") if (src / "config.json").exists() else None
     src_block = _config_block(config) or FP8_BLOCK
     out_block = tuple(block) if block is not None else src_block
     scale_dtype = E8M0 if scale_fmt == "ue8m0" else torch.float32

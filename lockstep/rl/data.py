@@ -93,12 +93,14 @@ def row_to_prompt(row: Any, index: int, source: str, input_key: str, label_key: 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
     """(location, index, row or exception) per non-blank line; index counts non-blank rows."""
     index = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    with path.open("rb") as f:  # decoded line by line, so a bad byte is reported with its line
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
             try:
-                row: Any = json.loads(line)
+                row: Any = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                row = ValueError(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
             except json.JSONDecodeError as e:
                 row = e
             yield f"{path}, line {lineno}", index, row
@@ -106,13 +108,17 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
 
 
 def _parquet_rows(path: Path, keys: Sequence[str]) -> Iterator[tuple[str, int, Any]]:
+    import pyarrow
     import pyarrow.parquet as pq
 
-    schema_names = set(pq.read_schema(path).names)
-    # Read only the top-level columns the keys touch (dotted keys reach into struct columns).
-    columns = sorted({k if k in schema_names else k.split(".")[0] for k in keys} | ({"data_source"} & schema_names))
-    columns = [c for c in columns if c in schema_names]
-    table = pq.read_table(path, columns=columns)
+    try:
+        schema_names = set(pq.read_schema(path).names)
+        # Read only the top-level columns the keys touch (dotted keys reach into struct columns).
+        columns = sorted({k if k in schema_names else k.split(".")[0] for k in keys} | ({"data_source"} & schema_names))
+        columns = [c for c in columns if c in schema_names]
+        table = pq.read_table(path, columns=columns)
+    except pyarrow.ArrowException as e:  # pyarrow's messages do not name the file
+        raise DataError(f"{path}: not a readable parquet file: {e}") from e
     for index, row in enumerate(table.to_pylist()):
         yield f"{path}, row index {index}", index, row
 
@@ -153,7 +159,7 @@ class PromptDataset(Sequence[Prompt]):
                 if isinstance(row, Exception):
                     raise row
                 self.prompts.append(row_to_prompt(row, index, self.source, input_key, label_key, metadata_key))
-            except (KeyError, TypeError, json.JSONDecodeError) as e:
+            except (KeyError, TypeError, ValueError) as e:  # ValueError: bad JSON or bytes
                 if not skip_bad_rows:
                     reason = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e)
                     raise DataError(f"{where}: {reason}") from e

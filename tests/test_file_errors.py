@@ -1,0 +1,91 @@
+"""Bad files and flags a user hands the CLI: one line naming the file (and field or line), exit 2
+(issue 15 item 7). Each case corrupts a copy of the bundled tiny model, a prompt file or the
+SmolLM2 GGUF in tmp_path and runs it through `lockstep.cli.main`."""
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from lockstep.cli import main
+from lockstep.commands.generate import DEFAULT_MODEL
+
+
+def _fails_naming(capsys, argv, *parts):
+    """The command exits 2 with one stderr line that holds every one of `parts`."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for part in parts:
+        assert str(part) in err, err
+    return err
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return shutil.copytree(DEFAULT_MODEL, tmp_path / "model")
+
+
+def _edit_config(model_dir, **changes):
+    file = model_dir / "config.json"
+    config = {**json.loads(file.read_text()), **changes}
+    file.write_text(json.dumps({k: v for k, v in config.items() if v is not None}, indent=1))
+    return file
+
+
+def _generate(model_dir):
+    return ["generate", "--model", str(model_dir), "--max-new-tokens", "1"]
+
+
+def test_malformed_config_json_names_file_and_line(capsys, model_dir):
+    file = model_dir / "config.json"
+    file.write_text('{\n  "model_type": "deepseek_v4",\n  , "hidden_size": 64}')
+    _fails_naming(capsys, _generate(model_dir), file, "line 3 column 3", "invalid JSON")
+
+
+def test_malformed_tokenizer_json_names_the_file(capsys, model_dir):
+    file = model_dir / "tokenizer.json"
+    text = file.read_text()
+    file.write_text(text[:40] + "{,}" + text[40:])
+    _fails_naming(capsys, _generate(model_dir), file, "line", "invalid JSON")
+
+
+@pytest.mark.parametrize("changes, field, why", [
+    ({"hidden_size": "576"}, "hidden_size", "must be int, got '576'"),  # was a 29-line torch traceback
+    ({"model_type": "llama4"}, "model_type", "unsupported 'llama4'"),
+    ({"num_attention_heads": 0}, "num_attention_heads", "must be >= 1"),
+    ({"o_groups": 3}, "o_groups", "3 does not divide"),
+    # without an explicit schedule the model had no layers and the loader said "unexpected tensor"
+    ({"num_hidden_layers": -1, "layer_types": None, "mlp_layer_types": None}, "num_hidden_layers", "must be >= 1"),
+])
+def test_bad_config_field_names_file_and_field(capsys, model_dir, changes, field, why):
+    file = _edit_config(model_dir, **changes)
+    _fails_naming(capsys, _generate(model_dir), f"{file}: field {field}: {why}")
+
+
+def test_non_utf8_jsonl_names_file_and_line(capsys, tmp_path):
+    file = tmp_path / "prompts.jsonl"
+    file.write_bytes(b'{"prompt": "1 + 1", "label": "2"}\n{"prompt": "\xff\xfe", "label": "2"}\n')
+    _fails_naming(capsys, ["eval", "--eval-data", "x", str(file)], f"{file}, line 2: not UTF-8")
+
+
+def test_garbage_parquet_names_the_file(capsys, tmp_path):
+    file = tmp_path / "prompts.parquet"
+    file.write_bytes(b"PAR1 this is not a parquet file PAR1")
+    _fails_naming(capsys, ["eval", "--eval-data", "x", str(file)], f"{file}: not a readable parquet file")
+
+
+@pytest.mark.parametrize("keep_bytes", [20_000_000, 1_000])  # tensor data cut short; the header cut short
+def test_truncated_gguf_names_the_file(capsys, tmp_path, keep_bytes):
+    from lockstep.models.gguf import smollm2_gguf_path
+
+    file = tmp_path / "model.gguf"
+    with open(smollm2_gguf_path(), "rb") as f:
+        file.write_bytes(f.read(keep_bytes))
+    _fails_naming(capsys, ["convert", "gguf", str(file), str(tmp_path / "out")], file, "truncated or corrupt")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without usable CUDA")
+def test_device_cuda_without_cuda_is_one_line(capsys):
+    _fails_naming(capsys, ["generate", "--device", "cuda", "--max-new-tokens", "1"], "--device cuda")
