@@ -30,7 +30,7 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine import compile_cache
 from lockstep.engine.background import BackgroundLoop
-from lockstep.engine.decode_path import describe, start_graphs
+from lockstep.engine.decode_path import compile_backend_for, describe, start_graphs
 from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import decode_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
@@ -109,15 +109,15 @@ class Engine:
         start, compiled_before = time.perf_counter(), compiled_graph_count()
         cache = self.config.compile_cache
         loaded = bool(cache) and compile_cache.load(cache)
-        print("lockstep engine: compiling the decoder layers for decode and prefill (EngineConfig.compile_decode), "
-              "capturing decode graphs: minutes on a machine's first start, seconds once inductor's cache holds them",
-              file=sys.stderr)
+        if compile_backend_for(self.config):
+            print("lockstep engine: compiling the decoder layers for decode and prefill, capturing decode graphs: "
+                  "minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
         start_graphs(self.adapter, self.config)
         note = ""
         if cache:
             written = compile_cache.save(cache)
             note = f"; compile cache {cache}: {'read, ' if loaded else ''}{written / 2**20:.1f} MiB written"
-        print(f"lockstep engine: compiled and captured in {time.perf_counter() - start:.0f} s "
+        print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s "
               f"({compiled_graph_count() - compiled_before} graphs compiled{note})", file=sys.stderr)
 
     def _fuse_projections(self) -> None:
