@@ -3,9 +3,10 @@
 The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
 hc_projection_triton.py: mHC's projection at decode) and the compiled mHC coefficients
 (hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are settings,
-not environment: `EngineConfig` and `TrainConfig` carry one field each (triton_moe, triton_hc,
-compile_hc), and the engine and the trainer hand them to their model with `set_kernel_switches`
-at construction (the model imports neither config: DESIGN principle 3). A model nobody configured
+not environment: `EngineConfig` carries one field each (triton_moe, triton_hc, compile_hc) and
+`TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
+never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
+construction (the model imports neither config: DESIGN principle 3). A model nobody configured
 runs the defaults (all on).
 
 The environment overrides a setting when set, for A/B runs without touching a config:
