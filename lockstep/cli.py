@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = [a for a in argv if a in SUBCOMMANDS][:1]
     parser = build_parser(chosen)
     args = parser.parse_args(argv)
+    args.argv = argv  # a command that starts more processes hands them its own arguments
     if args.command is None:
         parser.print_help()
         return 0

@@ -1,12 +1,21 @@
 """`lockstep train`: RL post-training. With no arguments: GRPO on the embedded tiny
-DeepSeek-V4 and synthetic arithmetic, TIS on, on the CPU, plots written at the end."""
+DeepSeek-V4 and synthetic arithmetic, TIS on, on the CPU, plots written at the end.
+
+On N processes: `lockstep train --nproc-per-node N ...` starts the world through torch's launcher
+(lockstep/dist/launch.py), which runs `python -m lockstep.cli train ...` (the launch flags removed)
+in each process; a process started by a launcher (`torchrun -m lockstep.cli train ...` too) joins
+the world (lockstep/dist/groups.py) and runs its rank's part (lockstep/rl/data_parallel.py). With
+one process and no launcher, today's single-process path runs, untouched."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
+from ..dist.config import DistConfig
 from ..rl.config import RunConfig
 from ..rl.embedded import ENGINE_RECIPE, RUN_RECIPE, TRAIN_RECIPE
 from .presets import PROMPT_ROOM, default_text, describe, engine_preset, preset
@@ -28,6 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             default_text=default_text(TrainConfig, TRAIN_RECIPE))
     add_dataclass_arguments(parser, EngineConfig, skip=ENGINE_SHARED, group="rollout engine",
                             default_text=default_text(EngineConfig, ENGINE_RECIPE, {"max_model_len": MAX_MODEL_LEN}))
+    add_dataclass_arguments(parser, DistConfig, group="processes and nodes")
 
 
 def configs_from_args(args):
@@ -43,16 +53,39 @@ def configs_from_args(args):
 
 
 def run(args) -> int:
+    from ..dist.groups import destroy_distributed, init_distributed, launched
+    from ..dist.launch import launch, should_launch, strip_launch_flags
+
+    dist_cfg = dataclass_from_args(DistConfig, args)
+    configs = configs_from_args(args)  # bad flags fail here, before any process starts
+    if should_launch(dist_cfg):
+        argv = getattr(args, "argv", None) or sys.argv[1:]
+        launch(dist_cfg, ["-m", "lockstep.cli", *strip_launch_flags(argv)])
+        return 0
+    if not launched():
+        return _train(args, *configs)
+    ctx = init_distributed(dist_cfg.distributed_timeout, config=dist_cfg)
+    try:
+        return _train(args, *configs, dist_ctx=ctx)
+    finally:
+        destroy_distributed()
+
+
+def _train(args, run_cfg, train_cfg, engine_cfg, dist_ctx=None) -> int:
     from ..metrics.plots import plot_run
     from ..rl.progress import RunProgress
     from ..rl.setup import build_run
 
-    run_cfg, train_cfg, engine_cfg = configs_from_args(args)
-    print(describe(args))
-    with RunProgress(run_cfg.num_rollout) as progress:
-        rl = build_run(run_cfg, train_cfg, engine_cfg, progress=progress.update)
-        progress.start(rl.rollout_id)
+    primary = dist_ctx is None or dist_ctx.rank == 0
+    if primary:
+        print(describe(args))
+    with RunProgress(run_cfg.num_rollout) if primary else contextlib.nullcontext() as progress:
+        rl = build_run(run_cfg, train_cfg, engine_cfg, progress=progress and progress.update, dist_ctx=dist_ctx)
+        if progress:
+            progress.start(rl.rollout_id)
         rl.run()
+    if not primary:
+        return 0
     print(f"metrics: {rl.run_dir / 'metrics.jsonl'}")
     if run_cfg.plot:
         result = plot_run(rl.run_dir)

@@ -11,6 +11,11 @@ The rollout's samples are split into num_steps_per_rollout nearly equal consecut
 differ by at most one; every sample is trained on). A non-finite loss or gradient makes the trainer
 skip that step (counted in train/skipped_steps); the weights are pushed whenever at least one step
 of the rollout changed them, so the engine never serves a policy older than the trainer's.
+
+On N processes (lockstep/rl/data_parallel.py) every rank runs this same loop: the engine is the
+world's replicas (each generates its block of the requests, every rank gets all samples), the
+trainer each rank's FSDP shard, so rewards, advantages and filter decisions are computed on the same
+batch everywhere. Only the primary process (rank 0) writes metrics, progress and the run state.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class RLRun:
     rollout_id: int = 0
     progress: object = None  # callable(rollout_id, metrics) for progress display
     start_metrics: dict = field(default_factory=dict)  # logged with the first line (e.g. data/skipped_rows)
+    primary: bool = True  # writes metrics and run state; False on ranks other than 0 of a multi-process run
 
     def __post_init__(self):
         c = self.config
@@ -66,7 +72,7 @@ class RLRun:
                                 routed_experts=self.trainer.config.use_rollout_routing_replay)
         self.eval_spec = RolloutSpec(c.n_samples_per_eval_prompt, c.eval_temperature, 1.0,
                                      c.eval_max_response_len, c.apply_chat_template, c.seed)
-        self.sinks = make_sinks(self.run_dir, tensorboard=c.tensorboard, wandb=c.wandb)
+        self.sinks = make_sinks(self.run_dir, tensorboard=c.tensorboard, wandb=c.wandb) if self.primary else None
 
     # ---- the algorithm ------------------------------------------------------------------
 
@@ -86,7 +92,8 @@ class RLRun:
             if c.save and (c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout):
                 self.save(c.save)
             self.log(metrics, step=self.rollout_id)
-        self.sinks.close()
+        if self.sinks is not None:
+            self.sinks.close()
 
     # ---- the steps ----------------------------------------------------------------------
 
@@ -137,6 +144,8 @@ class RLRun:
 
     def log(self, metrics: dict, step: int) -> None:
         metrics, self.start_metrics = {**self.start_metrics, **metrics}, {}
+        if self.sinks is None:
+            return
         self.sinks.log(metrics, step=step)
         if self.progress is not None:
             self.progress(step, metrics)
@@ -146,7 +155,9 @@ class RLRun:
     def save(self, directory) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self.trainer.save(d / "trainer")
+        self.trainer.save(d / "trainer")  # every rank: a data-parallel save gathers the shards
+        if not self.primary:
+            return
         state = {"rollout_id": self.rollout_id, "weight_version": self.engine.weight_version,
                  "data": self.source.state_dict()}
         torch.save({"torch_rng": torch.get_rng_state()}, d / "rng.pt")

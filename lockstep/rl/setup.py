@@ -98,7 +98,9 @@ def reference_model(run: RunConfig, kl_loss_coef: float, policy):
     return ref
 
 
-def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None):
+def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None):
+    """The run's components; `dist_ctx` (a lockstep.dist DistContext): this rank's part of an N-process
+    run (lockstep/rl/data_parallel.py), rank 0 writing the run directory's files."""
     import torch
 
     from ..engine.engine import Engine
@@ -108,20 +110,37 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     # inputs first: a bad data file or reward name fails before any model is loaded
     path = model_path(run)
     check_ref_load(run, train_cfg.kl_loss_coef)
+    if dist_ctx is not None:
+        from .data_parallel import check_layout
+
+        check_layout(dist_ctx)
     prompts, skipped = train_prompts(run)
     source = PromptSource(prompts, seed=run.seed)
     held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     engine = Engine.from_pretrained(path, engine_cfg)
-    policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
-    trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
-    run_dir = make_run_dir(run)
-    (run_dir / "config.json").write_text(json.dumps(
-        {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
-         "eval_rewards": {name: s.reward for name, s in held_out.items()}}, indent=1, default=str))
+    if dist_ctx is None:
+        policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
+        trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
+    else:
+        from .data_parallel import data_parallel_components
+
+        engine, trainer = data_parallel_components(
+            dist_ctx, engine, path, train_cfg, lambda policy: reference_model(run, train_cfg.kl_loss_coef, policy))
+    primary = dist_ctx is None or dist_ctx.rank == 0
+    run_dir = make_run_dir(run) if primary else None
+    if dist_ctx is not None:
+        from .data_parallel import agreed_run_dir
+
+        run_dir = Path(agreed_run_dir(dist_ctx, run_dir))
+    if primary:
+        (run_dir / "config.json").write_text(json.dumps(
+            {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
+             "eval_rewards": {name: s.reward for name, s in held_out.items()},
+             "world_size": dist_ctx.world_size if dist_ctx is not None else 1}, indent=1, default=str))
     rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
-               advantage_estimator=train_cfg.advantage_fn, progress=progress,
-               start_metrics={"data/skipped_rows": float(skipped)})
+               advantage_estimator=train_cfg.advantage_fn, progress=progress if primary else None,
+               start_metrics={"data/skipped_rows": float(skipped)}, primary=primary)
     if run.load:
         rl.load(run.load)
     return rl

@@ -1,0 +1,58 @@
+"""`TrainerShard`: the Trainer seam for a loop that hands every data-parallel rank the whole batch.
+
+The loop (lockstep/rl/loop.py) is written for one process: it calls `train_step(samples)` with a
+step's samples and `logprobs(samples)` with the rollout's. In a data-parallel run every rank holds
+the same gathered batch (lockstep/dist/replicas.py), and the FSDP trainer
+(`Trainer(..., data_parallel=DataParallel(group))`) wants each rank's own samples. This wrapper
+cuts them: rank r of the trainer group takes block r of the samples (`replicas.shard`: contiguous,
+sizes differing by at most one), so the global batch is the ranks' blocks in rank order, and the
+Trainer's cross-rank sums make the step the step of one process on all of them (train/trainer.py).
+`logprobs` gathers the blocks back into the batch's order, so `old[step slice]` means what it means
+in one process. Weights (`named_weights`: full tensors, a collective on every rank), `save`,
+`load` and the config pass through.
+"""
+
+from __future__ import annotations
+
+from lockstep.dist.replicas import shard
+
+
+class TrainerShard:
+    """Each data-parallel rank trains its block of the batch (module docstring)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.dp = trainer.dp
+
+    @property
+    def config(self):
+        return self.trainer.config
+
+    @property
+    def num_steps(self) -> int:
+        return self.trainer.num_steps
+
+    def _mine(self, samples) -> slice:
+        if len(samples) < self.dp.size:
+            raise ValueError(f"data-parallel rank {self.dp.rank}: a train step got {len(samples)} samples for "
+                             f"{self.dp.size} trainer ranks; every rank needs at least one (fewer "
+                             f"--num-steps-per-rollout, or more samples per rollout)")
+        return shard(len(samples), self.dp.size, self.dp.rank)
+
+    def logprobs(self, samples) -> list:
+        """Per-sample logprobs of the whole batch, in its order (each rank computes its block)."""
+        local = self.trainer.logprobs(samples[self._mine(samples)])
+        return [t for block in self.dp.gather(local) for t in block]
+
+    def train_step(self, samples, old_logprobs=None) -> dict[str, float]:
+        mine = self._mine(samples)
+        return self.trainer.train_step(samples[mine], old_logprobs=old_logprobs[mine] if old_logprobs else None)
+
+    def named_weights(self):
+        return self.trainer.named_weights()
+
+    def save(self, directory) -> None:
+        self.trainer.save(directory)
+
+    def load(self, directory) -> None:
+        self.trainer.load(directory)
