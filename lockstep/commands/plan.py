@@ -4,23 +4,30 @@ Example (DeepSeek-V4-Flash, 2 actor + 2 rollout nodes of 8 x 288 GB GPUs):
 
     lockstep plan --model deepseek-v4-flash --nodes 4 --gpus-per-node 8 --gpu-memory-gb 288 \
         --actor-nodes 2 --rollout-nodes 2 --seq-len 4096 --max-tokens-per-gpu 8192 \
-        --recompute --optimizer-offload --decoder-last-pipeline-num-layers 10 --json
+        --recompute --optimizer-offload --host-memory-gb 3000 --json
 
 Every flag maps to one field of ModelSpec / ClusterSpec / TrainSpec / RolloutSpec
 (lockstep/plan/); the formulas are in the docstrings of lockstep/plan/{memory,rollout,comm,compute}.py.
+The table fits the terminal (the seconds of each communication term need --wide or a terminal of
+200 columns); what the plan assumed (uneven last pipeline stages, the host memory) is said below it.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
+import shutil
 
 DTYPES = ["fp32", "bf16", "fp16", "fp8"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from lockstep.plan.cluster import HOST_MEMORY_GB
+    from lockstep.plan.model import PRESETS
+
     m = parser.add_argument_group("model")
-    m.add_argument("--model", default="deepseek-v4-flash", help="preset name or path to a config.json")
+    m.add_argument("--model", default="deepseek-v4-flash",
+                   help=f"a preset ({', '.join(PRESETS)}) or a config.json or its directory "
+                        "(default: deepseek-v4-flash)")
     c = parser.add_argument_group("cluster")
     c.add_argument("--nodes", type=int, default=4, help="nodes in the cluster (default: 4)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default: 8)")
@@ -30,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--intra-node-bandwidth-gbs", type=float, default=400.0, help="GB/s per GPU per direction")
     c.add_argument("--inter-node-bandwidth-gbs", type=float, default=50.0, help="GB/s per GPU per direction")
     c.add_argument("--host-link-bandwidth-gbs", type=float, default=50.0, help="GPU<->host GB/s (offload)")
-    c.add_argument("--host-memory-gb", type=float, default=None, help="per node; checked only when given")
+    c.add_argument("--host-memory-gb", type=float, default=HOST_MEMORY_GB,
+                   help=f"host memory per node, GB, for optimizer offload (default: {HOST_MEMORY_GB:.0f}, "
+                        "the 2 TB of an 8 x H200 DGX node; 0: not checked)")
     c.add_argument("--gpu-tflops", type=float, default=400.0, help="achieved bf16 TFLOP/s per GPU")
     c.add_argument("--reserve-fraction", type=float, default=0.10,
                    help="GPU memory kept back for context, NCCL buffers, fragmentation")
@@ -48,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--no-distributed-optimizer", action="store_true",
                    help="every data-parallel rank keeps the whole optimizer state (default: sharded)")
     t.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None,
-                   help="layers of the last pipeline stage (default: an even split)")
+                   help="layers of the last pipeline stage (default: an even split where PP divides the layers, "
+                        "else a lighter last stage, e.g. 11/11/11/10 for 43 layers on PP 4)")
     t.add_argument("--use-kl-loss", action="store_true",
                    help="a KL loss against a frozen reference model: one more copy of the weights per GPU")
     r = parser.add_argument_group("rollout")
@@ -69,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true", help="print a JSON list, one object per layout")
     s.add_argument("--top", type=int, default=None, help="show only the best N rows")
     s.add_argument("--feasible-only", action="store_true", help="list only the layouts that fit")
+    s.add_argument("--wide", action="store_true",
+                   help="the full table, with the seconds of every communication term, however wide the terminal")
     s.add_argument("--show-activations", action="store_true",
                    help="also print the saved activations per token, tensor by tensor")
 
@@ -83,7 +95,7 @@ def _specs(args):
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb, actor_nodes=actor,
         rollout_nodes=rollout, intra_node_gbs=args.intra_node_bandwidth_gbs,
         inter_node_gbs=args.inter_node_bandwidth_gbs, host_link_gbs=args.host_link_bandwidth_gbs,
-        host_memory_gb=args.host_memory_gb, gpu_tflops=args.gpu_tflops, reserve_fraction=args.reserve_fraction)
+        host_memory_gb=args.host_memory_gb or None, gpu_tflops=args.gpu_tflops, reserve_fraction=args.reserve_fraction)
     train = TrainSpec(
         seq_len=args.seq_len, max_tokens_per_gpu=args.max_tokens_per_gpu, param_dtype=args.param_dtype,
         grad_dtype=args.grad_dtype, optimizer_dtype=args.optimizer_dtype, recompute=args.recompute,
@@ -99,26 +111,29 @@ def _specs(args):
     return load_model(args.model), cluster, train, roll
 
 
-def run(args) -> int:
+def _console(wide: bool):
+    """A console as wide as the terminal (COLUMNS when not a terminal, else 100); --wide: at least 220."""
     from rich.console import Console
 
-    from lockstep.plan.planner import plan
-    from lockstep.plan.report import render, to_json
+    from lockstep.plan.report import WIDE_COLUMNS
 
-    try:
-        model, cluster, train, roll = _specs(args)
-        plans = plan(model, cluster, train, roll, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
-    except ValueError as e:  # PlanError and config validation errors
-        print(f"lockstep plan: error: {e}", file=sys.stderr)
-        return 2
-    if not plans:
-        print("lockstep plan: error: no valid layout for these constraints "
-              "(fix all of --tp --pp --ep --cp to see why one fails)", file=sys.stderr)
-        return 2
+    columns = shutil.get_terminal_size((100, 24)).columns
+    wide = wide or columns >= WIDE_COLUMNS
+    return Console(width=max(columns, 220) if wide else columns), wide
+
+
+def run(args) -> int:
+    from lockstep.plan.planner import plan
+    from lockstep.plan.report import assumptions, render, to_json
+
+    # errors (PlanError, bad config files) are ValueErrors: lockstep/cli.py prints them as one line, exit 2
+    model, cluster, train, roll = _specs(args)
+    plans = plan(model, cluster, train, roll, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     shown = [p for p in plans if p.feasible] if args.feasible_only else plans
     if args.json:
         print(to_json(shown[: args.top] if args.top else shown))
     else:
-        console = Console(width=None if sys.stdout.isatty() else 220)
-        render(shown or plans, model, console, limit=args.top, activations=args.show_activations)
+        console, wide = _console(args.wide)
+        render(shown or plans, model, console, limit=args.top, activations=args.show_activations, wide=wide,
+               notes=assumptions(model, cluster, train, plans))
     return 0

@@ -5,7 +5,9 @@ TFLOP/s per GPU actually achieved (not peak). Defaults are stated assumptions, n
 - intra-node 400 GB/s: the order of an 8-GPU NVLink / Infinity Fabric node per direction;
 - inter-node 50 GB/s: one 400 Gb/s NIC per GPU;
 - host link 50 GB/s: PCIe 5 x16, used by optimizer offload;
-- 400 TFLOP/s: about half the bf16 GEMM figure measured on one H200 (793 TFLOP/s, DESIGN.md).
+- 400 TFLOP/s: about half the bf16 GEMM figure measured on one H200 (793 TFLOP/s, DESIGN.md);
+- host memory 2000 GB per node: the 2 TB of an 8 x H200 DGX node, checked against what optimizer
+  offload keeps on the host (None: not checked).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 GB = 1e9
+HOST_MEMORY_GB = 2000.0  # per node: an 8 x H200 DGX node's 2 TB
 
 
 def dtype_bytes(name: str, field: str) -> float:
@@ -42,7 +45,7 @@ class ClusterSpec:
     intra_node_gbs: float = 400.0
     inter_node_gbs: float = 50.0
     host_link_gbs: float = 50.0
-    host_memory_gb: float | None = None  # per node; None = not checked
+    host_memory_gb: float | None = HOST_MEMORY_GB  # per node; None = not checked
     gpu_tflops: float = 400.0
     reserve_fraction: float = 0.10
 

@@ -10,12 +10,17 @@ expert rank = ep + EP*(edp + EDP*pp). GPU g lives on node g // gpus_per_node, so
 intra-node when its ranks share a node.
 
 Pipeline stages: with `decoder_last_pipeline_num_layers = k` the last stage gets k layers and the
-other PP - 1 stages share L - k evenly; without it every stage gets L / PP. The embedding sits
-on stage 0 and the head on the last stage.
+other PP - 1 stages share L - k evenly (Megatron's flag). Without it, L / PP each when PP divides L,
+else the k that `auto_last_stage` picks: the most even split of that form whose last stage is the
+lightest (it also holds the head), e.g. 43 layers on PP 4 -> 11, 11, 11, 10. The embedding sits on
+stage 0 and the head on the last stage.
 """
 
 from __future__ import annotations
 
+import itertools
+import re
+from collections import Counter
 from dataclasses import dataclass
 
 from lockstep.plan.cluster import ClusterSpec, TrainSpec
@@ -55,6 +60,18 @@ class Layout:
         return f"TP{self.tp} PP{self.pp} EP{self.ep} CP{self.cp} DP{self.dp}"
 
 
+def auto_last_stage(num_layers: int, pp: int) -> int:
+    """Layers of the last stage when none is given: L / PP if PP divides L, else the largest k whose
+    other stages split L - k evenly with at least k layers each (the last stage also holds the head)."""
+    if num_layers % pp == 0:
+        return num_layers // pp
+    fits = [k for k in range(1, num_layers // pp + 1) if (num_layers - k) % (pp - 1) == 0]
+    if not fits:
+        raise PlanError(f"{num_layers} layers do not split over PP {pp} with a last stage no heavier than the "
+                        f"others; --decoder-last-pipeline-num-layers K sets one")
+    return fits[-1]
+
+
 def stage_layers(num_layers: int, pp: int, last: int | None) -> tuple[int, ...]:
     """Decoder layers per pipeline stage; raises PlanError when they do not split."""
     if pp < 1 or pp > num_layers:
@@ -62,26 +79,21 @@ def stage_layers(num_layers: int, pp: int, last: int | None) -> tuple[int, ...]:
     if pp == 1:
         return (num_layers,)
     if last is None:
-        if num_layers % pp:
-            raise PlanError(
-                f"{num_layers} layers are not divisible by PP {pp} "
-                f"(an uneven last stage needs --decoder-last-pipeline-num-layers)"
-            )
-        return (num_layers // pp,) * pp
+        last = auto_last_stage(num_layers, pp)
     if last >= num_layers:
         raise PlanError(f"--decoder-last-pipeline-num-layers {last} must be smaller than the {num_layers} layers")
     rest = num_layers - last
     if rest % (pp - 1):
         raise PlanError(
             f"{num_layers} - {last} = {rest} layers are not divisible over PP - 1 = {pp - 1} stages "
-            f"(last stage holds {last})"
+            f"(--decoder-last-pipeline-num-layers {last})"
         )
     return (rest // (pp - 1),) * (pp - 1) + (last,)
 
 
 def _check_tp(model: ModelSpec, cluster: ClusterSpec, tp: int) -> None:
     if tp > cluster.gpus_per_node:
-        raise PlanError(f"TP {tp} spans nodes (gpus per node {cluster.gpus_per_node})")
+        raise PlanError(f"TP {tp} spans nodes (--gpus-per-node {cluster.gpus_per_node})")
     divisible = {"attention heads": model.num_attention_heads}
     if model.family == "deepseek_v4":
         divisible["o_groups"] = model.o_groups
@@ -94,24 +106,28 @@ def _check_tp(model: ModelSpec, cluster: ClusterSpec, tp: int) -> None:
             raise PlanError(f"TP {tp} does not divide the {n} {what}")
 
 
-def _check_ep(model: ModelSpec, layout: Layout) -> None:
-    ep, experts = layout.ep, model.n_routed_experts
+def _check_ep(model: ModelSpec, ep: int) -> None:
+    experts = model.n_routed_experts
     if not model.is_moe and ep != 1:
         raise PlanError(f"EP {ep} needs routed experts; {model.name} is dense (use EP 1)")
     if model.is_moe and ep > experts:
         raise PlanError(f"EP {ep} is larger than the {experts} routed experts")
     if model.is_moe and experts % ep:
         raise PlanError(f"EP {ep} does not divide the {experts} routed experts")
+
+
+def _check_ep_stage(layout: Layout) -> None:
+    ep = layout.ep
     if layout.stage_gpus % ep:
         raise PlanError(f"EP {ep} does not divide TP*CP*DP = {layout.stage_gpus} GPUs of a pipeline stage")
 
 
 def _check_cp(train: TrainSpec, cp: int) -> None:
     if cp > 1 and train.seq_len % (2 * cp):
-        raise PlanError(f"seq_len {train.seq_len} is not divisible by 2*CP = {2 * cp} (load-balanced CP)")
+        raise PlanError(f"--seq-len {train.seq_len} is not divisible by 2*CP = {2 * cp} (load-balanced CP)")
     if train.seq_len > train.max_tokens_per_gpu * cp:
         raise PlanError(
-            f"a {train.seq_len}-token sequence does not fit a micro-batch of max_tokens_per_gpu "
+            f"a {train.seq_len}-token sequence does not fit a micro-batch of --max-tokens-per-gpu "
             f"{train.max_tokens_per_gpu} x CP {cp}"
         )
 
@@ -119,14 +135,17 @@ def _check_cp(train: TrainSpec, cp: int) -> None:
 def make_layout(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, *, tp: int, pp: int, ep: int,
                 cp: int) -> Layout:
     """Validate (TP, PP, EP, CP) against the model and cluster; raise PlanError with the reason."""
-    world = cluster.actor_gpus
-    if world % (tp * pp * cp):
-        raise PlanError(f"TP*PP*CP = {tp}*{pp}*{cp} does not divide the {world} actor GPUs")
-    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=world // (tp * pp * cp))
+    # each dimension's own checks first, so that a search with one fixed dimension reports that one
     _check_tp(model, cluster, tp)
     stage_layers(model.num_layers, pp, train.decoder_last_pipeline_num_layers)
-    _check_ep(model, layout)
+    _check_ep(model, ep)
     _check_cp(train, cp)
+    world = cluster.actor_gpus
+    if world % (tp * pp * cp):
+        raise PlanError(f"TP*PP*CP = {tp}*{pp}*{cp} does not divide the {world} actor GPUs "
+                        f"(--actor-nodes {cluster.actor_nodes} x --gpus-per-node {cluster.gpus_per_node})")
+    layout = Layout(tp=tp, pp=pp, ep=ep, cp=cp, dp=world // (tp * pp * cp))
+    _check_ep_stage(layout)
     return layout
 
 
@@ -146,7 +165,8 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, 
     """Every valid layout; a fixed dimension (not None) restricts the search to that value.
 
     When all four are fixed the single layout is validated and its PlanError propagates, so a
-    request like `--pp 5` on 43 layers fails with the reason instead of an empty table.
+    request like `--tp 16` fails with the reason instead of an empty table; when a partly fixed
+    search finds nothing, the PlanError lists the reasons the candidates failed, most common first.
     """
     world = cluster.actor_gpus
     if None not in (tp, pp, ep, cp):
@@ -155,15 +175,17 @@ def enumerate_layouts(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, 
     pps = [pp] if pp else range(1, min(model.num_layers, world) + 1)
     eps = [ep] if ep else _ep_choices(model, world)
     cps = [cp] if cp else CP_CHOICES
-    out = []
-    for t in tps:
-        for p in pps:
-            for e in eps:
-                for c in cps:
-                    try:
-                        out.append(make_layout(model, cluster, train, tp=t, pp=p, ep=e, cp=c))
-                    except PlanError:
-                        continue
+    out, reasons, example = [], Counter(), {}
+    for t, p, e, c in itertools.product(tps, pps, eps, cps):
+        try:
+            out.append(make_layout(model, cluster, train, tp=t, pp=p, ep=e, cp=c))
+        except PlanError as err:
+            kind = re.sub(r"\d+", "N", str(err))  # one entry per check, whatever the sizes
+            reasons[kind] += 1
+            example.setdefault(kind, str(err))
+    if not out and reasons:
+        top = "; ".join(f"{example[k]} ({n} layout{'s' if n > 1 else ''})" for k, n in reasons.most_common(3))
+        raise PlanError(f"none of the {sum(reasons.values())} layouts searched is valid: {top}")
     return out
 
 

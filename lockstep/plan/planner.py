@@ -64,7 +64,7 @@ def _reason(worst: StageMemory, rollout: RolloutMemory, usable: float, host_node
         reasons.append(f"actor stage {worst.stage}: {worst.gpu_bytes / GB:.1f} GB > {usable / GB:.1f} GB usable "
                        f"({big.name} {big.bytes / GB:.1f} GB)")
     if cluster.host_memory_gb is not None and host_node > cluster.host_memory_gb * GB:
-        reasons.append(f"host: {host_node / GB:.0f} GB per node > {cluster.host_memory_gb:.0f} GB")
+        reasons.append(f"host: {host_node / GB:.0f} > {cluster.host_memory_gb:.0f} GB per node")
     if rollout.gpu_bytes > usable:
         big = rollout.largest()
         reasons.append(f"rollout: {rollout.gpu_bytes / GB:.1f} GB > {usable / GB:.1f} GB usable "

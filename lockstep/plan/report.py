@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import json
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from lockstep.plan import activations as act
-from lockstep.plan.cluster import GB
+from lockstep.plan.cluster import GB, HOST_MEMORY_GB, ClusterSpec, TrainSpec
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import active_params, total_params
 from lockstep.plan.planner import LayoutPlan
@@ -56,39 +57,53 @@ def _secs(p: LayoutPlan, name: str) -> str:
     return f"{term.seconds:.2f}" if term else "-"
 
 
-def table(plans: list[LayoutPlan], limit: int | None = None) -> Table:
-    t = Table(title="Layouts ranked by estimated step time (no compute/communication overlap assumed)")
-    for col in ("#", "layout", "fits", "actor GB/GPU", "rollout GB/GPU", "step s", "compute s", "TP s", "EP s",
-                "PP s", "CP s", "DP s", "host s", "push s", "breaks on"):
-        t.add_column(col, justify="left" if col in ("layout", "breaks on") else "right", no_wrap=col == "layout")
-    for i, p in enumerate(plans[:limit] if limit else plans, 1):
-        t.add_row(str(i), p.layout.label(), "yes" if p.feasible else "[red]no[/red]",
-                  f"{p.actor_bytes / GB:.1f}", f"{p.rollout.gpu_bytes / GB:.1f}", f"{p.step_seconds:.2f}",
-                  f"{p.compute_s * (1 + p.bubble):.2f}", _secs(p, "TP all-reduce"), _secs(p, "EP all-to-all"),
-                  _secs(p, "PP send/recv"), _secs(p, "CP K/V exchange"), _secs(p, "DP gradient reduce"),
-                  _secs(p, "optimizer offload (host link)"), _secs(p, "weight push"), p.reason)
+# the per-term seconds: only in the wide table (about 200 columns with them, 110 without)
+WIDE_ONLY = ("compute s", "TP s", "EP s", "PP s", "CP s", "DP s", "host s")
+BOX = box.SIMPLE_HEAD  # no vertical rules: 3 columns fewer per table column than rich's default
+WIDE_COLUMNS = 200  # a terminal at least this wide gets the wide table without --wide
+
+
+def _row(i: int, p: LayoutPlan) -> dict[str, str]:
+    return {"#": str(i), "layout": p.layout.label(), "fits": "yes" if p.feasible else "[red]no[/red]",
+            "actor GB": f"{p.actor_bytes / GB:.1f}", "host GB": f"{p.host_bytes_per_node / GB:.0f}",
+            "rollout GB": f"{p.rollout.gpu_bytes / GB:.1f}", "step s": f"{p.step_seconds:.2f}",
+            "compute s": f"{p.compute_s * (1 + p.bubble):.2f}", "TP s": _secs(p, "TP all-reduce"),
+            "EP s": _secs(p, "EP all-to-all"), "PP s": _secs(p, "PP send/recv"), "CP s": _secs(p, "CP K/V exchange"),
+            "DP s": _secs(p, "DP gradient reduce"), "host s": _secs(p, "optimizer offload (host link)"),
+            "push s": _secs(p, "weight push"), "breaks on": p.reason}
+
+
+def table(plans: list[LayoutPlan], limit: int | None = None, wide: bool = True) -> Table:
+    """The ranked layouts; `wide` adds the seconds of every communication term."""
+    t = Table(title="Layouts ranked by estimated step time (no compute/communication overlap assumed); "
+                    "actor and rollout GB per GPU, host GB per node", box=BOX)
+    rows = [_row(i, p) for i, p in enumerate(plans[:limit] if limit else plans, 1)]
+    columns = [c for c in _row(0, plans[0]) if wide or c not in WIDE_ONLY] if plans else []
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("layout", "breaks on") else "right", no_wrap=col != "breaks on")
+    for row in rows:
+        t.add_row(*(row[c] for c in columns))
     return t
 
 
 def terms_table(p: LayoutPlan) -> Table:
-    """Every memory term of every stage, the rollout GPU and the communication of one layout."""
-    t = Table(title=f"Terms of {p.layout.label()} (usable {p.usable_bytes / GB:.1f} GB per GPU)")
-    t.add_column("where")
+    """Every memory term of every stage, the rollout GPU and the communication of one layout; each
+    group names where it is once, on its first row (narrow terminals keep the formulas readable)."""
+    t = Table(title=f"Terms of {p.layout.label()} (usable {p.usable_bytes / GB:.1f} GB per GPU)", box=BOX)
+    t.add_column("where", no_wrap=True)
     t.add_column("term")
-    t.add_column("GB", justify="right")
-    t.add_column("seconds", justify="right")
+    t.add_column("GB", justify="right", no_wrap=True)
+    t.add_column("seconds", justify="right", no_wrap=True)
     t.add_column("formula")
-    for s in p.stages:
-        where = f"actor stage {s.stage} ({len(s.layers)} layers)"
-        for term in s.terms:
-            t.add_row(where, term.name, f"{term.bytes / GB:.2f}", "", term.formula)
-        t.add_row(where, "[bold]total on GPU[/bold]", f"[bold]{s.gpu_bytes / GB:.2f}[/bold]", "", "")
-    for term in p.rollout.terms:
-        t.add_row("rollout GPU", term.name, f"{term.bytes / GB:.2f}", "", term.formula)
-    t.add_row("rollout GPU", "[bold]total on GPU[/bold]", f"[bold]{p.rollout.gpu_bytes / GB:.2f}[/bold]", "", "")
-    for c in p.comm:
-        t.add_row("per step", c.name, f"{c.bytes / GB:.2f}", f"{c.seconds:.3f}", c.formula)
-    t.add_row("per step", "compute (x bubble)", "", f"{p.compute_s * (1 + p.bubble):.3f}",
+    groups = [(f"actor stage {s.stage}, {len(s.layers)} layers", s.terms, s.gpu_bytes) for s in p.stages]
+    groups.append(("rollout GPU", p.rollout.terms, p.rollout.gpu_bytes))
+    for where, terms, total in groups:
+        for i, term in enumerate(terms):
+            t.add_row(where if i == 0 else "", term.name, f"{term.bytes / GB:.2f}", "", term.formula)
+        t.add_row("", "[bold]total on GPU[/bold]", f"[bold]{total / GB:.2f}[/bold]", "", "", end_section=True)
+    for i, c in enumerate(p.comm):
+        t.add_row("per step" if i == 0 else "", c.name, f"{c.bytes / GB:.2f}", f"{c.seconds:.3f}", c.formula)
+    t.add_row("", "compute (x bubble)", "", f"{p.compute_s * (1 + p.bubble):.3f}",
               f"{p.compute_s:.3f} s x (1 + {p.bubble:.3f})")
     return t
 
@@ -117,19 +132,41 @@ def activation_table(model: ModelSpec, tp: int) -> Table:
     return t
 
 
+def assumptions(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plans: list[LayoutPlan]) -> list[str]:
+    """What the plan assumed that the user did not say: uneven pipeline stages, the host memory checked."""
+    out = []
+    splits = {p.layout.pp: [len(s.layers) for s in p.stages] for p in plans}
+    uneven = {pp: n for pp, n in splits.items() if len(set(n)) > 1}
+    if uneven and train.decoder_last_pipeline_num_layers is None:
+        splits = ", ".join(f"PP{pp} {'/'.join(map(str, n))}" for pp, n in sorted(uneven.items()))
+        out.append(f"Pipeline stages: PP that does not divide the {model.num_layers} layers gets a lighter last stage "
+                   f"({splits}); --decoder-last-pipeline-num-layers K fixes the last stage at K layers.")
+    if cluster.host_memory_gb is None:
+        out.append("Host memory: not checked.")
+    elif train.optimizer_offload:
+        how = " (the default: an 8 x H200 DGX node's 2 TB)" if cluster.host_memory_gb == HOST_MEMORY_GB else ""
+        out.append(f"Host memory: {cluster.host_memory_gb:.0f} GB per node{how} holds the offloaded optimizer; "
+                   "set it with --host-memory-gb.")
+    return out
+
+
 def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: int | None = None,
-           detail: LayoutPlan | None = None, activations: bool = False) -> None:
-    """Header, ranked table, the itemised terms of `detail` (default: the best layout) and, on
-    request, the per-token activation breakdown for that layout's TP."""
+           detail: LayoutPlan | None = None, activations: bool = False, wide: bool = True,
+           notes: list[str] | tuple[str, ...] = ()) -> None:
+    """Header, ranked table (`wide`: with every communication term), the itemised terms of `detail`
+    (default: the best layout), on request the per-token activation breakdown for that layout's TP,
+    and `notes` (what was assumed, see `assumptions`)."""
     console.print(f"[bold]{model.name}[/bold]: {total_params(model) / 1e9:.2f}B parameters, "
                   f"{active_params(model) / 1e9:.2f}B active per token, {model.num_layers} layers")
-    console.print(table(plans, limit))
+    console.print(table(plans, limit, wide))
     feasible = [p for p in plans if p.feasible]
     chosen = detail or (feasible[0] if feasible else plans[0])
     console.print(terms_table(chosen))
     if activations:
         console.print(activation_table(model, chosen.layout.tp))
     console.print(recommendation(plans))
+    for note in notes:
+        console.print(note)
 
 
 def spare(p: LayoutPlan) -> float:
