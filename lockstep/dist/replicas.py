@@ -16,9 +16,14 @@ The gather is `all_gather_object` on the gloo control group: the samples are pic
 included. That is fine for the CPU proof and small rollouts; a large GPU rollout should gather the
 flat token / logprob tensors instead (not built yet).
 
-Weights: colocated, each rank's engine takes its own trainer's full weights in-process
-(`update_weights`, as the one-process loop does); every rank calls it at the same point because
-`Trainer.named_weights()` gathers FSDP shards (a collective).
+Weights, `update_weights(named_tensors, version)` on every rank at the same point:
+    colocated       each rank's engine takes its own trainer's full weights in-process (as the
+                    one-process loop does; `Trainer.named_weights()` gathers FSDP shards, a
+                    collective, so every rank calls it together)
+    disaggregated   `push_weights` (lockstep/dist/weight_push.py): trainer ranks pass their
+                    named_weights, engine ranks their engine; buckets broadcast from the first
+                    trainer rank, two-phase commit. A trainer-only rank holds no engine: it
+                    contributes no samples, keeps the version number and needs the tokenizer.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from lockstep.dist.groups import DistContext
+from lockstep.dist.weight_push import push_weights
 
 
 def shard(num_items: int, num_shards: int, index: int) -> slice:
@@ -37,33 +43,48 @@ def shard(num_items: int, num_shards: int, index: int) -> slice:
 
 
 class EngineReplicas:
-    """generate / update_weights / weight_version over the engine ranks (module docstring)."""
+    """generate / update_weights / weight_version over the engine ranks (module docstring).
 
-    def __init__(self, ctx: DistContext, engine):
-        if not ctx.is_engine:
-            raise ValueError(f"rank {ctx.rank}: EngineReplicas needs an engine rank (a colocated layout); the "
-                             f"disaggregated loop is not built yet")
-        self.ctx, self.engine = ctx, engine
+    `engine`: this rank's Engine, None on a trainer-only rank (then `tokenizer` is needed);
+    `manifest`: the weight push's manifest, needed in the disaggregated layout."""
+
+    def __init__(self, ctx: DistContext, engine=None, *, tokenizer=None, manifest=None):
+        if ctx.is_engine != (engine is not None):
+            raise ValueError(f"rank {ctx.rank}: an engine rank needs its engine, another rank must not have one")
+        if not ctx.layout.is_colocated and manifest is None:
+            raise ValueError(f"rank {ctx.rank}: the disaggregated layout pushes weights and needs their manifest")
+        self.ctx, self.engine, self.manifest = ctx, engine, manifest
+        self._tokenizer = tokenizer if engine is None else engine.tokenizer
+        self._version = 0  # a trainer-only rank's record of what the engines serve
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self._tokenizer
 
     @property
     def weight_version(self) -> int:
-        return self.engine.weight_version
+        return self.engine.weight_version if self.engine is not None else self._version
 
     def my_requests(self, requests: list) -> list:
         ranks = self.ctx.layout.engine_ranks
+        if not self.ctx.is_engine:
+            return []
         return requests[shard(len(requests), len(ranks), ranks.index(self.ctx.rank))]
 
     def generate(self, requests: list) -> list:
         """Every rank's samples for `requests`, in the order one engine returns them."""
-        local = self.engine.generate(self.my_requests(requests))
+        mine = self.my_requests(requests)
+        local = self.engine.generate(mine) if mine else []
         parts: list = [None] * self.ctx.world_size
         with self.ctx.collective(f"all_gather_object of rollout samples ({len(requests)} requests)"):
             dist.all_gather_object(parts, local, group=self.ctx.control_group)
         return [s for r in self.ctx.layout.engine_ranks for s in parts[r]]
 
-    def update_weights(self, named_tensors, version: int) -> None:
-        self.engine.update_weights(named_tensors, version=version)
+    def update_weights(self, named_tensors, version: int) -> dict[str, float]:
+        """The new weights into every engine (module docstring); push metrics when pushed."""
+        if self.ctx.layout.is_colocated:
+            self.engine.update_weights(named_tensors, version=version)
+            return {}
+        metrics = push_weights(self.ctx, self.manifest, version, named_tensors=named_tensors, engine=self.engine)
+        self._version = version
+        return metrics

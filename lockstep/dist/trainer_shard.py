@@ -10,9 +10,16 @@ Trainer's cross-rank sums make the step the step of one process on all of them (
 `logprobs` gathers the blocks back into the batch's order, so `old[step slice]` means what it means
 in one process. Weights (`named_weights`: full tensors, a collective on every rank), `save`,
 `load` and the config pass through.
+
+Disaggregated (ranks [0, T) train, [T, N) serve), every rank still runs the loop: an engine-only rank
+holds `TrainerShard(None, ctx, config)`, whose `train_step` returns the step's metrics broadcast from
+the first trainer rank (the loop decides on them whether to push), whose `named_weights` is None
+(push_weights takes the engine's side there) and whose save / load write and read nothing.
 """
 
 from __future__ import annotations
+
+import torch.distributed as dist
 
 from lockstep.dist.replicas import shard
 
@@ -20,17 +27,16 @@ from lockstep.dist.replicas import shard
 class TrainerShard:
     """Each data-parallel rank trains its block of the batch (module docstring)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.dp = trainer.dp
+    def __init__(self, trainer, ctx=None, config=None):
+        self.trainer, self.ctx = trainer, ctx
+        self.dp = trainer.dp if trainer is not None else None
+        self._config = trainer.config if trainer is not None else config
+        # disaggregated: the engine-only ranks learn each step's metrics from the first trainer rank
+        self._share = ctx is not None and not ctx.layout.is_colocated
 
     @property
     def config(self):
-        return self.trainer.config
-
-    @property
-    def num_steps(self) -> int:
-        return self.trainer.num_steps
+        return self._config
 
     def _mine(self, samples) -> slice:
         if len(samples) < self.dp.size:
@@ -41,18 +47,31 @@ class TrainerShard:
 
     def logprobs(self, samples) -> list:
         """Per-sample logprobs of the whole batch, in its order (each rank computes its block)."""
+        if self.trainer is None:
+            return [None] * len(samples)
         local = self.trainer.logprobs(samples[self._mine(samples)])
         return [t for block in self.dp.gather(local) for t in block]
 
     def train_step(self, samples, old_logprobs=None) -> dict[str, float]:
-        mine = self._mine(samples)
-        return self.trainer.train_step(samples[mine], old_logprobs=old_logprobs[mine] if old_logprobs else None)
+        metrics = None
+        if self.trainer is not None:
+            mine = self._mine(samples)
+            metrics = self.trainer.train_step(samples[mine], old_logprobs=old_logprobs[mine] if old_logprobs else None)
+        return self._shared(metrics) if self._share else metrics
+
+    def _shared(self, metrics):
+        box = [metrics]
+        with self.ctx.collective("broadcast_object_list of the train step's metrics"):
+            dist.broadcast_object_list(box, src=self.ctx.weight_src, group=self.ctx.control_group)
+        return box[0]
 
     def named_weights(self):
-        return self.trainer.named_weights()
+        return self.trainer.named_weights() if self.trainer is not None else None
 
     def save(self, directory) -> None:
-        self.trainer.save(directory)
+        if self.trainer is not None:
+            self.trainer.save(directory)
 
     def load(self, directory) -> None:
-        self.trainer.load(directory)
+        if self.trainer is not None:
+            self.trainer.load(directory)

@@ -1,32 +1,23 @@
-"""An RL run's engine and trainer on N processes (colocated, data parallel), for `build_run`.
+"""An RL run's engine and trainer on N processes, for `build_run`.
 
-Every rank of a colocated world (lockstep.dist.groups) holds one engine replica and one FSDP shard of
-the trainer:
+Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lockstep.dist.groups):
 
-    engine   EngineReplicas: the rank's own Engine; generate() shards the requests over the engine
-             ranks and gathers the samples to every rank (lockstep/dist/replicas.py)
-    trainer  the policy loaded in fp32 (FSDP's shards are the master weights), sharded over the
-             trainer group with apply_fsdp (bf16 compute when TrainConfig.dtype says so), wrapped in
-             TrainerShard so that the loop's whole-batch calls train each rank's block
-    weights  after a step each rank's engine takes its own trainer's full weights in-process
-             (`named_weights` gathers the shards on every rank): no broadcast is needed when every
-             rank serves what it trains
-
-The disaggregated layout (--actor-num-gpus / --rollout-num-gpus) has its weight push
-(lockstep/dist/weight_push.py) but no loop yet: it is refused here with that said.
+    engine   EngineReplicas: the rank's own Engine on an engine rank; generate() shards the requests
+             over the engine ranks and gathers the samples to every rank (lockstep/dist/replicas.py)
+    trainer  on a trainer rank the policy loaded in fp32 (FSDP's shards are the master weights),
+             sharded over the trainer group with apply_fsdp (bf16 compute when TrainConfig.dtype says
+             so), wrapped in TrainerShard so that the loop's whole-batch calls train each rank's block
+             (lockstep/dist/trainer_shard.py)
+    weights  colocated (every rank trains and serves): each rank's engine takes its own trainer's full
+             weights in-process; disaggregated (--actor-num-gpus T --rollout-num-gpus E: ranks [0, T)
+             train, the others serve): push_weights over torch.distributed, with the manifest each
+             side derives from its own model and --update-weight-buffer-size buckets
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-
-def check_layout(ctx) -> None:
-    if not ctx.layout.is_colocated:
-        raise ValueError(f"rank {ctx.rank}: lockstep train runs the colocated layout only (every rank trains and "
-                         f"serves); --actor-num-gpus / --rollout-num-gpus (disaggregated) are not built into the "
-                         f"loop yet")
 
 
 def agreed_run_dir(ctx, run_dir):
@@ -37,22 +28,35 @@ def agreed_run_dir(ctx, run_dir):
     return box[0]
 
 
-def data_parallel_components(ctx, engine, path, train_cfg, ref_model_fn):
-    """(EngineReplicas over `engine`, TrainerShard of an FSDP Trainer on the model at `path`).
-    `ref_model_fn(policy)` gives the KL reference from the policy before it is sharded."""
+def _fsdp_trainer(ctx, path, train_cfg, ref_model_fn):
     from ..dist.fsdp import apply_fsdp, dp_mesh
-    from ..dist.replicas import EngineReplicas
-    from ..dist.trainer_shard import TrainerShard
     from ..models import load_pretrained
     from ..train.data_parallel import DataParallel
     from ..train.trainer import Trainer
 
-    check_layout(ctx)
     policy = load_pretrained(path, dtype=torch.float32, device=ctx.device)
-    ref_model = ref_model_fn(policy)
+    ref_model = ref_model_fn(policy)  # from the policy as loaded, before it is sharded
     apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type), param_dtype=getattr(torch, train_cfg.dtype),
                offload=train_cfg.optimizer_offload)
     dp = DataParallel(ctx.trainer_group, device=ctx.device if ctx.device.type == "cuda" else "cpu",
                       collective=ctx.collective)
-    trainer = Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)
-    return EngineReplicas(ctx, engine), TrainerShard(trainer)
+    return Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)
+
+
+def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int):
+    """(EngineReplicas, TrainerShard) of this rank. `ref_model_fn(policy)` gives the KL reference."""
+    from ..dist.manifest import build_manifest
+    from ..dist.replicas import EngineReplicas
+    from ..dist.trainer_shard import TrainerShard
+    from ..engine.engine import Engine
+    from ..models.tokenizer import has_tokenizer, load_tokenizer
+
+    engine = Engine.from_pretrained(path, engine_cfg) if ctx.is_engine else None
+    trainer = _fsdp_trainer(ctx, path, train_cfg, ref_model_fn) if ctx.is_trainer else None
+    manifest = None
+    if not ctx.layout.is_colocated:  # each side from its own copy of the model (manifest.py)
+        model = trainer.model if trainer is not None else engine.model
+        manifest = build_manifest(model, getattr(torch, train_cfg.dtype), weight_buffer_size)
+    tokenizer = load_tokenizer(path) if engine is None and has_tokenizer(path) else None
+    return (EngineReplicas(ctx, engine, tokenizer=tokenizer, manifest=manifest),
+            TrainerShard(trainer, ctx, config=train_cfg))

@@ -98,9 +98,11 @@ def reference_model(run: RunConfig, kl_loss_coef: float, policy):
     return ref
 
 
-def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None):
+def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None,
+              weight_buffer_size: int = 512 * 1024 ** 2):
     """The run's components; `dist_ctx` (a lockstep.dist DistContext): this rank's part of an N-process
-    run (lockstep/rl/data_parallel.py), rank 0 writing the run directory's files."""
+    run (lockstep/rl/data_parallel.py; `weight_buffer_size`: push bucket bytes), rank 0 writing the
+    run directory's files."""
     import torch
 
     from ..engine.engine import Engine
@@ -110,23 +112,20 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     # inputs first: a bad data file or reward name fails before any model is loaded
     path = model_path(run)
     check_ref_load(run, train_cfg.kl_loss_coef)
-    if dist_ctx is not None:
-        from .data_parallel import check_layout
-
-        check_layout(dist_ctx)
     prompts, skipped = train_prompts(run)
     source = PromptSource(prompts, seed=run.seed)
     held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
-    engine = Engine.from_pretrained(path, engine_cfg)
     if dist_ctx is None:
+        engine = Engine.from_pretrained(path, engine_cfg)
         policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
         trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
     else:
         from .data_parallel import data_parallel_components
 
         engine, trainer = data_parallel_components(
-            dist_ctx, engine, path, train_cfg, lambda policy: reference_model(run, train_cfg.kl_loss_coef, policy))
+            dist_ctx, path, train_cfg, engine_cfg, lambda policy: reference_model(run, train_cfg.kl_loss_coef, policy),
+            weight_buffer_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
     run_dir = make_run_dir(run) if primary else None
     if dist_ctx is not None:

@@ -14,6 +14,14 @@ excluded). What is compared how, and why:
   fp32 summation order; AdamW then turns ~1e-7 gradient differences into ~1e-4 relative ones in the
   next rollout's gradient norm and entropy).
 - train/num_microbatches counts the micro-batches of all ranks: one per rank here, one in total there.
+
+Disaggregated 1 + 1 (`--actor-num-gpus 1 --rollout-num-gpus 1`: rank 0 trains on FSDP, rank 1
+serves, the weights pushed over gloo after every step) against 1 process: every metric bitwise
+equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
+whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
+
+A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
+rank and the operation (at once for an exit, at --distributed-timeout for a hang).
 """
 
 from __future__ import annotations
@@ -45,11 +53,27 @@ def _train(run_dir, *flags) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_log_the_metrics_of_one(tmp_path):
-    one = _train(tmp_path / "one")
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> list[dict]:
+    return _train(tmp_path_factory.mktemp("one"))
+
+
+def _perf_free(line: dict) -> dict:
+    return {k: v for k, v in line.items() if not k.startswith("perf/")}
+
+
+def test_disaggregated_one_plus_one_logs_the_metrics_of_one_process(tmp_path, one_process):
+    two = _train(tmp_path, "--nproc-per-node", "2", "--actor-num-gpus", "1", "--rollout-num-gpus", "1",
+                 "--master-port", str(free_port()))
+    assert [_perf_free(line) for line in two] == [_perf_free(line) for line in one_process]
+    pushed = [line["perf/weight_sync_bytes"] for line in two if "perf/weight_sync_bytes" in line]
+    assert len(pushed) == 3 and min(pushed) > 2_000_000  # a push over torch.distributed after every step
+
+
+def test_two_processes_log_the_metrics_of_one(tmp_path, one_process):
+    one = one_process
     two = _train(tmp_path / "two", "--nproc-per-node", "2", "--master-port", str(free_port()))
     assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
-    assert not (tmp_path / "one" / "plots").exists()
     assert len(one) == len(two) == 4  # step 0's eval, then 3 rollouts
     for want, got in zip(one, two):
         keys = {k for k in want if not k.startswith("perf/")}
@@ -66,33 +90,36 @@ def test_two_processes_log_the_metrics_of_one(tmp_path):
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
 
 
-def _dying_rank(rank: int, run_dir: str, timeout_s: float) -> None:
-    """Every rank runs `lockstep train`; rank 1 exits abruptly in its rollout 2 (its 3rd generate: eval
-    at step 0, rollout 1, rollout 2)."""
+def _failing_rank(rank: int, run_dir: str, timeout_s: float, how: str) -> None:
+    """Every rank runs `lockstep train`; in its rollout 2 (its 3rd generate: eval at step 0, rollout 1,
+    rollout 2) rank 1 exits abruptly, or hangs past the timeout before it exits."""
     from lockstep.cli import main
     from lockstep.engine.engine import Engine
 
     calls, generate = [0], Engine.generate
 
-    def dying_generate(self, requests):
+    def failing_generate(self, requests):
         calls[0] += 1
         if rank == 1 and calls[0] == 3:
+            if how == "hang":  # for twice the timeout, then gone (the test need not wait for a guard)
+                time.sleep(2 * timeout_s)
             os._exit(3)
         return generate(self, requests)
 
-    Engine.generate = dying_generate
+    Engine.generate = failing_generate
     main(["train", *SIZES, "--run-dir", run_dir, "--distributed-timeout", str(timeout_s)])
 
 
-def test_dead_peer_ends_the_run_naming_rank_and_operation(tmp_path):
-    timeout_s = 20.0
+@pytest.mark.parametrize("how, timeout_s", [("exit", 20.0), ("hang", 4.0)])
+def test_failed_peer_ends_the_run_naming_rank_and_operation(tmp_path, how, timeout_s):
     start = time.monotonic()
-    r0, r1 = run_world(_dying_rank, 2, guard_s=90, args=(str(tmp_path), timeout_s))
-    assert r1.exitcode == 3 and r1.value is None
+    r0, r1 = run_world(_failing_rank, 2, guard_s=timeout_s + 30, args=(str(tmp_path), timeout_s, how))
+    assert r1.exitcode == 3 and r1.value is None and not r1.hung
     assert r0.error_type == "DistributedError", r0.error
     first = r0.error.splitlines()[0]
     assert first.startswith("rank 0: all_gather_object of rollout samples (4 requests)"), first
-    assert "a peer probably exited" in first
-    assert r0.elapsed_s < timeout_s and time.monotonic() - start < 60
+    assert ("a peer probably exited" if how == "exit" else f"timed out after {timeout_s:g}s") in first, first
+    # rank 0 gave up within the timeout of the collective it was in (plus the start and rollout 1)
+    assert r0.elapsed_s < timeout_s + 15 and time.monotonic() - start < timeout_s + 45
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 2  # step 0's eval and rollout 1 were logged before the peer died
+    assert len(lines) == 2  # step 0's eval and rollout 1 were logged before the peer failed
