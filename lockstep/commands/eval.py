@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
@@ -35,21 +36,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..engine.engine import Engine
-    from ..rl.evaluate import evaluate
+    from ..rl import eval_report as report
+    from ..rl.evaluate import evaluate_set
     from ..rl.rollout import RolloutSpec
     from ..rl.setup import eval_sets, model_path
 
     cfg = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
     engine_cfg = dataclass_from_args(EngineConfig, args, **engine_preset(args, cfg.eval_max_response_len))
-    engine = Engine.from_pretrained(model_path(cfg), engine_cfg)
+    path = model_path(cfg)
+    engine = Engine.from_pretrained(path, engine_cfg)
+    print(f"model {path} ({engine_cfg.device}, {engine_cfg.dtype}, serving {engine_cfg.serving_format})")
     spec = RolloutSpec(cfg.n_samples_per_eval_prompt, cfg.eval_temperature, 1.0, cfg.eval_max_response_len,
                        cfg.apply_chat_template, cfg.seed)
-    sets = eval_sets(cfg)
-    for name, eval_set in sets.items():
-        print(f"{name}: {len(eval_set.prompts)} prompts scored by reward {eval_set.reward}")
-    metrics = evaluate(engine, sets, spec)
+    data = {name: file for name, file, _ in cfg.eval_sets}
+    metrics, warnings = {}, []
+    for name, eval_set in eval_sets(cfg).items():
+        print(report.set_header(name, data.get(name, "the embedded task's held-out split"), eval_set, spec))
+        result = evaluate_set(engine, name, eval_set, spec)
+        print(report.set_footer(name, result))
+        print("\n".join(report.sample_lines(eval_set, result, spec.n_samples)))
+        metrics.update(result.metrics)
+        warnings.append(report.reward_warning(name, eval_set, result))
     for k, v in sorted(metrics.items()):
         print(f"{k:40s} {v:.4f}")
+    for warning in filter(None, warnings):  # last, where they are seen
+        print(warning, file=sys.stderr)
     if args.output:
         with open(args.output, "w") as f:
             json.dump(metrics, f, indent=1)
