@@ -52,10 +52,15 @@ def _check_device(device: str | None) -> None:
         kind = torch.device(device).type
     except RuntimeError as e:
         raise ValueError(f"--device {device}: not a torch device ({e})") from None
-    if kind == "cuda" and not torch.cuda.is_available():
+    if kind != "cuda":
+        return
+    if not torch.cuda.is_available():
         why = ("this torch build has no CUDA support (torch " + torch.__version__ + ")" if torch.version.cuda is None
                else "no CUDA device is visible")
         raise ValueError(f"--device {device}: {why}; use --device cpu or a CUDA build of torch on a GPU machine")
+    index, count = torch.device(device).index, torch.cuda.device_count()
+    if index is not None and index >= count:
+        raise ValueError(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,6 +64,12 @@ def test_bad_config_field_names_file_and_field(capsys, model_dir, changes, field
     _fails_naming(capsys, _generate(model_dir), f"{file}: field {field}: {why}")
 
 
+def test_config_that_does_not_match_the_weights_names_both_files(capsys, model_dir):
+    file = _edit_config(model_dir, num_attention_heads=3)  # valid on its own; the weights hold 4 heads
+    _fails_naming(capsys, _generate(model_dir), model_dir / "model.safetensors", "expected [3], got [4]",
+                  f"the model was built from {file}")
+
+
 def test_non_utf8_jsonl_names_file_and_line(capsys, tmp_path):
     file = tmp_path / "prompts.jsonl"
     file.write_bytes(b'{"prompt": "1 + 1", "label": "2"}\n{"prompt": "\xff\xfe", "label": "2"}\n')

@@ -234,12 +234,16 @@ def _skip_init():
 def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu") -> torch.nn.Module:
     """Build the model config.json names and load its weights; `dtype` None keeps float32."""
     path = Path(path)
-    config = registry.config_from_file(_config_file(path))
+    config_file = _config_file(path)
+    config = registry.config_from_file(config_file)
     with torch.device(device), _skip_init():
         model = registry.model_class(config.model_type)(config)
     if dtype is not None:
         cast_model(model, dtype)
-    load_into(model, path, config.model_type)
+    try:
+        load_into(model, path, config.model_type)
+    except CheckpointError as e:  # the model was built from config.json: a wrong field shows up as a tensor
+        raise CheckpointError(f"{e} (the model was built from {config_file}: do its fields match the weights?)") from e
     model.source_dir = str(path)  # save_pretrained copies the tokenizer from here
     return model.eval()
 
