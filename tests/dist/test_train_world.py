@@ -20,6 +20,10 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
+The same 2-process run started by two launchers (`--nnodes 2 --node-rank 0|1 --nproc-per-node 1`,
+the multi-node command run twice on this machine) and a run resumed on 2 processes from a 2-process
+save log the 2-process run's metrics bitwise.
+
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
 rank and the operation (at once for an exit, at --distributed-timeout for a hang).
 """
@@ -70,10 +74,16 @@ def test_disaggregated_one_plus_one_logs_the_metrics_of_one_process(tmp_path, on
     assert len(pushed) == 3 and min(pushed) > 2_000_000  # a push over torch.distributed after every step
 
 
-def test_two_processes_log_the_metrics_of_one(tmp_path, one_process):
-    one = one_process
-    two = _train(tmp_path / "two", "--nproc-per-node", "2", "--master-port", str(free_port()))
-    assert json.loads((tmp_path / "two" / "config.json").read_text())["world_size"] == 2
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("two")
+    lines = _train(run_dir, "--nproc-per-node", "2", "--master-port", str(free_port()))
+    assert json.loads((run_dir / "config.json").read_text())["world_size"] == 2
+    return lines
+
+
+def test_two_processes_log_the_metrics_of_one(one_process, two_processes):
+    one, two = one_process, two_processes
     assert len(one) == len(two) == 4  # step 0's eval, then 3 rollouts
     for want, got in zip(one, two):
         keys = {k for k in want if not k.startswith("perf/")}
@@ -88,6 +98,30 @@ def test_two_processes_log_the_metrics_of_one(tmp_path, one_process):
             else:
                 assert got[k] == want[k], (step, k, want[k], got[k])
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
+
+
+def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_processes):
+    # two launchers, one per "node" (here both on this machine), meet at --master-addr:--master-port
+    port, run_dir = str(free_port()), tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--run-dir", str(run_dir),
+                               "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1", "--master-addr",
+                               "127.0.0.1", "--master-port", port], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
+    errors = [node.communicate(timeout=180)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [e[-3000:] for e in errors]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
+
+
+def test_resume_on_two_processes_continues_the_unbroken_run(tmp_path, two_processes):
+    first = ["--nproc-per-node", "2", "--save", str(tmp_path / "save")]
+    _train(tmp_path / "first", *first, "--num-rollout", "2", "--master-port", str(free_port()))
+    assert (tmp_path / "save" / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
+    resumed = _train(tmp_path / "resumed", "--nproc-per-node", "2", "--load", str(tmp_path / "save"),
+                     "--master-port", str(free_port()))
+    assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
+    assert _perf_free(resumed[0]) == _perf_free(two_processes[-1])
 
 
 def _failing_rank(rank: int, run_dir: str, timeout_s: float, how: str) -> None:
