@@ -77,8 +77,13 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
             target = storage_dtype(model, name, dtype)
             mod, _, leaf = name.rpartition(".")
             owner = model.get_submodule(mod) if mod else model
-            if leaf in owner._parameters:
-                owner._parameters[leaf].data = t.to(target)
+            param = owner._parameters.get(leaf)
+            if param is not None and type(t) is not torch.Tensor:
+                # a tensor subclass (a DTensor shard of expert-parallel experts): assigning .data
+                # changes its declared dtype but not its local tensor, so it gets a new Parameter
+                owner._parameters[leaf] = torch.nn.Parameter(t.to(target), requires_grad=param.requires_grad)
+            elif param is not None:
+                param.data = t.to(target)
             else:
                 owner._buffers[leaf] = t.to(target)
     return model

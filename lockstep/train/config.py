@@ -119,6 +119,10 @@ class TrainConfig:
     the engine's only: they act on single-token steps, which the trainer's forward never takes.)"""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and AdamW states in host memory."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel (EP): each trainer rank keeps 1/EP of every MoE layer's routed experts and sends
+    tokens to them by all-to-all; EP ranks are the data-parallel ranks (lockstep/dist/expert_parallel.py).
+    1: every rank holds all experts."""
     dtype: str = "float32"
     """Compute dtype; bfloat16 computes in bf16 with fp32 master weights."""
     temperature: float = 1.0
@@ -174,6 +178,11 @@ class TrainConfig:
             _fail("veto_threshold", f"must be in (0, 1) or None, got {self.veto_threshold}")
 
     def _check_forward(self):
+        if self.expert_model_parallel_size < 1:
+            _fail("expert_model_parallel_size", f"must be >= 1, got {self.expert_model_parallel_size}")
+        if self.expert_model_parallel_size > 1 and (self.quant_aware_forward or self.compile_backend):
+            _fail("expert_model_parallel_size", "expert-parallel experts are not combined with "
+                  "quant_aware_forward or compile_backend yet")
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")

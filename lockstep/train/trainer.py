@@ -30,6 +30,12 @@ Data parallel (FSDP2): shard the fp32 model with `lockstep.dist.fsdp.apply_fsdp`
 one). The dtype is then FSDP's MixedPrecisionPolicy (no cast here), the optimiser steps the local
 shards, and data_parallel.py says what is summed across ranks so that the step, its metrics and
 `named_weights` (full tensors) are those of one process on all the samples.
+
+Expert parallel: shard the routed experts with `lockstep.dist.expert_parallel.apply_expert_parallel`
+over the data-parallel ranks and pass `data_parallel=DataParallel(group)` of the same ranks
+(`expert_model_parallel_size` must equal their number). The expert shards are DTensors, so the
+optimiser, the gradient norm, `named_weights` and checkpoints treat them as FSDP's shards; every
+other parameter is replicated and its gradient summed over the ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
@@ -69,7 +76,8 @@ class Trainer:
                  data_parallel: DataParallel | None = None):
         self.config, self.model, self.ref_model = config, model, ref_model
         self.dp = data_parallel or DataParallel()
-        self.sharded = any(isinstance(p, DTensor) for p in model.parameters())  # FSDP applied
+        # FSDP applied (expert parallel alone also makes DTensors, but leaves the dtype to the Trainer)
+        self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
         self.device = next(model.parameters()).device
         self.num_steps = 0
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
@@ -94,7 +102,7 @@ class Trainer:
                                      offload=c.optimizer_offload and not self.sharded, data_parallel=self.dp)
         with torch.no_grad():
             for name, value in masters.items():  # fp32 values from before the bf16 cast
-                self.optimizer.slots[name].master.copy_(value)
+                self.optimizer.slots[name].master.copy_(value.to_local() if isinstance(value, DTensor) else value)
 
     # ---- setup ----------------------------------------------------------------------------
 
@@ -111,6 +119,10 @@ class Trainer:
             raise ValueError(f"use_rollout_routing_replay: {type(model).__name__} takes no routing argument")
         if c.kl_loss_coef > 0 and ref_model is None:
             raise ValueError("kl_loss_coef > 0 needs a ref_model")
+        ep = c.expert_model_parallel_size
+        if ep > 1 and (self.dp.size != ep or not any(isinstance(p, DTensor) for p in model.parameters())):
+            raise ValueError(f"expert_model_parallel_size {ep}: shard the experts first (lockstep.dist."
+                             f"expert_parallel) over the data-parallel ranks, which must be {ep}; got {self.dp.size}")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
 

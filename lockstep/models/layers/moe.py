@@ -121,24 +121,37 @@ class Experts(Switched, nn.Module):
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
-        ys = self.mlp(x[order // k], counts, decode)
+        ys = self.sorted_mlp(x[order // k], counts, decode)
         per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
         out = torch.zeros_like(x)
         for j in range(k):  # fixed order: ascending expert id
             out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
         return out
 
+    def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Rows sorted by expert, counts [E] over all E experts -> each row's expert output, rows in
+        the same order. The seam expert parallelism replaces (lockstep/dist/expert_parallel.py sends
+        the rows to the ranks that hold their experts and brings the outputs back), so the dispatch
+        order and the combine above stay this module's on every layout."""
+        return self.mlp(xs, counts, decode)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [E', 2F, H], down [E', H, F]) as plain tensors, for the E' experts `mlp` computes:
+        all of them here; an expert-parallel subclass returns its rank's slice."""
+        return self.gate_up_proj, self.down_proj
+
     def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Rows sorted by expert, counts [E] -> each row through its expert's clamped SwiGLU MLP.
         A decode step's few rows per expert take the Triton kernels (SwiGLU fused, one kernel per
         GEMM); prefill's many take CUTLASS's large tiles. Deciding by the step's kind, not by the
         row count, adds no compile guard: a compiled graph is already specialised to S = 1."""
-        if decode and triton_experts(xs, self.gate_up_proj, self.down_proj, self.kernels.on("triton_moe")):
+        gate_up, down = self.expert_weights()
+        if decode and triton_experts(xs, gate_up, down, self.kernels.on("triton_moe")):
             offs = torch.cumsum(counts, 0).to(torch.int32)
-            act = grouped_gemm_triton.grouped_swiglu(xs, self.gate_up_proj, offs, self.limit)
-            return grouped_gemm_triton.grouped_mm(act, self.down_proj, offs)
-        gate, up = grouped_mm(xs, self.gate_up_proj, counts).chunk(2, dim=-1)
-        return grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj, counts)
+            act = grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, self.limit)
+            return grouped_gemm_triton.grouped_mm(act, down, offs)
+        gate, up = grouped_mm(xs, gate_up, counts).chunk(2, dim=-1)
+        return grouped_mm(swiglu_clamped(gate, up, self.limit), down, counts)
 
 
 class SharedExpert(nn.Module):

@@ -1,0 +1,148 @@
+"""Expert parallelism for the trainer, applied to the one model from outside (DESIGN principle 3).
+
+    mesh = ep_mesh(trainer_group, "cpu")                    # EP = the trainer's data-parallel ranks
+    apply_expert_parallel(model, mesh, collective=ctx.collective)
+    trainer = Trainer(model, config, data_parallel=DataParallel(trainer_group, collective=ctx.collective))
+
+Each MoE layer's routed experts (`MoE.experts`) are replaced by `ExpertParallelExperts`: rank r of an
+ep-rank mesh keeps experts [r E/ep, (r+1) E/ep) as the local shard of a DTensor sharded on dim 0
+(`Shard(0)`), the same stacked layout `Experts` holds, cut in contiguous expert blocks. The router,
+`tid2eid`, the router bias and the shared expert stay replicated, so routing (and routing replay,
+which forces the router's choice before the experts are called) is what one process computes.
+
+Forward, per layer (inherited from `Experts`: dispatch order, combine; replaced: `sorted_mlp`):
+
+    order, counts = dispatch_order(experts)    this rank's slots sorted by expert (all E), stably
+    counts exchanged (all_to_all_single)       recv [ep, E_local]: rows each source sends per local expert
+    rows dispatched (all_to_all_single_autograd): sorted by expert = grouped by destination rank
+    per source block: the local experts' grouped SwiGLU MLP on that source's rows
+    outputs returned (all_to_all_single_autograd), back in the dispatch order
+    combine on the home rank: k expert outputs added in ascending expert order (Experts.forward)
+
+Why the local MLP runs once per source rank, not once over all received rows: the rows a source
+sends for expert e are exactly the rows a single process's micro-batch of that rank's samples has
+for e, in the same order. Computed in a GEMM of their own, every row's output and every expert's
+weight gradient (one GEMM per source, the sources' contributions then summed by autograd) are those
+of one process accumulating the ranks' micro-batches one after the other: EP=2 is bitwise EP=1
+(tests/dist/test_expert_parallel.py, fp32 and bf16). One GEMM over all received rows (sorted by
+expert, sources interleaved) was tried and is not bitwise: even the logprobs differ, since a CPU
+GEMM row's result depends on how many rows the GEMM has, and the weight gradient's token reduction
+would be split differently. The cost is ep grouped-GEMM launches per layer instead of one.
+
+Data parallelism: EP is carved out of the data-parallel ranks (Megatron, TorchTitan): the ep ranks
+each train their own samples. The non-expert parameters are replicated and their gradients summed
+over the same group (`DataParallel.sum_grads`, which sums every plain-tensor gradient); the expert
+parameters are DTensors, so the Trainer and `MasterAdamW` already treat them as shards: no gradient
+all-reduce (each rank's expert gradient is already the sum over every rank's tokens, brought back by
+the all-to-all's backward), AdamW on the local shard, gradient-norm squares summed over ranks for
+sharded gradients and counted once for replicated ones (optimizer.py), `named_weights` and
+checkpoints gathering the full expert tensors. This needs the ep group to be the trainer's
+data-parallel group (ep == the number of trainer ranks); EP smaller than DP (experts replicated or
+FSDP-sharded over the remaining dp ranks) is not built.
+
+A rank that receives no rows still runs both all-to-alls' backward (its empty output stays in the
+autograd graph) and gets a zero expert gradient, as one process's stacked experts do.
+
+Not combined here (TrainConfig refuses them): the quantisation-aware forward (its parametrisation
+would fake-quantise a DTensor; it belongs on the local slices in `expert_weights`) and compiled
+layers. Not built: FSDP over the same model (experts sharded over the remaining dp ranks with a
+nested `fully_shard(experts, mesh=edp_mesh)`), EP < DP, and the engine's expert parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lockstep.models.layers.moe import Experts, MoE
+
+Collective = Callable[[str], ContextManager]
+
+
+def ep_mesh(group: ProcessGroup, device_type: str) -> DeviceMesh:
+    """A 1-D expert-parallel mesh over an existing process group (e.g. the trainer group)."""
+    return DeviceMesh.from_group(group, device_type, mesh_dim_names=("ep",))
+
+
+def _sharded(full: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
+    """This rank's contiguous block of experts (dim 0) of `full`, as a Shard(0) DTensor parameter."""
+    ep, rank = mesh.size(), mesh.get_local_rank()
+    n_local = full.shape[0] // ep
+    local = full.detach()[rank * n_local:(rank + 1) * n_local].clone()
+    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+    return nn.Parameter(shard, requires_grad=full.requires_grad)
+
+
+class ExpertParallelExperts(Experts):
+    """`Experts` with this rank's block of experts; rows travel to their experts' ranks and back."""
+
+    def __init__(self, experts: Experts, mesh: DeviceMesh, collective: Collective | None = None):
+        nn.Module.__init__(self)
+        if experts.n_experts % mesh.size():
+            raise ValueError(f"expert parallel: {experts.n_experts} experts do not split over "
+                             f"{mesh.size()} ranks")
+        self.n_experts, self.limit, self.kernels = experts.n_experts, experts.limit, experts.kernels
+        self.mesh, self.group = mesh, mesh.get_group()
+        self.ep_size, self.n_local = mesh.size(), experts.n_experts // mesh.size()
+        self.collective = collective or (lambda op: contextlib.nullcontext())
+        self.gate_up_proj = _sharded(experts.gate_up_proj, mesh)
+        self.down_proj = _sharded(experts.down_proj, mesh)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        # to_local's backward hands the local gradient back as a Shard(0) DTensor gradient
+        return self.gate_up_proj.to_local(), self.down_proj.to_local()
+
+    def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
+        """Rows sorted by expert (counts [E]) -> their experts' outputs, same order (module docstring)."""
+        received_counts = self._exchange_counts(counts)  # [ep, E_local]
+        send = counts.view(self.ep_size, self.n_local).sum(1).tolist()
+        recv = received_counts.sum(1).tolist()
+        received = self._all_to_all(xs, recv, send, "dispatch")
+        # an empty block's output is itself: it keeps the combine's all-to-all in this rank's backward
+        # (a rank that skips a collective there would leave its peers waiting)
+        ys = torch.cat([self.mlp(rows, c, decode) if rows.shape[0] else rows
+                        for rows, c in zip(received.split(recv), received_counts)])
+        if not ys.shape[0] and torch.is_grad_enabled():
+            ys = ys + self._zero_dependence()
+        return self._all_to_all(ys, send, recv, "combine")
+
+    def _zero_dependence(self) -> torch.Tensor:
+        """0 tied to the local expert weights: a rank whose experts got no rows still gets (zero)
+        expert gradients, as the stacked experts of one process do whenever any expert had a row."""
+        gate_up, down = self.expert_weights()
+        return 0 * (gate_up.sum() + down.sum())
+
+    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts [E] of this rank's rows -> [ep, E_local]: rows each source rank sends to each local expert."""
+        received = torch.empty_like(counts)
+        with self.collective("expert-parallel all_to_all (token counts)"):
+            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
+        return received.view(self.ep_size, self.n_local)
+
+    def _all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str) -> torch.Tensor:
+        with self.collective(f"expert-parallel all_to_all ({what})"):
+            out = all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, self.group)
+            # the functional collective is asynchronous: wait here, so a failure names this operation
+            return out + 0 if out.numel() else out.view(-1, rows.shape[-1])
+
+    def extra_repr(self) -> str:
+        return f"experts={self.n_experts}, local={self.n_local}, ep={self.ep_size}"
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, collective: Collective | None = None) -> nn.Module:
+    """Shard the routed experts of every MoE layer of `model` (in place) over `mesh`'s ranks; every
+    rank must hold the same full weights before (e.g. loaded from one checkpoint). Returns the model."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ValueError(f"expert parallel: {type(model).__name__} has no MoE layers")
+    for moe in layers:
+        moe.experts = ExpertParallelExperts(moe.experts, mesh, collective)
+    return model

@@ -1,0 +1,123 @@
+"""Expert-parallel trainer, 2 gloo processes, the bundled tiny DeepSeek-V4 in fp32 (DISTRIBUTED.md proof (b)).
+
+EP=2: each rank keeps 4 of the 8 routed experts of every MoE layer (one hash-routed layer, three
+top-k layers) and trains on half of the samples (one micro-batch each); tokens travel to their
+experts' rank and back by all-to-all. EP=1: one process (today's Trainer) on all the samples,
+packed into the same two micro-batches. Logprobs, loss and every metric, the gradients (expert
+shards gathered, replicated gradients summed over ranks) and the weights after each of two AdamW
+steps must be bitwise equal (torch.equal); then the same with rollout routing replay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lockstep
+from dist_world import run_world
+from lockstep.models import load_pretrained
+from lockstep.train.data_parallel import DataParallel
+from lockstep.train.trainer import Trainer
+from test_fsdp import EVEN, _assert_same, _budget, _config, _run
+from tests.train.trainer_fixtures import make_samples
+
+ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
+N_LAYERS, TOP_K, N_EXPERTS = 4, 2, 8
+
+
+def _samples(replay: bool):
+    # vocab 103 is the tiny model's; replay: random rollout experts for every response token and layer
+    return make_samples(4, seed=3, vocab=103, prompt_len=(3, 7), response_len=(3, 8),
+                        routing_shape=(N_LAYERS, TOP_K) if replay else None, n_experts=N_EXPERTS)
+
+
+# name: (routing replay, dtype)
+SCENARIOS = {"routed": (False, "float32"), "routing-replay": (True, "float32"), "bf16": (False, "bfloat16")}
+
+
+def _config_for(name: str, ep: int):
+    replay, dtype = SCENARIOS[name]
+    return _config(dtype, _budget(_samples(replay), EVEN)).replace(use_rollout_routing_replay=replay,
+                                                                   expert_model_parallel_size=ep)
+
+
+def _trace(trainer: Trainer, samples) -> dict:
+    """Logprobs before training, then two steps (test_fsdp's `_run`: gradients, metrics, weights)."""
+    logprobs = trainer.logprobs(samples)
+    return {"logprobs": logprobs, **_run(trainer, samples)}
+
+
+def _ep_rank(rank: int) -> dict:
+    from lockstep.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel, ep_mesh
+    from lockstep.dist.groups import init_distributed
+
+    ctx = init_distributed(30.0)
+    out = {}
+    for name, (replay, _) in SCENARIOS.items():
+        model = apply_expert_parallel(load_pretrained(ASSET), ep_mesh(ctx.trainer_group, "cpu"), ctx.collective)
+        local = [m.gate_up_proj.to_local().shape[0] for m in model.modules() if isinstance(m, ExpertParallelExperts)]
+        trainer = Trainer(model, _config_for(name, 2), data_parallel=DataParallel(ctx.trainer_group,
+                                                                                  collective=ctx.collective))
+        out[name] = {"local_experts": local, **_trace(trainer, _samples(replay)[2 * rank:2 * rank + 2])}
+    out["no-rows"] = _no_rows_on_rank0(ctx, rank)
+    return out
+
+
+def _no_rows_on_rank0(ctx, rank: int) -> dict:
+    """One MoE layer's experts, every token of both ranks routed to rank 1's experts (4..7): rank 0
+    computes nothing, yet must join both all-to-alls of the backward (else rank 1 waits forever)."""
+    from lockstep.dist.expert_parallel import ExpertParallelExperts, ep_mesh
+
+    experts = load_pretrained(ASSET).model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(5, 64, generator=g, requires_grad=True)
+    chosen, weights = torch.tensor([[4, 5], [5, 7], [4, 6], [6, 7], [4, 7]]), torch.rand(5, TOP_K, generator=g)
+    want = experts(x, chosen, weights)  # one process, this rank's tokens
+    want.sum().backward()
+    want_x_grad, want_grad = x.grad, experts.gate_up_proj.grad
+    x.grad = None
+    ep = ExpertParallelExperts(experts, ep_mesh(ctx.trainer_group, "cpu"), ctx.collective)
+    got = ep(x, chosen, weights)
+    got.sum().backward()
+    return {"out": torch.equal(got, want), "x_grad": torch.equal(x.grad, want_x_grad), "want_grad": want_grad,
+            "local_grad": ep.gate_up_proj.grad.to_local(), "full_grad": ep.gate_up_proj.grad.full_tensor()}
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    results = run_world(_ep_rank, 2, guard_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.value for r in results]
+
+
+def _expert_halves_used(grads: dict) -> None:
+    """Every MoE layer's experts on both ranks had tokens: the dispatch really crossed ranks."""
+    for layer in range(N_LAYERS):
+        g = grads[f"model.layers.{layer}.mlp.experts.down_proj"]
+        per_expert = g.abs().flatten(1).sum(1)
+        assert per_expert[:N_EXPERTS // 2].sum() > 0 and per_expert[N_EXPERTS // 2:].sum() > 0, layer
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_ep2_equals_ep1(two_ranks, name):
+    samples = _samples(SCENARIOS[name][0])
+    reference = _trace(Trainer(load_pretrained(ASSET), _config_for(name, 1)), samples)
+    assert reference["metrics"][0]["train/grad_norm"] > 1e-5  # clipping binds: the EP norm is used
+    _expert_halves_used(reference["grads"])
+    for rank, result in enumerate(two_ranks):
+        got = result[name]
+        assert got["local_experts"] == [N_EXPERTS // 2] * N_LAYERS
+        for i, (g, w) in enumerate(zip(got["logprobs"], reference["logprobs"][2 * rank:2 * rank + 2])):
+            assert torch.equal(g, w), f"rank {rank} sample {i}: logprobs"
+        _assert_same(got, reference, f"rank {rank}")
+
+
+def test_rank_without_rows_joins_the_exchange(two_ranks):
+    r0, r1 = (r["no-rows"] for r in two_ranks)
+    assert r0["out"] and r1["out"] and r0["x_grad"] and r1["x_grad"]
+    assert torch.equal(r0["local_grad"], torch.zeros_like(r0["local_grad"]))  # a zero gradient, not None
+    want = r0["want_grad"] + r1["want_grad"]  # one process accumulating the two ranks' tokens
+    assert want[N_EXPERTS // 2:].abs().sum() > 0
+    assert torch.equal(r0["full_grad"], want) and torch.equal(r1["full_grad"], want)
