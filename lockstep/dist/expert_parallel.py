@@ -2,6 +2,7 @@
 
     mesh = ep_mesh(trainer_group, "cpu")                    # EP = the trainer's data-parallel ranks
     apply_expert_parallel(model, mesh, collective=ctx.collective)
+    # or, from the run's settings: shard_experts(model, train_config.expert_model_parallel_size, ctx)
     trainer = Trainer(model, config, data_parallel=DataParallel(trainer_group, collective=ctx.collective))
 
 Each MoE layer's routed experts (`MoE.experts`) are replaced by `ExpertParallelExperts`: rank r of an
@@ -62,6 +63,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from lockstep.dist.groups import DistContext
 from lockstep.models.layers.moe import Experts, MoE
 
 Collective = Callable[[str], ContextManager]
@@ -135,6 +137,18 @@ class ExpertParallelExperts(Experts):
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, local={self.n_local}, ep={self.ep_size}"
+
+
+def shard_experts(model: nn.Module, ep_size: int, ctx: DistContext) -> nn.Module:
+    """`TrainConfig.expert_model_parallel_size` applied: EP over the trainer group (which must have
+    ep_size ranks), collectives named through `ctx.collective`; ep_size 1 leaves the model alone."""
+    if ep_size == 1:
+        return model
+    trainers = len(ctx.layout.trainer_ranks)
+    if trainers != ep_size:
+        raise ValueError(f"expert_model_parallel_size {ep_size}: the experts are sharded over the trainer "
+                         f"ranks, which are {trainers} (EP smaller than data parallel is not built)")
+    return apply_expert_parallel(model, ep_mesh(ctx.trainer_group, ctx.device.type), ctx.collective)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, collective: Collective | None = None) -> nn.Module:

@@ -5,7 +5,9 @@ top-k layers) and trains on half of the samples (one micro-batch each); tokens t
 experts' rank and back by all-to-all. EP=1: one process (today's Trainer) on all the samples,
 packed into the same two micro-batches. Logprobs, loss and every metric, the gradients (expert
 shards gathered, replicated gradients summed over ranks) and the weights after each of two AdamW
-steps must be bitwise equal (torch.equal); then the same with rollout routing replay.
+steps must be bitwise equal (torch.equal); the same with rollout routing replay and in bf16. A rank
+whose experts get no rows joins the backward exchange; a 2-rank EP checkpoint resumes exactly and
+loads into one process.
 """
 
 from __future__ import annotations
@@ -49,19 +51,40 @@ def _trace(trainer: Trainer, samples) -> dict:
     return {"logprobs": logprobs, **_run(trainer, samples)}
 
 
-def _ep_rank(rank: int) -> dict:
-    from lockstep.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel, ep_mesh
+def _ep_trainer(ctx, name: str) -> Trainer:
+    """What the loop builds from TrainConfig.expert_model_parallel_size and the DistContext."""
+    from lockstep.dist.expert_parallel import shard_experts
+
+    config = _config_for(name, 2)
+    model = shard_experts(load_pretrained(ASSET), config.expert_model_parallel_size, ctx)
+    return Trainer(model, config, data_parallel=DataParallel(ctx.trainer_group, collective=ctx.collective))
+
+
+def _ep_rank(rank: int, checkpoint: str) -> dict:
+    from lockstep.dist.expert_parallel import ExpertParallelExperts
     from lockstep.dist.groups import init_distributed
 
     ctx = init_distributed(30.0)
     out = {}
     for name, (replay, _) in SCENARIOS.items():
-        model = apply_expert_parallel(load_pretrained(ASSET), ep_mesh(ctx.trainer_group, "cpu"), ctx.collective)
-        local = [m.gate_up_proj.to_local().shape[0] for m in model.modules() if isinstance(m, ExpertParallelExperts)]
-        trainer = Trainer(model, _config_for(name, 2), data_parallel=DataParallel(ctx.trainer_group,
-                                                                                  collective=ctx.collective))
+        trainer = _ep_trainer(ctx, name)
+        local = [m.gate_up_proj.to_local().shape[0] for m in trainer.model.modules()
+                 if isinstance(m, ExpertParallelExperts)]
         out[name] = {"local_experts": local, **_trace(trainer, _samples(replay)[2 * rank:2 * rank + 2])}
     out["no-rows"] = _no_rows_on_rank0(ctx, rank)
+    out["resume"] = _resume(ctx, _samples(False)[2 * rank:2 * rank + 2], checkpoint)
+    return out
+
+
+def _resume(ctx, mine, directory: str) -> dict:
+    """Step, save, step (unbroken); a fresh EP trainer loads the save and steps again."""
+    unbroken = _ep_trainer(ctx, "routed")
+    unbroken.train_step(mine)
+    unbroken.save(directory)
+    out = {"unbroken": unbroken.train_step(mine), "unbroken_weights": dict(unbroken.named_weights())}
+    resumed = _ep_trainer(ctx, "routed")
+    resumed.load(directory)
+    out.update(resumed=resumed.train_step(mine), resumed_weights=dict(resumed.named_weights()))
     return out
 
 
@@ -86,8 +109,14 @@ def _no_rows_on_rank0(ctx, rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    results = run_world(_ep_rank, 2, guard_s=120)
+def checkpoint(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("ep-checkpoint")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(checkpoint) -> list[dict]:
+    """Every scenario on one 2-process world (starting processes costs more than the steps)."""
+    results = run_world(_ep_rank, 2, guard_s=120, args=(str(checkpoint),))
     assert all(r.ok for r in results), [r.error for r in results]
     return [r.value for r in results]
 
@@ -121,3 +150,26 @@ def test_rank_without_rows_joins_the_exchange(two_ranks):
     want = r0["want_grad"] + r1["want_grad"]  # one process accumulating the two ranks' tokens
     assert want[N_EXPERTS // 2:].abs().sum() > 0
     assert torch.equal(r0["full_grad"], want) and torch.equal(r1["full_grad"], want)
+
+
+def test_resume_from_two_ranks(two_ranks, checkpoint):
+    """The EP save (experts gathered into the one-process files) resumes 2 EP ranks exactly, and one
+    process (today's Trainer) that loads it takes the same next step on all the samples."""
+    for rank, result in enumerate(two_ranks):
+        r = result["resume"]
+        assert r["resumed"] == r["unbroken"], rank
+        for name, w in r["unbroken_weights"].items():
+            assert torch.equal(r["resumed_weights"][name], w), (rank, name)
+    one = Trainer(load_pretrained(ASSET), _config_for("routed", 1))
+    one.load(checkpoint)
+    unbroken = two_ranks[0]["resume"]
+    assert one.train_step(_samples(False)) == unbroken["unbroken"]
+    for name, w in one.named_weights():
+        assert torch.equal(w, unbroken["unbroken_weights"][name]), name
+
+
+def test_trainer_refuses_unsharded_experts():
+    with pytest.raises(ValueError, match="shard the experts first"):
+        Trainer(load_pretrained(ASSET), _config_for("routed", 2))
+    with pytest.raises(ValueError, match="expert_model_parallel_size"):
+        _config_for("routed", 2).replace(quant_aware_forward="fp8")
