@@ -6,7 +6,8 @@ Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lo
              over the engine ranks and gathers the samples to every rank (lockstep/dist/replicas.py)
     trainer  on a trainer rank the policy loaded in fp32 (FSDP's shards are the master weights),
              sharded over the trainer group with apply_fsdp (bf16 compute when TrainConfig.dtype says
-             so), wrapped in TrainerShard so that the loop's whole-batch calls train each rank's block
+             so) or, with --expert-model-parallel-size, its routed experts (apply_expert_parallel),
+             wrapped in TrainerShard so that the loop's whole-batch calls train each rank's block
              (lockstep/dist/trainer_shard.py)
     weights  colocated (every rank trains and serves): each rank's engine takes its own trainer's full
              weights in-process; disaggregated (--actor-num-gpus T --rollout-num-gpus E: ranks [0, T)
@@ -28,7 +29,10 @@ def agreed_run_dir(ctx, run_dir):
     return box[0]
 
 
-def _fsdp_trainer(ctx, path, train_cfg, ref_model_fn):
+def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
+    """FSDP2 over the trainer ranks, or with --expert-model-parallel-size (= the trainer ranks) the
+    routed experts sharded and the rest replicated (lockstep/dist/expert_parallel.py)."""
+    from ..dist.expert_parallel import apply_expert_parallel, ep_mesh
     from ..dist.fsdp import apply_fsdp, dp_mesh
     from ..models import load_pretrained
     from ..train.data_parallel import DataParallel
@@ -36,8 +40,11 @@ def _fsdp_trainer(ctx, path, train_cfg, ref_model_fn):
 
     policy = load_pretrained(path, dtype=torch.float32, device=ctx.device)
     ref_model = ref_model_fn(policy)  # from the policy as loaded, before it is sharded
-    apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type), param_dtype=getattr(torch, train_cfg.dtype),
-               offload=train_cfg.optimizer_offload)
+    if train_cfg.expert_model_parallel_size > 1:
+        apply_expert_parallel(policy, ep_mesh(ctx.trainer_group, ctx.device.type), ctx.collective)
+    else:
+        apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type), param_dtype=getattr(torch, train_cfg.dtype),
+                   offload=train_cfg.optimizer_offload)
     dp = DataParallel(ctx.trainer_group, device=ctx.device if ctx.device.type == "cuda" else "cpu",
                       collective=ctx.collective)
     return Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)
@@ -52,7 +59,7 @@ def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, wei
     from ..models.tokenizer import has_tokenizer, load_tokenizer
 
     engine = Engine.from_pretrained(path, engine_cfg) if ctx.is_engine else None
-    trainer = _fsdp_trainer(ctx, path, train_cfg, ref_model_fn) if ctx.is_trainer else None
+    trainer = _sharded_trainer(ctx, path, train_cfg, ref_model_fn) if ctx.is_trainer else None
     manifest = None
     if not ctx.layout.is_colocated:  # each side from its own copy of the model (manifest.py)
         model = trainer.model if trainer is not None else engine.model

@@ -20,8 +20,9 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
-The same 2-process run started by two launchers (`--nnodes 2 --node-rank 0|1 --nproc-per-node 1`,
-the multi-node command run twice on this machine) and a run resumed on 2 processes from a 2-process
+The same 2-process run with the experts sharded instead (`--expert-model-parallel-size 2`), started by
+two launchers (`--nnodes 2 --node-rank 0|1 --nproc-per-node 1`,
+the multi-node command run twice on this machine), and a run resumed on 2 processes from a 2-process
 save log the 2-process run's metrics bitwise.
 
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
@@ -111,6 +112,15 @@ def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_process
     errors = [node.communicate(timeout=180)[1] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], [e[-3000:] for e in errors]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
+
+
+def test_expert_parallel_two_processes_log_what_fsdp_logs(tmp_path, two_processes):
+    # EP=2 (experts sharded, the rest replicated) and FSDP on 2 ranks both take the step one process
+    # takes on the ranks' two micro-batches (test_expert_parallel.py, test_fsdp.py): the same run
+    lines = _train(tmp_path, "--nproc-per-node", "2", "--expert-model-parallel-size", "2",
+                   "--master-port", str(free_port()))
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["expert_model_parallel_size"] == 2
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
