@@ -20,10 +20,10 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
-The same 2-process run with the experts sharded instead (`--expert-model-parallel-size 2`), started by
-two launchers (`--nnodes 2 --node-rank 0|1 --nproc-per-node 1`,
-the multi-node command run twice on this machine), and a run resumed on 2 processes from a 2-process
-save log the 2-process run's metrics bitwise.
+Three other ways to run the 2-process run each log its metrics bitwise: with the routed experts
+sharded instead of FSDP (`--expert-model-parallel-size 2`); started by two launchers (`--nnodes 2
+--node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
+processes from a 2-process save.
 
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
 rank and the operation (at once for an exit, at --distributed-timeout for a hang).
