@@ -44,9 +44,8 @@ FSDP-sharded over the remaining dp ranks) is not built.
 A rank that receives no rows still runs both all-to-alls' backward (its empty output stays in the
 autograd graph) and gets a zero expert gradient, as one process's stacked experts do.
 
-Not combined here (TrainConfig refuses them): the quantisation-aware forward (its parametrisation
-would fake-quantise a DTensor; it belongs on the local slices in `expert_weights`) and compiled
-layers. Not built: FSDP over the same model (experts sharded over the remaining dp ranks with a
+The quantisation-aware forward's fake quantisation of the experts runs on the local slices
+(`_local`). Not combined here (TrainConfig refuses it): compiled layers. Not built: FSDP over the same model (experts sharded over the remaining dp ranks with a
 nested `fully_shard(experts, mesh=edp_mesh)`), EP < DP, and the engine's expert parallelism.
 """
 
@@ -62,6 +61,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.nn.utils import parametrize
 
 from lockstep.dist.groups import DistContext
 from lockstep.models.layers.moe import Experts, MoE
@@ -99,8 +99,20 @@ class ExpertParallelExperts(Experts):
         self.down_proj = _sharded(experts.down_proj, mesh)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        # to_local's backward hands the local gradient back as a Shard(0) DTensor gradient
-        return self.gate_up_proj.to_local(), self.down_proj.to_local()
+        return self._local("gate_up_proj"), self._local("down_proj")
+
+    def _local(self, name: str) -> torch.Tensor:
+        """This rank's slice of expert weight `name`, a plain tensor (to_local's backward hands the
+        gradient back as a Shard(0) DTensor). A quantisation-aware forward (train/quant_aware.py)
+        parametrises the DTensor; its fake quantisation runs here on the local slice instead: its
+        blocks never cross experts, so a slice quantises as the same experts do in one process."""
+        if not parametrize.is_parametrized(self, name):
+            return getattr(self, name).to_local()
+        chain = self.parametrizations[name]
+        w = chain.original.to_local()
+        for f in chain:
+            w = f(w)
+        return w
 
     def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Rows sorted by expert (counts [E]) -> their experts' outputs, same order (module docstring)."""

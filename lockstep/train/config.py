@@ -180,9 +180,8 @@ class TrainConfig:
     def _check_forward(self):
         if self.expert_model_parallel_size < 1:
             _fail("expert_model_parallel_size", f"must be >= 1, got {self.expert_model_parallel_size}")
-        if self.expert_model_parallel_size > 1 and (self.quant_aware_forward or self.compile_backend):
-            _fail("expert_model_parallel_size", "expert-parallel experts are not combined with "
-                  "quant_aware_forward or compile_backend yet")
+        if self.expert_model_parallel_size > 1 and self.compile_backend:
+            _fail("expert_model_parallel_size", "expert-parallel experts are not combined with compile_backend yet")
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")

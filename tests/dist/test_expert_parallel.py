@@ -21,6 +21,7 @@ import lockstep
 from dist_world import run_world
 from lockstep.models import load_pretrained
 from lockstep.train.data_parallel import DataParallel
+from lockstep.train.quant_aware import canonical_name
 from lockstep.train.trainer import Trainer
 from test_fsdp import EVEN, _assert_same, _budget, _config, _run
 from tests.train.trainer_fixtures import make_samples
@@ -36,13 +37,15 @@ def _samples(replay: bool):
 
 
 # name: (routing replay, dtype)
-SCENARIOS = {"routed": (False, "float32"), "routing-replay": (True, "float32"), "bf16": (False, "bfloat16")}
+# name: (routing replay, dtype, quantisation-aware forward: fp8 linears, fp4 experts)
+SCENARIOS = {"routed": (False, "float32", None), "routing-replay": (True, "float32", None),
+             "bf16": (False, "bfloat16", None), "qat-fp8-fp4": (False, "float32", "fp8-fp4")}
 
 
 def _config_for(name: str, ep: int):
-    replay, dtype = SCENARIOS[name]
-    return _config(dtype, _budget(_samples(replay), EVEN)).replace(use_rollout_routing_replay=replay,
-                                                                   expert_model_parallel_size=ep)
+    replay, dtype, qat = SCENARIOS[name]
+    return _config(dtype, _budget(_samples(replay), EVEN)).replace(
+        use_rollout_routing_replay=replay, expert_model_parallel_size=ep, quant_aware_forward=qat)
 
 
 def _trace(trainer: Trainer, samples) -> dict:
@@ -66,9 +69,9 @@ def _ep_rank(rank: int, checkpoint: str) -> dict:
 
     ctx = init_distributed(30.0)
     out = {}
-    for name, (replay, _) in SCENARIOS.items():
+    for name, (replay, _, _) in SCENARIOS.items():
         trainer = _ep_trainer(ctx, name)
-        local = [m.gate_up_proj.to_local().shape[0] for m in trainer.model.modules()
+        local = [m.expert_weights()[0].shape[0] for m in trainer.model.modules()
                  if isinstance(m, ExpertParallelExperts)]
         out[name] = {"local_experts": local, **_trace(trainer, _samples(replay)[2 * rank:2 * rank + 2])}
     out["no-rows"] = _no_rows_on_rank0(ctx, rank)
@@ -123,6 +126,7 @@ def two_ranks(checkpoint) -> list[dict]:
 
 def _expert_halves_used(grads: dict) -> None:
     """Every MoE layer's experts on both ranks had tokens: the dispatch really crossed ranks."""
+    grads = {canonical_name(n): g for n, g in grads.items()}  # a QAT parameter's name has .parametrizations.
     for layer in range(N_LAYERS):
         g = grads[f"model.layers.{layer}.mlp.experts.down_proj"]
         per_expert = g.abs().flatten(1).sum(1)
@@ -172,4 +176,4 @@ def test_trainer_refuses_unsharded_experts():
     with pytest.raises(ValueError, match="shard the experts first"):
         Trainer(load_pretrained(ASSET), _config_for("routed", 2))
     with pytest.raises(ValueError, match="expert_model_parallel_size"):
-        _config_for("routed", 2).replace(quant_aware_forward="fp8")
+        _config_for("routed", 2).replace(compile_backend="eager")
