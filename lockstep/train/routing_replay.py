@@ -33,13 +33,18 @@ def _routing_shape(model: nn.Module) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def prompt_routing(model: nn.Module, prefixes: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+def prompt_routing(model: nn.Module, prefixes: Sequence[torch.Tensor], device,
+                   always_forward: bool = False) -> list[torch.Tensor]:
     """The model's own experts for each token sequence, [P_i, L, k] int64 each (distinct sequences
-    run once; empty ones give [0, L, k])."""
+    run once; empty ones give [0, L, k]). always_forward: run a forward even when every sequence is
+    empty (over one token, its routing unused): data-parallel ranks must run the same forwards, since
+    FSDP gathers parameters and expert parallelism exchanges tokens inside every one."""
     num_layers, k = _routing_shape(model)
     keys = [tuple(p.tolist()) for p in prefixes]
     unique = [key for key in dict.fromkeys(keys) if key]
     own = {(): torch.zeros(0, num_layers, k, dtype=torch.int64, device=device)}
+    if not unique and always_forward:
+        forward_packed(model, torch.zeros(1, dtype=torch.int64, device=device), torch.tensor([0, 1]), Routing())
     if unique:
         ids, cu = pack([torch.tensor(key, dtype=torch.int64) for key in unique])
         routing = Routing()
@@ -49,8 +54,10 @@ def prompt_routing(model: nn.Module, prefixes: Sequence[torch.Tensor], device) -
     return [own[key] for key in keys]
 
 
-def replay_routing(model: nn.Module, mb: MicroBatch, samples: Sequence[Sample], device) -> Routing:
-    """`Routing` forcing the micro-batch's response tokens to their rollout experts."""
+def replay_routing(model: nn.Module, mb: MicroBatch, samples: Sequence[Sample], device,
+                   always_forward: bool = False) -> Routing:
+    """`Routing` forcing the micro-batch's response tokens to their rollout experts (always_forward:
+    see `prompt_routing`)."""
     num_layers, k = _routing_shape(model)
     chosen = [samples[i] for i in mb.indices]
     for i, s in zip(mb.indices, chosen):
@@ -59,7 +66,7 @@ def replay_routing(model: nn.Module, mb: MicroBatch, samples: Sequence[Sample], 
         if tuple(s.routed_experts.shape[1:]) != (num_layers, k):
             raise ValueError(f"sample {i}: routed_experts is {tuple(s.routed_experts.shape)}, "
                              f"expected [R, {num_layers}, {k}]")
-    own = prompt_routing(model, [s.prompt_ids[:-1] for s in chosen], device)
+    own = prompt_routing(model, [s.prompt_ids[:-1] for s in chosen], device, always_forward)
     seq_len = max(s.num_tokens for s in chosen)
     forced = torch.arange(k, device=device).expand(len(chosen), seq_len, num_layers, k).clone()
     for j, (s, prompt_experts) in enumerate(zip(chosen, own)):

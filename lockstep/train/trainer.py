@@ -148,7 +148,7 @@ class Trainer:
     def _routing(self, mb: MicroBatch, samples: Sequence[Sample]):
         if not self.config.use_rollout_routing_replay:
             return None
-        return replay_routing(self.model, mb, samples, self.device)
+        return replay_routing(self.model, mb, samples, self.device, always_forward=self.dp.enabled)
 
     def _ref_logprobs(self, mb: MicroBatch, routing) -> torch.Tensor:
         ref_routing = None

@@ -5,7 +5,9 @@ top-k layers) and trains on half of the samples (one micro-batch each); tokens t
 experts' rank and back by all-to-all. EP=1: one process (today's Trainer) on all the samples,
 packed into the same two micro-batches. Logprobs, loss and every metric, the gradients (expert
 shards gathered, replicated gradients summed over ranks) and the weights after each of two AdamW
-steps must be bitwise equal (torch.equal); the same with rollout routing replay and in bf16. A rank
+steps must be bitwise equal (torch.equal); the same with rollout routing replay (also with one rank's
+prompts a single token: no prompt routing to compute there, yet it must run the forward its peers
+run), in bf16 and with the fp8-fp4 quantisation-aware forward. A rank
 whose experts get no rows joins the backward exchange; a 2-rank EP checkpoint resumes exactly and
 loads into one process.
 """
@@ -30,21 +32,26 @@ ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
 N_LAYERS, TOP_K, N_EXPERTS = 4, 2, 8
 
 
-def _samples(replay: bool):
+def _samples(name: str):
     # vocab 103 is the tiny model's; replay: random rollout experts for every response token and layer
-    return make_samples(4, seed=3, vocab=103, prompt_len=(3, 7), response_len=(3, 8),
-                        routing_shape=(N_LAYERS, TOP_K) if replay else None, n_experts=N_EXPERTS)
+    shape = (N_LAYERS, TOP_K) if SCENARIOS[name][0] else None
+    samples = make_samples(4, seed=3, vocab=103, prompt_len=(3, 7), response_len=(3, 8), routing_shape=shape,
+                           n_experts=N_EXPERTS)
+    if name == "replay-one-token-prompts":  # rank 0 has no prompt position to route before the responses
+        samples[:2] = make_samples(2, seed=4, vocab=103, prompt_len=(1, 1), response_len=(3, 8),
+                                   routing_shape=shape, n_experts=N_EXPERTS)
+    return samples
 
 
-# name: (routing replay, dtype)
 # name: (routing replay, dtype, quantisation-aware forward: fp8 linears, fp4 experts)
 SCENARIOS = {"routed": (False, "float32", None), "routing-replay": (True, "float32", None),
-             "bf16": (False, "bfloat16", None), "qat-fp8-fp4": (False, "float32", "fp8-fp4")}
+             "replay-one-token-prompts": (True, "float32", None), "bf16": (False, "bfloat16", None),
+             "qat-fp8-fp4": (False, "float32", "fp8-fp4")}
 
 
 def _config_for(name: str, ep: int):
     replay, dtype, qat = SCENARIOS[name]
-    return _config(dtype, _budget(_samples(replay), EVEN)).replace(
+    return _config(dtype, _budget(_samples(name), EVEN)).replace(
         use_rollout_routing_replay=replay, expert_model_parallel_size=ep, quant_aware_forward=qat)
 
 
@@ -69,13 +76,13 @@ def _ep_rank(rank: int, checkpoint: str) -> dict:
 
     ctx = init_distributed(30.0)
     out = {}
-    for name, (replay, _, _) in SCENARIOS.items():
+    for name in SCENARIOS:
         trainer = _ep_trainer(ctx, name)
         local = [m.expert_weights()[0].shape[0] for m in trainer.model.modules()
                  if isinstance(m, ExpertParallelExperts)]
-        out[name] = {"local_experts": local, **_trace(trainer, _samples(replay)[2 * rank:2 * rank + 2])}
+        out[name] = {"local_experts": local, **_trace(trainer, _samples(name)[2 * rank:2 * rank + 2])}
     out["no-rows"] = _no_rows_on_rank0(ctx, rank)
-    out["resume"] = _resume(ctx, _samples(False)[2 * rank:2 * rank + 2], checkpoint)
+    out["resume"] = _resume(ctx, _samples("routed")[2 * rank:2 * rank + 2], checkpoint)
     return out
 
 
@@ -135,7 +142,7 @@ def _expert_halves_used(grads: dict) -> None:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_ep2_equals_ep1(two_ranks, name):
-    samples = _samples(SCENARIOS[name][0])
+    samples = _samples(name)
     reference = _trace(Trainer(load_pretrained(ASSET), _config_for(name, 1)), samples)
     assert reference["metrics"][0]["train/grad_norm"] > 1e-5  # clipping binds: the EP norm is used
     _expert_halves_used(reference["grads"])
@@ -167,7 +174,7 @@ def test_resume_from_two_ranks(two_ranks, checkpoint):
     one = Trainer(load_pretrained(ASSET), _config_for("routed", 1))
     one.load(checkpoint)
     unbroken = two_ranks[0]["resume"]
-    assert one.train_step(_samples(False)) == unbroken["unbroken"]
+    assert one.train_step(_samples("routed")) == unbroken["unbroken"]
     for name, w in one.named_weights():
         assert torch.equal(w, unbroken["unbroken_weights"][name]), name
 
