@@ -44,9 +44,13 @@ FSDP-sharded over the remaining dp ranks) is not built.
 A rank that receives no rows still runs both all-to-alls' backward (its empty output stays in the
 autograd graph) and gets a zero expert gradient, as one process's stacked experts do.
 
-The quantisation-aware forward's fake quantisation of the experts runs on the local slices
-(`_local`). Not combined here (TrainConfig refuses it): compiled layers. Not built: FSDP over the same model (experts sharded over the remaining dp ranks with a
-nested `fully_shard(experts, mesh=edp_mesh)`), EP < DP, and the engine's expert parallelism.
+The split sizes are read on the host (all_to_all_single takes python lists): one device sync per
+layer on GPUs, as in TorchTitan's token dispatch. The quantisation-aware forward's fake quantisation
+of the experts runs on the local slices (`_local`), in fp32 and bf16 runs alike (tested: fp32, bf16,
+fp8-fp4 QAT, routing replay). Not combined here (TrainConfig refuses it): compiled layers. Not
+built: FSDP over the same model (experts sharded over the remaining dp ranks with a nested
+`fully_shard(experts, mesh=edp_mesh)`), EP < DP, and the engine's expert parallelism. Not yet run
+on GPUs (NCCL).
 """
 
 from __future__ import annotations
