@@ -53,17 +53,39 @@ def configs_from_args(args):
 
 
 def run(args) -> int:
-    from ..dist.groups import destroy_distributed, init_distributed, launched
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from ..dist.groups import launched
     from ..dist.launch import launch, should_launch, strip_launch_flags
 
     dist_cfg = dataclass_from_args(DistConfig, args)
     configs = configs_from_args(args)  # bad flags fail here, before any process starts
     if should_launch(dist_cfg):
         argv = getattr(args, "argv", None) or sys.argv[1:]
-        launch(dist_cfg, ["-m", "lockstep.cli", *strip_launch_flags(argv)])
+        try:
+            launch(dist_cfg, ["-m", "lockstep.cli", *strip_launch_flags(argv)])
+        except ChildFailedError as e:  # torch's summary: the first failed rank, its exit code and error
+            print(f"lockstep train: error: {e}", file=sys.stderr)
+            return 1
         return 0
     if not launched():
         return _train(args, *configs)
+    return _rank(args, configs, dist_cfg)
+
+
+def _record(fn):
+    # in a launched process, torch's @record writes an uncaught error where the launcher reads it, so
+    # the launcher's summary carries the message (e.g. a DistributedError naming rank and operation)
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(fn)
+
+
+@_record
+def _rank(args, configs, dist_cfg: DistConfig) -> int:
+    """This process's part of a launched world: join it, run, leave."""
+    from ..dist.groups import destroy_distributed, init_distributed
+
     ctx = init_distributed(dist_cfg.distributed_timeout, config=dist_cfg)
     try:
         return _train(args, *configs, dist_ctx=ctx, weight_buffer_size=dist_cfg.update_weight_buffer_size)

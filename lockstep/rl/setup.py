@@ -98,15 +98,39 @@ def reference_model(run: RunConfig, kl_loss_coef: float, policy):
     return ref
 
 
+def components(run: RunConfig, train_cfg, engine_cfg: EngineConfig, path, dist_ctx, weight_buffer_size: int):
+    """(engine, trainer): one process's own, or this rank's part of the world's."""
+    import torch
+
+    from ..engine.engine import Engine
+    from ..train.trainer import Trainer
+
+    def ref_model(policy):
+        return reference_model(run, train_cfg.kl_loss_coef, policy)
+
+    if dist_ctx is not None:
+        from .data_parallel import data_parallel_components
+
+        return data_parallel_components(dist_ctx, path, train_cfg, engine_cfg, ref_model, weight_buffer_size)
+    engine = Engine.from_pretrained(path, engine_cfg)
+    policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
+    return engine, Trainer(policy, train_cfg, ref_model=ref_model(policy))
+
+
+def shared_run_dir(run: RunConfig, dist_ctx) -> Path:
+    """The run directory, made by the primary process; on N processes rank 0's, known to every rank."""
+    if dist_ctx is None:
+        return make_run_dir(run)
+    from .data_parallel import agreed_run_dir
+
+    return Path(agreed_run_dir(dist_ctx, make_run_dir(run) if dist_ctx.rank == 0 else None))
+
+
 def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None,
               weight_buffer_size: int = 512 * 1024 ** 2):
     """The run's components; `dist_ctx` (a lockstep.dist DistContext): this rank's part of an N-process
     run (lockstep/rl/data_parallel.py; `weight_buffer_size`: push bucket bytes), rank 0 writing the
     run directory's files."""
-    import torch
-
-    from ..engine.engine import Engine
-    from ..train.trainer import Trainer
     from .loop import RLRun
 
     # inputs first: a bad data file or reward name fails before any model is loaded
@@ -116,22 +140,9 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     source = PromptSource(prompts, seed=run.seed)
     held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
-    if dist_ctx is None:
-        engine = Engine.from_pretrained(path, engine_cfg)
-        policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
-        trainer = Trainer(policy, train_cfg, ref_model=reference_model(run, train_cfg.kl_loss_coef, policy))
-    else:
-        from .data_parallel import data_parallel_components
-
-        engine, trainer = data_parallel_components(
-            dist_ctx, path, train_cfg, engine_cfg, lambda policy: reference_model(run, train_cfg.kl_loss_coef, policy),
-            weight_buffer_size)
+    engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
-    run_dir = make_run_dir(run) if primary else None
-    if dist_ctx is not None:
-        from .data_parallel import agreed_run_dir
-
-        run_dir = Path(agreed_run_dir(dist_ctx, run_dir))
+    run_dir = shared_run_dir(run, dist_ctx)
     if primary:
         (run_dir / "config.json").write_text(json.dumps(
             {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
