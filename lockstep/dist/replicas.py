@@ -13,7 +13,8 @@ on the policy path, so a sample does not depend on which replica drew it, nor on
 replica ran (tests/dist/test_replicas.py: token ids and logprobs equal one engine's).
 
 The gather is `all_gather_object` on the gloo control group: the samples are pickled, tensors
-included. That is fine for the CPU proof and small rollouts; a large GPU rollout should gather the
+included. A rank whose block is done (a trainer-only rank: the whole rollout) waits in it, so the
+world's timeout must exceed the longest rollout. That is fine for the CPU proof and small rollouts; a large GPU rollout should gather the
 flat token / logprob tensors instead (not built yet).
 
 Weights, `update_weights(named_tensors, version)` on every rank at the same point:
