@@ -117,12 +117,16 @@ class DeepseekV4Model(nn.Module):
         for `layer(...)` where the layers run compiled (models/compiled_layers.py): passed for one
         call (the engine's decode step) or set as the `call_layer` attribute (the trainer)."""
         call_layer = call_layer or self.call_layer or _call_layer
-        x = self.embed_tokens(input_ids)
-        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
+        streams = self.embed_streams(input_ids)
         for layer in self.layers:
             streams = call_layer(layer, streams, input_ids, routing, attend_for(layer))
         final = getattr(call_layer, "final_hidden", None)  # compiled along with the layers
         return final(self, streams) if final is not None else self.final_hidden(streams)
+
+    def embed_streams(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [..., S] -> the first layer's mHC streams [..., S, n, H] (the embedding, copied)."""
+        x = self.embed_tokens(input_ids)
+        return x.unsqueeze(-2).expand(*x.shape[:-1], self.hc_mult, x.shape[-1]).contiguous()
 
     def final_hidden(self, streams: torch.Tensor) -> torch.Tensor:
         """Streams [..., n, D] after the last layer -> hidden [..., D]: mHC's head, then the norm."""

@@ -123,6 +123,14 @@ class TrainConfig:
     """Expert parallel (EP): each trainer rank keeps 1/EP of every MoE layer's routed experts and sends
     tokens to them by all-to-all; EP ranks are the data-parallel ranks (lockstep/dist/expert_parallel.py).
     1: every rank holds all experts."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel (PP): the decoder layers are cut into this many stages, one per rank, micro-batches
+    flowing through them by torch.distributed.pipelining's 1F1B schedule (lockstep/dist/pipeline_parallel.py;
+    its stages and schedule are built and tested, the Trainer does not run them yet, so it refuses > 1).
+    1: every rank holds every layer."""
+    decoder_last_pipeline_num_layers: int | None = None
+    """Pipeline parallel: decoder layers of the last stage (which also holds the LM head); the other stages share
+    the rest evenly. None: every stage gets an even share."""
     dtype: str = "float32"
     """Compute dtype; bfloat16 computes in bf16 with fp32 master weights."""
     temperature: float = 1.0
@@ -180,6 +188,10 @@ class TrainConfig:
     def _check_forward(self):
         if self.expert_model_parallel_size < 1:
             _fail("expert_model_parallel_size", f"must be >= 1, got {self.expert_model_parallel_size}")
+        if self.pipeline_model_parallel_size < 1:
+            _fail("pipeline_model_parallel_size", f"must be >= 1, got {self.pipeline_model_parallel_size}")
+        if self.decoder_last_pipeline_num_layers is not None and self.decoder_last_pipeline_num_layers < 1:
+            _fail("decoder_last_pipeline_num_layers", f"must be >= 1 or None, got {self.decoder_last_pipeline_num_layers}")
         if self.expert_model_parallel_size > 1 and self.compile_backend:
             _fail("expert_model_parallel_size", "expert-parallel experts are not combined with compile_backend yet")
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):

@@ -123,6 +123,10 @@ class Trainer:
         if ep > 1 and (self.dp.size != ep or not any(isinstance(p, DTensor) for p in model.parameters())):
             raise ValueError(f"expert_model_parallel_size {ep}: shard the experts first (lockstep.dist."
                              f"expert_parallel) over the data-parallel ranks, which must be {ep}; got {self.dp.size}")
+        if c.pipeline_model_parallel_size > 1:
+            raise ValueError(f"pipeline_model_parallel_size {c.pipeline_model_parallel_size}: the Trainer does not run "
+                             "pipeline stages yet (lockstep.dist.pipeline_parallel builds and tests the stages and "
+                             "their 1F1B schedule; the Trainer and loop integration is not built)")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
 

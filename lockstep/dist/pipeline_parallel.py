@@ -1,0 +1,203 @@
+"""Pipeline parallelism for the trainer, applied to the one model from outside (DESIGN principle 3).
+
+    stage = split_model(model, pp_rank, pp_size, last_stage_layers=None)     # in place, per rank
+    pipe = PipelineParallel(stage, pp_group, device, collective=ctx.collective)
+    losses = pipe.train(input_ids, loss_fn, n_microbatches, forced=None)   # losses on the last stage
+
+Split (`stage_layers`): the decoder layers are cut into `pp` contiguous blocks. With
+`last_stage_layers` (`--decoder-last-pipeline-num-layers`) the last stage takes that many and the
+others share the rest; otherwise all share them. Sizes differ by at most one, the larger blocks
+first. The first stage also holds the embedding, the last the mHC head, the final norm and the LM
+head. `split_model` drops (in place) every other part of the model from this rank's copy: a layer of
+another stage becomes a parameter-less placeholder, so the parameters left keep their full-model
+names (`model.layers.2.…`, `lm_head.weight`) and a stage's state dict is the matching slice of
+the one-process model's.
+
+What travels between stages, per micro-batch [b, S] (fixed shapes, see below):
+
+    streams  [b, S, n, H]   the mHC streams after the stage's last layer (gradient flows back)
+    ids      [b, S] int64   the input ids: hash-routed MoE layers route by token id
+    forced   [b, S, L, k]   routing replay only: the experts to use, every layer (no gradient)
+
+The first stage takes (ids[, forced]) as the schedule's inputs; the last returns fp32 logits
+[b, S, V], and `loss_fn(logits, rows)` turns them into the micro-batch's loss, where `rows` [b] are
+the micro-batch's row indices into the step's [n_mb * b, S] batch: the loss looks up whatever
+per-token values it needs (targets, masks, advantages, normalisers) by row, so any loss the
+one-process trainer computes from a micro-batch's logits fits the schedule's (output, target)
+loss signature.
+
+Schedule: torch.distributed.pipelining's `PipelineStage` with `Schedule1F1B` (`ScheduleGPipe`
+when there are fewer micro-batches than stages, which 1F1B refuses); losses are not rescaled
+(`scale_grads=False`: the caller's loss already carries its global normaliser, as the Trainer's
+does), so the gradients are the sum over micro-batches, as one process accumulating them gets.
+The stage metadata is static (example tensors on the meta device, rebuilt for each new
+[n_mb, b, S] shape): the schedules' dynamic inference would run later stages on uninitialised
+tensors, whose ids and forced experts index out of range.
+
+Fixed shapes: every micro-batch of a step has the same [b, S] (the receive buffers are sized once
+per step, as DISTRIBUTED.md says), so variable-length micro-batches are padded by the caller (right
+padding: rows are causal from position 0, padding reaches no real token). Equality with one process
+holds for the same padded micro-batches (a CPU GEMM's rows depend on its row count, so padding to
+another shape moves results by rounding).
+
+Proof (tests/dist/test_pipeline_parallel.py, CPU, gloo, tiny DeepSeek-V4, fp32): PP=2 losses and
+every parameter's gradient bitwise equal to one process on the same micro-batches, split 2 + 2 and
+3 + 1, with and without routing replay. Not built yet: the Trainer and loop integration (logprobs
+and routing-replay's prompt routing through a forward-only pipeline, the trainer's loss on the last
+stage, its metrics and the step's normalisers shared with the other stages, gradient-norm squares
+summed over stages, optimiser on each stage's parameters, checkpoints gathered across stages,
+weight push from every stage), PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, ContextManager
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from lockstep.models.deepseek_v4 import Routing
+
+Collective = Callable[[str], ContextManager]
+
+
+def stage_layers(num_layers: int, pp_size: int, last_stage_layers: int | None = None) -> list[range]:
+    """The decoder layers of each stage, contiguous, in order (module docstring)."""
+    if pp_size < 1:
+        raise ValueError(f"pipeline_model_parallel_size must be >= 1, got {pp_size}")
+    if pp_size == 1:
+        return [range(num_layers)]
+    last = last_stage_layers
+    if last is not None and not 1 <= last <= num_layers - (pp_size - 1):
+        raise ValueError(f"decoder_last_pipeline_num_layers {last}: each of the other {pp_size - 1} stages needs "
+                         f"a layer of the {num_layers}")
+    if last is None and num_layers < pp_size:
+        raise ValueError(f"pipeline_model_parallel_size {pp_size}: more stages than the {num_layers} decoder layers")
+    head = pp_size - 1 if last is not None else pp_size
+    rest = num_layers - (last or 0)
+    sizes = [rest // head + (i < rest % head) for i in range(head)] + ([last] if last is not None else [])
+    starts = [sum(sizes[:i]) for i in range(pp_size)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
+class _Absent(nn.Module):
+    """Where a layer of another stage was: no parameters, never called."""
+
+    def forward(self, *args):
+        raise RuntimeError("pipeline parallel: this layer lives on another stage")
+
+
+class PipelineStageModule(nn.Module):
+    """One stage of a DeepSeek-V4 causal LM: its layers, plus the embedding (first stage) or the mHC
+    head, final norm and LM head (last stage). Parameter names are the full model's."""
+
+    def __init__(self, model: nn.Module, layers: range, stage_index: int, num_stages: int):
+        super().__init__()
+        inner = model.model
+        self.layer_ids, self.stage_index, self.num_stages = layers, stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        for i in range(len(inner.layers)):
+            if i not in layers:
+                inner.layers[i] = _Absent()
+        if not self.is_first:
+            inner.embed_tokens = None
+        if not self.is_last:
+            inner.norm, inner.hc_head, model.lm_head = None, None, None
+        self.model = inner  # registered under the full model's names: model.*, lm_head
+        self.lm_head = model.lm_head
+        self.config = model.config
+        self._compute_logits = model.compute_logits
+
+    def forward(self, *tensors: torch.Tensor):
+        """First stage: (ids[, forced]); others: (streams, ids[, forced]). Returns (streams, ids[, forced]),
+        or the last stage's fp32 logits [b, S, V]."""
+        if self.is_first:
+            ids, *rest = tensors
+            streams = self.model.embed_streams(ids)
+        else:
+            streams, ids, *rest = tensors
+        routing = Routing(forced=rest[0]) if rest else None
+        call_layer = self.model.call_layer or (lambda layer, *args: layer(*args))
+        for i in self.layer_ids:
+            layer = self.model.layers[i]
+            streams = call_layer(layer, streams, ids, routing, layer.self_attn.forward_full)
+        if self.is_last:
+            return self._compute_logits(self.model.final_hidden(streams))
+        # sent as they are: point-to-point sends take contiguous tensors (mHC's combine may return a view)
+        return tuple(t.contiguous() for t in (streams, ids, *rest))
+
+
+def split_model(model: nn.Module, stage_index: int, num_stages: int,
+                last_stage_layers: int | None = None) -> PipelineStageModule:
+    """This rank's stage of `model` (cut in place: the other stages' parts are dropped)."""
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"pipeline stage {stage_index} of {num_stages}")
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "embed_streams") or not hasattr(model, "compute_logits"):
+        raise ValueError(f"pipeline parallel: {type(model).__name__} is not a DeepSeek-V4 causal LM "
+                         "(model.embed_streams, compute_logits)")
+    layers = stage_layers(len(inner.layers), num_stages, last_stage_layers)[stage_index]
+    return PipelineStageModule(model, layers, stage_index, num_stages)
+
+
+def _meta(shape, dtype, requires_grad=False) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)
+
+
+class PipelineParallel:
+    """Runs one stage of a pipeline over micro-batches with torch's schedules (module docstring)."""
+
+    def __init__(self, stage: PipelineStageModule, group: ProcessGroup, device: torch.device | str,
+                 streams_dtype: torch.dtype = torch.float32, collective: Collective | None = None):
+        self.stage, self.group, self.device = stage, group, torch.device(device)
+        self.streams_dtype = streams_dtype
+        self.collective = collective or (lambda op: contextlib.nullcontext())
+
+    def _examples(self, b: int, S: int, forced_shape: tuple | None):
+        """Static input / output metadata of this stage for [b, S] micro-batches."""
+        c = self.stage.config
+        passed = [_meta((b, S), torch.int64)] + ([_meta(forced_shape, torch.int64)] if forced_shape else [])
+        streams = _meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype, requires_grad=True)
+        inputs = tuple(passed) if self.stage.is_first else (streams, *passed)
+        outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=True) if self.stage.is_last \
+            else (streams, *passed)
+        return inputs, outputs
+
+    def _schedule(self, n_microbatches: int, b: int, S: int, forced_shape, loss_fn):
+        inputs, outputs = self._examples(b, S, forced_shape)
+        pipe_stage = PipelineStage(self.stage, self.stage.stage_index, self.stage.num_stages, self.device,
+                                   input_args=inputs, output_args=outputs, group=self.group)
+        kind = Schedule1F1B if n_microbatches >= self.stage.num_stages else ScheduleGPipe
+        return kind(pipe_stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+    def train(self, input_ids: torch.Tensor | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              n_microbatches: int, *, microbatch_shape: tuple[int, int] | None = None,
+              forced: torch.Tensor | None = None, replay: bool = False) -> list[torch.Tensor] | None:
+        """Forward and backward of `n_microbatches` micro-batches; gradients accumulate in the stage's
+        parameters. input_ids [n_mb * b, S] (micro-batch i: rows [i b, (i + 1) b)) and forced
+        [n_mb * b, S, L, k] are read on the first stage only; the others pass None with
+        `microbatch_shape=(b, S)` and `replay` (whether forced routing travels). Returns the
+        micro-batch losses on the last stage, None elsewhere."""
+        if self.stage.is_first:
+            if input_ids is None or input_ids.shape[0] % n_microbatches:
+                raise ValueError(f"pipeline parallel: {n_microbatches} micro-batches of equal size need input_ids "
+                                 f"[n_mb * b, S], got {None if input_ids is None else tuple(input_ids.shape)}")
+            b, S = input_ids.shape[0] // n_microbatches, input_ids.shape[1]
+            replay = forced is not None
+        else:
+            b, S = microbatch_shape
+        L, k = self.stage.config.num_hidden_layers, self.stage.config.num_experts_per_tok
+        forced_shape = (b, S, L, k) if replay else None
+        schedule = self._schedule(n_microbatches, b, S, forced_shape, loss_fn)
+        args = ()
+        if self.stage.is_first:
+            args = (input_ids.to(self.device),) + ((forced.to(self.device),) if replay else ())
+        rows = torch.arange(n_microbatches * b, device=self.device) if self.stage.is_last else None
+        losses: list[torch.Tensor] | None = [] if self.stage.is_last else None
+        with self.collective(f"pipeline-parallel {type(schedule).__name__} step "
+                             f"(stage {self.stage.stage_index} of {self.stage.num_stages})"):
+            schedule.step(*args, target=rows, losses=losses, return_outputs=False)
+        return losses

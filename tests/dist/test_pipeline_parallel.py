@@ -1,0 +1,141 @@
+"""Pipeline-parallel trainer stages, 2 gloo processes, the bundled tiny DeepSeek-V4 in fp32
+(DISTRIBUTED.md proof (c)).
+
+PP=2: rank 0 holds the embedding and the first decoder layers (layer 0 routes by token id: the
+hash-routed MoE), rank 1 the other layers, mHC's head, the final norm and the LM head; the mHC streams,
+the input ids and (routing replay) the forced experts travel between them through
+torch.distributed.pipelining (PipelineStage + Schedule1F1B, 3 micro-batches; ScheduleGPipe for 1).
+One process: the whole model on the same micro-batches, one after the other, gradients accumulated.
+The loss of a micro-batch is sum over its tokens of logp(next token) times a fixed per-token weight
+(a stand-in for mask x advantage / normaliser). Every micro-batch's loss and every parameter's gradient
+(each stage's, taken together: every parameter on exactly one stage) must be bitwise equal, for the
+splits 2 + 2 and 3 + 1 (`--decoder-last-pipeline-num-layers 1`), with and without routing replay.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import lockstep
+from dist_world import run_world
+from lockstep.dist.pipeline_parallel import stage_layers
+from lockstep.models import load_pretrained
+from lockstep.models.deepseek_v4 import Routing
+
+ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
+VOCAB, N_LAYERS, TOP_K, N_EXPERTS = 103, 4, 2, 8
+B, S = 2, 12  # rows per micro-batch, padded length
+
+# name: (micro-batches, last stage's layers (None: even split), routing replay)
+SCENARIOS = {"2+2": (3, None, False), "2+2-replay": (3, None, True), "3+1": (3, 1, False),
+             "2+2-gpipe-one-microbatch": (1, None, False)}
+
+
+def _batch(n_mb: int):
+    """ids [n_mb B, S], forced experts [n_mb B, S, L, k] (distinct per token), weights [n_mb B, S - 1]."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(1, VOCAB, (n_mb * B, S), generator=g)
+    ids[1, S - 4:] = 0  # a right-padded row, as variable-length samples give
+    forced = torch.rand(n_mb * B, S, N_LAYERS, N_EXPERTS, generator=g).argsort(-1)[..., :TOP_K]
+    weights = torch.randn(n_mb * B, S - 1, generator=g)
+    weights[1, S - 5:] = 0
+    return ids, forced, weights
+
+
+def _loss_fn(ids: torch.Tensor, weights: torch.Tensor):
+    """The loss of micro-batch rows `rows` from its logits [b, S, V]."""
+    def loss(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        taken = logp.gather(-1, ids[rows, 1:].unsqueeze(-1)).squeeze(-1)
+        return (taken * weights[rows]).sum()
+    return loss
+
+
+def _reference(name: str) -> dict:
+    n_mb, _, replay = SCENARIOS[name]
+    ids, forced, weights = _batch(n_mb)
+    model, loss_fn = load_pretrained(ASSET), _loss_fn(ids, weights)
+    losses = []
+    for i in range(n_mb):
+        rows = torch.arange(i * B, (i + 1) * B)
+        routing = Routing(forced=forced[rows]) if replay else None
+        loss = loss_fn(model(ids[rows], routing=routing), rows)
+        loss.backward()
+        losses.append(loss.detach())
+    return {"losses": losses, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+            "params": [n for n, _ in model.named_parameters()]}
+
+
+def _pp_rank(rank: int) -> dict:
+    from lockstep.dist.groups import init_distributed
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+
+    ctx = init_distributed(30.0)
+    out = {}
+    for name, (n_mb, last, replay) in SCENARIOS.items():
+        ids, forced, weights = _batch(n_mb)
+        stage = split_model(load_pretrained(ASSET, device=ctx.device), rank, 2, last)
+        pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+        losses = pipe.train(ids if rank == 0 else None, _loss_fn(ids, weights), n_mb, microbatch_shape=(B, S),
+                            forced=forced if replay and rank == 0 else None, replay=replay)
+        out[name] = {"losses": losses, "layers": list(stage.layer_ids),
+                     "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None},
+                     "params": [n for n, _ in stage.named_parameters()]}
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    """Every scenario on one 2-process world (starting processes costs more than the steps)."""
+    results = run_world(_pp_rank, 2, guard_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.value for r in results]
+
+
+def test_stage_layers():
+    assert stage_layers(4, 2) == [range(0, 2), range(2, 4)]
+    assert stage_layers(4, 2, 1) == [range(0, 3), range(3, 4)]
+    assert stage_layers(61, 4, 10) == [range(0, 17), range(17, 34), range(34, 51), range(51, 61)]
+    assert stage_layers(7, 3) == [range(0, 3), range(3, 5), range(5, 7)]
+    assert stage_layers(4, 1) == [range(0, 4)]
+    with pytest.raises(ValueError, match="needs a layer"):
+        stage_layers(4, 2, 4)
+    with pytest.raises(ValueError, match="more stages"):
+        stage_layers(2, 3)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_pp2_equals_one_process(two_ranks, name):
+    want = _reference(name)
+    first, last = (r[name] for r in two_ranks)
+    n_mb, last_layers, _ = SCENARIOS[name]
+    assert [first["layers"], last["layers"]] == [list(r) for r in stage_layers(N_LAYERS, 2, last_layers)]
+    assert 0 in first["layers"]  # the hash-routed layer, on the stage that has the ids anyway
+    assert first["losses"] is None and len(last["losses"]) == n_mb
+    for i, (got, ref) in enumerate(zip(last["losses"], want["losses"])):
+        assert torch.equal(got, ref), f"micro-batch {i}: loss {got.item()} != {ref.item()}"
+    # every parameter on exactly one stage, named as in the full model
+    assert not set(first["params"]) & set(last["params"])
+    assert sorted(first["params"] + last["params"]) == sorted(want["params"])
+    assert any(n.startswith("model.embed_tokens") for n in first["params"])
+    assert "lm_head.weight" in last["params"] and "model.norm.weight" in last["params"]
+    got = {**first["grads"], **last["grads"]}
+    assert got.keys() == want["grads"].keys()
+    for n, g in want["grads"].items():
+        assert torch.equal(got[n], g), f"{name}: gradient of {n} differs by {(got[n] - g).abs().max().item()}"
+    assert want["grads"]["model.embed_tokens.weight"].abs().sum() > 0  # the gradient crossed the stages
+
+
+def test_config_fields_and_trainer_refusal():
+    from lockstep.train.config import TrainConfig
+    from lockstep.train.trainer import Trainer
+
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size"):
+        TrainConfig(pipeline_model_parallel_size=0)
+    with pytest.raises(ValueError, match="decoder_last_pipeline_num_layers"):
+        TrainConfig(decoder_last_pipeline_num_layers=0)
+    with pytest.raises(ValueError, match="does not run pipeline stages yet"):
+        Trainer(load_pretrained(ASSET), TrainConfig(pipeline_model_parallel_size=2))
