@@ -156,31 +156,18 @@ class PipelineParallel:
         self.streams_dtype = streams_dtype
         self.collective = collective or (lambda op: contextlib.nullcontext())
 
-    def _examples(self, b: int, S: int, forced_shape: tuple | None):
+    def _examples(self, b: int, S: int, forced_shape: tuple | None, grad: bool):
         """Static input / output metadata of this stage for [b, S] micro-batches."""
         c = self.stage.config
         passed = [_meta((b, S), torch.int64)] + ([_meta(forced_shape, torch.int64)] if forced_shape else [])
-        streams = _meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype, requires_grad=True)
+        streams = _meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype, requires_grad=grad)
         inputs = tuple(passed) if self.stage.is_first else (streams, *passed)
-        outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=True) if self.stage.is_last \
+        outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=grad) if self.stage.is_last \
             else (streams, *passed)
         return inputs, outputs
 
-    def _schedule(self, n_microbatches: int, b: int, S: int, forced_shape, loss_fn):
-        inputs, outputs = self._examples(b, S, forced_shape)
-        pipe_stage = PipelineStage(self.stage, self.stage.stage_index, self.stage.num_stages, self.device,
-                                   input_args=inputs, output_args=outputs, group=self.group)
-        kind = Schedule1F1B if n_microbatches >= self.stage.num_stages else ScheduleGPipe
-        return kind(pipe_stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
-
-    def train(self, input_ids: torch.Tensor | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-              n_microbatches: int, *, microbatch_shape: tuple[int, int] | None = None,
-              forced: torch.Tensor | None = None, replay: bool = False) -> list[torch.Tensor] | None:
-        """Forward and backward of `n_microbatches` micro-batches; gradients accumulate in the stage's
-        parameters. input_ids [n_mb * b, S] (micro-batch i: rows [i b, (i + 1) b)) and forced
-        [n_mb * b, S, L, k] are read on the first stage only; the others pass None with
-        `microbatch_shape=(b, S)` and `replay` (whether forced routing travels). Returns the
-        micro-batch losses on the last stage, None elsewhere."""
+    def _run(self, input_ids, n_microbatches: int, microbatch_shape, forced, replay: bool, loss_fn):
+        """One schedule step: (losses on the last stage, last-stage outputs merged [n_mb b, S, V] or None)."""
         if self.stage.is_first:
             if input_ids is None or input_ids.shape[0] % n_microbatches:
                 raise ValueError(f"pipeline parallel: {n_microbatches} micro-batches of equal size need input_ids "
@@ -190,14 +177,42 @@ class PipelineParallel:
         else:
             b, S = microbatch_shape
         L, k = self.stage.config.num_hidden_layers, self.stage.config.num_experts_per_tok
-        forced_shape = (b, S, L, k) if replay else None
-        schedule = self._schedule(n_microbatches, b, S, forced_shape, loss_fn)
+        inputs, outputs = self._examples(b, S, (b, S, L, k) if replay else None, grad=loss_fn is not None)
+        pipe_stage = PipelineStage(self.stage, self.stage.stage_index, self.stage.num_stages, self.device,
+                                   input_args=inputs, output_args=outputs, group=self.group)
+        training = loss_fn is not None
+        # forward only: GPipe's fill-drain is just the forwards in order
+        kind = Schedule1F1B if training and n_microbatches >= self.stage.num_stages else ScheduleGPipe
+        schedule = kind(pipe_stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
         args = ()
         if self.stage.is_first:
             args = (input_ids.to(self.device),) + ((forced.to(self.device),) if replay else ())
+        what = (f"pipeline-parallel {type(schedule).__name__} {'step' if training else 'forward'} "
+                f"(stage {self.stage.stage_index} of {self.stage.num_stages})")
+        if not training:
+            with self.collective(what), torch.no_grad():
+                return None, schedule.eval(*args)
         rows = torch.arange(n_microbatches * b, device=self.device) if self.stage.is_last else None
         losses: list[torch.Tensor] | None = [] if self.stage.is_last else None
-        with self.collective(f"pipeline-parallel {type(schedule).__name__} step "
-                             f"(stage {self.stage.stage_index} of {self.stage.num_stages})"):
+        with self.collective(what):
             schedule.step(*args, target=rows, losses=losses, return_outputs=False)
-        return losses
+        return losses, None
+
+    def train(self, input_ids: torch.Tensor | None, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+              n_microbatches: int, *, microbatch_shape: tuple[int, int] | None = None,
+              forced: torch.Tensor | None = None, replay: bool = False) -> list[torch.Tensor] | None:
+        """Forward and backward of `n_microbatches` micro-batches; gradients accumulate in the stage's
+        parameters. input_ids [n_mb * b, S] (micro-batch i: rows [i b, (i + 1) b)) and forced
+        [n_mb * b, S, L, k] are read on the first stage only; the others pass None with
+        `microbatch_shape=(b, S)` and `replay` (whether forced routing travels). Returns the
+        micro-batch losses (detached) on the last stage, None elsewhere."""
+        losses, _ = self._run(input_ids, n_microbatches, microbatch_shape, forced, replay, loss_fn)
+        return [loss.detach() for loss in losses] if losses is not None else None
+
+    def forward(self, input_ids: torch.Tensor | None, n_microbatches: int, *,
+                microbatch_shape: tuple[int, int] | None = None, forced: torch.Tensor | None = None,
+                replay: bool = False) -> torch.Tensor | None:
+        """Forward only, no gradient (logprobs, scoring): the logits [n_mb * b, S, V] on the last stage,
+        None elsewhere; arguments as `train`'s."""
+        _, logits = self._run(input_ids, n_microbatches, microbatch_shape, forced, replay, None)
+        return logits if self.stage.is_last else None

@@ -4,7 +4,8 @@
 PP=2: rank 0 holds the embedding and the first decoder layers (layer 0 routes by token id: the
 hash-routed MoE), rank 1 the other layers, mHC's head, the final norm and the LM head; the mHC streams,
 the input ids and (routing replay) the forced experts travel between them through
-torch.distributed.pipelining (PipelineStage + Schedule1F1B, 3 micro-batches; ScheduleGPipe for 1).
+torch.distributed.pipelining (PipelineStage + Schedule1F1B, 3 micro-batches; ScheduleGPipe for 1 and
+for the forward-only pass, whose logits are checked too).
 One process: the whole model on the same micro-batches, one after the other, gradients accumulated.
 The loss of a micro-batch is sum over its tokens of logp(next token) times a fixed per-token weight
 (a stand-in for mask x advantage / normaliser). Every micro-batch's loss and every parameter's gradient
@@ -58,14 +59,16 @@ def _reference(name: str) -> dict:
     n_mb, _, replay = SCENARIOS[name]
     ids, forced, weights = _batch(n_mb)
     model, loss_fn = load_pretrained(ASSET), _loss_fn(ids, weights)
-    losses = []
+    losses, logits = [], []
     for i in range(n_mb):
         rows = torch.arange(i * B, (i + 1) * B)
         routing = Routing(forced=forced[rows]) if replay else None
+        with torch.no_grad():
+            logits.append(model(ids[rows], routing=routing))
         loss = loss_fn(model(ids[rows], routing=routing), rows)
         loss.backward()
         losses.append(loss.detach())
-    return {"losses": losses, "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+    return {"losses": losses, "logits": torch.cat(logits), "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
             "params": [n for n, _ in model.named_parameters()]}
 
 
@@ -79,9 +82,10 @@ def _pp_rank(rank: int) -> dict:
         ids, forced, weights = _batch(n_mb)
         stage = split_model(load_pretrained(ASSET, device=ctx.device), rank, 2, last)
         pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
-        losses = pipe.train(ids if rank == 0 else None, _loss_fn(ids, weights), n_mb, microbatch_shape=(B, S),
-                            forced=forced if replay and rank == 0 else None, replay=replay)
-        out[name] = {"losses": losses, "layers": list(stage.layer_ids),
+        first = {"microbatch_shape": (B, S), "forced": forced if replay and rank == 0 else None, "replay": replay}
+        logits = pipe.forward(ids if rank == 0 else None, n_mb, **first)
+        losses = pipe.train(ids if rank == 0 else None, _loss_fn(ids, weights), n_mb, **first)
+        out[name] = {"losses": losses, "logits": logits, "layers": list(stage.layer_ids),
                      "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None},
                      "params": [n for n, _ in stage.named_parameters()]}
     return out
@@ -114,6 +118,7 @@ def test_pp2_equals_one_process(two_ranks, name):
     n_mb, last_layers, _ = SCENARIOS[name]
     assert [first["layers"], last["layers"]] == [list(r) for r in stage_layers(N_LAYERS, 2, last_layers)]
     assert 0 in first["layers"]  # the hash-routed layer, on the stage that has the ids anyway
+    assert first["logits"] is None and torch.equal(last["logits"], want["logits"])  # forward only
     assert first["losses"] is None and len(last["losses"]) == n_mb
     for i, (got, ref) in enumerate(zip(last["losses"], want["losses"])):
         assert torch.equal(got, ref), f"micro-batch {i}: loss {got.item()} != {ref.item()}"
