@@ -32,7 +32,7 @@ def agreed_run_dir(ctx, run_dir):
 def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
     """FSDP2 over the trainer ranks, or with --expert-model-parallel-size (= the trainer ranks) the
     routed experts sharded and the rest replicated (lockstep/dist/expert_parallel.py)."""
-    from ..dist.expert_parallel import apply_expert_parallel, ep_mesh
+    from ..dist.expert_parallel import shard_experts
     from ..dist.fsdp import apply_fsdp, dp_mesh
     from ..models import load_pretrained
     from ..train.data_parallel import DataParallel
@@ -41,7 +41,7 @@ def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
     policy = load_pretrained(path, dtype=torch.float32, device=ctx.device)
     ref_model = ref_model_fn(policy)  # from the policy as loaded, before it is sharded
     if train_cfg.expert_model_parallel_size > 1:
-        apply_expert_parallel(policy, ep_mesh(ctx.trainer_group, ctx.device.type), ctx.collective)
+        shard_experts(policy, train_cfg.expert_model_parallel_size, ctx)  # refuses EP != trainer ranks
     else:
         apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type), param_dtype=getattr(torch, train_cfg.dtype),
                    offload=train_cfg.optimizer_offload)
