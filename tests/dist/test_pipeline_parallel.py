@@ -144,3 +144,31 @@ def test_config_fields_and_trainer_refusal():
         TrainConfig(decoder_last_pipeline_num_layers=0)
     with pytest.raises(ValueError, match="does not run pipeline stages yet"):
         Trainer(load_pretrained(ASSET), TrainConfig(pipeline_model_parallel_size=2))
+
+
+def _hung_stage_world(rank: int, hung: int):
+    import time
+
+    from lockstep.dist.groups import init_distributed
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+
+    ctx = init_distributed(2.0)
+    if rank == hung:
+        time.sleep(4)  # alive, but never runs its stage
+        return "slept"
+    ids, _, weights = _batch(2)
+    stage = split_model(load_pretrained(ASSET), rank, 2)
+    PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective).train(
+        ids if rank == 0 else None, _loss_fn(ids, weights), 2, microbatch_shape=(B, S))
+
+
+@pytest.mark.parametrize("hung", [0, 1])
+def test_hung_stage_times_out_naming_the_step(hung):
+    """A stage whose peer never runs its part raises within the timeout (2 s), naming the schedule step."""
+    results = run_world(_hung_stage_world, 2, guard_s=45, args=(hung,))
+    waiting = results[1 - hung]
+    assert results[hung].value == "slept"
+    assert not waiting.hung and waiting.error_type == "DistributedError", waiting.error
+    assert f"rank {1 - hung}: pipeline-parallel Schedule1F1B step (stage {1 - hung} of 2) timed out after 2s" \
+        in waiting.error, waiting.error
+    assert waiting.elapsed_s < 7, waiting.elapsed_s
