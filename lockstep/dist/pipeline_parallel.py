@@ -1,7 +1,7 @@
 """Pipeline parallelism for the trainer, applied to the one model from outside (DESIGN principle 3).
 
     stage = split_model(model, pp_rank, pp_size, last_stage_layers=None)     # in place, per rank
-    pipe = PipelineParallel(stage, pp_group, device, collective=ctx.collective)
+    pipe = PipelineParallel(stage, pp_group, device, streams_dtype=torch.float32, collective=ctx.collective)
     losses = pipe.train(input_ids, loss_fn, n_microbatches, forced=None)   # losses on the last stage
 
 Split (`stage_layers`): the decoder layers are cut into `pp` contiguous blocks. With
@@ -40,9 +40,14 @@ padding: rows are causal from position 0, padding reaches no real token). Equali
 holds for the same padded micro-batches (a CPU GEMM's rows depend on its row count, so padding to
 another shape moves results by rounding).
 
-Proof (tests/dist/test_pipeline_parallel.py, CPU, gloo, tiny DeepSeek-V4, fp32): PP=2 losses and
-every parameter's gradient bitwise equal to one process on the same micro-batches, split 2 + 2 and
-3 + 1, with and without routing replay. Not built yet: the Trainer and loop integration (logprobs
+`forward` runs the stages without gradients (GPipe's eval under no_grad) and returns the logits on
+the last stage: logprobs and scoring.
+
+Proof (tests/dist/test_pipeline_parallel.py, CPU, gloo, tiny DeepSeek-V4): PP=2 forward logits, losses
+and every parameter's gradient bitwise equal to one process on the same micro-batches, split 2 + 2 and
+3 + 1, with and without routing replay, in fp32 and in bf16 (bf16 streams between the stages); a
+stage whose peer never runs raises `DistributedError` naming the step within the timeout. Not yet run
+on GPUs (NCCL). Not built yet: the Trainer and loop integration (logprobs
 and routing-replay's prompt routing through a forward-only pipeline, the trainer's loss on the last
 stage, its metrics and the step's normalisers shared with the other stages, gradient-norm squares
 summed over stages, optimiser on each stage's parameters, checkpoints gathered across stages,
@@ -110,6 +115,7 @@ class PipelineStageModule(nn.Module):
         self.lm_head = model.lm_head
         self.config = model.config
         self._compute_logits = model.compute_logits
+        self.streams_dtype: torch.dtype | None = None  # what the next stage expects (PipelineParallel sets it)
 
     def forward(self, *tensors: torch.Tensor):
         """First stage: (ids[, forced]); others: (streams, ids[, forced]). Returns (streams, ids[, forced]),
@@ -126,6 +132,10 @@ class PipelineStageModule(nn.Module):
             streams = call_layer(layer, streams, ids, routing, layer.self_attn.forward_full)
         if self.is_last:
             return self._compute_logits(self.model.final_hidden(streams))
+        if self.streams_dtype is not None and streams.dtype != self.streams_dtype:
+            # the next stage receives into a buffer of the announced dtype: fail here, not with garbage there
+            raise ValueError(f"pipeline stage {self.stage_index}: the streams are {streams.dtype}, the pipeline was "
+                             f"set up for {self.streams_dtype} (PipelineParallel streams_dtype: the compute dtype)")
         # sent as they are: point-to-point sends take contiguous tensors (mHC's combine may return a view)
         return tuple(t.contiguous() for t in (streams, ids, *rest))
 
@@ -148,12 +158,14 @@ def _meta(shape, dtype, requires_grad=False) -> torch.Tensor:
 
 
 class PipelineParallel:
-    """Runs one stage of a pipeline over micro-batches with torch's schedules (module docstring)."""
+    """Runs one stage of a pipeline over micro-batches with torch's schedules (module docstring).
+    `streams_dtype`: the dtype of the mHC streams between stages, the run's compute dtype (the
+    embedding's: torch.bfloat16 in a bf16 run); a stage whose streams differ raises before sending."""
 
     def __init__(self, stage: PipelineStageModule, group: ProcessGroup, device: torch.device | str,
                  streams_dtype: torch.dtype = torch.float32, collective: Collective | None = None):
         self.stage, self.group, self.device = stage, group, torch.device(device)
-        self.streams_dtype = streams_dtype
+        self.streams_dtype = stage.streams_dtype = streams_dtype
         self.collective = collective or (lambda op: contextlib.nullcontext())
 
     def _examples(self, b: int, S: int, forced_shape: tuple | None, grad: bool):

@@ -10,7 +10,8 @@ One process: the whole model on the same micro-batches, one after the other, gra
 The loss of a micro-batch is sum over its tokens of logp(next token) times a fixed per-token weight
 (a stand-in for mask x advantage / normaliser). Every micro-batch's loss and every parameter's gradient
 (each stage's, taken together: every parameter on exactly one stage) must be bitwise equal, for the
-splits 2 + 2 and 3 + 1 (`--decoder-last-pipeline-num-layers 1`), with and without routing replay.
+splits 2 + 2 and 3 + 1 (`--decoder-last-pipeline-num-layers 1`), with and without routing replay, and
+in bf16 (the model cast as the single-process bf16 Trainer casts it; bf16 streams between the stages).
 """
 
 from __future__ import annotations
@@ -25,14 +26,23 @@ from dist_world import run_world
 from lockstep.dist.pipeline_parallel import stage_layers
 from lockstep.models import load_pretrained
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.models.precision import cast_model
 
 ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
 VOCAB, N_LAYERS, TOP_K, N_EXPERTS = 103, 4, 2, 8
 B, S = 2, 12  # rows per micro-batch, padded length
 
-# name: (micro-batches, last stage's layers (None: even split), routing replay)
-SCENARIOS = {"2+2": (3, None, False), "2+2-replay": (3, None, True), "3+1": (3, 1, False),
-             "2+2-gpipe-one-microbatch": (1, None, False)}
+# name: (micro-batches, last stage's layers (None: even split), routing replay, dtype)
+SCENARIOS = {"2+2": (3, None, False, "float32"), "2+2-replay": (3, None, True, "float32"),
+             "3+1": (3, 1, False, "float32"), "2+2-gpipe-one-microbatch": (1, None, False, "float32"),
+             "2+2-bf16": (3, None, False, "bfloat16")}
+
+
+def _model(dtype: str, device="cpu"):
+    model = load_pretrained(ASSET, device=device)
+    if dtype == "bfloat16":  # what the single-process bf16 Trainer computes in (precision.cast_model)
+        cast_model(model, torch.bfloat16)
+    return model
 
 
 def _batch(n_mb: int):
@@ -56,9 +66,9 @@ def _loss_fn(ids: torch.Tensor, weights: torch.Tensor):
 
 
 def _reference(name: str) -> dict:
-    n_mb, _, replay = SCENARIOS[name]
+    n_mb, _, replay, dtype = SCENARIOS[name]
     ids, forced, weights = _batch(n_mb)
-    model, loss_fn = load_pretrained(ASSET), _loss_fn(ids, weights)
+    model, loss_fn = _model(dtype), _loss_fn(ids, weights)
     losses, logits = [], []
     for i in range(n_mb):
         rows = torch.arange(i * B, (i + 1) * B)
@@ -78,10 +88,11 @@ def _pp_rank(rank: int) -> dict:
 
     ctx = init_distributed(30.0)
     out = {}
-    for name, (n_mb, last, replay) in SCENARIOS.items():
+    for name, (n_mb, last, replay, dtype) in SCENARIOS.items():
         ids, forced, weights = _batch(n_mb)
-        stage = split_model(load_pretrained(ASSET, device=ctx.device), rank, 2, last)
-        pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+        stage = split_model(_model(dtype, ctx.device), rank, 2, last)
+        pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, streams_dtype=getattr(torch, dtype),
+                                collective=ctx.collective)
         first = {"microbatch_shape": (B, S), "forced": forced if replay and rank == 0 else None, "replay": replay}
         logits = pipe.forward(ids if rank == 0 else None, n_mb, **first)
         losses = pipe.train(ids if rank == 0 else None, _loss_fn(ids, weights), n_mb, **first)
@@ -115,7 +126,7 @@ def test_stage_layers():
 def test_pp2_equals_one_process(two_ranks, name):
     want = _reference(name)
     first, last = (r[name] for r in two_ranks)
-    n_mb, last_layers, _ = SCENARIOS[name]
+    n_mb, last_layers, _, _ = SCENARIOS[name]
     assert [first["layers"], last["layers"]] == [list(r) for r in stage_layers(N_LAYERS, 2, last_layers)]
     assert 0 in first["layers"]  # the hash-routed layer, on the stage that has the ids anyway
     assert first["logits"] is None and torch.equal(last["logits"], want["logits"])  # forward only
@@ -171,4 +182,14 @@ def test_hung_stage_times_out_naming_the_step(hung):
     assert not waiting.hung and waiting.error_type == "DistributedError", waiting.error
     assert f"rank {1 - hung}: pipeline-parallel Schedule1F1B step (stage {1 - hung} of 2) timed out after 2s" \
         in waiting.error, waiting.error
-    assert waiting.elapsed_s < 7, waiting.elapsed_s
+    assert waiting.elapsed_s < 15, waiting.elapsed_s  # the configured 2 s (+ start-up on a busy machine), not gloo's default
+
+
+def test_stage_refuses_streams_of_another_dtype():
+    """The next stage receives into a buffer of the announced dtype: a mismatch fails before the send."""
+    from lockstep.dist.pipeline_parallel import split_model
+
+    stage = split_model(load_pretrained(ASSET), 0, 2)
+    stage.streams_dtype = torch.bfloat16
+    with pytest.raises(ValueError, match="streams are torch.float32, the pipeline was set up for torch.bfloat16"):
+        stage(torch.ones(1, 4, dtype=torch.int64))
