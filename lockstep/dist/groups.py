@@ -17,8 +17,15 @@ Layouts: colocated (every rank trains and serves, trainer = engine = all ranks) 
 Every group gets the same finite timeout. Every lockstep collective runs inside
 `collective("what")`, which turns a timeout or a dead peer into `DistributedError` naming the rank,
 the operation and the time waited, so a broken run ends with a sentence instead of a hang or a
-bare gloo trace. (gloo raises on its own timeout and at once when a peer's socket closes; NCCL's
-watchdog enforces the same timeout on GPUs.)
+bare gloo trace. (gloo raises on its own timeout and at once when a peer's socket closes.)
+
+NCCL notices no dead peer by itself: a collective waits until the timeout. Its host-side `wait()`
+only orders CUDA streams, so lockstep's asynchronous collectives wait through `DistContext.wait`,
+which blocks the host for at most the timeout and then raises (torch aborts the communicator first,
+so the stuck kernel returns). On CUDA `init_distributed` sets TORCH_NCCL_ASYNC_ERROR_HANDLING=2
+(CleanUpOnly) unless it is set: torch's default (3) lets the NCCL watchdog end the process at the
+timeout before that error reaches Python; with 2 the watchdog aborts the communicators and the
+waiting thread raises the error that names rank and operation.
 """
 
 from __future__ import annotations
@@ -117,6 +124,15 @@ class DistContext:
         """`collective(op)` with this world's rank and timeout."""
         return collective(op, rank=self.rank, timeout_s=self.timeout_s)
 
+    def wait(self, work, op: str) -> None:
+        """Wait for an asynchronous collective's `work`, failing with `op` named. On CUDA the host
+        waits (at most the timeout), so a dead NCCL peer raises here, not later as a stuck host sync."""
+        with self.collective(op):
+            if self.device.type == "cuda":
+                work.wait(datetime.timedelta(seconds=self.timeout_s))
+            else:
+                work.wait()
+
     def barrier(self, op: str) -> None:
         """Barrier on the gloo control group (every rank), failing with `op` named."""
         with self.collective(f"barrier {op}"):
@@ -170,6 +186,9 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, layout: Layout | N
     device = _device(local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # CleanUpOnly: the watchdog aborts timed-out communicators and leaves the error to the
+        # waiting thread (module docstring); read when the NCCL groups are made
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     timeout = datetime.timedelta(seconds=timeout_s)
     _world_timeout_s = timeout_s
     with collective("init_process_group (rendezvous)", rank=rank, timeout_s=timeout_s):

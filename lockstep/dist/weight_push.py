@@ -202,8 +202,7 @@ class _Stream:
         if in_flight is None:
             return
         work, buf, b = in_flight
-        with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n}"):
-            work.wait()
+        self.ctx.wait(work, f"{self.op}: broadcast bucket {b + 1}/{n}")
         self.stage(self.manifest.buckets[b], buf)
 
 

@@ -6,6 +6,14 @@ LOCAL_RANK, MASTER_ADDR and MASTER_PORT set as torch's launcher sets them, runs 
 exception it raised (type and message), or `hung=True` when it was still running after `guard_s`
 seconds and was killed. A test that expects an error asserts on the message, and the guard turns a
 hang into a failure instead of a stuck CI job.
+
+Devices: `run_world(..., device="cpu")` (the default) hides any GPU from the ranks, so they run on
+the CPU over gloo wherever the tests run; `device="cuda"` gives rank r `cuda:r` and the NCCL
+backend (lockstep.dist.groups picks `cpu:gloo,cuda:nccl` when it sees a GPU). The 2-process tests
+take their device from `world_devices()`: "cpu" always (CI), "cuda" too when LOCKSTEP_TEST_DEVICE=cuda
+and enough GPUs are visible, else that variant is skipped (its CPU twin runs the same checks).
+On CUDA the tests also `report()` what they compared (bitwise or the largest difference) as JSON
+lines, printed and appended to the file LOCKSTEP_DIST_REPORT names, if set.
 """
 
 from __future__ import annotations
@@ -15,12 +23,79 @@ import pickle
 import socket
 import tempfile
 import time
+import contextlib
+import json
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
 import torch.multiprocessing as mp
+
+TEST_DEVICE = os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu")
+
+
+def cuda_world(world_size: int = 2) -> bool:
+    """LOCKSTEP_TEST_DEVICE=cuda and at least `world_size` GPUs: the CUDA variants run."""
+    return TEST_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def world_devices(world_size: int = 2) -> list:
+    """pytest params of a device-aware multi-process test: cpu (gloo), and cuda (NCCL, one GPU a rank)."""
+    skip = pytest.mark.skipif(not cuda_world(world_size), reason=f"needs LOCKSTEP_TEST_DEVICE=cuda and {world_size} "
+                              "GPUs; the cpu variant runs the same checks over gloo")
+    return [pytest.param("cpu"), pytest.param("cuda", marks=skip)]
+
+
+def to_cpu(obj):
+    """Tensors anywhere in nested dicts / lists / tuples moved to the CPU (results cross processes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
+
+
+def max_abs_diff(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Largest |got - want| (0.0: bitwise equal; inf: shapes or dtypes differ or a NaN moved)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return float("inf")
+    if torch.equal(got, want):
+        return 0.0
+    if not got.is_floating_point():
+        return float("inf")
+    return float((got.double() - want.double()).abs().max())
+
+
+def report(**fields) -> None:
+    """One measurement of a device run: printed and appended to $LOCKSTEP_DIST_REPORT as a JSON line."""
+    line = json.dumps(fields, default=str)
+    print(f"REPORT {line}", flush=True)
+    path = os.environ.get("LOCKSTEP_DIST_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+@contextlib.contextmanager
+def _child_env(device: str):
+    """The environment the spawned ranks inherit: no visible GPU for a cpu world."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    elif device != "cuda":
+        raise ValueError(f"run_world: device {device!r} is not cpu or cuda")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
 @dataclass
@@ -53,7 +128,7 @@ def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> 
     torch.set_num_threads(1)
     start = time.monotonic()
     try:
-        record = {"value": fn(rank, *args)}
+        record = {"value": to_cpu(fn(rank, *args))}
     except BaseException as e:  # reported to the parent, which asserts on it
         record = {"error_type": type(e).__name__, "error": f"{e}\n{traceback.format_exc()}"}
     record["elapsed_s"] = time.monotonic() - start
@@ -61,22 +136,25 @@ def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> 
     try:
         import torch.distributed as dist
 
-        if dist.is_initialized():
+        # after a failure the peers may be gone: NCCL's teardown can wait for them, so skip it
+        if dist.is_initialized() and "error_type" not in record:
             dist.destroy_process_group()
     finally:
         # a rank whose peer died must not linger in process-group teardown
         os._exit(0)
 
 
-def run_world(fn, world_size: int = 2, guard_s: float = 60.0, args: tuple = ()) -> list[RankResult]:
+def run_world(fn, world_size: int = 2, guard_s: float = 60.0, args: tuple = (),
+              device: str = "cpu") -> list[RankResult]:
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
         procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, outs[r], args), daemon=True)
                  for r in range(world_size)]
-        for p in procs:
-            p.start()
+        with _child_env(device):
+            for p in procs:
+                p.start()
         deadline = time.monotonic() + guard_s
         results = []
         for r, p in enumerate(procs):

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_world import run_world
+from dist_world import run_world, world_devices
 from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import DistributedError, Layout, collective, init_distributed
 
@@ -17,20 +17,21 @@ def _layout_world(rank, disaggregated):
     config = DistConfig(actor_num_gpus=1, rollout_num_gpus=1) if disaggregated else DistConfig()
     ctx = init_distributed(30.0, config=config)
     members = [g is not None for g in (ctx.trainer_group, ctx.engine_group, ctx.weight_group)]
-    # the weight group carries a broadcast from the trainer source rank
-    t = torch.tensor([float(rank + 7)])
+    # the weight group carries a broadcast from the trainer source rank (NCCL for a GPU tensor)
+    t = torch.tensor([float(rank + 7)], device=ctx.device)
     with ctx.collective("broadcast test"):
         dist.broadcast(t, src=ctx.weight_src, group=ctx.weight_group)
     agree = ctx.all_true(rank == 0, "flag")
     everyone = ctx.all_true(True, "flag")
     ctx.barrier("end")
     return dict(members=members, trainer=ctx.is_trainer, engine=ctx.is_engine, got=t.item(), agree=agree,
-                everyone=everyone, device=str(ctx.device))
+                everyone=everyone, device=str(ctx.device), backend=str(dist.get_backend_config()))
 
 
+@pytest.mark.parametrize("device", world_devices())
 @pytest.mark.parametrize("disaggregated", [False, True])
-def test_groups_of_each_layout(disaggregated):
-    r0, r1 = run_world(_layout_world, 2, guard_s=60, args=(disaggregated,))
+def test_groups_of_each_layout(disaggregated, device):
+    r0, r1 = run_world(_layout_world, 2, guard_s=60, args=(disaggregated,), device=device)
     assert r0.ok and r1.ok, (r0.error, r1.error)
     if disaggregated:
         assert (r0.value["trainer"], r0.value["engine"]) == (True, False)
@@ -42,7 +43,11 @@ def test_groups_of_each_layout(disaggregated):
     assert r0.value["got"] == r1.value["got"] == 7.0  # rank 0's value reached rank 1
     assert r0.value["agree"] is False and r1.value["agree"] is False  # one rank said no
     assert r0.value["everyone"] and r1.value["everyone"]
-    assert r0.value["device"] == "cpu"
+    if device == "cpu":
+        assert r0.value["device"] == "cpu" and r0.value["backend"] == "cpu:gloo,cuda:gloo"
+    else:  # one GPU a rank; NCCL for CUDA tensors, gloo for the CPU ones (the control group)
+        assert (r0.value["device"], r1.value["device"]) == ("cuda:0", "cuda:1")
+        assert r0.value["backend"] == "cpu:gloo,cuda:nccl", r0.value["backend"]
 
 
 def _hung_peer_world(rank):

@@ -5,6 +5,12 @@
     push missed cannot pass; a push with a NaN is voted down and both sides keep the old version.
 (e) a manifest mismatch raises on both ranks naming the first differing tensor; a peer killed
     mid-push makes the survivor raise DistributedError naming its rank and the step, in seconds.
+
+The push and the dead-peer tests run on the CPU over gloo (fp32, as CI runs them) and, with
+LOCKSTEP_TEST_DEVICE=cuda on 2 GPUs, over NCCL (dist_world.world_devices): trainer on cuda:0 in bf16
+(the wire carries bf16, fp32 where the model keeps fp32), engine on cuda:1 in bf16, eager (no decode
+is run, so no graphs are captured). NCCL does not notice a dead peer: the survivor raises when its
+wait reaches the timeout (groups.DistContext.wait), or at once on the gloo control group.
 """
 
 import os
@@ -14,7 +20,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import run_world
+from dist_world import report, run_world, world_devices
 from lockstep.config import EngineConfig
 from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import init_distributed
@@ -34,21 +40,28 @@ BIAS = "model.layers.1.mlp.gate.e_score_correction_bias"
 DISAGGREGATED = DistConfig(actor_num_gpus=1, rollout_num_gpus=1)
 
 
-def new_policy():
+def dtype_of(device) -> str:
+    """The trainer's and engine's dtype: fp32 on the CPU (CI), bf16 on GPUs (issue 18)."""
+    return "float32" if torch.device(device).type == "cpu" else "bfloat16"
+
+
+def new_policy(device="cpu"):
     """A trainer whose weights differ from the asset everywhere, the routing tables included."""
-    trainer = Trainer(load_pretrained(ASSET), TrainConfig())
+    model = load_pretrained(ASSET)
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
-        for name, t in trainer.model.state_dict().items():
+        for name, t in model.state_dict().items():
             if name.endswith("tid2eid"):
-                t.copy_((t + 1) % trainer.model.config.n_routed_experts)
+                t.copy_((t + 1) % model.config.n_routed_experts)
             elif t.is_floating_point():
                 t.add_(0.01 * torch.randn(t.shape, generator=g))
-    return trainer
+    return Trainer(model.to(device), TrainConfig(dtype=dtype_of(device)))
 
 
-def engine(fmt="bf16", model=None):
-    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_prefill_tokens=32, serving_format=fmt)
+def engine(fmt="bf16", model=None, device="cpu"):
+    cfg = EngineConfig(max_num_seqs=4, max_model_len=64, max_prefill_tokens=32, serving_format=fmt,
+                       device=str(device), dtype=dtype_of(device), cuda_graph=False, compile_decode=False,
+                       compile_hc=False)
     return Engine(model if model is not None else load_pretrained(ASSET), cfg)
 
 
@@ -64,9 +77,10 @@ def state(e):
 
 def _push_world(rank):
     ctx = init_distributed(30.0, config=DISAGGREGATED)
+    dev, wire = ctx.device, getattr(torch, dtype_of(ctx.device))
     if rank == 0:
-        trainer = new_policy()
-        manifest = build_manifest(trainer.model, torch.float32, BUCKET)
+        trainer = new_policy(dev)
+        manifest = build_manifest(trainer.model, wire, BUCKET)
         metrics = [push_weights(ctx, manifest, v, named_tensors=trainer.named_weights())
                    for v in range(1, len(FORMATS) + 1)]
         bad = [(n, t.clone().fill_(float("nan")) if n == BIAS else t) for n, t in trainer.named_weights()]
@@ -75,15 +89,15 @@ def _push_world(rank):
         except Exception as e:
             return {"metrics": metrics, "nan_error": f"{type(e).__name__}: {e}", "buckets": len(manifest.buckets)}
         return {"metrics": metrics, "nan_error": None}
-    new = dict(new_policy().named_weights())
-    out = {"differs": {}, "versions": [], "asset_equal": {}}
+    new = dict(new_policy(dev).named_weights())  # the trainer's weights, made on this rank's GPU
+    out = {"differs": {}, "versions": [], "asset_equal": {}, "metrics": []}
     for v, fmt in enumerate(FORMATS, start=1):
-        pushed, reference = engine(fmt), engine(fmt)
-        out["asset_equal"][fmt] = {n: torch.equal(state(reference)[n], new[n]) for n in (TID2EID, BIAS)}
+        pushed, reference = engine(fmt, device=dev), engine(fmt, device=dev)
+        out["asset_equal"][fmt] = {n: torch.equal(state(reference)[n].to(new[n]), new[n]) for n in (TID2EID, BIAS)}
         reference.update_weights(new.items(), version=v)  # the in-process path
         poison(pushed)
-        manifest = build_manifest(pushed.model, torch.float32, BUCKET)
-        push_weights(ctx, manifest, None, engine=pushed)
+        manifest = build_manifest(pushed.model, wire, BUCKET)
+        out["metrics"].append(push_weights(ctx, manifest, None, engine=pushed))
         ref = reference.model.state_dict()
         out["differs"][fmt] = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
         out["versions"].append(pushed.weight_version)
@@ -98,15 +112,20 @@ def _push_world(rank):
     return out
 
 
-def test_push_equals_in_process_update_in_every_format():
-    r0, r1 = run_world(_push_world, 2, guard_s=120)
+@pytest.mark.parametrize("device", world_devices())
+def test_push_equals_in_process_update_in_every_format(device):
+    r0, r1 = run_world(_push_world, 2, guard_s=120 if device == "cpu" else 240, device=device)
     assert r0.ok and r1.ok, (r0.error, r1.error)
+    if device != "cpu":
+        report(check=f"weight push over NCCL vs in-process update ({device})", differing=r1.value["differs"],
+               tensors=r1.value["n_tensors"], formats=FORMATS, trainer=r0.value["metrics"],
+               engine=r1.value["metrics"], nan_push=r1.value.get("nan_error", "")[:200])
     assert r1.value["differs"] == {f: [] for f in FORMATS}, r1.value["differs"]
     assert r1.value["n_tensors"] > 100 and r1.value["versions"] == [1, 2, 3]
     # the routing tables really changed, so equality above means they travelled
     assert r1.value["asset_equal"]["bf16"] == {TID2EID: False, BIAS: False}
-    m = r0.value["metrics"][0]
-    assert m["perf/weight_sync_bytes"] >= 4 * 600_000 and m["perf/weight_sync_time"] > 0
+    m = r0.value["metrics"][0]  # 622k parameters, 4 bytes each in fp32 (CPU), 2 in bf16 (CUDA)
+    assert m["perf/weight_sync_bytes"] >= (4 if device == "cpu" else 2) * 600_000 and m["perf/weight_sync_time"] > 0
     # a NaN in the router bias: engine rank 1 fails staging, both ranks abort, version 3 keeps serving
     assert r0.value["nan_error"].startswith("WeightPushError: rank 0: weight push v4 aborted, rank(s) [1]")
     assert "WeightPushError: rank 1: weight push v4 aborted" in r1.value["nan_error"]
@@ -162,31 +181,39 @@ def _dead_peer_world(rank, dying):
     import lockstep.dist.weight_push as wp
 
     ctx = init_distributed(10.0, config=DISAGGREGATED)
+    dev, wire = ctx.device, getattr(torch, dtype_of(ctx.device))
     if rank == 0:
-        trainer = Trainer(load_pretrained(ASSET), TrainConfig())
+        trainer = Trainer(load_pretrained(ASSET, device=dev), TrainConfig(dtype=dtype_of(dev)))
         tensors = trainer.named_weights()
         if dying == 0:  # the trainer dies while gathering its weights, a few buckets in
             die = _exit_after(40, lambda x: x)
             tensors = (die(x) for x in tensors)
-        push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), 1, named_tensors=tensors)
+        push_weights(ctx, build_manifest(trainer.model, wire, BUCKET), 1, named_tensors=tensors)
         return "pushed"
-    e = engine()
+    e = engine(device=dev)
     before = state(e)
     if dying == 1:  # the engine dies while staging its third bucket
         wp.validate_update = _exit_after(3, wp.validate_update)
     try:
-        push_weights(ctx, build_manifest(e.model, torch.float32, BUCKET), None, engine=e)
+        push_weights(ctx, build_manifest(e.model, wire, BUCKET), None, engine=e)
     finally:
         kept = all(torch.equal(t, before[n]) for n, t in e.model.state_dict().items())
         assert kept and e.weight_version == 0 and not e.paused  # nothing committed, serving again
 
 
+@pytest.mark.parametrize("device", world_devices())
 @pytest.mark.parametrize("dying", [0, 1])
-def test_dead_peer_mid_push_raises_naming_rank_and_step(dying):
-    results = run_world(_dead_peer_world, 2, guard_s=60, args=(dying,))
+def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device):
+    results = run_world(_dead_peer_world, 2, guard_s=60, args=(dying,), device=device)
     dead, alive = results[dying], results[1 - dying]
+    if device != "cpu":
+        report(check=f"rank {dying} killed mid-push ({device}), timeout 10s", dead_exitcode=dead.exitcode,
+               alive_hung=alive.hung, alive_exitcode=alive.exitcode, alive_elapsed_s=alive.elapsed_s,
+               alive_error=(alive.error or "").splitlines()[0] if alive.error else None)
     assert dead.exitcode == 7 and not alive.hung
     assert alive.error_type == "DistributedError", alive.error
     assert alive.error.startswith(f"rank {alive.rank}: weight push v1: "), alive.error
     assert "broadcast bucket" in alive.error or "commit vote" in alive.error
-    assert alive.elapsed_s < 20
+    # from the rank's start: joining the world and building trainer / engine, then at most the 10 s
+    # timeout (NCCL: the wait runs out; gloo: at once when the peer's socket closes)
+    assert alive.elapsed_s < (20 if device == "cpu" else 30)
