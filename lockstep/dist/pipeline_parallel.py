@@ -46,12 +46,18 @@ the last stage: logprobs and scoring.
 Proof (tests/dist/test_pipeline_parallel.py, CPU, gloo, tiny DeepSeek-V4): PP=2 forward logits, losses
 and every parameter's gradient bitwise equal to one process on the same micro-batches, split 2 + 2 and
 3 + 1, with and without routing replay, in fp32 and in bf16 (bf16 streams between the stages); a
-stage whose peer never runs raises `DistributedError` naming the step within the timeout. Not yet run
-on GPUs (NCCL). Not built yet: the Trainer and loop integration (logprobs
-and routing-replay's prompt routing through a forward-only pipeline, the trainer's loss on the last
-stage, its metrics and the step's normalisers shared with the other stages, gradient-norm squares
-summed over stages, optimiser on each stage's parameters, checkpoints gathered across stages,
-weight push from every stage), PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
+stage whose peer never runs raises `DistributedError` naming the step within the timeout; and
+`trainer_forward_backward`, the Trainer's own loss (PPO clip, TIS, entropy, global normaliser)
+computed on the last stage from the padded micro-batches' logits: loss terms and gradients bitwise
+`Trainer.forward_backward`'s in one process when its micro-batches have the same padded shape.
+Not yet run on GPUs (NCCL).
+
+Not built yet (the Trainer refuses pipeline_model_parallel_size > 1): the Trainer and loop driving
+the stages (train_step's optimiser step on each stage's parameters with gradient-norm squares summed
+over the stages, metrics and mismatch metrics sent from the last stage to the others, `logprobs`
+through `forward`, routing replay's prompt routing through a forward-only pipeline, a reference
+model's stages, `named_weights` / checkpoints / the weight push gathering every stage's tensors),
+PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.train.logprobs import MicroBatch, pack_microbatches
 
 Collective = Callable[[str], ContextManager]
 
@@ -228,3 +235,47 @@ class PipelineParallel:
         None elsewhere; arguments as `train`'s."""
         _, logits = self._run(input_ids, n_microbatches, microbatch_shape, forced, replay, None)
         return logits if self.stage.is_last else None
+
+
+def pad_microbatches(mbs: list[MicroBatch]) -> tuple[torch.Tensor, int, int]:
+    """(ids [n_mb * b, S], b, S) of packed micro-batches: b = the most samples in one, S = the longest
+    sample; micro-batch i's samples are rows i b, i b + 1, ..., right-padded with 0, its other rows all 0.
+    When every micro-batch has b samples and a sample of length S, these are the [b, S] batches the
+    one-process model pads them to (`forward_packed`)."""
+    lens = [(mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist() for mb in mbs]
+    b, S = max(len(x) for x in lens), max(max(x) for x in lens)
+    ids = torch.zeros(len(mbs) * b, S, dtype=torch.int64)
+    for i, (mb, n) in enumerate(zip(mbs, lens)):
+        for j, row in enumerate(mb.input_ids.split(n)):
+            ids[i * b + j, :len(row)] = row
+    return ids, b, S
+
+
+def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float] | None:
+    """The gradient accumulation of `Trainer.forward_backward` through the pipeline: every stage calls it
+    with the step's samples and a Trainer over its stage (its config packs the micro-batches); the last
+    stage computes the Trainer's own loss of each micro-batch from the logits of its real rows
+    (`Trainer._microbatch_loss(..., logits=)`). Returns the summed loss stats on the last stage (None
+    elsewhere). Not yet: routing replay, a reference model, the mismatch metrics, sharing the metrics
+    and normalisers with the other stages, data parallel (the normalisers are this batch's)."""
+    if trainer.config.use_rollout_routing_replay or trainer.ref_model is not None:
+        raise ValueError("pipeline parallel: the trainer's loss on the last stage takes no routing replay or "
+                         "reference model yet")
+    mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
+    ids, b, S = pad_microbatches(mbs)
+    totals: dict[str, torch.Tensor] = {}
+    norms = trainer._normalisers(samples) if pipe.stage.is_last else None
+    trainer.model.train()
+
+    def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        mb = mbs[int(rows[0]) // b]
+        lens = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).to(logits.device)
+        keep = torch.arange(S, device=logits.device) < lens.unsqueeze(1)
+        packed = logits[:len(mb.indices)][keep][mb.logit_index.to(logits.device)]
+        loss, stats, _ = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0.0) + v
+        return loss
+
+    pipe.train(ids if pipe.stage.is_first else None, loss_fn, len(mbs), microbatch_shape=(b, S))
+    return {k: float(v) for k, v in totals.items()} if pipe.stage.is_last else None

@@ -219,11 +219,15 @@ class Trainer:
                     "valid_samples": valid}
         return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len, "valid_samples": valid}
 
-    def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs):
-        """(loss to backward, detached stats, trainer logprobs before the update [T_r])."""
+    def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs, logits: torch.Tensor | None = None):
+        """(loss to backward, detached stats, trainer logprobs before the update [T_r]). `logits`: the
+        micro-batch's [T_r, V] computed elsewhere (a pipeline's last stage, lockstep.dist.pipeline_parallel;
+        no routing replay nor reference model there yet); None: this model's forward."""
         c, dev = self.config, self.device
-        routing = self._routing(mb, samples)
-        logits = microbatch_logits(self.model, mb, dev, routing)
+        routing = None
+        if logits is None:
+            routing = self._routing(mb, samples)
+            logits = microbatch_logits(self.model, mb, dev, routing)
         logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
                                                    with_entropy_grad=c.entropy_coef > 0)
         del logits

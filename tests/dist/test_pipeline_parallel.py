@@ -193,3 +193,69 @@ def test_stage_refuses_streams_of_another_dtype():
     stage.streams_dtype = torch.bfloat16
     with pytest.raises(ValueError, match="streams are torch.float32, the pipeline was set up for torch.bfloat16"):
         stage(torch.ones(1, 4, dtype=torch.int64))
+
+
+# The Trainer's own loss on the last stage: 2 micro-batches of 2 samples, each with a 10-token sample,
+# so the padded [2, 10] batches are the ones the one-process Trainer runs (max_tokens_per_gpu 18)
+LENGTHS, TRAIN_BUDGET = [(4, 6), (3, 4), (5, 5), (6, 2)], 18
+
+
+def _trainer_samples():
+    from lockstep.sample import Sample
+
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i, (p, r) in enumerate(LENGTHS):
+        mask = torch.ones(r, dtype=torch.int64)
+        mask[0] = int(i != 2)
+        out.append(Sample(prompt_ids=torch.randint(1, VOCAB, (p,), generator=g),
+                          response_ids=torch.randint(1, VOCAB, (r,), generator=g),
+                          rollout_logprobs=-torch.rand(r, generator=g), loss_mask=mask,
+                          advantages=1.0 if i % 2 else -1.0, group_id=i // 2))
+    return out
+
+
+def _train_config():
+    from lockstep.train.config import TrainConfig
+
+    return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=TRAIN_BUDGET, use_tis=True, entropy_coef=0.01)
+
+
+def _trainer_rank(rank: int) -> dict:
+    from lockstep.dist.groups import init_distributed
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model, trainer_forward_backward
+    from lockstep.train.trainer import Trainer
+
+    ctx = init_distributed(30.0)
+    stage = split_model(load_pretrained(ASSET), rank, 2)
+    trainer = Trainer(stage, _train_config())
+    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+    stats = trainer_forward_backward(trainer, pipe, _trainer_samples())
+    return {"stats": stats, "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}}
+
+
+def test_trainer_loss_on_the_last_stage():
+    """PP=2 with the Trainer's loss (PPO clip, TIS, entropy bonus, global token normaliser) computed on the
+    last stage: its loss terms and every gradient bitwise those of `Trainer.forward_backward` in one process."""
+    from lockstep.dist.pipeline_parallel import pad_microbatches
+    from lockstep.train.logprobs import pack_microbatches
+    from lockstep.train.trainer import Trainer
+
+    samples = _trainer_samples()
+    mbs = pack_microbatches(samples, TRAIN_BUDGET)
+    assert [mb.indices for mb in mbs] == [[0, 1], [2, 3]]
+    assert pad_microbatches(mbs)[1:] == (2, 10)
+    results = run_world(_trainer_rank, 2, guard_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    first, last = (r.value for r in results)
+    one = Trainer(load_pretrained(ASSET), _train_config())
+    want = one.forward_backward(samples)
+    assert first["stats"] is None and last["stats"]
+    for k, v in last["stats"].items():
+        assert v == want[k], (k, v, want[k])
+    assert want["train/pg_loss"] != 0
+    got = {**first["grads"], **last["grads"]}
+    ref = {n: p.grad for n, p in one.model.named_parameters() if p.grad is not None}
+    assert got.keys() == ref.keys()
+    for n, g in ref.items():
+        assert torch.equal(got[n], g), f"gradient of {n} differs by {(got[n] - g).abs().max().item()}"
