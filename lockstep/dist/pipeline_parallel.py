@@ -49,23 +49,26 @@ and every parameter's gradient bitwise equal to one process on the same micro-ba
 stage whose peer never runs raises `DistributedError` naming the step within the timeout; and
 `trainer_forward_backward`, the Trainer's own loss (PPO clip, TIS, entropy, global normaliser)
 computed on the last stage from the padded micro-batches' logits: loss terms and gradients bitwise
-`Trainer.forward_backward`'s in one process when its micro-batches have the same padded shape.
-Not yet run on GPUs (NCCL).
+`Trainer.forward_backward`'s in one process when its micro-batches have the same padded shape; and
+`pipeline_train_step`, a Trainer per stage taking optimiser steps (gradient-norm squares summed over
+the stages, loss terms sent from the last stage): two steps leave every parameter bitwise where two
+one-process `Trainer.train_step`s leave it. Not yet run on GPUs (NCCL).
 
-Not built yet (the Trainer refuses pipeline_model_parallel_size > 1): the Trainer and loop driving
-the stages (train_step's optimiser step on each stage's parameters with gradient-norm squares summed
-over the stages, metrics and mismatch metrics sent from the last stage to the others, `logprobs`
+Not built yet (the Trainer refuses pipeline_model_parallel_size > 1; these functions drive Trainers
+over stages from outside): the loop driving them (lockstep train), the mismatch metrics, `logprobs`
 through `forward`, routing replay's prompt routing through a forward-only pipeline, a reference
-model's stages, `named_weights` / checkpoints / the weight push gathering every stage's tensors),
+model's stages, `named_weights` / checkpoints / the weight push gathering every stage's tensors,
 PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, ContextManager
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -279,3 +282,34 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
 
     pipe.train(ids if pipe.stage.is_first else None, loss_fn, len(mbs), microbatch_shape=(b, S))
     return {k: float(v) for k, v in totals.items()} if pipe.stage.is_last else None
+
+
+def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float]:
+    """One optimiser step of `Trainer`s over the stages (every stage calls it with the step's samples):
+    `trainer_forward_backward`, the last stage's loss terms sent to every stage, the gradient norm's
+    squares summed over the stages (`MasterAdamW.stage_sum`), so every stage clips by the global norm
+    and AdamW updates its own parameters as one process updates them. Returns the step's metrics
+    (loss terms, train/grad_norm, train/skipped, train/step; not yet the mismatch metrics)."""
+    last = dist.get_global_rank(pipe.group, pipe.stage.num_stages - 1)
+
+    def stage_sum(total: torch.Tensor) -> torch.Tensor:
+        t = total.to(pipe.device)
+        with pipe.collective("pipeline-parallel all_reduce (gradient norm squares over the stages)"):
+            dist.all_reduce(t, group=pipe.group)
+        return t.cpu()
+
+    trainer.optimizer.stage_sum = stage_sum
+    box = [trainer_forward_backward(trainer, pipe, samples, old_logprobs)]
+    with pipe.collective("pipeline-parallel broadcast_object_list (the last stage's loss terms)"):
+        dist.broadcast_object_list(box, src=last, group=pipe.group, device=pipe.device)
+    metrics = dict(box[0])
+    metrics["train/loss_finite"] = float(math.isfinite(metrics["train/loss"]))
+    if metrics["train/loss_finite"]:
+        grad_norm, stepped = trainer.optimizer.step(trainer.config.clip_grad)
+    else:
+        grad_norm, stepped = float(trainer.optimizer.grad_norm()), False
+        trainer.optimizer.zero_grad()
+    trainer.num_steps += int(stepped)
+    metrics.update({"train/grad_norm": grad_norm, "train/skipped": float(not stepped),
+                    "train/step": float(trainer.num_steps)})
+    return metrics

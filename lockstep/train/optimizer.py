@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -62,6 +62,9 @@ class MasterAdamW:
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload
         self.dp = data_parallel or DataParallel()
+        # sums the fp64 total of squares over the ranks holding the model's other parameters (pipeline
+        # stages: lockstep.dist.pipeline_parallel sets it); None: this rank's parameters are the model's
+        self.stage_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.step_count = 0
         self.slots: dict[str, _Slot] = {}
         for name, p in named_params:
@@ -103,6 +106,8 @@ class MasterAdamW:
             total += self.dp.sum(sharded.to(self.dp.device), "gradient norm").cpu()
         if squares[False]:
             total += torch.stack([t.to(squares[False][0].device) for t in squares[False]]).sum().cpu()
+        if self.stage_sum is not None:
+            total = self.stage_sum(total)
         return total.sqrt().float()
 
     # ---- update ---------------------------------------------------------------------------

@@ -259,3 +259,42 @@ def test_trainer_loss_on_the_last_stage():
     assert got.keys() == ref.keys()
     for n, g in ref.items():
         assert torch.equal(got[n], g), f"gradient of {n} differs by {(got[n] - g).abs().max().item()}"
+
+
+def _train_step_rank(rank: int) -> dict:
+    from lockstep.dist.groups import init_distributed
+    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_train_step, split_model
+    from lockstep.train.trainer import Trainer
+
+    ctx = init_distributed(30.0)
+    stage = split_model(load_pretrained(ASSET), rank, 2)
+    trainer = Trainer(stage, _train_config())
+    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+    out = []
+    for _ in range(2):
+        metrics = pipeline_train_step(trainer, pipe, _trainer_samples())
+        out.append({"metrics": metrics, "weights": {n: p.detach().clone() for n, p in stage.named_parameters()}})
+    return out
+
+
+def test_two_optimiser_steps_over_the_stages():
+    """Two PP=2 train steps (clipping binds: the norm is the one over both stages' gradients) leave every
+    parameter bitwise where two one-process `Trainer.train_step`s leave it; same loss terms and norm."""
+    from lockstep.train.trainer import Trainer
+
+    results = run_world(_train_step_rank, 2, guard_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    one = Trainer(load_pretrained(ASSET), _train_config())
+    for step in range(2):
+        want = one.train_step(_trainer_samples())
+        assert want["train/grad_norm"] > _train_config().clip_grad and not want["train/skipped"]
+        weights = {n: p.detach() for n, p in one.model.named_parameters()}
+        got = {}
+        for r in results:
+            metrics = r.value[step]["metrics"]
+            for k, v in metrics.items():
+                assert v == want[k], (step, r.rank, k, v, want[k])
+            got.update(r.value[step]["weights"])
+        assert got.keys() == weights.keys()
+        for n, w in weights.items():
+            assert torch.equal(got[n], w), f"step {step}: {n} differs by {(got[n] - w).abs().max().item()}"
