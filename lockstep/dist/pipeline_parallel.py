@@ -64,7 +64,6 @@ PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Callable, ContextManager
 
 import torch
@@ -259,14 +258,15 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
     with the step's samples and a Trainer over its stage (its config packs the micro-batches); the last
     stage computes the Trainer's own loss of each micro-batch from the logits of its real rows
     (`Trainer._microbatch_loss(..., logits=)`). Returns the summed loss stats on the last stage (None
-    elsewhere). Not yet: routing replay, a reference model, the mismatch metrics, sharing the metrics
-    and normalisers with the other stages, data parallel (the normalisers are this batch's)."""
+    elsewhere): `Trainer.forward_backward`'s metrics. Not yet: routing replay, a reference model, data
+    parallel (the normalisers are this batch's)."""
     if trainer.config.use_rollout_routing_replay or trainer.ref_model is not None:
         raise ValueError("pipeline parallel: the trainer's loss on the last stage takes no routing replay or "
                          "reference model yet")
     mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
     ids, b, S = pad_microbatches(mbs)
     totals: dict[str, torch.Tensor] = {}
+    before: list[torch.Tensor | None] = [None] * len(samples)  # the logprobs before the update, per sample
     norms = trainer._normalisers(samples) if pipe.stage.is_last else None
     trainer.model.train()
 
@@ -275,21 +275,23 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
         lens = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).to(logits.device)
         keep = torch.arange(S, device=logits.device) < lens.unsqueeze(1)
         packed = logits[:len(mb.indices)][keep][mb.logit_index.to(logits.device)]
-        loss, stats, _ = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
+        loss, stats, mb_before = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
+        for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
+            before[i] = lp
         return loss
 
     pipe.train(ids if pipe.stage.is_first else None, loss_fn, len(mbs), microbatch_shape=(b, S))
-    return {k: float(v) for k, v in totals.items()} if pipe.stage.is_last else None
+    return trainer._loss_metrics(totals, samples, before, norms, len(mbs)) if pipe.stage.is_last else None
 
 
 def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float]:
     """One optimiser step of `Trainer`s over the stages (every stage calls it with the step's samples):
     `trainer_forward_backward`, the last stage's loss terms sent to every stage, the gradient norm's
     squares summed over the stages (`MasterAdamW.stage_sum`), so every stage clips by the global norm
-    and AdamW updates its own parameters as one process updates them. Returns the step's metrics
-    (loss terms, train/grad_norm, train/skipped, train/step; not yet the mismatch metrics)."""
+    and AdamW updates its own parameters as one process updates them (`Trainer.optimiser_step`).
+    Returns `Trainer.train_step`'s metrics, the same on every stage."""
     last = dist.get_global_rank(pipe.group, pipe.stage.num_stages - 1)
 
     def stage_sum(total: torch.Tensor) -> torch.Tensor:
@@ -302,14 +304,4 @@ def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=N
     box = [trainer_forward_backward(trainer, pipe, samples, old_logprobs)]
     with pipe.collective("pipeline-parallel broadcast_object_list (the last stage's loss terms)"):
         dist.broadcast_object_list(box, src=last, group=pipe.group, device=pipe.device)
-    metrics = dict(box[0])
-    metrics["train/loss_finite"] = float(math.isfinite(metrics["train/loss"]))
-    if metrics["train/loss_finite"]:
-        grad_norm, stepped = trainer.optimizer.step(trainer.config.clip_grad)
-    else:
-        grad_norm, stepped = float(trainer.optimizer.grad_norm()), False
-        trainer.optimizer.zero_grad()
-    trainer.num_steps += int(stepped)
-    metrics.update({"train/grad_norm": grad_norm, "train/skipped": float(not stepped),
-                    "train/step": float(trainer.num_steps)})
-    return metrics
+    return trainer.optimiser_step(dict(box[0]))

@@ -301,7 +301,13 @@ class Trainer:
             for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
                 before[i] = lp
         self.dp.sum_grads(p for p in self.model.parameters() if not isinstance(p, DTensor))
-        totals["train/num_microbatches"] = torch.tensor(float(sum(mb is not None for mb in mbs)))
+        return self._loss_metrics(totals, samples, before, norms, sum(mb is not None for mb in mbs))
+
+    def _loss_metrics(self, totals: dict[str, torch.Tensor], samples: Sequence[Sample], before: list[torch.Tensor],
+                      norms: dict, num_microbatches: int) -> dict[str, float]:
+        """forward_backward's metrics from the micro-batches' summed loss stats and the logprobs before the
+        update (also a pipeline's last stage, lockstep.dist.pipeline_parallel)."""
+        totals["train/num_microbatches"] = torch.tensor(float(num_microbatches))
         metrics = {k: float(v) for k, v in self.dp.sum_tensors(totals).items()}
         metrics.update(self._mismatch_metrics(samples, before))
         metrics["train/loss_finite"] = float(math.isfinite(metrics["train/loss"]))
@@ -323,7 +329,11 @@ class Trainer:
     def train_step(self, samples: Sequence[Sample],
                    old_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """One optimiser step on `samples` (advantages filled in). Returns DESIGN.md-named metrics."""
-        metrics = self.forward_backward(samples, old_logprobs)
+        return self.optimiser_step(self.forward_backward(samples, old_logprobs))
+
+    def optimiser_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """train_step after forward_backward (`metrics` its metrics, completed and returned): clip, step
+        (skipped when the loss is not finite or no token counts), count the step."""
         if metrics["train/loss_finite"] and metrics["train/num_tokens"] > 0:
             grad_norm, stepped = self.optimizer.step(self.config.clip_grad)
         else:

@@ -236,7 +236,8 @@ def _trainer_rank(rank: int) -> dict:
 
 def test_trainer_loss_on_the_last_stage():
     """PP=2 with the Trainer's loss (PPO clip, TIS, entropy bonus, global token normaliser) computed on the
-    last stage: its loss terms and every gradient bitwise those of `Trainer.forward_backward` in one process."""
+    last stage: every metric (loss terms, train/rollout mismatch) and every gradient bitwise those of
+    `Trainer.forward_backward` in one process."""
     from lockstep.dist.pipeline_parallel import pad_microbatches
     from lockstep.train.logprobs import pack_microbatches
     from lockstep.train.trainer import Trainer
@@ -250,7 +251,7 @@ def test_trainer_loss_on_the_last_stage():
     first, last = (r.value for r in results)
     one = Trainer(load_pretrained(ASSET), _train_config())
     want = one.forward_backward(samples)
-    assert first["stats"] is None and last["stats"]
+    assert first["stats"] is None and last["stats"].keys() == want.keys()
     for k, v in last["stats"].items():
         assert v == want[k], (k, v, want[k])
     assert want["train/pg_loss"] != 0
@@ -279,7 +280,8 @@ def _train_step_rank(rank: int) -> dict:
 
 def test_two_optimiser_steps_over_the_stages():
     """Two PP=2 train steps (clipping binds: the norm is the one over both stages' gradients) leave every
-    parameter bitwise where two one-process `Trainer.train_step`s leave it; same loss terms and norm."""
+    parameter bitwise where two one-process `Trainer.train_step`s leave it; every stage reports all of
+    train_step's metrics, equal."""
     from lockstep.train.trainer import Trainer
 
     results = run_world(_train_step_rank, 2, guard_s=120)
@@ -292,6 +294,7 @@ def test_two_optimiser_steps_over_the_stages():
         got = {}
         for r in results:
             metrics = r.value[step]["metrics"]
+            assert metrics.keys() == want.keys(), (step, r.rank, metrics.keys() ^ want.keys())
             for k, v in metrics.items():
                 assert v == want[k], (step, r.rank, k, v, want[k])
             got.update(r.value[step]["weights"])
