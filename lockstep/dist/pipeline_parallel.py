@@ -52,11 +52,11 @@ computed on the last stage from the padded micro-batches' logits: loss terms and
 `Trainer.forward_backward`'s in one process when its micro-batches have the same padded shape; and
 `pipeline_train_step`, a Trainer per stage taking optimiser steps (gradient-norm squares summed over
 the stages, loss terms sent from the last stage): two steps leave every parameter bitwise where two
-one-process `Trainer.train_step`s leave it. Not yet run on GPUs (NCCL).
+one-process `Trainer.train_step`s leave it, with all of its metrics; `pipeline_logprobs` is
+`Trainer.logprobs` through `forward`. Not yet run on GPUs (NCCL).
 
 Not built yet (the Trainer refuses pipeline_model_parallel_size > 1; these functions drive Trainers
-over stages from outside): the loop driving them (lockstep train), the mismatch metrics, `logprobs`
-through `forward`, routing replay's prompt routing through a forward-only pipeline, a reference
+over stages from outside): the loop driving them (lockstep train), routing replay's prompt routing through a forward-only pipeline, a reference
 model's stages, `named_weights` / checkpoints / the weight push gathering every stage's tensors,
 PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
 """
@@ -73,7 +73,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.train.logprobs import MicroBatch, pack_microbatches
+from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
 
 Collective = Callable[[str], ContextManager]
 
@@ -253,6 +253,42 @@ def pad_microbatches(mbs: list[MicroBatch]) -> tuple[torch.Tensor, int, int]:
     return ids, b, S
 
 
+def _response_logits(logits: torch.Tensor, mb: MicroBatch, S: int) -> torch.Tensor:
+    """A micro-batch's padded [b, S, V] logits -> [T_r, V], those predicting its response tokens (the
+    rows and positions `microbatch_logits` takes from the one-process forward)."""
+    lens = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).to(logits.device)
+    keep = torch.arange(S, device=logits.device) < lens.unsqueeze(1)
+    return logits[:len(mb.indices)][keep][mb.logit_index.to(logits.device)]
+
+
+def _from_last(pipe: PipelineParallel, obj, what: str):
+    """`obj` of the last stage, on every stage (pickled: small metadata and metrics)."""
+    box = [obj]
+    with pipe.collective(f"pipeline-parallel broadcast_object_list ({what})"):
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pipe.group, pipe.stage.num_stages - 1),
+                                   group=pipe.group, device=pipe.device)
+    return box[0]
+
+
+@torch.no_grad()
+def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Tensor]:
+    """`Trainer.logprobs` through the pipeline's forward: per-sample [R_i] float32 logprobs, on every
+    stage (sent from the last). No routing replay yet."""
+    if trainer.config.use_rollout_routing_replay:
+        raise ValueError("pipeline parallel: logprobs take no routing replay yet")
+    mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
+    ids, b, S = pad_microbatches(mbs)
+    logits = pipe.forward(ids if pipe.stage.is_first else None, len(mbs), microbatch_shape=(b, S))
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    if pipe.stage.is_last:
+        for i, mb in enumerate(mbs):
+            packed = _response_logits(logits[i * b:(i + 1) * b], mb, S)
+            logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature)
+            for j, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
+                out[j] = lp
+    return _from_last(pipe, out, "logprobs")
+
+
 def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float] | None:
     """The gradient accumulation of `Trainer.forward_backward` through the pipeline: every stage calls it
     with the step's samples and a Trainer over its stage (its config packs the micro-batches); the last
@@ -272,9 +308,7 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
 
     def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         mb = mbs[int(rows[0]) // b]
-        lens = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).to(logits.device)
-        keep = torch.arange(S, device=logits.device) < lens.unsqueeze(1)
-        packed = logits[:len(mb.indices)][keep][mb.logit_index.to(logits.device)]
+        packed = _response_logits(logits, mb, S)
         loss, stats, mb_before = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
@@ -292,8 +326,6 @@ def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=N
     squares summed over the stages (`MasterAdamW.stage_sum`), so every stage clips by the global norm
     and AdamW updates its own parameters as one process updates them (`Trainer.optimiser_step`).
     Returns `Trainer.train_step`'s metrics, the same on every stage."""
-    last = dist.get_global_rank(pipe.group, pipe.stage.num_stages - 1)
-
     def stage_sum(total: torch.Tensor) -> torch.Tensor:
         t = total.to(pipe.device)
         with pipe.collective("pipeline-parallel all_reduce (gradient norm squares over the stages)"):
@@ -301,7 +333,5 @@ def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=N
         return t.cpu()
 
     trainer.optimizer.stage_sum = stage_sum
-    box = [trainer_forward_backward(trainer, pipe, samples, old_logprobs)]
-    with pipe.collective("pipeline-parallel broadcast_object_list (the last stage's loss terms)"):
-        dist.broadcast_object_list(box, src=last, group=pipe.group, device=pipe.device)
-    return trainer.optimiser_step(dict(box[0]))
+    metrics = _from_last(pipe, trainer_forward_backward(trainer, pipe, samples, old_logprobs), "the step's metrics")
+    return trainer.optimiser_step(dict(metrics))

@@ -264,7 +264,7 @@ def test_trainer_loss_on_the_last_stage():
 
 def _train_step_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_train_step, split_model
+    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_train_step, split_model
     from lockstep.train.trainer import Trainer
 
     ctx = init_distributed(30.0)
@@ -273,21 +273,29 @@ def _train_step_rank(rank: int) -> dict:
     pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
     out = []
     for _ in range(2):
+        logprobs = pipeline_logprobs(trainer, pipe, _trainer_samples())
         metrics = pipeline_train_step(trainer, pipe, _trainer_samples())
-        out.append({"metrics": metrics, "weights": {n: p.detach().clone() for n, p in stage.named_parameters()}})
+        out.append({"metrics": metrics, "logprobs": logprobs,
+                    "weights": {n: p.detach().clone() for n, p in stage.named_parameters()}})
     return out
 
 
 def test_two_optimiser_steps_over_the_stages():
     """Two PP=2 train steps (clipping binds: the norm is the one over both stages' gradients) leave every
     parameter bitwise where two one-process `Trainer.train_step`s leave it; every stage reports all of
-    train_step's metrics, equal."""
+    train_step's metrics, equal; the logprobs before each step (`pipeline_logprobs`) are `Trainer.logprobs`."""
     from lockstep.train.trainer import Trainer
 
     results = run_world(_train_step_rank, 2, guard_s=120)
     assert all(r.ok for r in results), [r.error for r in results]
     one = Trainer(load_pretrained(ASSET), _train_config())
     for step in range(2):
+        want_logprobs = one.logprobs(_trainer_samples())
+        for r in results:  # before the step, on every stage
+            got_logprobs = r.value[step]["logprobs"]
+            assert len(got_logprobs) == len(want_logprobs)
+            for i, (g, w) in enumerate(zip(got_logprobs, want_logprobs)):
+                assert torch.equal(g, w), (step, r.rank, i)
         want = one.train_step(_trainer_samples())
         assert want["train/grad_norm"] > _train_config().clip_grad and not want["train/skipped"]
         weights = {n: p.detach() for n, p in one.model.named_parameters()}
