@@ -55,10 +55,11 @@ the stages, loss terms sent from the last stage): two steps leave every paramete
 one-process `Trainer.train_step`s leave it, with all of its metrics; `pipeline_logprobs` is
 `Trainer.logprobs` through `forward`. Not yet run on GPUs (NCCL).
 
-Not built yet (the Trainer refuses pipeline_model_parallel_size > 1; these functions drive Trainers
-over stages from outside): the loop driving them (lockstep train), routing replay's prompt routing through a forward-only pipeline, a reference
-model's stages, `named_weights` / checkpoints / the weight push gathering every stage's tensors,
-PP combined with FSDP or EP (a pp x dp mesh), interleaved schedules.
+Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
+steps; these functions drive it from outside): the loop driving them (lockstep train), routing replay's prompt routing
+through a forward-only pipeline, a reference model's stages, `named_weights` / checkpoints / the weight
+push gathering every stage's tensors, PP combined with FSDP or EP (a pp x dp mesh), interleaved
+schedules.
 """
 
 from __future__ import annotations

@@ -125,9 +125,9 @@ class TrainConfig:
     1: every rank holds all experts."""
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel (PP): the decoder layers are cut into this many stages, one per rank, micro-batches
-    flowing through them by torch.distributed.pipelining's 1F1B schedule (lockstep/dist/pipeline_parallel.py;
-    its stages and schedule are built and tested, the Trainer does not run them yet, so it refuses > 1).
-    1: every rank holds every layer."""
+    flowing through them by torch.distributed.pipelining's 1F1B schedule (lockstep/dist/pipeline_parallel.py:
+    stages, schedule and train step built and tested; `lockstep train` does not drive them yet). 1: every
+    rank holds every layer."""
     decoder_last_pipeline_num_layers: int | None = None
     """Pipeline parallel: decoder layers of the last stage (which also holds the LM head); the other stages share
     the rest evenly. None: every stage gets an even share."""

@@ -31,6 +31,10 @@ one). The dtype is then FSDP's MixedPrecisionPolicy (no cast here), the optimise
 shards, and data_parallel.py says what is summed across ranks so that the step, its metrics and
 `named_weights` (full tensors) are those of one process on all the samples.
 
+Pipeline parallel: `pipeline_model_parallel_size` > 1 takes one stage of the model
+(`lockstep.dist.pipeline_parallel.split_model`); the steps and logprobs then run through that module
+(`pipeline_train_step`, `pipeline_logprobs`), which uses this Trainer's loss, metrics and optimiser.
+
 Expert parallel: shard the routed experts with `lockstep.dist.expert_parallel.apply_expert_parallel`
 over the data-parallel ranks and pass `data_parallel=DataParallel(group)` of the same ranks
 (`expert_model_parallel_size` must equal their number). The expert shards are DTensors, so the
@@ -123,10 +127,12 @@ class Trainer:
         if ep > 1 and (self.dp.size != ep or not any(isinstance(p, DTensor) for p in model.parameters())):
             raise ValueError(f"expert_model_parallel_size {ep}: shard the experts first (lockstep.dist."
                              f"expert_parallel) over the data-parallel ranks, which must be {ep}; got {self.dp.size}")
-        if c.pipeline_model_parallel_size > 1:
-            raise ValueError(f"pipeline_model_parallel_size {c.pipeline_model_parallel_size}: the Trainer does not run "
-                             "pipeline stages yet (lockstep.dist.pipeline_parallel builds and tests the stages and "
-                             "their 1F1B schedule; the Trainer and loop integration is not built)")
+        pp = c.pipeline_model_parallel_size
+        if pp > 1 and getattr(model, "num_stages", None) != pp:
+            raise ValueError(f"pipeline_model_parallel_size {pp}: split the model into its {pp} stages first "
+                             "(lockstep.dist.pipeline_parallel.split_model) and drive this rank's stage through "
+                             "lockstep.dist.pipeline_parallel (pipeline_train_step, pipeline_logprobs); the RL loop "
+                             "does not do so yet")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
 
@@ -166,6 +172,9 @@ class Trainer:
         """The samples' micro-batches, then None for each one another data-parallel rank has more:
         FSDP gathers parameters in every forward, so every rank runs as many (a None runs the
         first micro-batch again, its result unused)."""
+        if self.config.pipeline_model_parallel_size > 1:  # the forward needs the other stages
+            raise ValueError("pipeline parallel: this Trainer holds one stage; its steps and logprobs run through "
+                             "lockstep.dist.pipeline_parallel (pipeline_train_step, pipeline_logprobs)")
         mbs: list[MicroBatch | None] = pack_microbatches(samples, self.config.max_tokens_per_gpu)
         if self.dp.enabled:
             if not samples:

@@ -78,7 +78,8 @@ def _reference(name: str) -> dict:
         loss = loss_fn(model(ids[rows], routing=routing), rows)
         loss.backward()
         losses.append(loss.detach())
-    return {"losses": losses, "logits": torch.cat(logits), "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return {"losses": losses, "logits": torch.cat(logits), "grads": grads,
             "params": [n for n, _ in model.named_parameters()]}
 
 
@@ -153,8 +154,13 @@ def test_config_fields_and_trainer_refusal():
         TrainConfig(pipeline_model_parallel_size=0)
     with pytest.raises(ValueError, match="decoder_last_pipeline_num_layers"):
         TrainConfig(decoder_last_pipeline_num_layers=0)
-    with pytest.raises(ValueError, match="does not run pipeline stages yet"):
+    with pytest.raises(ValueError, match="split the model into its 2 stages first"):
         Trainer(load_pretrained(ASSET), TrainConfig(pipeline_model_parallel_size=2))
+    from lockstep.dist.pipeline_parallel import split_model
+
+    trainer = _stage_trainer(split_model(load_pretrained(ASSET), 1, 2))
+    with pytest.raises(ValueError, match="holds one stage"):  # its forward needs the other stage
+        trainer.logprobs(_trainer_samples())
 
 
 def _hung_stage_world(rank: int, hung: int):
@@ -182,7 +188,7 @@ def test_hung_stage_times_out_naming_the_step(hung):
     assert not waiting.hung and waiting.error_type == "DistributedError", waiting.error
     assert f"rank {1 - hung}: pipeline-parallel Schedule1F1B step (stage {1 - hung} of 2) timed out after 2s" \
         in waiting.error, waiting.error
-    assert waiting.elapsed_s < 15, waiting.elapsed_s  # the configured 2 s (+ start-up on a busy machine), not gloo's default
+    assert waiting.elapsed_s < 15, waiting.elapsed_s  # the configured 2 s (+ start-up), not gloo's default
 
 
 def test_stage_refuses_streams_of_another_dtype():
@@ -221,14 +227,19 @@ def _train_config():
     return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=TRAIN_BUDGET, use_tis=True, entropy_coef=0.01)
 
 
+def _stage_trainer(stage):
+    from lockstep.train.trainer import Trainer
+
+    return Trainer(stage, _train_config().replace(pipeline_model_parallel_size=2))
+
+
 def _trainer_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
     from lockstep.dist.pipeline_parallel import PipelineParallel, split_model, trainer_forward_backward
-    from lockstep.train.trainer import Trainer
 
     ctx = init_distributed(30.0)
     stage = split_model(load_pretrained(ASSET), rank, 2)
-    trainer = Trainer(stage, _train_config())
+    trainer = _stage_trainer(stage)
     pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
     stats = trainer_forward_backward(trainer, pipe, _trainer_samples())
     return {"stats": stats, "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}}
@@ -264,12 +275,12 @@ def test_trainer_loss_on_the_last_stage():
 
 def _train_step_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_train_step, split_model
-    from lockstep.train.trainer import Trainer
+    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_train_step, \
+        split_model
 
     ctx = init_distributed(30.0)
     stage = split_model(load_pretrained(ASSET), rank, 2)
-    trainer = Trainer(stage, _train_config())
+    trainer = _stage_trainer(stage)
     pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
     out = []
     for _ in range(2):
