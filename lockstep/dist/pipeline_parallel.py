@@ -53,12 +53,13 @@ computed on the last stage from the padded micro-batches' logits: loss terms and
 `pipeline_train_step`, a Trainer per stage taking optimiser steps (gradient-norm squares summed over
 the stages, loss terms sent from the last stage): two steps leave every parameter bitwise where two
 one-process `Trainer.train_step`s leave it, with all of its metrics; `pipeline_logprobs` is
-`Trainer.logprobs` through `forward`. Not yet run on GPUs (NCCL).
+`Trainer.logprobs` through `forward`; `pipeline_named_weights` gathers the whole model's weights (the
+one process's `named_weights`, in its order) on every stage. Not yet run on GPUs (NCCL).
 
 Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
 steps; these functions drive it from outside): the loop driving them (lockstep train), routing replay's prompt routing
-through a forward-only pipeline, a reference model's stages, `named_weights` / checkpoints / the weight
-push gathering every stage's tensors, PP combined with FSDP or EP (a pp x dp mesh), interleaved
+through a forward-only pipeline, a reference model's stages, checkpoints (save / load per stage) and
+the weight push wired to `pipeline_named_weights`, PP combined with FSDP or EP (a pp x dp mesh), interleaved
 schedules.
 """
 
@@ -336,3 +337,22 @@ def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=N
     trainer.optimizer.stage_sum = stage_sum
     metrics = _from_last(pipe, trainer_forward_backward(trainer, pipe, samples, old_logprobs), "the step's metrics")
     return trainer.optimiser_step(dict(metrics))
+
+
+def pipeline_named_weights(trainer, pipe: PipelineParallel):
+    """`Trainer.named_weights` of the whole model, on every stage: each stage's tensors in stage order
+    (the stages are contiguous, so this is the one-process model's state-dict order), broadcast from
+    their stage (names, shapes and dtypes first, then one broadcast per tensor). What a checkpoint or
+    a weight push of a pipeline-parallel trainer needs from its source rank; every stage must iterate."""
+    own = list(trainer.named_weights())
+    for s in range(pipe.stage.num_stages):
+        src = dist.get_global_rank(pipe.group, s)
+        mine = s == pipe.stage.stage_index
+        box = [[(n, tuple(t.shape), t.dtype) for n, t in own] if mine else None]
+        with pipe.collective(f"pipeline-parallel broadcast_object_list (stage {s}'s weight names)"):
+            dist.broadcast_object_list(box, src=src, group=pipe.group, device=pipe.device)
+        for i, (name, shape, dtype) in enumerate(box[0]):
+            t = own[i][1].contiguous() if mine else torch.empty(shape, dtype=dtype, device=pipe.device)
+            with pipe.collective(f"pipeline-parallel broadcast ({name} from stage {s})"):
+                dist.broadcast(t, src=src, group=pipe.group)
+            yield name, t

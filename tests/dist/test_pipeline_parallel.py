@@ -275,8 +275,8 @@ def test_trainer_loss_on_the_last_stage():
 
 def _train_step_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_train_step, \
-        split_model
+    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_named_weights, \
+        pipeline_train_step, split_model
 
     ctx = init_distributed(30.0)
     stage = split_model(load_pretrained(ASSET), rank, 2)
@@ -288,13 +288,15 @@ def _train_step_rank(rank: int) -> dict:
         metrics = pipeline_train_step(trainer, pipe, _trainer_samples())
         out.append({"metrics": metrics, "logprobs": logprobs,
                     "weights": {n: p.detach().clone() for n, p in stage.named_parameters()}})
+    out.append(list(pipeline_named_weights(trainer, pipe)))
     return out
 
 
 def test_two_optimiser_steps_over_the_stages():
     """Two PP=2 train steps (clipping binds: the norm is the one over both stages' gradients) leave every
     parameter bitwise where two one-process `Trainer.train_step`s leave it; every stage reports all of
-    train_step's metrics, equal; the logprobs before each step (`pipeline_logprobs`) are `Trainer.logprobs`."""
+    train_step's metrics, equal; the logprobs before each step (`pipeline_logprobs`) are `Trainer.logprobs`;
+    afterwards every stage gathers `named_weights` of the whole model, the one process's in its order."""
     from lockstep.train.trainer import Trainer
 
     results = run_world(_train_step_rank, 2, guard_s=120)
@@ -320,3 +322,9 @@ def test_two_optimiser_steps_over_the_stages():
         assert got.keys() == weights.keys()
         for n, w in weights.items():
             assert torch.equal(got[n], w), f"step {step}: {n} differs by {(got[n] - w).abs().max().item()}"
+    want_weights = list(one.named_weights())  # parameters and buffers (tid2eid, router bias), in order
+    for r in results:
+        got_weights = r.value[2]
+        assert [n for n, _ in got_weights] == [n for n, _ in want_weights], r.rank
+        for (n, g), (_, w) in zip(got_weights, want_weights):
+            assert torch.equal(g, w), (r.rank, n)
