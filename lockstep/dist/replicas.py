@@ -8,9 +8,11 @@ same prompt source, seeds and rollout id everywhere). The requests -- one prompt
 cut into contiguous blocks, one per engine rank in rank order (`shard`); each replica generates its
 block, and the samples are gathered to every rank in rank order, which is the order one engine
 returns them in (request order, the n samples of a request consecutive). A request's seed comes
-from (run seed, rollout id, round, prompt slot) (rl/rollout.py) and the engine is batch-invariant
-on the policy path, so a sample does not depend on which replica drew it, nor on what else that
-replica ran (tests/dist/test_replicas.py: token ids and logprobs equal one engine's).
+from (run seed, rollout id, round, prompt slot) (rl/rollout.py), so with `EngineConfig.batch_invariant`
+(`--batch-invariant`) a sample depends neither on which replica drew it nor on what else that
+replica ran (tests/dist/test_replicas.py: tokens and logprobs bitwise one engine's on all prompts).
+Without it, on the CPU, logprobs move by ~1e-7 with the batch (the tokens stayed the same in the
+tests, though such a shift could flip one).
 
 The gather is `all_gather_object` on the gloo control group: the samples are pickled, tensors
 included. A rank whose block is done (a trainer-only rank: the whole rollout) waits in it, so the

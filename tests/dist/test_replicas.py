@@ -1,15 +1,18 @@
 """Data-parallel engine replicas (DISTRIBUTED.md proof (f)): 2 gloo processes, each an Engine on the
 bundled tiny DeepSeek-V4, generate their block of a prompt set, and every rank gets all samples.
 
-- Each replica's samples are bitwise (token ids, logprobs, finish reasons) what one engine in one
-  process generates for the same block: sharding and gathering change nothing.
-- Against one engine generating every prompt at once: the same token ids and finish reasons, the
-  logprobs equal to within 2e-6, not bitwise. Why (measured here): the engine on the CPU is not
-  batch-invariant. torch's CPU matmul computes a row with another kernel when the GEMM has 1 or 2
-  rows than when it has 3 or more (test_cpu_gemm_rows_depend_on_the_batch), and a decode step's
-  batch and the tokens an MoE expert receives change with what else is in the batch; the same 1e-6
-  differences appear in one process between a 4-prompt and a 7-prompt batch. Bitwise agreement here
-  needs batch-invariant GEMMs in the engine (DESIGN.md, "How agreement reaches bitwise").
+- Batch-invariant engines (`EngineConfig(batch_invariant=True)`, `--batch-invariant`: every sequence
+  in a forward call of its own, lockstep/engine/runner.py): the replicas' samples are bitwise (token
+  ids, logprobs, finish reasons) what one batch-invariant engine in one process generates for all the
+  prompts at once. A sample depends neither on which replica drew it nor on what else ran.
+- Default engines: each replica's samples are bitwise what one engine generates for the same block
+  (sharding and gathering change nothing). Against one engine generating every prompt at once: the
+  same token ids and finish reasons, but logprobs that differ, by at most 2e-6. Why (measured here):
+  torch's CPU matmul computes a row with another kernel when the GEMM has 1 or 2 rows than when it
+  has 3 or more (test_cpu_gemm_rows_depend_on_the_batch), and a batched decode step's rows and the
+  tokens an MoE expert receives change with what else is in the batch; the same 1e-6 differences
+  appear in one process between a 4-prompt and a 7-prompt batch. Batch-invariant mode pays for its
+  bitwise agreement with one call per sequence (benchmarks/batch_invariance_cost.py).
 """
 
 from __future__ import annotations
@@ -40,19 +43,21 @@ def _samples(engine_or_replicas, block: slice = slice(None)) -> list:
             for s in engine_or_replicas.generate(requests[block])]
 
 
-def _engine():
+def _engine(batch_invariant: bool = False):
     from lockstep.engine.engine import Engine
 
-    return Engine.from_pretrained(ASSET, EngineConfig(max_num_seqs=64, max_model_len=64))
+    return Engine.from_pretrained(ASSET, EngineConfig(max_num_seqs=64, max_model_len=64,
+                                                      batch_invariant=batch_invariant))
 
 
 def _replica_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
     from lockstep.dist.replicas import EngineReplicas
 
-    replicas = EngineReplicas(init_distributed(30.0), _engine())
-    local = len(replicas.my_requests(list(range(PROMPTS))))
-    return {"samples": _samples(replicas), "local_requests": local}
+    ctx = init_distributed(30.0)
+    default, invariant = EngineReplicas(ctx, _engine()), EngineReplicas(ctx, _engine(batch_invariant=True))
+    return {"default": _samples(default), "invariant": _samples(invariant),
+            "local_requests": len(default.my_requests(list(range(PROMPTS))))}
 
 
 def test_shard_blocks():
@@ -63,7 +68,7 @@ def test_shard_blocks():
 
 
 def test_cpu_gemm_rows_depend_on_the_batch():
-    # the reason the full-batch comparison below is not bitwise (module docstring)
+    # the reason the default engines' full-batch comparison below is not bitwise (module docstring)
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g)
@@ -80,15 +85,30 @@ def _same(got: list, want: list, what: str, logprob_atol: float = 0.0) -> None:
         assert close, f"{what} sample {i}: logprobs {g[2]} != {w[2]}"
 
 
-def test_replicas_generate_what_one_engine_generates():
+@pytest.fixture(scope="module")
+def replicas() -> list:
+    """Each rank's gathered samples, from default engines and from batch-invariant ones (one world)."""
+    results = run_world(_replica_rank, 2, guard_s=90)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.value for r in results]
+
+
+def test_batch_invariant_replicas_generate_bitwise_what_one_engine_generates(replicas):
+    torch.set_num_threads(1)
+    whole = _samples(_engine(batch_invariant=True))
+    assert len(whole) == PROMPTS * 4 and len({len(w[1]) for w in whole}) > 1  # lengths vary: a real rollout
+    for rank, got in enumerate(replicas):
+        assert got["local_requests"] == [4, 3][rank]
+        _same(got["invariant"], whole, f"rank {rank} vs one batch-invariant engine, all prompts")
+
+
+def test_default_replicas_generate_what_one_engine_generates_per_block(replicas):
     torch.set_num_threads(1)
     one = _engine()
     blocks = [_samples(one, shard(PROMPTS, 2, r)) for r in range(2)]
     whole = _samples(one)
-    results = run_world(_replica_rank, 2, guard_s=60)
-    assert all(r.ok for r in results), [r.error for r in results]
-    assert [r.value["local_requests"] for r in results] == [4, 3]
-    assert len(whole) == PROMPTS * 4 and len({len(w[1]) for w in whole}) > 1  # lengths vary: a real rollout
-    for r in results:
-        _same(r.value["samples"], blocks[0] + blocks[1], f"rank {r.rank} vs one engine per block")
-        _same(r.value["samples"], whole, f"rank {r.rank} vs one engine, all prompts", logprob_atol=2e-6)
+    for rank, got in enumerate(replicas):
+        _same(got["default"], blocks[0] + blocks[1], f"rank {rank} vs one engine per block")
+        _same(got["default"], whole, f"rank {rank} vs one engine, all prompts", logprob_atol=2e-6)
+    # not bitwise: the batch changes the arithmetic (module docstring)
+    assert any(not torch.equal(g[2], w[2]) for g, w in zip(replicas[0]["default"], whole))
