@@ -191,7 +191,8 @@ class TrainConfig:
         if self.pipeline_model_parallel_size < 1:
             _fail("pipeline_model_parallel_size", f"must be >= 1, got {self.pipeline_model_parallel_size}")
         if self.decoder_last_pipeline_num_layers is not None and self.decoder_last_pipeline_num_layers < 1:
-            _fail("decoder_last_pipeline_num_layers", f"must be >= 1 or None, got {self.decoder_last_pipeline_num_layers}")
+            _fail("decoder_last_pipeline_num_layers",
+                  f"must be >= 1 or None, got {self.decoder_last_pipeline_num_layers}")
         if self.expert_model_parallel_size > 1 and self.compile_backend:
             _fail("expert_model_parallel_size", "expert-parallel experts are not combined with compile_backend yet")
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
