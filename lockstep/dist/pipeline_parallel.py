@@ -62,12 +62,14 @@ computed on the last stage from the padded micro-batches' logits: loss terms and
 `pipeline_train_step`, a Trainer per stage taking optimiser steps (gradient-norm squares summed over
 the stages, loss terms sent from the last stage): two steps leave every parameter bitwise where two
 one-process `Trainer.train_step`s leave it, with all of its metrics; `pipeline_logprobs` is
-`Trainer.logprobs` through `forward`; `pipeline_named_weights` gathers the whole model's weights (the
-one process's `named_weights`, in its order) on every stage. Not yet run on GPUs (NCCL).
+`Trainer.logprobs` through `forward`; both also with routing replay (the prompts' own routing through
+a forward-only pipeline, `pipeline_prompt_routing`, each stage recording its layers' experts);
+`pipeline_named_weights` gathers the whole model's weights (the one process's `named_weights`, in its
+order) on every stage. Not yet run on GPUs (NCCL).
 
 Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
-steps; these functions drive it from outside): the RL loop driving them (`lockstep train`), routing
-replay's prompt routing through a forward-only pipeline, a reference model's stages, checkpoints
+steps; these functions drive it from outside): the RL loop driving them (`lockstep train`), a
+reference model's stages, `routed_experts` (the trainer's own routing of the responses), checkpoints
 (save / load per stage) and the weight push wired to `pipeline_named_weights`, PP combined with FSDP
 or EP (a pp x dp mesh), interleaved schedules.
 """
@@ -85,6 +87,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from lockstep.models.deepseek_v4 import Routing
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
+from lockstep.train.routing_replay import forced_experts
 
 Collective = Callable[[str], ContextManager]
 
@@ -136,6 +139,9 @@ class PipelineStageModule(nn.Module):
         self.config = model.config
         self._compute_logits = model.compute_logits
         self.streams_dtype: torch.dtype | None = None  # what the next stage expects (PipelineParallel sets it)
+        self.layer_ranges: list[range] = [layers]  # every stage's layers (split_model sets them)
+        # a list: each forward appends its micro-batch's chosen experts [b, S, L_stage, k] (prompt routing)
+        self.recorded: list[torch.Tensor] | None = None
 
     def forward(self, *tensors: torch.Tensor):
         """First stage: (ids[, forced]); others: (streams, ids[, forced]). Returns (streams, ids[, forced]),
@@ -145,11 +151,13 @@ class PipelineStageModule(nn.Module):
             streams = self.model.embed_streams(ids)
         else:
             streams, ids, *rest = tensors
-        routing = Routing(forced=rest[0]) if rest else None
+        routing = Routing(forced=rest[0]) if rest else (Routing() if self.recorded is not None else None)
         call_layer = self.model.call_layer or (lambda layer, *args: layer(*args))
         for i in self.layer_ids:
             layer = self.model.layers[i]
             streams = call_layer(layer, streams, ids, routing, layer.self_attn.forward_full)
+        if self.recorded is not None:
+            self.recorded.append(routing.stacked())
         if self.is_last:
             return self._compute_logits(self.model.final_hidden(streams))
         if self.streams_dtype is not None and streams.dtype != self.streams_dtype:
@@ -169,8 +177,10 @@ def split_model(model: nn.Module, stage_index: int, num_stages: int,
     if inner is None or not hasattr(inner, "embed_streams") or not hasattr(model, "compute_logits"):
         raise ValueError(f"pipeline parallel: {type(model).__name__} is not a DeepSeek-V4 causal LM "
                          "(model.embed_streams, compute_logits)")
-    layers = stage_layers(len(inner.layers), num_stages, last_stage_layers)[stage_index]
-    return PipelineStageModule(model, layers, stage_index, num_stages)
+    ranges = stage_layers(len(inner.layers), num_stages, last_stage_layers)
+    stage = PipelineStageModule(model, ranges[stage_index], stage_index, num_stages)
+    stage.layer_ranges = ranges
+    return stage
 
 
 def _meta(shape, dtype, requires_grad=False) -> torch.Tensor:
@@ -284,12 +294,14 @@ def _from_last(pipe: PipelineParallel, obj, what: str):
 @torch.no_grad()
 def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Tensor]:
     """`Trainer.logprobs` through the pipeline's forward: per-sample [R_i] float32 logprobs, on every
-    stage (sent from the last). No routing replay yet."""
-    if trainer.config.use_rollout_routing_replay:
-        raise ValueError("pipeline parallel: logprobs take no routing replay yet")
+    stage (sent from the last); routing replay as in `trainer_forward_backward`."""
     mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
     ids, b, S = pad_microbatches(mbs)
-    logits = pipe.forward(ids if pipe.stage.is_first else None, len(mbs), microbatch_shape=(b, S))
+    replay = trainer.config.use_rollout_routing_replay
+    forced = _replay_forced(pipe, mbs, samples, b, S) if replay else None
+    first = pipe.stage.is_first
+    logits = pipe.forward(ids if first else None, len(mbs), microbatch_shape=(b, S),
+                          forced=forced if first else None, replay=replay)
     out: list[torch.Tensor | None] = [None] * len(samples)
     if pipe.stage.is_last:
         for i, mb in enumerate(mbs):
@@ -300,18 +312,68 @@ def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Te
     return _from_last(pipe, out, "logprobs")
 
 
+@torch.no_grad()
+def pipeline_prompt_routing(pipe: PipelineParallel, prefixes) -> list[torch.Tensor]:
+    """`routing_replay.prompt_routing` through the pipeline (every stage calls it with the same prefixes):
+    the model's own experts [P_i, L, k] for each token sequence, distinct non-empty ones in one
+    forward-only micro-batch [n_unique, P_max] (the one process's batch); each stage records its
+    layers' choices and broadcasts them, so every stage returns all layers'."""
+    stage, c = pipe.stage, pipe.stage.config
+    L, k = c.num_hidden_layers, c.num_experts_per_tok
+    keys = [tuple(p.tolist()) for p in prefixes]
+    unique = [key for key in dict.fromkeys(keys) if key]
+    own = {(): torch.zeros(0, L, k, dtype=torch.int64)}
+    if unique:
+        ids = nn.utils.rnn.pad_sequence([torch.tensor(key, dtype=torch.int64) for key in unique], batch_first=True)
+        stage.recorded = []
+        try:
+            pipe.forward(ids if stage.is_first else None, 1, microbatch_shape=tuple(ids.shape))
+            mine = stage.recorded[0]
+        finally:
+            stage.recorded = None
+        pieces = []
+        for s, layers in enumerate(stage.layer_ranges):
+            t = mine.contiguous() if s == stage.stage_index else \
+                torch.empty(*ids.shape, len(layers), k, dtype=mine.dtype, device=pipe.device)
+            with pipe.collective(f"pipeline-parallel broadcast (stage {s}'s prompt routing)"):
+                dist.broadcast(t, src=dist.get_global_rank(pipe.group, s), group=pipe.group)
+            pieces.append(t.cpu())
+        stacked = torch.cat(pieces, dim=2)  # [n_unique, P_max, L, k]
+        own.update({key: stacked[i, :len(key)].long() for i, key in enumerate(unique)})
+    return [own[key] for key in keys]
+
+
+def _replay_forced(pipe: PipelineParallel, mbs: list[MicroBatch], samples, b: int, S: int) -> torch.Tensor:
+    """Routing replay's forced experts [n_mb b, S, L, k] of the padded micro-batches (routing_replay.py's
+    rule per sample; padding rows and positions get experts 0..k-1, reaching no loss)."""
+    c = pipe.stage.config
+    L, k = c.num_hidden_layers, c.num_experts_per_tok
+    forced = torch.arange(k).expand(len(mbs) * b, S, L, k).clone()
+    for i, mb in enumerate(mbs):
+        chosen = [samples[j] for j in mb.indices]
+        for j, s in zip(mb.indices, chosen):
+            if s.routed_experts is None or tuple(s.routed_experts.shape[1:]) != (L, k):
+                raise ValueError(f"sample {j}: routing replay needs routed_experts [R, {L}, {k}]")
+        own = pipeline_prompt_routing(pipe, [s.prompt_ids[:-1] for s in chosen])
+        mb_forced = forced_experts(chosen, own, L, k, "cpu")
+        forced[i * b:i * b + len(chosen), :mb_forced.shape[1]] = mb_forced
+    return forced
+
+
 def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float] | None:
     """The gradient accumulation of `Trainer.forward_backward` through the pipeline: every stage calls it
     with the step's samples and a Trainer over its stage (its config packs the micro-batches); the last
     stage computes the Trainer's own loss of each micro-batch from the logits of its real rows
     (`Trainer._microbatch_loss(..., logits=)`). Returns the summed loss stats on the last stage (None
-    elsewhere): `Trainer.forward_backward`'s metrics. Not yet: routing replay, a reference model, data
-    parallel (the normalisers are this batch's)."""
-    if trainer.config.use_rollout_routing_replay or trainer.ref_model is not None:
-        raise ValueError("pipeline parallel: the trainer's loss on the last stage takes no routing replay or "
-                         "reference model yet")
+    elsewhere): `Trainer.forward_backward`'s metrics. Routing replay: the prompts' own routing through a
+    forward-only pipeline per micro-batch (`pipeline_prompt_routing`), the forced experts sent from the
+    first stage. Not yet: a reference model, data parallel (the normalisers are this batch's)."""
+    if trainer.ref_model is not None:
+        raise ValueError("pipeline parallel: the trainer's loss on the last stage takes no reference model yet")
     mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
     ids, b, S = pad_microbatches(mbs)
+    replay = trainer.config.use_rollout_routing_replay
+    forced = _replay_forced(pipe, mbs, samples, b, S) if replay else None
     totals: dict[str, torch.Tensor] = {}
     before: list[torch.Tensor | None] = [None] * len(samples)  # the logprobs before the update, per sample
     norms = trainer._normalisers(samples) if pipe.stage.is_last else None
@@ -327,7 +389,9 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
             before[i] = lp
         return loss
 
-    pipe.train(ids if pipe.stage.is_first else None, loss_fn, len(mbs), microbatch_shape=(b, S))
+    first = pipe.stage.is_first
+    pipe.train(ids if first else None, loss_fn, len(mbs), microbatch_shape=(b, S),
+               forced=forced if first else None, replay=replay)
     return trainer._loss_metrics(totals, samples, before, norms, len(mbs)) if pipe.stage.is_last else None
 
 

@@ -67,13 +67,20 @@ def replay_routing(model: nn.Module, mb: MicroBatch, samples: Sequence[Sample], 
             raise ValueError(f"sample {i}: routed_experts is {tuple(s.routed_experts.shape)}, "
                              f"expected [R, {num_layers}, {k}]")
     own = prompt_routing(model, [s.prompt_ids[:-1] for s in chosen], device, always_forward)
+    return Routing(forced=forced_experts(chosen, own, num_layers, k, device))
+
+
+def forced_experts(chosen: Sequence[Sample], own: Sequence[torch.Tensor], num_layers: int, k: int,
+                   device) -> torch.Tensor:
+    """The forced experts [b, S, L, k] of micro-batch samples `chosen` (module docstring), given the
+    model's own routing of their prompts (`own`, [P_i - 1, L, k] each)."""
     seq_len = max(s.num_tokens for s in chosen)
     forced = torch.arange(k, device=device).expand(len(chosen), seq_len, num_layers, k).clone()
     for j, (s, prompt_experts) in enumerate(zip(chosen, own)):
         p = s.prompt_ids.numel()
         forced[j, :p - 1] = prompt_experts
         forced[j, p - 1:p - 1 + s.response_len] = s.routed_experts.to(device=device, dtype=torch.int64)
-    return Routing(forced=forced)
+    return forced
 
 
 def response_experts(routing: Routing, mb: MicroBatch) -> list[torch.Tensor]:

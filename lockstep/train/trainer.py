@@ -119,7 +119,8 @@ class Trainer:
 
     def _check(self, model: nn.Module, ref_model: nn.Module | None) -> None:
         c = self.config
-        if c.use_rollout_routing_replay and not accepts(model, "routing"):
+        # a pipeline stage takes the forced routing as a tensor between stages (lockstep.dist.pipeline_parallel)
+        if c.use_rollout_routing_replay and c.pipeline_model_parallel_size == 1 and not accepts(model, "routing"):
             raise ValueError(f"use_rollout_routing_replay: {type(model).__name__} takes no routing argument")
         if c.kl_loss_coef > 0 and ref_model is None:
             raise ValueError("kl_loss_coef > 0 needs a ref_model")

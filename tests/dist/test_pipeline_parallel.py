@@ -207,6 +207,7 @@ LENGTHS, TRAIN_BUDGET = [(4, 6), (3, 4), (5, 5), (6, 2)], 18
 
 
 def _trainer_samples():
+    """With rollout experts (routing replay reads them; the other runs ignore them)."""
     from lockstep.sample import Sample
 
     g = torch.Generator().manual_seed(11)
@@ -214,41 +215,58 @@ def _trainer_samples():
     for i, (p, r) in enumerate(LENGTHS):
         mask = torch.ones(r, dtype=torch.int64)
         mask[0] = int(i != 2)
+        experts = torch.rand(r, N_LAYERS, N_EXPERTS, generator=g).argsort(-1)[..., :TOP_K].sort(-1).values
         out.append(Sample(prompt_ids=torch.randint(1, VOCAB, (p,), generator=g),
                           response_ids=torch.randint(1, VOCAB, (r,), generator=g),
-                          rollout_logprobs=-torch.rand(r, generator=g), loss_mask=mask,
+                          rollout_logprobs=-torch.rand(r, generator=g), loss_mask=mask, routed_experts=experts,
                           advantages=1.0 if i % 2 else -1.0, group_id=i // 2))
     return out
 
 
-def _train_config():
+def _train_config(replay: bool = False):
     from lockstep.train.config import TrainConfig
 
-    return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=TRAIN_BUDGET, use_tis=True, entropy_coef=0.01)
+    return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=TRAIN_BUDGET, use_tis=True, entropy_coef=0.01,
+                       use_rollout_routing_replay=replay)
 
 
-def _stage_trainer(stage):
+def _stage_trainer(stage, replay: bool = False):
     from lockstep.train.trainer import Trainer
 
-    return Trainer(stage, _train_config().replace(pipeline_model_parallel_size=2))
+    return Trainer(stage, _train_config(replay).replace(pipeline_model_parallel_size=2))
 
 
 def _trainer_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model, trainer_forward_backward
+    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, split_model, \
+        trainer_forward_backward
 
     ctx = init_distributed(30.0)
-    stage = split_model(load_pretrained(ASSET), rank, 2)
-    trainer = _stage_trainer(stage)
-    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
-    stats = trainer_forward_backward(trainer, pipe, _trainer_samples())
-    return {"stats": stats, "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}}
+    out = {}
+    for replay in (False, True):
+        stage = split_model(load_pretrained(ASSET), rank, 2)
+        trainer = _stage_trainer(stage, replay)
+        pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+        logprobs = pipeline_logprobs(trainer, pipe, _trainer_samples())
+        stats = trainer_forward_backward(trainer, pipe, _trainer_samples())
+        out[replay] = {"stats": stats, "logprobs": logprobs,
+                       "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None}}
+    return out
 
 
-def test_trainer_loss_on_the_last_stage():
+@pytest.fixture(scope="module")
+def trainer_ranks() -> list[dict]:
+    results = run_world(_trainer_rank, 2, guard_s=120)
+    assert all(r.ok for r in results), [r.error for r in results]
+    return [r.value for r in results]
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["routed", "routing-replay"])
+def test_trainer_loss_on_the_last_stage(trainer_ranks, replay):
     """PP=2 with the Trainer's loss (PPO clip, TIS, entropy bonus, global token normaliser) computed on the
     last stage: every metric (loss terms, train/rollout mismatch) and every gradient bitwise those of
-    `Trainer.forward_backward` in one process."""
+    `Trainer.forward_backward` in one process, and the logprobs `Trainer.logprobs`; with routing replay
+    too (the prompts' own routing through a forward-only pipeline, the rollout's experts forced)."""
     from lockstep.dist.pipeline_parallel import pad_microbatches
     from lockstep.train.logprobs import pack_microbatches
     from lockstep.train.trainer import Trainer
@@ -257,10 +275,13 @@ def test_trainer_loss_on_the_last_stage():
     mbs = pack_microbatches(samples, TRAIN_BUDGET)
     assert [mb.indices for mb in mbs] == [[0, 1], [2, 3]]
     assert pad_microbatches(mbs)[1:] == (2, 10)
-    results = run_world(_trainer_rank, 2, guard_s=120)
-    assert all(r.ok for r in results), [r.error for r in results]
-    first, last = (r.value for r in results)
-    one = Trainer(load_pretrained(ASSET), _train_config())
+    first, last = (r[replay] for r in trainer_ranks)
+    one = Trainer(load_pretrained(ASSET), _train_config(replay))
+    want_logprobs = one.logprobs(samples)
+    for r in (first, last):
+        assert all(torch.equal(g, w) for g, w in zip(r["logprobs"], want_logprobs, strict=True))
+    if replay:  # the forced experts change the forward
+        assert not torch.equal(torch.cat(last["logprobs"]), torch.cat(trainer_ranks[1][False]["logprobs"]))
     want = one.forward_backward(samples)
     assert first["stats"] is None and last["stats"].keys() == want.keys()
     for k, v in last["stats"].items():
