@@ -9,6 +9,7 @@
     metrics = pipeline_train_step(trainer, pipe, samples)   # every stage, the step's samples
     old = pipeline_logprobs(trainer, pipe, samples)
     weights = pipeline_named_weights(trainer, pipe)         # the whole model, on every stage
+    # or the same as the Trainer seam a loop calls: PipelineTrainer(trainer, pipe).train_step(samples), ...
 
 Split (`stage_layers`): the decoder layers are cut into `pp` contiguous blocks. With
 `last_stage_layers` (`--decoder-last-pipeline-num-layers`) the last stage takes that many and the
@@ -65,13 +66,15 @@ one-process `Trainer.train_step`s leave it, with all of its metrics; `pipeline_l
 `Trainer.logprobs` through `forward`; both also with routing replay (the prompts' own routing through
 a forward-only pipeline, `pipeline_prompt_routing`, each stage recording its layers' experts);
 `pipeline_named_weights` gathers the whole model's weights (the one process's `named_weights`, in its
-order) on every stage. Not yet run on GPUs (NCCL).
+order) on every stage; `PipelineTrainer` puts the three behind the Trainer's methods (the test's two
+steps run through it). Not yet run on GPUs (NCCL).
 
 Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
-steps; these functions drive it from outside): the RL loop driving them (`lockstep train`), a
-reference model's stages, `routed_experts` (the trainer's own routing of the responses), checkpoints
-(save / load per stage) and the weight push wired to `pipeline_named_weights`, PP combined with FSDP
-or EP (a pp x dp mesh), interleaved schedules.
+steps; these functions drive it from outside): the RL loop driving a PipelineTrainer (`lockstep
+train`: building the stages from TrainConfig's two fields and the pp group, the push from its
+weights), checkpoints (PipelineTrainer.save / load), a reference model's stages, `routed_experts`
+(the trainer's own routing of the responses), PP combined with FSDP or EP (a pp x dp mesh),
+interleaved schedules.
 """
 
 from __future__ import annotations
@@ -429,3 +432,38 @@ def pipeline_named_weights(trainer, pipe: PipelineParallel):
             with pipe.collective(f"pipeline-parallel broadcast ({name} from stage {s})"):
                 dist.broadcast(t, src=src, group=pipe.group)
             yield name, t
+
+
+class PipelineTrainer:
+    """The Trainer seam (`train_step`, `logprobs`, `named_weights`, `config`) for a pipeline-parallel
+    rank: every stage's rank calls each method with the step's samples, as a one-process loop calls a
+    Trainer; the results are the same on every stage. `trainer` is a Trainer over this rank's stage
+    (its config's pipeline_model_parallel_size the number of stages). Not yet: save / load."""
+
+    def __init__(self, trainer, pipe: PipelineParallel):
+        if trainer.model is not pipe.stage:
+            raise ValueError("PipelineTrainer: the Trainer must hold the pipeline's stage")
+        self.trainer, self.pipe = trainer, pipe
+
+    @property
+    def config(self):
+        return self.trainer.config
+
+    @property
+    def num_steps(self) -> int:
+        return self.trainer.num_steps
+
+    def logprobs(self, samples) -> list[torch.Tensor]:
+        return pipeline_logprobs(self.trainer, self.pipe, samples)
+
+    def train_step(self, samples, old_logprobs=None) -> dict[str, float]:
+        return pipeline_train_step(self.trainer, self.pipe, samples, old_logprobs)
+
+    def named_weights(self):
+        return pipeline_named_weights(self.trainer, self.pipe)
+
+    def save(self, directory) -> None:
+        raise NotImplementedError("pipeline parallel: checkpoints are not built yet")
+
+    def load(self, directory) -> None:
+        raise NotImplementedError("pipeline parallel: checkpoints are not built yet")

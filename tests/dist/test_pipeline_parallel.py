@@ -295,29 +295,30 @@ def test_trainer_loss_on_the_last_stage(trainer_ranks, replay):
 
 
 def _train_step_rank(rank: int) -> dict:
+    """Through `PipelineTrainer`, the Trainer seam a loop calls (logprobs, train_step, named_weights)."""
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, pipeline_named_weights, \
-        pipeline_train_step, split_model
+    from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
 
     ctx = init_distributed(30.0)
     stage = split_model(load_pretrained(ASSET), rank, 2)
-    trainer = _stage_trainer(stage)
-    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective)
+    trainer = PipelineTrainer(_stage_trainer(stage),
+                              PipelineParallel(stage, ctx.trainer_group, ctx.device, collective=ctx.collective))
     out = []
     for _ in range(2):
-        logprobs = pipeline_logprobs(trainer, pipe, _trainer_samples())
-        metrics = pipeline_train_step(trainer, pipe, _trainer_samples())
+        logprobs = trainer.logprobs(_trainer_samples())
+        metrics = trainer.train_step(_trainer_samples(), old_logprobs=logprobs)
         out.append({"metrics": metrics, "logprobs": logprobs,
                     "weights": {n: p.detach().clone() for n, p in stage.named_parameters()}})
-    out.append(list(pipeline_named_weights(trainer, pipe)))
+    out.append(list(trainer.named_weights()))
     return out
 
 
 def test_two_optimiser_steps_over_the_stages():
-    """Two PP=2 train steps (clipping binds: the norm is the one over both stages' gradients) leave every
-    parameter bitwise where two one-process `Trainer.train_step`s leave it; every stage reports all of
-    train_step's metrics, equal; the logprobs before each step (`pipeline_logprobs`) are `Trainer.logprobs`;
-    afterwards every stage gathers `named_weights` of the whole model, the one process's in its order."""
+    """Through PipelineTrainer: two PP=2 train steps (clipping binds: the norm is the one over both stages'
+    gradients) leave every parameter bitwise where two one-process `Trainer.train_step`s leave it; every
+    stage reports all of train_step's metrics, equal; the logprobs before each step (`logprobs`, passed
+    as pi_old) are `Trainer.logprobs`; afterwards every stage gathers `named_weights` of the whole model,
+    the one process's in its order."""
     from lockstep.train.trainer import Trainer
 
     results = run_world(_train_step_rank, 2, guard_s=120)
@@ -330,7 +331,7 @@ def test_two_optimiser_steps_over_the_stages():
             assert len(got_logprobs) == len(want_logprobs)
             for i, (g, w) in enumerate(zip(got_logprobs, want_logprobs)):
                 assert torch.equal(g, w), (step, r.rank, i)
-        want = one.train_step(_trainer_samples())
+        want = one.train_step(_trainer_samples(), old_logprobs=want_logprobs)
         assert want["train/grad_norm"] > _train_config().clip_grad and not want["train/skipped"]
         weights = {n: p.detach() for n, p in one.model.named_parameters()}
         got = {}
