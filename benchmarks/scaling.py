@@ -27,11 +27,14 @@ Prompts: the embedded arithmetic task's train split, written as a jsonl (so no e
 Step time = perf/rollout_time + perf/train_time + perf/weight_sync_time of a metrics.jsonl line
 (rank 0's view; the rollout time includes the sample gather), median over the rollouts after
 `--warmup`; tokens = response tokens sampled in the rollout (all ranks). tokens/s = tokens / step
-time. Start-up (launch, model load, FSDP wrap, engine set-up) is the run's wall time less its
-steps, reported apart.
+time; "rollout-only tok/s" is perf/tokens_per_s (tokens / rollout time, gather included).
+Start-up (launch, model load, FSDP wrap, engine set-up) is the run's wall time less its steps,
+reported apart.
 
     python benchmarks/scaling.py --config cpu-tiny                    # CPU smoke: 1 vs 2 gloo processes
     python benchmarks/scaling.py --config gpu-848m                    # 1 .. torch.cuda.device_count() GPUs
+
+Measured on 2 H200s (README, "Running on N processes / GPUs"): 1.62x the 1-GPU tokens/s at 2 GPUs.
 
 Nothing is compiled by default here (`--no-compile-decode --no-compile-prefill --no-compile-hc`; the
 decode step is still replayed as a CUDA graph): compiling the engine's layers takes 3-4 min per
@@ -199,11 +202,13 @@ def main() -> None:
     t0 = time.perf_counter()
     n_params = write_model(config, args.device, args.dtype, work / "model")
     write_prompts(work / "prompts.jsonl")
+    compiled = "compiled" if args.compile else ("eager, CUDA graphs kept (--no-compile-decode --no-compile-prefill "
+                                                "--no-compile-hc: compiling costs 3-4 min per process)")
     gpu = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (gloo)"
     print(f"config {config}: {n_params / 1e6:.1f}M params, {args.device} {args.dtype}, {gpu}; weak scaling: "
           f"{args.prompts_per_gpu} prompts x {args.n} completions (<= {args.max_response_len} tokens) per GPU "
           f"per rollout, {args.rollouts} rollouts, median of the last {args.rollouts - args.warmup}; decode "
-          f"{'compiled' if args.compile else 'eager, CUDA graphs kept (--no-compile-decode --no-compile-prefill --no-compile-hc: compiling costs 3-4 min per process)'}; "
+          f"{compiled}; "
           f"1-GPU baseline: {args.baseline}; model written in {time.perf_counter() - t0:.0f}s to {work}", flush=True)
     results = [r for n in counts if (r := run_one(args, n, work / "model", work / "prompts.jsonl", work, deadline))]
     if not results:
@@ -211,12 +216,13 @@ def main() -> None:
     base = next((r for r in results if r["n_gpus"] == 1), None)
     unit = "GPUs" if args.device == "cuda" else "procs"
     print(f"\n{unit:>5} | step s | rollout s | train s | sync s | tokens/step | tok/s total | tok/s per {unit[:-1]} "
-          f"| x vs 1 | efficiency | start-up s")
+          f"| x vs 1 | efficiency | rollout-only tok/s (x vs 1) | start-up s")
     for r in results:
         ratio = r["tok_s"] / base["tok_s"] if base else float("nan")
+        rollout_ratio = r["rollout_tok_s"] / base["rollout_tok_s"] if base else float("nan")
         print(f"{r['n_gpus']:>5} | {r['step']:6.3f} | {r['rollout']:9.3f} | {r['train']:7.3f} | {r['weight_sync']:6.3f} "
               f"| {r['tokens']:11,.0f} | {r['tok_s']:11,.0f} | {r['tok_s'] / r['n_gpus']:12,.0f} | {ratio:6.2f} "
-              f"| {ratio / r['n_gpus']:10.0%} | {r['startup']:10.1f}")
+              f"| {ratio / r['n_gpus']:10.0%} | {r['rollout_tok_s']:18,.0f} ({rollout_ratio:.2f}) | {r['startup']:10.1f}")
     if base:
         for r in results:
             if r["n_gpus"] == 1:
