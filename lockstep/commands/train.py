@@ -60,6 +60,11 @@ def run(args) -> int:
 
     dist_cfg = dataclass_from_args(DistConfig, args)
     configs = configs_from_args(args)  # bad flags fail here, before any process starts
+    if should_launch(dist_cfg) or not launched():  # a plain torchrun's world is checked once it is known
+        from ..rl.data_parallel import check_pipeline
+
+        ranks = (dist_cfg.actor_num_gpus or dist_cfg.world_size) if should_launch(dist_cfg) else 1
+        check_pipeline(configs[1], configs[0], ranks, dist_cfg.colocated)
     if should_launch(dist_cfg):
         argv = getattr(args, "argv", None) or sys.argv[1:]
         try:

@@ -69,10 +69,14 @@ a forward-only pipeline, `pipeline_prompt_routing`, each stage recording its lay
 order) on every stage; `PipelineTrainer` puts the three behind the Trainer's methods (the test's two
 steps run through it). Not yet run on GPUs (NCCL).
 
+The RL loop drives a PipelineTrainer (`lockstep train --nproc-per-node 2 --pipeline-model-parallel-size 2`,
+lockstep/rl/data_parallel.py: the trainer group as the pipeline group, PP = the trainer ranks, colocated
+engines taking `pipeline_named_weights`); tests/dist/test_train_world.py: a 3-rollout run logs one
+process's metrics bitwise (the same padded micro-batches there).
+
 Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
-steps; these functions drive it from outside): the RL loop driving a PipelineTrainer (`lockstep
-train`: building the stages from TrainConfig's two fields and the pp group, the push from its
-weights), checkpoints (PipelineTrainer.save / load), a reference model's stages, `routed_experts`
+steps; these functions drive it from outside): PP with a disaggregated layout (the push's manifest
+from a stage), checkpoints (PipelineTrainer.save / load), a reference model's stages, `routed_experts`
 (the trainer's own routing of the responses), PP combined with FSDP or EP (a pp x dp mesh),
 interleaved schedules.
 """

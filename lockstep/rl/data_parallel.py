@@ -13,6 +13,15 @@ Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lo
              weights in-process; disaggregated (--actor-num-gpus T --rollout-num-gpus E: ranks [0, T)
              train, the others serve): push_weights over torch.distributed, with the manifest each
              side derives from its own model and --update-weight-buffer-size buckets
+
+Pipeline parallel (--pipeline-model-parallel-size PP, colocated, PP = the trainer ranks): the trainer
+group is the pipeline group; each rank loads the policy as one process does (TrainConfig.dtype), keeps
+its stage (split_model: --decoder-last-pipeline-num-layers decides the cut) and is driven through
+PipelineTrainer (lockstep/dist/pipeline_parallel.py): every rank trains the whole batch through the
+pipeline, so the loop needs no TrainerShard; its named_weights gathers the whole model on every rank,
+so each colocated engine serves the full policy. Rollouts are sharded over the engines as without PP.
+`pipeline_refusal` names what PP is not combined with yet (checked before any process starts and
+again once the world is known).
 """
 
 from __future__ import annotations
@@ -27,6 +36,51 @@ def agreed_run_dir(ctx, run_dir):
     with ctx.collective("broadcast_object_list of the run directory"):
         dist.broadcast_object_list(box, src=0, group=ctx.control_group)
     return box[0]
+
+
+def pipeline_refusal(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> str | None:
+    """Why this pipeline-parallel run cannot run yet, or None (also None without PP)."""
+    pp = train_cfg.pipeline_model_parallel_size
+    if pp == 1:
+        if train_cfg.decoder_last_pipeline_num_layers is not None:
+            return "--decoder-last-pipeline-num-layers needs --pipeline-model-parallel-size > 1"
+        return None
+    if not colocated:
+        return (f"--pipeline-model-parallel-size {pp} runs colocated only for now (every rank trains and serves): "
+                "drop --actor-num-gpus / --rollout-num-gpus")
+    if pp != trainer_ranks:
+        return (f"--pipeline-model-parallel-size {pp} must equal the trainer ranks for now (one stage per rank, no "
+                f"data parallel across pipelines), here {trainer_ranks}: run {pp} processes in all "
+                "(--nproc-per-node x --nnodes)")
+    if train_cfg.expert_model_parallel_size > 1:
+        return (f"--pipeline-model-parallel-size {pp} with --expert-model-parallel-size "
+                f"{train_cfg.expert_model_parallel_size}: PP combined with EP is not built yet")
+    if train_cfg.kl_loss_coef > 0:
+        return f"--pipeline-model-parallel-size {pp} with --kl-loss-coef > 0: a reference model's stages are not built yet"
+    for flag, value in (("--save", run_cfg.save), ("--load", run_cfg.load)):
+        if value:
+            return f"--pipeline-model-parallel-size {pp} with {flag} {value}: pipeline-parallel checkpoints are not built yet"
+    return None
+
+
+def check_pipeline(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> None:
+    why = pipeline_refusal(train_cfg, run_cfg, trainer_ranks, colocated)
+    if why:
+        raise ValueError(why)
+
+
+def _pipeline_trainer(ctx, path, train_cfg):
+    """This rank's stage of the policy in a PipelineTrainer over the trainer group (module docstring)."""
+    from ..dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
+    from ..models import load_pretrained
+    from ..train.trainer import Trainer
+
+    dtype = getattr(torch, train_cfg.dtype)
+    pp, stage_index = train_cfg.pipeline_model_parallel_size, ctx.layout.trainer_ranks.index(ctx.rank)
+    stage = split_model(load_pretrained(path, dtype=dtype, device=ctx.device), stage_index, pp,
+                        train_cfg.decoder_last_pipeline_num_layers)
+    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, streams_dtype=dtype, collective=ctx.collective)
+    return PipelineTrainer(Trainer(stage, train_cfg), pipe)
 
 
 def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
@@ -50,14 +104,20 @@ def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
     return Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)
 
 
-def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int):
-    """(EngineReplicas, TrainerShard) of this rank. `ref_model_fn(policy)` gives the KL reference."""
+def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int, run_cfg=None):
+    """(EngineReplicas, TrainerShard) of this rank, or with PP (EngineReplicas, PipelineTrainer).
+    `ref_model_fn(policy)` gives the KL reference; `run_cfg`: checked for what PP refuses."""
     from ..dist.manifest import build_manifest
     from ..dist.replicas import EngineReplicas
     from ..dist.trainer_shard import TrainerShard
     from ..engine.engine import Engine
     from ..models.tokenizer import has_tokenizer, load_tokenizer
 
+    if train_cfg.pipeline_model_parallel_size > 1:
+        if run_cfg is not None:
+            check_pipeline(train_cfg, run_cfg, len(ctx.layout.trainer_ranks), ctx.layout.is_colocated)
+        engine = Engine.from_pretrained(path, engine_cfg)
+        return EngineReplicas(ctx, engine), _pipeline_trainer(ctx, path, train_cfg)
     engine = Engine.from_pretrained(path, engine_cfg) if ctx.is_engine else None
     trainer = _sharded_trainer(ctx, path, train_cfg, ref_model_fn) if ctx.is_trainer else None
     manifest = None

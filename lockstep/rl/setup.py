@@ -111,7 +111,8 @@ def components(run: RunConfig, train_cfg, engine_cfg: EngineConfig, path, dist_c
     if dist_ctx is not None:
         from .data_parallel import data_parallel_components
 
-        return data_parallel_components(dist_ctx, path, train_cfg, engine_cfg, ref_model, weight_buffer_size)
+        return data_parallel_components(dist_ctx, path, train_cfg, engine_cfg, ref_model, weight_buffer_size,
+                                        run_cfg=run)
     engine = Engine.from_pretrained(path, engine_cfg)
     policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
     return engine, Trainer(policy, train_cfg, ref_model=ref_model(policy))

@@ -126,7 +126,7 @@ class TrainConfig:
     pipeline_model_parallel_size: int = 1
     """Pipeline parallel (PP): the decoder layers are cut into this many stages, one per rank, micro-batches
     flowing through them by torch.distributed.pipelining's 1F1B schedule (lockstep/dist/pipeline_parallel.py:
-    stages, schedule and train step built and tested; `lockstep train` does not drive them yet). 1: every
+    `lockstep train --nproc-per-node PP` drives them, colocated, PP = the trainer ranks, no --save yet). 1: every
     rank holds every layer."""
     decoder_last_pipeline_num_layers: int | None = None
     """Pipeline parallel: decoder layers of the last stage (which also holds the LM head); the other stages share

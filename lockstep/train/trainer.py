@@ -132,8 +132,8 @@ class Trainer:
         if pp > 1 and getattr(model, "num_stages", None) != pp:
             raise ValueError(f"pipeline_model_parallel_size {pp}: split the model into its {pp} stages first "
                              "(lockstep.dist.pipeline_parallel.split_model) and drive this rank's stage through "
-                             "lockstep.dist.pipeline_parallel (pipeline_train_step, pipeline_logprobs); the RL loop "
-                             "does not do so yet")
+                             "lockstep.dist.pipeline_parallel (PipelineTrainer, as `lockstep train "
+                             "--pipeline-model-parallel-size` does)")
         if ref_model is not None:
             ref_model.eval().requires_grad_(False)
 

@@ -33,6 +33,17 @@ sharded instead of FSDP (`--expert-model-parallel-size 2`); started by two launc
 --node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
 processes from a 2-process save.
 
+Pipeline parallel (`--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1`: the trainer
+group is the pipeline, layers 0-2 on rank 0 and 3 with the head on rank 1, every rank training the
+whole batch through PipelineTrainer, each colocated engine taking the whole model's weights) logs
+every metric of 1 process bitwise. The pipeline pads every micro-batch of a step to one [b, S] (the
+most samples in one, the longest sample; lockstep/dist/pipeline_parallel.py), one process pads each
+to its own longest sample: with the 172-token budget both pack each step's 16 samples into the same
+two micro-batches of 8, and each holds a sample of the step's longest length (the 4 x 21 + 4 x 22
+above), so both pad them to [8, 22] and run the same GEMMs (checked: 2 micro-batches in both).
+`--save` (checkpoints under PP are not built) and a PP other than the trainer ranks are refused
+before any process starts.
+
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
 rank and the operation (at once for an exit, at --distributed-timeout for a hang).
 """
@@ -131,6 +142,29 @@ def test_expert_parallel_two_processes_log_what_fsdp_logs(tmp_path, two_processe
                    "--master-port", str(free_port()))
     assert json.loads((tmp_path / "config.json").read_text())["train"]["expert_model_parallel_size"] == 2
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
+
+
+def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(tmp_path, one_process):
+    lines = _train(tmp_path, "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2",
+                   "--decoder-last-pipeline-num-layers", "1", "--master-port", str(free_port()))
+    train = json.loads((tmp_path / "config.json").read_text())["train"]
+    assert (train["pipeline_model_parallel_size"], train["decoder_last_pipeline_num_layers"]) == (2, 1)
+    # the same two micro-batches, padded to the same [8, 22] on both sides (module docstring)
+    assert [line["train/num_microbatches"] for line in lines if "train/step" in line] == [2.0] * 3
+    assert _first_difference(one_process, lines) is None, _first_difference(one_process, lines)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nproc-per-node", "2", "--save", "SAVE"],
+     "--pipeline-model-parallel-size 2 with --save SAVE: pipeline-parallel checkpoints are not built yet"),
+    ([], "--pipeline-model-parallel-size 2 must equal the trainer ranks for now"),
+])
+def test_pipeline_parallel_refuses_before_starting(tmp_path, flags, message):
+    cmd = [sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--run-dir", str(tmp_path / "run"),
+           "--pipeline-model-parallel-size", "2", *flags]
+    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run").exists()  # refused before any process or run directory
 
 
 def test_resume_on_two_processes_continues_the_unbroken_run(tmp_path, two_processes):
