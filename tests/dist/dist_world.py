@@ -49,6 +49,18 @@ def world_devices(world_size: int = 2) -> list:
     return [pytest.param("cpu"), pytest.param("cuda", marks=skip)]
 
 
+def cpu_only(device: str) -> None:
+    """Skip a device-aware test's CUDA variant where the CPU (gloo) run is the check."""
+    if device != "cpu":
+        pytest.skip("checked on the CPU (gloo) only")
+
+
+def rank_values(results: list) -> list:
+    """Each rank's return value; fails the test with every rank's error when one raised or hung."""
+    assert all(r.ok for r in results), [r.error or (f"rank {r.rank} hung" if r.hung else None) for r in results]
+    return [r.value for r in results]
+
+
 def to_cpu(obj):
     """Tensors anywhere in nested dicts / lists / tuples moved to the CPU (results cross processes)."""
     if isinstance(obj, torch.Tensor):

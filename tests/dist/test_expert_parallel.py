@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import max_abs_diff, report, run_world, to_cpu, world_devices
+from dist_world import cpu_only, max_abs_diff, rank_values, report, run_world, to_cpu
 from lockstep.models import load_pretrained
 from lockstep.train.data_parallel import DataParallel
 from lockstep.train.quant_aware import canonical_name
@@ -134,24 +134,12 @@ def checkpoint(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("ep-checkpoint")
 
 
-@pytest.fixture(scope="module", params=world_devices())
-def device(request) -> str:
-    return request.param
-
-
-def _cpu_only(device: str) -> None:
-    if device != "cpu":
-        pytest.skip("checked on the CPU (gloo) only")
-
-
 @pytest.fixture(scope="module")
 def two_ranks(device, checkpoint) -> list[dict]:
     """Every scenario on one 2-process world (starting processes costs more than the steps)."""
     cpu = device == "cpu"
-    results = run_world(_ep_rank, 2, guard_s=120 if cpu else 240, args=(str(checkpoint) if cpu else None,),
-                        device=device)
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [r.value for r in results]
+    return rank_values(run_world(_ep_rank, 2, guard_s=120 if cpu else 240, args=(str(checkpoint) if cpu else None,),
+                                   device=device))
 
 
 def _expert_halves_used(grads: dict) -> None:
@@ -184,7 +172,7 @@ def test_ep2_equals_ep1(two_ranks, device, name):
 
 
 def test_rank_without_rows_joins_the_exchange(two_ranks, device):
-    _cpu_only(device)
+    cpu_only(device)
     r0, r1 = (r["no-rows"] for r in two_ranks)
     assert r0["out"] and r1["out"] and r0["x_grad"] and r1["x_grad"]
     assert torch.equal(r0["local_grad"], torch.zeros_like(r0["local_grad"]))  # a zero gradient, not None
@@ -196,7 +184,7 @@ def test_rank_without_rows_joins_the_exchange(two_ranks, device):
 def test_resume_from_two_ranks(two_ranks, checkpoint, device):
     """The EP save (experts gathered into the one-process files) resumes 2 EP ranks exactly, and one
     process (today's Trainer) that loads it takes the same next step on all the samples."""
-    _cpu_only(device)
+    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         r = result["resume"]
         assert r["resumed"] == r["unbroken"], rank

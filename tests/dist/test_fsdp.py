@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import max_abs_diff, report, run_world, to_cpu, world_devices
+from dist_world import cpu_only, max_abs_diff, rank_values, report, run_world, to_cpu
 from lockstep.models import load_pretrained
 from lockstep.train.config import TrainConfig
 from lockstep.train.data_parallel import DataParallel
@@ -150,25 +150,13 @@ def _assert_same(got: dict, want: dict, what: str, device: str = "cpu") -> None:
 
 
 def _world(world_size: int, names: tuple[str, ...], tmp: str | None = None, device: str = "cpu") -> list[dict]:
-    results = run_world(_fsdp_rank, world_size, guard_s=120 if device == "cpu" else 240, args=(names, tmp),
-                        device=device)
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [r.value for r in results]
+    return rank_values(run_world(_fsdp_rank, world_size, guard_s=120 if device == "cpu" else 240, args=(names, tmp),
+                                   device=device))
 
 
 # on the GPUs: the equalities issue 18 asks for (fp32 and bf16, even and uneven ranks); optimizer
 # offload and resume are host-side paths their CPU runs cover
 CUDA_SCENARIOS = ("fp32", "fp32-uneven", "bf16")
-
-
-@pytest.fixture(scope="module", params=world_devices())
-def device(request) -> str:
-    return request.param
-
-
-def _cpu_only(device: str) -> None:
-    if device != "cpu":
-        pytest.skip("checked on the CPU (gloo) only")
 
 
 @pytest.fixture(scope="module")
@@ -203,7 +191,7 @@ def test_two_ranks_equal_one_process_fp32(two_ranks, device):
 def test_optimizer_offload_changes_nothing(two_ranks, device):
     # CPUOffloadPolicy (sharded masters, gradients and the AdamW step on the host); on this CPU-only
     # machine it checks the path runs and steps the same shards, not the host <-> device copies
-    _cpu_only(device)
+    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         _assert_same(result["fp32-offload"], result["fp32"], f"rank {rank}")
 
@@ -253,7 +241,7 @@ def test_resume_from_two_ranks(two_ranks, checkpoints, device):
     """Consolidated checkpoint: saved by 2 ranks after one step, loaded into fresh FSDP trainers on 2
     ranks, the next step's metrics and weights equal the unbroken run's, fp32 masters included in
     bf16; loaded into one process (today's Trainer), the next step equals it too (fp32)."""
-    _cpu_only(device)
+    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         for dtype in ("float32", "bfloat16"):
             r = result[f"resume-{dtype}"]

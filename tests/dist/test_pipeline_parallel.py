@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import run_world
+from dist_world import rank_values, run_world
 from lockstep.dist.pipeline_parallel import stage_layers
 from lockstep.models import load_pretrained
 from lockstep.models.deepseek_v4 import Routing
@@ -106,9 +106,7 @@ def _pp_rank(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
     """Every scenario on one 2-process world (starting processes costs more than the steps)."""
-    results = run_world(_pp_rank, 2, guard_s=120)
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [r.value for r in results]
+    return rank_values(run_world(_pp_rank, 2, guard_s=120))
 
 
 def test_stage_layers():
@@ -256,9 +254,7 @@ def _trainer_rank(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def trainer_ranks() -> list[dict]:
-    results = run_world(_trainer_rank, 2, guard_s=120)
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [r.value for r in results]
+    return rank_values(run_world(_trainer_rank, 2, guard_s=120))
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["routed", "routing-replay"])

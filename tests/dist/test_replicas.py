@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import run_world
+from dist_world import rank_values, run_world
 from lockstep.config import EngineConfig
 from lockstep.dist.replicas import shard
 
@@ -88,9 +88,7 @@ def _same(got: list, want: list, what: str, logprob_atol: float = 0.0) -> None:
 @pytest.fixture(scope="module")
 def replicas() -> list:
     """Each rank's gathered samples, from default engines and from batch-invariant ones (one world)."""
-    results = run_world(_replica_rank, 2, guard_s=90)
-    assert all(r.ok for r in results), [r.error for r in results]
-    return [r.value for r in results]
+    return rank_values(run_world(_replica_rank, 2, guard_s=90))
 
 
 def test_batch_invariant_replicas_generate_bitwise_what_one_engine_generates(replicas):
