@@ -63,14 +63,16 @@ def _help(doc: str, default_text: str) -> str:
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple[str, ...] = (),
-                            group: str | None = None, default_text: dict[str, str] | None = None) -> None:
-    """One flag per field of `cls` (see the module docstring). `default_text` replaces the shown
-    default of some fields, for commands whose defaults depend on other flags (e.g. presets)."""
+                            group: str | None = None, default_text: dict[str, str] | None = None,
+                            only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of `cls` (see the module docstring); `only` limits them to those fields.
+    `default_text` replaces the shown default of some fields, for commands whose defaults depend on
+    other flags (e.g. presets)."""
     target = parser.add_argument_group(group) if group else parser
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     choices = getattr(cls, "CHOICES", {})
     for f in dataclasses.fields(cls):
-        if f.name in skip or not f.init:
+        if f.name in skip or not f.init or (only is not None and f.name not in only):
             continue
         flag = "--" + f.name.replace("_", "-")
         tp = _base_type(hints[f.name])
@@ -85,6 +87,12 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, *, skip: tuple
             target.add_argument(flag, type=tp, choices=choices.get(f.name), **kwargs)
         else:  # dict and other structured fields are not flags
             continue
+
+
+def given_fields(args: argparse.Namespace, names: tuple[str, ...]) -> dict:
+    """The fields among `names` given on the command line (flags default to absent, so the
+    dataclass's own default applies to the rest)."""
+    return {k: getattr(args, k) for k in names if hasattr(args, k)}
 
 
 def dataclass_from_args(cls, args: argparse.Namespace, **overrides):

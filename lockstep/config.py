@@ -142,6 +142,11 @@ class EngineConfig:
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
 
+    # the fields that choose the served path's kernels, offered as flags by every command that builds an
+    # engine (train, serve, generate), so the path a measurement used can always be named
+    PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
+                   "compile_hc")
+
     def __post_init__(self):
         name = "EngineConfig"
         if self.compile_options:

@@ -18,7 +18,8 @@ DEFAULT_PROMPTS = ("What is 2 + 3?", "Write the word hello.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lockstep.config import SERVING_FORMATS
+    from lockstep.cli_args import add_dataclass_arguments
+    from lockstep.config import SERVING_FORMATS, EngineConfig
 
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
     parser.add_argument("--prompt", action="append", default=None, help="a prompt; repeat for several")
@@ -39,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest sequence, prompt + completion, in tokens (default: 2048)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     parser.add_argument("--show-logprobs", action="store_true", help="print each token's rollout logprob")
+    add_dataclass_arguments(parser, EngineConfig, only=EngineConfig.PATH_FIELDS, group="served path")
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -63,12 +65,13 @@ def _prompt_ids(engine, args) -> list[tuple[str, list[int]]]:
 
 
 def run(args) -> int:
+    from lockstep.cli_args import given_fields
     from lockstep.config import EngineConfig, SamplingParams
     from lockstep.engine import Engine, GenerateRequest
 
     path = _model_dir(args.model)
     config = EngineConfig(max_model_len=args.max_model_len, serving_format=args.serving_format, dtype=args.dtype,
-                          device=args.device, max_num_seqs=max(8, args.n * 2))
+                          device=args.device, max_num_seqs=max(8, args.n * 2), **given_fields(args, EngineConfig.PATH_FIELDS))
     engine = Engine.from_pretrained(path, config)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, n=args.n,
                               seed=args.seed, max_new_tokens=args.max_new_tokens)

@@ -32,7 +32,7 @@ DEFAULT_CACHE_FRACTION = 0.25
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from lockstep.cli_args import add_dataclass_arguments
-    from lockstep.config import SERVING_FORMATS
+    from lockstep.config import SERVING_FORMATS, EngineConfig
     from lockstep.engine.limits import ServerLimits
 
     parser.add_argument("--model", default=None, help=f"checkpoint directory (default: {DEFAULT_MODEL})")
@@ -62,12 +62,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
     add_dataclass_arguments(parser, ServerLimits, group="limits")
+    add_dataclass_arguments(parser, EngineConfig, only=EngineConfig.PATH_FIELDS, group="served path")
 
 
 def run(args) -> int:
     import uvicorn
 
-    from lockstep.cli_args import dataclass_from_args
+    from lockstep.cli_args import dataclass_from_args, given_fields
     from lockstep.config import EngineConfig
     from lockstep.engine import Engine
     from lockstep.engine.kv_cache import describe
@@ -87,7 +88,7 @@ def run(args) -> int:
     limits = dataclass_from_args(ServerLimits, args)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
                           device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                          cache_memory_bytes=cache_budget(args))
+                          cache_memory_bytes=cache_budget(args), **given_fields(args, EngineConfig.PATH_FIELDS))
     engine = Engine.from_pretrained(path, config)
     print(f"lockstep serve: rollout cache {describe(engine.cache, engine.max_model_len)}", file=sys.stderr)
     app = create_app(engine, admin_token=token, weights_dir=args.weights_dir, require_admin=beyond_loopback,

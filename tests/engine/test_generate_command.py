@@ -30,3 +30,28 @@ def test_missing_default_model_is_a_clear_error(tmp_path, monkeypatch):
 def test_embedded_default_model(capsys):
     assert main(["generate", "--max-new-tokens", "8", "--prompt", "What is 2 + 3?"]) == 0
     assert "finish_reason=" in capsys.readouterr().out
+
+
+def test_served_path_flags_reach_the_engine(tmp_path, monkeypatch):
+    """generate and serve name the served path's switches as train does (EngineConfig.PATH_FIELDS)."""
+    from lockstep.config import EngineConfig
+    from lockstep.engine import Engine
+
+    seen = []
+
+    def stop(path, config):
+        seen.append(config)
+        raise SystemExit("stop before loading")
+
+    monkeypatch.setattr(Engine, "from_pretrained", staticmethod(stop))
+    save_pretrained(tiny_dsv4(60), tmp_path)
+    flags = ["--no-compile-decode", "--no-triton-moe", "--compile-fallback", "--no-cuda-graph"]
+    with pytest.raises(SystemExit):
+        main(["generate", "--model", str(tmp_path), *flags])
+    with pytest.raises(SystemExit):
+        main(["serve", "--model", str(tmp_path), *flags])
+    for config in seen:
+        assert (config.compile_decode, config.triton_moe, config.compile_fallback, config.cuda_graph) == \
+            (False, False, True, False)
+        assert config.triton_hc == EngineConfig.triton_hc  # not given: the field's own default
+    assert len(seen) == 2
