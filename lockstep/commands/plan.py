@@ -131,9 +131,9 @@ def run(args) -> int:
     plans = plan(model, cluster, train, roll, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     shown = [p for p in plans if p.feasible] if args.feasible_only else plans
     if args.json:
-        print(to_json(shown[: args.top] if args.top else shown))
+        print(to_json(shown[: args.top] if args.top else shown, cluster, train))
     else:
         console, wide = _console(args.wide)
         render(shown or plans, model, console, limit=args.top, activations=args.show_activations, wide=wide,
-               notes=assumptions(model, cluster, train, plans))
+               notes=assumptions(model, cluster, train, plans), cluster=cluster, train=train)
     return 0

@@ -1,7 +1,8 @@
 """Render plans: a ranked rich table, the itemised terms of one layout, or JSON.
 
 JSON (`to_json`): a list, one object per layout in rank order, with tp, pp, ep, cp, dp, edp,
-feasible, actor_gb_per_gpu (worst pipeline stage), rollout_gb_per_gpu, host_gb_per_node, reason
+feasible, train_flags (the `lockstep train` flags that realise the layout, null when lockstep cannot
+run it) and not_runnable (why not, else empty; lockstep/plan/train_flags.py), actor_gb_per_gpu (worst pipeline stage), rollout_gb_per_gpu, host_gb_per_node, reason
 (empty when feasible), step_seconds and its parts, the weight push, and every memory and
 communication term so the numbers can be checked by hand.
 """
@@ -19,17 +20,20 @@ from lockstep.plan.cluster import GB, HOST_MEMORY_GB, ClusterSpec, TrainSpec
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import active_params, total_params
 from lockstep.plan.planner import LayoutPlan
+from lockstep.plan.train_flags import train_flags
 
 
 def _r(x: float, nd: int = 3) -> float:
     return round(float(x), nd)
 
 
-def plan_dict(p: LayoutPlan) -> dict:
+def plan_dict(p: LayoutPlan, cluster: ClusterSpec | None = None, train: TrainSpec | None = None) -> dict:
     lay, worst, push = p.layout, p.worst, p.comm_term("weight push")
+    flags, not_runnable = train_flags(lay, cluster, train) if cluster and train else (None, "")
     return {
         "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp, "edp": lay.edp,
         "feasible": p.feasible,
+        **({"train_flags": flags, "not_runnable": not_runnable} if cluster and train else {}),
         "actor_gb_per_gpu": _r(p.actor_bytes / GB),
         "rollout_gb_per_gpu": _r(p.rollout.gpu_bytes / GB),
         "usable_gb_per_gpu": _r(p.usable_bytes / GB),
@@ -48,8 +52,16 @@ def plan_dict(p: LayoutPlan) -> dict:
     }
 
 
-def to_json(plans: list[LayoutPlan]) -> str:
-    return json.dumps([plan_dict(p) for p in plans], indent=2)
+def to_json(plans: list[LayoutPlan], cluster: ClusterSpec | None = None, train: TrainSpec | None = None) -> str:
+    return json.dumps([plan_dict(p, cluster, train) for p in plans], indent=2)
+
+
+def flags_line(p: LayoutPlan, cluster: ClusterSpec, train: TrainSpec) -> str:
+    """`lockstep train ...` for the layout, or why lockstep cannot run it yet."""
+    flags, why = train_flags(p.layout, cluster, train)
+    if flags is None:
+        return f"lockstep train cannot run {p.layout.label()} yet: {why}"
+    return f"Run {p.layout.label()} with: lockstep train --model DIR {' '.join(flags)}"
 
 
 def _secs(p: LayoutPlan, name: str) -> str:
@@ -152,10 +164,12 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plans:
 
 def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: int | None = None,
            detail: LayoutPlan | None = None, activations: bool = False, wide: bool = True,
-           notes: list[str] | tuple[str, ...] = ()) -> None:
+           notes: list[str] | tuple[str, ...] = (), cluster: ClusterSpec | None = None,
+           train: TrainSpec | None = None) -> None:
     """Header, ranked table (`wide`: with every communication term), the itemised terms of `detail`
     (default: the best layout), on request the per-token activation breakdown for that layout's TP,
-    and `notes` (what was assumed, see `assumptions`)."""
+    the `lockstep train` flags of the best feasible layout (given `cluster` and `train`) and `notes`
+    (what was assumed, see `assumptions`)."""
     console.print(f"[bold]{model.name}[/bold]: {total_params(model) / 1e9:.2f}B parameters, "
                   f"{active_params(model) / 1e9:.2f}B active per token, {model.num_layers} layers")
     console.print(table(plans, limit, wide))
@@ -165,6 +179,8 @@ def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: i
     if activations:
         console.print(activation_table(model, chosen.layout.tp))
     console.print(recommendation(plans))
+    if feasible and cluster and train:
+        console.print(flags_line(feasible[0], cluster, train), markup=False)
     for note in notes:
         console.print(note)
 
