@@ -49,10 +49,14 @@ def world_devices(world_size: int = 2) -> list:
     return [pytest.param("cpu"), pytest.param("cuda", marks=skip)]
 
 
-def cpu_only(device: str) -> None:
-    """Skip a device-aware test's CUDA variant where the CPU (gloo) run is the check."""
-    if device != "cpu":
-        pytest.skip("checked on the CPU (gloo) only")
+# a device-aware test whose check is host-side (offload, resume): its CPU world only, no CUDA variant
+cpu_world_only = pytest.mark.parametrize("device", ["cpu"], scope="module")
+
+
+def device_scenarios(scenarios, cuda_scenarios, world_size: int = 2) -> list:
+    """(device, scenario) params: every scenario on the CPU, the CUDA ones also on the GPUs."""
+    return [pytest.param(d.values[0], name, marks=d.marks) for d in world_devices(world_size) for name in scenarios
+            if d.values[0] == "cpu" or name in cuda_scenarios]
 
 
 def rank_values(results: list) -> list:

@@ -24,7 +24,8 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import cpu_only, max_abs_diff, rank_values, report, run_world, to_cpu
+from dist_world import (cpu_world_only, device_scenarios, max_abs_diff, rank_values, report, run_world,
+                        to_cpu)
 from lockstep.models import load_pretrained
 from lockstep.train.data_parallel import DataParallel
 from lockstep.train.quant_aware import canonical_name
@@ -151,10 +152,8 @@ def _expert_halves_used(grads: dict) -> None:
         assert per_expert[:N_EXPERTS // 2].sum() > 0 and per_expert[N_EXPERTS // 2:].sum() > 0, layer
 
 
-@pytest.mark.parametrize("name", list(SCENARIOS))
+@pytest.mark.parametrize("device,name", device_scenarios(SCENARIOS, CUDA_SCENARIOS), scope="module")
 def test_ep2_equals_ep1(two_ranks, device, name):
-    if device != "cpu" and name not in CUDA_SCENARIOS:
-        pytest.skip("checked on the CPU (gloo) only")
     samples = _samples(name)
     reference = to_cpu(_trace(Trainer(load_pretrained(ASSET, device=device), _config_for(name, 1)), samples))
     assert reference["metrics"][0]["train/grad_norm"] > 1e-5  # clipping binds: the EP norm is used
@@ -171,8 +170,8 @@ def test_ep2_equals_ep1(two_ranks, device, name):
         _assert_same(got, reference, f"ep2 vs ep1 {name}, rank {rank}", device)
 
 
+@cpu_world_only
 def test_rank_without_rows_joins_the_exchange(two_ranks, device):
-    cpu_only(device)
     r0, r1 = (r["no-rows"] for r in two_ranks)
     assert r0["out"] and r1["out"] and r0["x_grad"] and r1["x_grad"]
     assert torch.equal(r0["local_grad"], torch.zeros_like(r0["local_grad"]))  # a zero gradient, not None
@@ -181,10 +180,10 @@ def test_rank_without_rows_joins_the_exchange(two_ranks, device):
     assert torch.equal(r0["full_grad"], want) and torch.equal(r1["full_grad"], want)
 
 
+@cpu_world_only
 def test_resume_from_two_ranks(two_ranks, checkpoint, device):
     """The EP save (experts gathered into the one-process files) resumes 2 EP ranks exactly, and one
     process (today's Trainer) that loads it takes the same next step on all the samples."""
-    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         r = result["resume"]
         assert r["resumed"] == r["unbroken"], rank

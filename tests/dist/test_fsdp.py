@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import lockstep
-from dist_world import cpu_only, max_abs_diff, rank_values, report, run_world, to_cpu
+from dist_world import cpu_world_only, max_abs_diff, rank_values, report, run_world, to_cpu
 from lockstep.models import load_pretrained
 from lockstep.train.config import TrainConfig
 from lockstep.train.data_parallel import DataParallel
@@ -188,10 +188,10 @@ def test_two_ranks_equal_one_process_fp32(two_ranks, device):
     assert len(moved) > 50  # the steps changed the weights that are compared
 
 
+@cpu_world_only
 def test_optimizer_offload_changes_nothing(two_ranks, device):
     # CPUOffloadPolicy (sharded masters, gradients and the AdamW step on the host); on this CPU-only
     # machine it checks the path runs and steps the same shards, not the host <-> device copies
-    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         _assert_same(result["fp32-offload"], result["fp32"], f"rank {rank}")
 
@@ -237,11 +237,11 @@ def test_two_ranks_equal_one_rank_bf16(two_ranks, device):
     assert one["bf16"]["metrics"][0]["train/grad_norm"] != today["train/grad_norm"]
 
 
+@cpu_world_only
 def test_resume_from_two_ranks(two_ranks, checkpoints, device):
     """Consolidated checkpoint: saved by 2 ranks after one step, loaded into fresh FSDP trainers on 2
     ranks, the next step's metrics and weights equal the unbroken run's, fp32 masters included in
     bf16; loaded into one process (today's Trainer), the next step equals it too (fp32)."""
-    cpu_only(device)
     for rank, result in enumerate(two_ranks):
         for dtype in ("float32", "bfloat16"):
             r = result[f"resume-{dtype}"]
