@@ -39,7 +39,8 @@ one of them (404 and 405 too), with no internals (a 500 says to read the server 
 missing or mistyped fields, prompts that do not fit max_model_len, a max_tokens that does not fit
 with the prompt ("This model's maximum context length is ..."), token ids outside the vocabulary and
 bad sampling values are 400 and name the field; the server keeps serving everything else. The
-OpenAPI schema (/openapi.json) documents these codes (400, not FastAPI's 422).
+OpenAPI schema (/openapi.json) documents these codes (400, not FastAPI's 422); api_errors.py holds
+that machinery.
 
 Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
 per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
@@ -59,7 +60,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import logging
 import re
 import time
 import uuid
@@ -68,33 +68,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException
 
 from lockstep.config import SamplingParams
+from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, responses
 from lockstep.engine.engine import Engine
 from lockstep.engine.limits import ServerLimits
-from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, ErrorOut, GenerateIn,
+from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, GenerateIn,
                                       UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
-                                      completion_response, error_body, native_output, usage)
+                                      completion_response, native_output, usage)
 from lockstep.engine.request import GenerateRequest
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
-
-log = logging.getLogger("lockstep.server")
-
-# HTTP status -> OpenAI's error `type`
-_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-          405: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
-          429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
-        self.kind = kind or _KINDS.get(status, "invalid_request_error")
-
 
 def is_loopback(host: str) -> bool:
     if host == "localhost":
@@ -121,22 +104,7 @@ def resolve_weights_path(weights_dir: Path | None, model_path: str) -> Path:
 
 
 _SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+):")
-_TYPE_TAG = re.compile(r"^(str|int|float|bool|dict|list|none)$|\[")
 
-
-def _validation_error(errors) -> tuple[str, str | None]:
-    """pydantic errors -> one message naming the fields (union member tags left out) and the first field."""
-    parts, first = [], None
-    for e in errors:
-        if e.get("type") == "json_invalid":
-            return f"malformed JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}", None
-        loc = [str(x) for x in e.get("loc", ()) if x != "body" and not _TYPE_TAG.search(str(x))]
-        field = ".".join(loc) or "body"
-        first = first or field
-        part = f"{field}: {e.get('msg')}"
-        if part not in parts:
-            parts.append(part)
-    return "; ".join(parts[:4]), first
 
 
 async def _client_gone(request: Request) -> None:
@@ -321,12 +289,12 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
 
     app = FastAPI(title="lockstep", lifespan=lifespan)
     app.state.server = srv
-    app.add_middleware(_BodyLimit, max_bytes=limits.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_bytes)
     admin = [Depends(_admin_guard(admin_token, require_admin))]
-    _install_error_handlers(app)
-    gen, adm = _responses(400, 413, 429), _responses(400, 401, 413)
+    install_error_handlers(app)
+    gen, adm = responses(400, 413, 429), responses(400, 401, 413)
 
-    @app.get("/health", responses=_responses(503))
+    @app.get("/health", responses=responses(503))
     async def health():
         problem = srv.health_problem()
         if problem is not None:
@@ -422,7 +390,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
                 for rid, samples in zip(rids, results) for s in samples]
         return outs if batch or sp.n > 1 else outs[0]
 
-    @app.post("/update_weights_from_disk", dependencies=admin, responses=_responses(400, 401, 403, 409, 413))
+    @app.post("/update_weights_from_disk", dependencies=admin, responses=responses(400, 401, 403, 409, 413))
     async def update_weights_from_disk(body: UpdateWeightsFromDiskIn):
         path = resolve_weights_path(root, body.model_path)
         try:
@@ -433,17 +401,17 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
             raise APIError(400, f"model_path: {e}", "model_path") from e
         return {"success": True, "message": f"loaded weights from {path}", "weight_version": engine.weight_version}
 
-    @app.post("/pause_generation", dependencies=admin, responses=_responses(401, 413))
+    @app.post("/pause_generation", dependencies=admin, responses=responses(401, 413))
     async def pause_generation():
         await asyncio.to_thread(engine.pause)
         return {"success": True, "paused": True}
 
-    @app.post("/continue_generation", dependencies=admin, responses=_responses(401, 413))
+    @app.post("/continue_generation", dependencies=admin, responses=responses(401, 413))
     async def continue_generation():
         engine.resume()
         return {"success": True, "paused": False}
 
-    @app.post("/flush_cache", dependencies=admin, responses=_responses(401, 409, 413))
+    @app.post("/flush_cache", dependencies=admin, responses=responses(401, 409, 413))
     async def flush_cache():
         if not await asyncio.to_thread(engine.flush_cache):
             raise APIError(409, "cache not flushed: requests are running or waiting; retry when idle")
@@ -459,92 +427,9 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
             raise APIError(400, "rid: give the request id to abort (or abort_all: true)", "rid")
         return {"success": True, "aborted": [body.rid] if engine.abort(body.rid) else []}
 
-    _document_errors(app)
+    document_errors(app)
     return app
 
 
 def _uid() -> str:
     return uuid.uuid4().hex
-
-
-def _responses(*codes: int) -> dict:
-    """The error answers a route documents (OpenAPI), all in OpenAI's shape."""
-    return {code: {"model": ErrorOut, "description": _KINDS.get(code, "error")} for code in codes}
-
-
-def _document_errors(app: FastAPI) -> None:
-    """FastAPI documents 422 for a body that fails validation; this server answers 400 (OpenAI's
-    code) in OpenAI's shape, which each route documents itself (`_responses`). The schema says what is sent."""
-    build = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            schema = build()
-            for ops in schema["paths"].values():
-                for op in ops.values():
-                    op.get("responses", {}).pop("422", None)
-            for unused in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(unused, None)
-        return app.openapi_schema
-
-    app.openapi = openapi
-
-
-class _BodyLimit:
-    """ASGI middleware: 413 for a body over max_bytes, from its Content-Length before anything is
-    read, or as soon as a body sent without one (chunked) passes the limit."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    def _too_large(self) -> str:
-        return f"body: the request body is larger than {self.max_bytes} bytes (--max-request-bytes)"
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            response = JSONResponse(error_body(self._too_large(), param="body", code=413), 413,
-                                    {"Connection": "close"})  # the unread body makes the connection unusable
-            return await response(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.max_bytes:  # an HTTPException: the error handlers answer it (FastAPI re-raises it)
-                raise HTTPException(413, self._too_large())
-            return message
-
-        await self.app(scope, counted, send)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(_request, e: APIError):
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
-        if e.status == 429:
-            headers = {"Retry-After": "1"}
-        return JSONResponse(error_body(e.message, param=e.param, code=e.status, kind=e.kind), e.status, headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_request, e: RequestValidationError):
-        message, param = _validation_error(e.errors())
-        return JSONResponse(error_body(message, param=param), 400)
-
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):  # 404, 405, 413 from the body limit: OpenAI's shape too
-        message = e.detail if e.status_code == 413 else f"{request.method} {request.url.path}: {e.detail}"
-        param = "body" if e.status_code == 413 else None
-        return JSONResponse(error_body(message, param=param, code=e.status_code,
-                                       kind=_KINDS.get(e.status_code, "invalid_request_error")),
-                            e.status_code, e.headers)
-
-    @app.exception_handler(Exception)
-    async def internal(request, e: Exception):
-        # the traceback goes to the server's log, not to the client (no internals in answers)
-        log.exception("internal error answering %s %s", request.method, request.url.path)
-        return JSONResponse(error_body("internal server error; the server log has the details", code=500,
-                                       kind="internal_error"), 500)
