@@ -79,6 +79,7 @@ from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, G
 from lockstep.engine.request import GenerateRequest
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
 
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
