@@ -183,6 +183,10 @@ class Trainer:
             mbs += [None] * (self.dp.max_ints([len(mbs)], "micro-batch count")[0] - len(mbs))
         return mbs
 
+    def _padding_forward(self, mb: MicroBatch, samples: Sequence[Sample]) -> None:
+        """A forward whose result is unused: this rank's share of the other ranks' collectives."""
+        microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
+
     @torch.no_grad()
     def logprobs(self, samples: Sequence[Sample]) -> list[torch.Tensor]:
         """Per-sample [R_i] float32 (CPU) logprobs of the response tokens under the current weights."""
@@ -190,7 +194,7 @@ class Trainer:
         mbs = self._microbatches(samples)
         for mb in mbs:
             if mb is None:
-                microbatch_logits(self.model, mbs[0], self.device, self._routing(mbs[0], samples))
+                self._padding_forward(mbs[0], samples)
                 continue
             logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
             logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
@@ -206,7 +210,7 @@ class Trainer:
         mbs = self._microbatches(samples)
         for mb in mbs:
             if mb is None:
-                microbatch_logits(self.model, mbs[0], self.device, self._routing(mbs[0], samples))
+                self._padding_forward(mbs[0], samples)
                 continue
             routing = self._routing(mb, samples) or Routing()
             microbatch_logits(self.model, mb, self.device, routing)
@@ -225,9 +229,9 @@ class Trainer:
         if self.dp.enabled:  # the global batch's counts: every rank divides by the same numbers
             num_tokens, num_samples, valid = self.dp.sum_floats([num_tokens, len(samples), valid], "loss normalisers")
             max_len = self.dp.max_ints([max_len], "max response length")[0]
-            return {"num_tokens": num_tokens, "num_samples": int(num_samples), "max_len": max_len,
-                    "valid_samples": valid}
-        return {"num_tokens": num_tokens, "num_samples": len(samples), "max_len": max_len, "valid_samples": valid}
+        else:
+            num_samples = len(samples)
+        return {"num_tokens": num_tokens, "num_samples": int(num_samples), "max_len": max_len, "valid_samples": valid}
 
     def _microbatch_loss(self, mb: MicroBatch, samples, norms, old_logprobs, logits: torch.Tensor | None = None):
         """(loss to backward, detached stats, trainer logprobs before the update [T_r]). `logits`: the
