@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from ..config import EngineConfig
+from ..dist.config import DistConfig
 from ..models import load_pretrained
 from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
@@ -128,7 +129,7 @@ def shared_run_dir(run: RunConfig, dist_ctx) -> Path:
 
 
 def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None,
-              weight_buffer_size: int = 512 * 1024 ** 2):
+              weight_buffer_size: int = DistConfig.update_weight_buffer_size):
     """The run's components; `dist_ctx` (a lockstep.dist DistContext): this rank's part of an N-process
     run (lockstep/rl/data_parallel.py; `weight_buffer_size`: push bucket bytes), rank 0 writing the
     run directory's files."""
