@@ -104,40 +104,71 @@ def _sync(device: str) -> None:
 # ---- lockstep ---------------------------------------------------------------------------------
 
 
-def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
-                 compile_backend: str | None = None) -> dict:
-    from lockstep.config import EngineConfig, SamplingParams
+def _engine(bench: Bench, model):
+    from lockstep.config import EngineConfig
     from lockstep.engine.engine import Engine
+
+    return Engine(model, EngineConfig(
+        max_num_seqs=bench.num_prompts * bench.n, max_model_len=bench.prompt_len + bench.max_new_tokens + 1,
+        max_prefill_tokens=max(2048, bench.num_prompts * bench.prompt_len), dtype=bench.dtype,
+        device=bench.device, eos_token_ids=(EOS,)))
+
+
+def _train_config(bench: Bench, compile_backend: str | None = None):
+    from lockstep.train.config import TrainConfig
+
+    return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
+                       max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens))
+
+
+def _rollout(engine, bench: Bench, batch: list[list[int]], step: int, seeded: bool, advantage_fn: str) -> list:
+    """One rollout: sample, reward, GRPO advantages. `seeded`: request j of step s draws from seed
+    base(s) + j * n (its samples from base + j * n + i), so two runs sample the same tokens from equal weights."""
+    import dataclasses as dc
+
+    from lockstep.config import SamplingParams
     from lockstep.engine.request import GenerateRequest
     from lockstep.rl.advantages import compute_advantages
-    from lockstep.train.config import TrainConfig
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens, n=bench.n,
+                              ignore_eos=bench.fixed_length, seed=None)
+    requests = [GenerateRequest(p, dc.replace(sampling, seed=1_000_003 * step + j * bench.n) if seeded else sampling,
+                                group_id=j) for j, p in enumerate(batch)]
+    samples = engine.generate(requests)
+    for s in samples:
+        s.reward = reward(s.response_ids.tolist())
+    adv = compute_advantages(advantage_fn, torch.tensor([s.reward for s in samples]),
+                             group_ids=[s.group_id for s in samples])
+    for s, a in zip(samples, adv.tolist()):
+        s.advantages = a
+    return samples
+
+
+def _batch(bench: Bench, prompts: list[list[int]], step: int) -> list[list[int]]:
+    return prompts[step * bench.num_prompts:(step + 1) * bench.num_prompts]
+
+
+def _record(metrics: dict, samples: list) -> dict:
+    """What two runs of the same steps are compared on: the rollout's reward and the train/rollout gap."""
+    return {"reward": statistics.mean(s.reward for s in samples),
+            "abs_diff": metrics["train/train_rollout_logprob_abs_diff"]}
+
+
+def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
+                 compile_backend: str | None = None, seeded: bool = False) -> dict:
     from lockstep.train.trainer import Trainer
 
     model = make_model(bench).to(bench.device)
-    completions = bench.num_prompts * bench.n
-    engine = Engine(copy.deepcopy(model), EngineConfig(
-        max_num_seqs=completions, max_model_len=bench.prompt_len + bench.max_new_tokens + 1,
-        max_prefill_tokens=max(2048, bench.num_prompts * bench.prompt_len), dtype=bench.dtype,
-        device=bench.device, eos_token_ids=(EOS,)))
-    cfg = TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
-                      max_tokens_per_gpu=completions * (bench.prompt_len + bench.max_new_tokens))
+    engine = _engine(bench, copy.deepcopy(model))
+    cfg = _train_config(bench, compile_backend)
     trainer = Trainer(model, cfg)
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens, n=bench.n,
-                              ignore_eos=bench.fixed_length, seed=None)
-    times, parts = [], {"rollout": [], "train": [], "sync": []}
+    times, parts, steps = [], {"rollout": [], "train": [], "sync": []}, []
     last = time.perf_counter()
     for step in range(bench.warmup + bench.steps):
-        batch = prompts[step * bench.num_prompts:(step + 1) * bench.num_prompts]
         t0 = time.perf_counter()
-        samples = engine.generate([GenerateRequest(p, sampling, group_id=j) for j, p in enumerate(batch)])
-        for s in samples:
-            s.reward = reward(s.response_ids.tolist())
-        adv = compute_advantages(cfg.advantage_fn, torch.tensor([s.reward for s in samples]),
-                                 group_ids=[s.group_id for s in samples])
-        for s, a in zip(samples, adv.tolist()):
-            s.advantages = a
+        samples = _rollout(engine, bench, _batch(bench, prompts, step), step, seeded, cfg.advantage_fn)
         t1 = time.perf_counter()
-        trainer.train_step(samples)
+        steps.append(_record(trainer.train_step(samples), samples))
         _sync(bench.device)
         t2 = time.perf_counter()
         engine.update_weights(trainer.named_weights(), version=step + 1)
@@ -150,13 +181,16 @@ def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
         last = now
     if profile:  # one more rollout under the profiler, on the trained weights
         from kernel_profile import profile_generate
+        from lockstep.config import SamplingParams
+        from lockstep.engine.request import GenerateRequest
 
-        print(profile_generate(engine, [GenerateRequest(p, sampling, group_id=j) for j, p in enumerate(batch)]))
+        sampling = SamplingParams(temperature=1.0, max_new_tokens=bench.max_new_tokens, n=bench.n,
+                                  ignore_eos=bench.fixed_length)
+        print(profile_generate(engine, [GenerateRequest(p, sampling, group_id=j)
+                                        for j, p in enumerate(_batch(bench, prompts, step))]))
+    peak = torch.cuda.max_memory_allocated() if bench.device.startswith("cuda") else None
     return {"step": times, **{k: statistics.median(v) for k, v in parts.items()},
-            "tokens": sum(s.response_len for s in samples)}
-
-
-# ---- TRL --------------------------------------------------------------------------------------
+            "tokens": sum(s.response_len for s in samples), "steps": steps, "peak_bytes": peak}
 
 
 def _tokenizer(vocab_size: int):
@@ -234,6 +268,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
+    parser.add_argument("--disaggregated", action="store_true",
+                        help="also run the steps as a trainer process + an engine process (weights pushed over "
+                             "torch.distributed; disaggregated_step.py) and compare rewards and the train/rollout "
+                             "gap with the in-process run (both seeded), and peak memory with `lockstep plan`")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,17 +288,32 @@ def main() -> None:
     prompts = make_prompts(bench, (bench.warmup + bench.steps) * bench.num_prompts)
     t = time.perf_counter()
     ours = run_lockstep(bench, prompts, profile=args.profile,
-                        compile_backend="inductor" if args.compile_trainer else None)
+                        compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "
           f"{time.perf_counter() - t:.0f} s)")
+    if args.disaggregated:
+        _disaggregated(bench, prompts, ours)
     if args.skip_trl:
         return
     trl = run_trl(bench, prompts)
     trl_s = statistics.median(trl["step"])
     print(f"TRL 1.16  {trl_s:.3f} s/step (median of {len(trl['step'])})")
     print(f"ratio TRL / lockstep = {trl_s / ours_s:.2f}x")
+
+
+def _disaggregated(bench: Bench, prompts: list[list[int]], ours: dict) -> None:
+    from disaggregated_step import compare, planned_vs_measured, run_disaggregated
+
+    if ours["peak_bytes"] is not None:
+        print(f"in-process peak memory (trainer + engine): {ours['peak_bytes'] / 1e9:.2f} GB")
+    t = time.perf_counter()
+    disagg = run_disaggregated(bench, prompts)
+    print(f"disaggregated: trainer on {disagg['devices'][0]}, engine on {disagg['devices'][1]}, "
+          f"{disagg['backend']}; whole run {time.perf_counter() - t:.0f} s")
+    for line in compare(ours, disagg, bench.warmup) + planned_vs_measured(bench, disagg):
+        print(line)
 
 
 if __name__ == "__main__":
