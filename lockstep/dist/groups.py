@@ -158,8 +158,14 @@ def _device(local_rank: int) -> torch.device:
 
 
 def _default_backend(device: torch.device) -> str:
-    # CUDA: NCCL for CUDA tensors, gloo for the CPU tensors some callers hand the default group
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    """CUDA: NCCL for CUDA tensors, gloo for the CPU tensors some callers hand the default group.
+    More local ranks than GPUs (a 2-process run on a 1-GPU machine: ranks share a device, `_device`)
+    moves CUDA tensors over gloo too: NCCL refuses two ranks on one GPU ("Duplicate GPU detected")."""
+    if device.type != "cuda":
+        return "gloo"
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > torch.cuda.device_count():
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def _group(ranks: tuple[int, ...], timeout: datetime.timedelta, backend: str | None):

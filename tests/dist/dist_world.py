@@ -12,6 +12,8 @@ the CPU over gloo wherever the tests run; `device="cuda"` gives rank r `cuda:r` 
 backend (lockstep.dist.groups picks `cpu:gloo,cuda:nccl` when it sees a GPU). The 2-process tests
 take their device from `world_devices()`: "cpu" always (CI), "cuda" too when LOCKSTEP_TEST_DEVICE=cuda
 and enough GPUs are visible, else that variant is skipped (its CPU twin runs the same checks).
+LOCKSTEP_TEST_DEVICE=cuda-shared runs the "cuda" variants on ONE GPU: every rank on cuda:0, CUDA
+tensors over gloo (lockstep.dist.groups picks gloo when a node has more ranks than GPUs).
 On CUDA the tests also `report()` what they compared (bitwise or the largest difference) as JSON
 lines, printed and appended to the file LOCKSTEP_DIST_REPORT names, if set.
 """
@@ -38,8 +40,15 @@ TEST_DEVICE = os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu")
 
 
 def cuda_world(world_size: int = 2) -> bool:
-    """LOCKSTEP_TEST_DEVICE=cuda and at least `world_size` GPUs: the CUDA variants run."""
+    """LOCKSTEP_TEST_DEVICE=cuda and at least `world_size` GPUs, or cuda-shared and one GPU: the CUDA variants run."""
+    if TEST_DEVICE == "cuda-shared":
+        return torch.cuda.is_available()
     return TEST_DEVICE == "cuda" and torch.cuda.is_available() and torch.cuda.device_count() >= world_size
+
+
+def shared_gpu() -> bool:
+    """The CUDA variants run with every rank on one GPU, over gloo (module docstring)."""
+    return TEST_DEVICE == "cuda-shared"
 
 
 def world_devices(world_size: int = 2) -> list:

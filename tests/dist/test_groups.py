@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_world import run_world, world_devices
+from dist_world import run_world, shared_gpu, world_devices
 from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import DistributedError, Layout, collective, init_distributed
 
@@ -45,6 +45,9 @@ def test_groups_of_each_layout(disaggregated, device):
     assert r0.value["everyone"] and r1.value["everyone"]
     if device == "cpu":
         assert r0.value["device"] == "cpu" and r0.value["backend"] == "cpu:gloo,cuda:gloo"
+    elif shared_gpu():  # both ranks on the one GPU: NCCL refuses that, gloo carries the CUDA tensors
+        assert (r0.value["device"], r1.value["device"]) == ("cuda:0", "cuda:0")
+        assert r0.value["backend"] == "cpu:gloo,cuda:gloo", r0.value["backend"]
     else:  # one GPU a rank; NCCL for CUDA tensors, gloo for the CPU ones (the control group)
         assert (r0.value["device"], r1.value["device"]) == ("cuda:0", "cuda:1")
         assert r0.value["backend"] == "cpu:gloo,cuda:nccl", r0.value["backend"]
@@ -122,3 +125,15 @@ def test_every_dist_flag_is_documented():
     add_dataclass_arguments(parser, DistConfig)
     args = parser.parse_args(["--distributed-timeout", "30", "--actor-num-gpus", "1", "--rollout-num-gpus", "1"])
     assert (args.distributed_timeout, args.actor_num_gpus) == (30.0, 1)
+
+
+@pytest.mark.parametrize("local_world, gpus, want", [(2, 2, "cpu:gloo,cuda:nccl"), (2, 1, "gloo"),
+                                                     (1, 1, "cpu:gloo,cuda:nccl"), (8, 4, "gloo")])
+def test_ranks_sharing_a_gpu_use_gloo(monkeypatch, local_world, gpus, want):
+    """NCCL refuses two ranks on one GPU: more local ranks than GPUs puts CUDA tensors on gloo."""
+    from lockstep.dist import groups
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert groups._default_backend(torch.device("cuda", 0)) == want
+    assert groups._default_backend(torch.device("cpu")) == "gloo"
