@@ -22,6 +22,7 @@ rank 1 a pure engine GPU, the two sides `lockstep plan` predicts separately (act
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -54,6 +55,39 @@ def placement(bench) -> tuple[list[int], str | None]:
     return [0, 0], "gloo"
 
 
+class _PhasePeaks:
+    """Peak allocated bytes per phase of a step (max over steps) and what stays allocated between steps,
+    so a plan term can be set against the phase it describes."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.setup = torch.cuda.memory_allocated(device) if self.cuda else 0
+        self.setup_peak = torch.cuda.max_memory_allocated(device) if self.cuda else 0
+        self.peaks: dict[str, int] = {}
+        self.resident = 0
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        yield
+        if self.cuda:
+            self.peaks[name] = max(self.peaks.get(name, 0), torch.cuda.max_memory_allocated(self.device))
+            self.resident = torch.cuda.memory_allocated(self.device)
+
+    @property
+    def overall(self) -> int | None:
+        return max(self.peaks.values()) if self.peaks else None
+
+    def report(self) -> str:
+        if not self.cuda:
+            return ""
+        parts = [f"after set-up {self.setup / 1e9:.2f} (peak {self.setup_peak / 1e9:.2f})",
+                 f"between steps {self.resident / 1e9:.2f}"]
+        return ", ".join(parts + [f"peak in {k} {v / 1e9:.2f}" for k, v in self.peaks.items()]) + " GB"
+
+
 def _role(rank: int, bench, prompts, port: int, local_ranks, backend, timeout_s: float, bucket_bytes: int,
           out) -> None:
     from grpo_step import _batch, _engine, _record, _rollout, _train_config, make_model
@@ -73,26 +107,31 @@ def _role(rank: int, bench, prompts, port: int, local_ranks, backend, timeout_s:
         trainer = Trainer(model, cfg) if ctx.is_trainer else None
         engine = _engine(bench, model) if ctx.is_engine else None
         manifest = build_manifest(trainer.model if trainer else engine.model, getattr(torch, cfg.dtype), bucket_bytes)
+        mem = _PhasePeaks(ctx.device)
         rows = []
         for step in range(bench.warmup + bench.steps):
             t0 = time.perf_counter()
-            box = [_rollout(engine, bench, _batch(bench, prompts, step), step, True, cfg.advantage_fn)
-                   if engine else None]
+            with mem.phase("rollout"):
+                box = [_rollout(engine, bench, _batch(bench, prompts, step), step, True, cfg.advantage_fn)
+                       if engine else None]
             with ctx.collective(f"step {step}: broadcast_object_list of the rollout's samples"):
                 dist.broadcast_object_list(box, src=ctx.layout.engine_ranks[0], group=ctx.control_group)
             samples = box[0]
             t1 = time.perf_counter()
-            row = _record(trainer.train_step(samples), samples) if trainer else {}
-            if trainer and ctx.device.type == "cuda":
-                torch.cuda.synchronize(ctx.device)
+            with mem.phase("train step"):
+                row = _record(trainer.train_step(samples), samples) if trainer else {}
+                if trainer and ctx.device.type == "cuda":
+                    torch.cuda.synchronize(ctx.device)
             t2 = time.perf_counter()
-            pushed = push_weights(ctx, manifest, step + 1 if trainer else None,
-                                  named_tensors=trainer.named_weights() if trainer else None, engine=engine)
+            with mem.phase("weight push"):
+                pushed = push_weights(ctx, manifest, step + 1 if trainer else None,
+                                      named_tensors=trainer.named_weights() if trainer else None, engine=engine)
             t3 = time.perf_counter()
             rows.append({**row, "rollout": t1 - t0, "train": t2 - t1, "push": t3 - t2, "step": t3 - t0,
                          "push_bytes": pushed["perf/weight_sync_bytes"], "tokens": sum(s.response_len for s in samples)})
         peak = torch.cuda.max_memory_allocated(ctx.device) if ctx.device.type == "cuda" else None
-        out.put((rank, {"rows": rows, "peak_bytes": peak, "device": str(ctx.device)}))
+        out.put((rank, {"rows": rows, "peak_bytes": mem.overall or peak, "memory": mem.report(),
+                        "device": str(ctx.device)}))
     except BaseException as e:
         out.put((rank, {"error": f"{type(e).__name__}: {e}"}))
         raise
@@ -131,6 +170,7 @@ def run_disaggregated(bench, prompts, timeout_s: float = 600.0, bucket_bytes: in
     trainer, engine = results[0], results[1]
     rows = [{**t, "engine_push": e["push"]} for t, e in zip(trainer["rows"], engine["rows"])]
     return {"rows": rows, "trainer_peak": trainer["peak_bytes"], "engine_peak": engine["peak_bytes"],
+            "trainer_memory": trainer["memory"], "engine_memory": engine["memory"],
             "devices": (trainer["device"], engine["device"]), "backend": backend or "nccl (weights) + gloo (control)"}
 
 
@@ -182,10 +222,11 @@ def planned_vs_measured(bench, disagg: dict) -> list[str]:
         proc = subprocess.run(plan_command(bench, cfg, gpu_gb), capture_output=True, text=True, check=True)
     plan = json.loads(proc.stdout)[0]
     lines = []
-    for role, key, peak in (("trainer (actor)", "actor", disagg["trainer_peak"]),
-                            ("engine (rollout)", "rollout", disagg["engine_peak"])):
-        want, got = plan[f"{key}_gb_per_gpu"], peak / 1e9
+    for role, key in (("trainer (actor)", "trainer"), ("engine (rollout)", "engine")):
+        term = "actor" if key == "trainer" else "rollout"
+        want, got = plan[f"{term}_gb_per_gpu"], disagg[f"{key}_peak"] / 1e9
         lines.append(f"memory {role}: planned {want:.2f} GB, measured peak {got:.2f} GB "
-                     f"(max_memory_allocated), plan error {100 * (want - got) / got:+.1f}%; plan terms "
-                     + ", ".join(f"{k} {v:.2f}" for k, v in plan[f"{key}_terms_gb"].items()))
+                     f"(max_memory_allocated), plan error {100 * (want - got) / got:+.1f}%; measured: "
+                     f"{disagg[f'{key}_memory']}; plan terms "
+                     + ", ".join(f"{k} {v:.2f}" for k, v in plan[f"{term}_terms_gb"].items()))
     return lines
