@@ -63,18 +63,34 @@ def _check_device(device: str | None) -> None:
         raise ValueError(f"--device {device}: only {count} CUDA device(s) are visible (cuda:0 .. cuda:{count - 1})")
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    chosen = [a for a in argv if a in SUBCOMMANDS][:1]
-    parser = build_parser(chosen)
+def _parse(argv: list[str]):
+    parser = build_parser([a for a in argv if a in SUBCOMMANDS][:1])
     args = parser.parse_args(argv)
     args.argv = argv  # a command that starts more processes hands them its own arguments
+    return parser, args
+
+
+def _run(args) -> int:
+    # on Ray the ranks' devices are the actors', checked where they run (the driver may have no GPU)
+    if getattr(args, "ray_address", None) is None:
+        _check_device(getattr(args, "device", None))
+    return int(_load(args.command).run(args) or 0)
+
+
+def run_argv(argv: list[str]) -> int:
+    """`lockstep ARGV` with errors raised instead of printed: what a Ray actor runs as its rank
+    (lockstep/dist/ray_launch.py), so the driver receives the rank's exception."""
+    return _run(_parse(argv)[1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser, args = _parse(argv)
     if args.command is None:
         parser.print_help()
         return 0
     try:
-        _check_device(getattr(args, "device", None))
-        return int(_load(args.command).run(args) or 0)
+        return _run(args)
     except (ValueError, OSError) as e:  # bad input: configs, data rows, checkpoints name what is wrong
         if os.environ.get("LOCKSTEP_TRACEBACK"):
             raise

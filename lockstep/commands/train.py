@@ -4,8 +4,9 @@ DeepSeek-V4 and synthetic arithmetic, TIS on, on the CPU, plots written at the e
 On N processes: `lockstep train --nproc-per-node N ...` starts the world through torch's launcher
 (lockstep/dist/launch.py), which runs `python -m lockstep.cli train ...` (the launch flags removed)
 in each process; a process started by a launcher (`torchrun -m lockstep.cli train ...` too) joins
-the world (lockstep/dist/groups.py) and runs its rank's part (lockstep/rl/data_parallel.py). With
-one process and no launcher, today's single-process path runs, untouched."""
+the world (lockstep/dist/groups.py) and runs its rank's part (lockstep/rl/data_parallel.py).
+`--ray-address` places the same ranks as Ray actors instead (lockstep/dist/ray_launch.py), each running
+that same part. With one process and no launcher, today's single-process path runs, untouched."""
 
 from __future__ import annotations
 
@@ -67,6 +68,8 @@ def run(args) -> int:
         check_pipeline(configs[1], configs[0], ranks, dist_cfg.colocated)
     if should_launch(dist_cfg):
         argv = getattr(args, "argv", None) or sys.argv[1:]
+        if dist_cfg.ray_address is not None:
+            return _on_ray(dist_cfg, configs[2].device, strip_launch_flags(argv))
         try:
             launch(dist_cfg, ["-m", "lockstep.cli", *strip_launch_flags(argv)])
         except ChildFailedError as e:  # torch's summary: the first failed rank, its exit code and error
@@ -76,6 +79,22 @@ def run(args) -> int:
     if not launched():
         return _train(args, *configs)
     return _rank(args, configs, dist_cfg)
+
+
+def _on_ray(dist_cfg: DistConfig, device: str, argv: list[str]) -> int:
+    """Each rank in an actor on the Ray cluster (lockstep/dist/ray_launch.py), running what a torchrun
+    process runs: `lockstep train ARGV` in a launched process, i.e. `_rank`."""
+    import torch
+
+    from ..cli import run_argv
+    from ..dist.ray_launch import RayLaunchError, launch_on_ray
+
+    try:
+        launch_on_ray(dist_cfg, torch.device(device).type, run_argv, argv)
+    except RayLaunchError as e:
+        print(f"lockstep train: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _record(fn):

@@ -5,7 +5,8 @@ Flag names follow the Miles launcher (`--actor-num-gpus`, `--rollout-num-gpus`,
 `--master-addr`, `--master-port`). Layout: with neither actor_num_gpus nor rollout_num_gpus set,
 every process both trains and serves (colocated); with both set, ranks [0, actor_num_gpus) train
 and the next rollout_num_gpus ranks serve (disaggregated); their sum must be the world size, which
-`lockstep.dist.groups.Layout` checks once the world is known.
+`lockstep.dist.groups.Layout` checks once the world is known. With ray_address the same world is
+placed on a Ray cluster (lockstep/dist/ray_launch.py) instead of started by torchrun.
 """
 
 from __future__ import annotations
@@ -42,6 +43,10 @@ class DistConfig:
     update_weight_buffer_size: int = 512 * 1024 ** 2
     """Bytes per weight-push bucket (one flat broadcast each); a tensor larger than this gets a bucket of its
     own."""
+    ray_address: str | None = None
+    """Start the world on this Ray cluster instead of torchrun (`auto` or HOST:PORT of its head; needs
+    `pip install 'lockstep-rl[ray]'`): one actor per rank in a PACK placement group, nproc_per_node x nnodes
+    ranks; rank 0's actor picks the master address and port."""
 
     def __post_init__(self):
         for f in ("nproc_per_node", "nnodes", "update_weight_buffer_size"):
@@ -56,6 +61,10 @@ class DistConfig:
         if (self.actor_num_gpus is None) != (self.rollout_num_gpus is None):
             _fail("actor_num_gpus", "set both actor_num_gpus and rollout_num_gpus (disaggregated) or neither "
                   "(colocated)")
+        if self.ray_address is not None and not self.ray_address.strip():
+            _fail("ray_address", "must be `auto` or HOST:PORT of a Ray head, got an empty string")
+        if self.ray_address is not None and self.node_rank != 0:
+            _fail("node_rank", f"must be 0 with ray_address: one driver places every rank, got {self.node_rank}")
         for f in ("actor_num_gpus", "rollout_num_gpus"):
             if getattr(self, f) is not None and getattr(self, f) < 1:
                 _fail(f, f"must be >= 1, got {getattr(self, f)}")

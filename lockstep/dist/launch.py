@@ -14,12 +14,12 @@ from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import launched
 
 # DistConfig fields that describe the launch; a started process must not launch again
-LAUNCH_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+LAUNCH_FIELDS = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "ray_address")
 
 
 def should_launch(config: DistConfig) -> bool:
-    """More than one process is asked for and this process was not started by a launcher."""
-    return config.world_size > 1 and not launched()
+    """More than one process (or a Ray cluster) is asked for and this process was not started by a launcher."""
+    return (config.world_size > 1 or config.ray_address is not None) and not launched()
 
 
 def torchrun_args(config: DistConfig, entry: list[str]) -> list[str]:
