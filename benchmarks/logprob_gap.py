@@ -47,7 +47,7 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
                                                batch_invariant=invariant, max_num_seqs=args.batch,
                                                max_model_len=args.prompt_len + args.new_tokens + 8,
-                                               compile_decode=args.compile_decode))
+                                               compile_decode=args.compile_decode, **args.engine_option))
     # the quant-aware parametrisation does not trace: those settings keep eager trainer layers
     compiled = args.compile_trainer and qat is None
     trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
@@ -64,6 +64,13 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
     return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
             "routing_replay": replay, "compiled_trainer": compiled, "engine_path": engine.serving_path,
             "seconds": time.perf_counter() - start}
+
+
+def _option(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise SystemExit(f"--engine-option {text!r}: expected FIELD=VALUE")
+    return key, json.loads(value)
 
 
 def main():
@@ -83,7 +90,18 @@ def main():
     ap.add_argument("--compile-decode", action=argparse.BooleanOptionalAction, default=True,
                     help="EngineConfig.compile_decode: the engine's decoder layers compiled before the decode "
                          "graphs are captured (the default); --no-compile-decode captures the eager forward")
+    ap.add_argument("--engine-option", action="append", default=[], metavar="FIELD=VALUE",
+                    help="another EngineConfig field for every setting, VALUE as JSON (e.g. cuda_graph=false, "
+                         "triton_moe=false): to find which part of the engine's path a gap comes from")
+    ap.add_argument("--bf16-reduced-precision-reduction", action=argparse.BooleanOptionalAction, default=None,
+                    help="torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction for both sides "
+                         "(default: torch's)")
     args = ap.parse_args()
+    args.engine_option = dict(_option(o) for o in args.engine_option)
+    if args.bf16_reduced_precision_reduction is not None:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = args.bf16_reduced_precision_reduction
+    print(f"engine options {args.engine_option}, allow_bf16_reduced_precision_reduction "
+          f"{torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}")
     state = make_model(args.config, 0).state_dict()
     print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
     print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'rr':3s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")

@@ -83,6 +83,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._pointers: list[int] = []
+        self._stand_in: torch.Tensor | None = None  # capture=False: the one output buffer (_stand_in_output)
         self.compiled_layers = None  # None: run_step calls the layers eagerly
         if compile_backend == "auto":
             compile_backend = "inductor" if self.capture else None
@@ -135,8 +136,19 @@ class DecodeGraphs:
             logits, chosen = self.outputs[B]
         else:
             logits, chosen = self._forward(B)
+            logits = self._stand_in_output(logits)
         routed = torch.stack(chosen, dim=-2)[:N] if want_routing else None
         return logits[:N], routed
+
+    def _stand_in_output(self, logits: torch.Tensor) -> torch.Tensor:
+        """The stand-in's logits as a view of one buffer that every call overwrites, as a replay
+        overwrites the graphs' shared pool: a caller that keeps a step's logits past the next call
+        then fails on the CPU too, not only under capture."""
+        if self._stand_in is None or self._stand_in.shape[1:] != logits.shape[1:]:
+            self._stand_in = torch.empty(self.max_batch, *logits.shape[1:], dtype=logits.dtype, device=logits.device)
+        out = self._stand_in[:logits.shape[0]]
+        out.copy_(logits)
+        return out
 
     def advance(self, tokens_N: torch.Tensor) -> None:
         """Point `meta` at the next step on the device: the sampled tokens go in, positions move

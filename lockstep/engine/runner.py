@@ -186,7 +186,8 @@ class ModelRunner:
 
         -> (logits [M, V] fp32, the M sequences that sample from them, in row order)."""
         all_logits, samplers, routing_in_flight = [], [], False
-        for group in group_calls(scheduled, self.batch_invariant, self.one_call):
+        groups = group_calls(scheduled, self.batch_invariant, self.one_call)
+        for i, group in enumerate(groups):
             seqs = [s for s, _ in group]
             nums = [n for _, n in group]
             want = [s.num_computed + n == len(s.tokens) for s, n in group]
@@ -200,6 +201,11 @@ class ModelRunner:
                 for i, (s, n) in enumerate(group):
                     if s.sampling.return_routed_experts:
                         s.record_routing(s.num_computed, routed[i, :n])
+            if i < len(groups) - 1 and logits is not None:
+                # a decode call's logits are a view of its CUDA graph's output, which the next call's
+                # replay overwrites (every graph shares one pool): keep a copy. Several calls in a step
+                # happen with prefill groups and, for every decoding sequence, in batch-invariant mode.
+                logits = logits.clone()
             all_logits.append(logits)
             samplers += [s for s, w in zip(seqs, want) if w]
         if not all_logits:
