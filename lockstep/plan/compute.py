@@ -49,14 +49,27 @@ def layer_flops_per_token(m: ModelSpec, i: int, seq_len: int) -> float:
     return 2 * matmul_params_per_token(layer_groups(m, i), m) + attention_flops_per_token(m, i, seq_len)
 
 
+def forward_flops_per_token(m: ModelSpec, layers: range, seq_len: int, last: bool) -> float:
+    """Forward FLOPs of one token through `layers`, plus the LM head when `last`."""
+    per_token = sum(layer_flops_per_token(m, i, seq_len) for i in layers)
+    return per_token + (2 * m.vocab_size * m.hidden_size if last else 0)
+
+
+def train_passes(recompute: bool) -> int:
+    """Forward-equivalents of a training step: 1 forward + 2 backward (+ 1 recompute forward)."""
+    return 4 if recompute else 3
+
+
+def train_flops_per_token(m: ModelSpec, seq_len: int, recompute: bool = False) -> float:
+    """Training FLOPs of one token of a seq_len sequence through the whole model. Model FLOPs
+    (the MFU numerator) leave recompute out: benchmarks/train_throughput.py divides by this."""
+    return forward_flops_per_token(m, range(m.num_layers), seq_len, True) * train_passes(recompute)
+
+
 def stage_flops(m: ModelSpec, train: TrainSpec, layout: Layout, layers: range, last: bool) -> float:
     """Training FLOPs of one GPU of a stage for one step."""
     tokens = train.micro_batches(layout.dp, layout.cp) * train.max_tokens_per_gpu / layout.tp
-    per_token = sum(layer_flops_per_token(m, i, train.seq_len) for i in layers)
-    if last:
-        per_token += 2 * m.vocab_size * m.hidden_size
-    passes = 4 if train.recompute else 3
-    return tokens * per_token * passes
+    return tokens * forward_flops_per_token(m, layers, train.seq_len, last) * train_passes(train.recompute)
 
 
 def compute_seconds(m: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: Layout,
