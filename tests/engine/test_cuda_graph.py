@@ -213,3 +213,13 @@ def test_batch_invariant_graph_decode_keeps_each_calls_logits():
     eager = make_engine(seed=42, cuda_graph=False, batch_invariant=True).generate(requests(ps, params_for))
     graphed = graph_engine(42, batch_invariant=True).generate(requests(ps, params_for))
     same_outputs(graphed, eager, atol=1e-5 if DEVICE == "cpu" else 2e-2)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda)")
+def test_captured_graphs_batch_invariant_equal_the_stand_in():
+    # the GPU side of test_batch_invariant_graph_decode_keeps_each_calls_logits: several replays per
+    # step, each call's logits kept (before the fix the captured engine sampled other rows' logits)
+    ps = prompts(5, lo=3, hi=30, seed=41)
+    captured = graph_engine(42, capture=True, compile_backend=None, dtype="bfloat16", batch_invariant=True)
+    stand_in = graph_engine(42, capture=False, dtype="bfloat16", batch_invariant=True)
+    same_outputs(captured.generate(requests(ps, params_for)), stand_in.generate(requests(ps, params_for)), atol=1e-3)
