@@ -41,6 +41,9 @@ checkpoints gathering the full expert tensors. This needs the ep group to be the
 data-parallel group (ep == the number of trainer ranks); EP smaller than DP (experts replicated or
 FSDP-sharded over the remaining dp ranks) is not built.
 
+The engine's expert parallelism (lockstep/dist/engine_expert_parallel.py) reuses this exchange
+(`sorted_mlp`) with plain-tensor shards: one home for the dispatch, per-source GEMMs and combine.
+
 A rank that receives no rows still runs both all-to-alls' backward (its empty output stays in the
 autograd graph) and gets a zero expert gradient, as one process's stacked experts do.
 
@@ -49,7 +52,7 @@ layer on GPUs, as in TorchTitan's token dispatch. The quantisation-aware forward
 of the experts runs on the local slices (`_local`), in fp32 and bf16 runs alike (tested: fp32, bf16,
 fp8-fp4 QAT, routing replay). Not combined here (TrainConfig refuses it): compiled layers. Not
 built: FSDP over the same model (experts sharded over the remaining dp ranks with a nested
-`fully_shard(experts, mesh=edp_mesh)`), EP < DP, and the engine's expert parallelism. Not yet run
+`fully_shard(experts, mesh=edp_mesh)`) and EP < DP. Not yet run
 on GPUs (NCCL).
 """
 
@@ -99,8 +102,13 @@ class ExpertParallelExperts(Experts):
         self.mesh, self.group = mesh, mesh.get_group()
         self.ep_size, self.n_local = mesh.size(), experts.n_experts // mesh.size()
         self.collective = collective or (lambda op: contextlib.nullcontext())
-        self.gate_up_proj = _sharded(experts.gate_up_proj, mesh)
-        self.down_proj = _sharded(experts.down_proj, mesh)
+        self.gate_up_proj = self._shard(experts.gate_up_proj)
+        self.down_proj = self._shard(experts.down_proj)
+
+    def _shard(self, full: torch.Tensor) -> nn.Parameter:
+        """This rank's block of a stacked expert weight, as the parameter it keeps (the engine's
+        subclass, lockstep/dist/engine_expert_parallel.py, keeps a plain tensor instead)."""
+        return _sharded(full, self.mesh)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._local("gate_up_proj"), self._local("down_proj")
@@ -167,12 +175,14 @@ def shard_experts(model: nn.Module, ep_size: int, ctx: DistContext) -> nn.Module
     return apply_expert_parallel(model, ep_mesh(ctx.trainer_group, ctx.device.type), ctx.collective)
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, collective: Collective | None = None) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, collective: Collective | None = None,
+                          experts_class: type[ExpertParallelExperts] = ExpertParallelExperts) -> nn.Module:
     """Shard the routed experts of every MoE layer of `model` (in place) over `mesh`'s ranks; every
-    rank must hold the same full weights before (e.g. loaded from one checkpoint). Returns the model."""
+    rank must hold the same full weights before (e.g. loaded from one checkpoint). Returns the model.
+    `experts_class`: the engine passes its plain-tensor shard (engine_expert_parallel.py)."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ValueError(f"expert parallel: {type(model).__name__} has no MoE layers")
     for moe in layers:
-        moe.experts = ExpertParallelExperts(moe.experts, mesh, collective)
+        moe.experts = experts_class(moe.experts, mesh, collective)
     return model

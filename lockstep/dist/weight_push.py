@@ -141,6 +141,14 @@ def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], devic
     return buf
 
 
+def _engine_share(engine, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """What the engine keeps of the pushed tensors: everything, or on an expert-parallel engine its
+    experts' slices of the full expert tensors (engine_expert_parallel.py `local_tensors`); staged and
+    validated as such, so the vote covers what the engine will write."""
+    local = getattr(engine, "local_tensors", None)
+    return local(pairs) if local is not None else pairs
+
+
 class _Stream:
     """One rank's side of the bucket broadcasts; remembers the first local failure instead of
     stopping, so the collectives of every rank stay matched up to the vote."""
@@ -175,7 +183,7 @@ class _Stream:
     def stage(self, bucket: Bucket, buf: torch.Tensor) -> None:
         if self.engine is None or self.error is not None:
             return
-        pairs = _views(self.manifest, bucket, buf)
+        pairs = _engine_share(self.engine, _views(self.manifest, bucket, buf))
         try:
             validate_update(self.engine.model, pairs, partial=True)  # every bucket is part of the one update
         except ValueError as e:

@@ -1,0 +1,202 @@
+"""Expert parallelism for the rollout engine, with data-parallel attention (DISTRIBUTED.md, "Engine
+parallelism" item 2): how a model whose routed experts do not fit one device is served.
+
+    engine = expert_parallel_engine(ctx, model, EngineConfig(...), tokenizer)   # on every engine rank
+    samples = engine.generate(my_requests)          # each rank its own requests, all ranks together
+    engine.update_weights(full_named_tensors, version)       # each rank keeps its experts' slice
+
+Each engine rank keeps what one Engine keeps -- attention, KV caches, scheduler, requests -- except
+the routed experts: rank r of ep keeps experts [r E/ep, (r+1) E/ep) of every MoE layer, as plain
+tensors (`EngineExpertShard`); the other experts' tensors are dropped before the engine moves the
+model to its device, so the device never holds them. The router, hash table, router bias and shared
+expert stay replicated, so routing is what one engine computes.
+
+The expert exchange is the trainer's (`ExpertParallelExperts.sorted_mlp`, expert_parallel.py, one
+home): token counts exchanged first, rows all-to-all to their experts' ranks, the local experts'
+grouped MLP run once per SOURCE rank, outputs all-to-all back, the k outputs summed on the home rank
+in ascending expert order. A source's rows for an expert are exactly the rows one engine serving
+that rank's requests has for it, computed in a GEMM of their own, so a rank's samples are bitwise
+what one engine generates for the same requests (tests/dist/test_engine_expert_parallel.py, fp32
+and bf16, no batch-invariant mode needed). DISTRIBUTED.md suggests all-gather + reduce-scatter
+instead (fixed shapes suit CUDA graphs); that sums a token's expert outputs across ranks in
+whatever order the reduce-scatter takes, so not bitwise one engine. Hence, with this exchange,
+CUDA graphs and multi-step decode windows (whose shapes and host round trips assume one process)
+are turned off for the EP engine, with a line on stderr when they were asked for on CUDA.
+
+Lockstep steps: the exchanges are collectives, so every rank runs every forward call together.
+Before a step's forward calls each rank says how many it needs (`runner.group_calls`: decode
+batch, prefill groups, or one per sequence in batch-invariant mode) and a MAX all-reduce over the
+gloo control group gives the step's count; a rank with fewer runs empty forwards for the rest:
+every MoE layer's exchange with zero rows, in layer order, no attention, no sampling. A rank whose
+requests are done keeps taking part in steps (empty ones) until the all-reduce says no rank
+scheduled anything: `generate` returns only when every rank is done. A dead peer fails the
+survivor's next collective: `DistributedError` naming rank and operation (groups.collective).
+
+Scope: the colocated layout (every rank serves; EP = the engine ranks = the world, so the control
+group is the engine group). Weight push: full expert tensors in (in-process, or `push_weights`,
+whose staging keeps each rank's slice through `local_tensors`); the manifest is the full model's.
+Not built: EP smaller than the engine ranks, the disaggregated layout, the background loop / HTTP
+server, `update_weights_from_disk`, CUDA graphs (the all-gather form), per-source decode kernels on
+GPUs (a receiving rank runs its step kind's MoE kernel on every source's rows; on CUDA bf16 decode
+that is the Triton path, so GPU bitwise equality with one engine is not shown).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lockstep.config import EngineConfig
+from lockstep.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel, ep_mesh
+from lockstep.dist.groups import DistContext
+from lockstep.engine.engine import Engine
+from lockstep.engine.runner import group_calls
+
+
+class EngineExpertShard(ExpertParallelExperts):
+    """The trainer's exchange over a plain [E/ep, ...] tensor shard: the engine's casts, serving-format
+    quantisation and weight updates see an ordinary parameter (quantisation blocks never cross
+    experts, so a slice is served as the same experts are in one engine)."""
+
+    def _shard(self, full: torch.Tensor) -> nn.Parameter:
+        lo = self.mesh.get_local_rank() * self.n_local
+        # clone: a view would keep the full tensor's storage (every expert) alive
+        return nn.Parameter(full.detach()[lo:lo + self.n_local].clone(), requires_grad=False)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj, self.down_proj
+
+    @property
+    def first_expert(self) -> int:
+        return self.mesh.get_local_rank() * self.n_local
+
+
+def _serving_config(config: EngineConfig) -> EngineConfig:
+    """CUDA graphs and decode windows off (module docstring), said once when they were asked for."""
+    on_cuda = torch.device(config.device).type == "cuda"
+    if on_cuda and (config.cuda_graph or config.decode_steps > 1):
+        print("lockstep engine: expert parallel: CUDA graphs and multi-step decode windows are off (the "
+              "all-to-all exchange has per-step shapes and every step is agreed with the peers)", file=sys.stderr)
+    return dataclasses.replace(config, cuda_graph=False, decode_steps=1)
+
+
+def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None):
+    """This rank's ExpertParallelEngine over every engine rank, from the full model (on the host:
+    the experts it does not keep are dropped before the Engine moves the model to its device)."""
+    if not ctx.layout.is_colocated:
+        raise ValueError(f"rank {ctx.rank}: the expert-parallel engine runs in the colocated layout only "
+                         "(every rank trains and serves); with --actor-num-gpus / --rollout-num-gpus it is not built")
+    apply_expert_parallel(model, ep_mesh(ctx.engine_group, ctx.device.type), ctx.collective, EngineExpertShard)
+    return ExpertParallelEngine(ctx, Engine(model, _serving_config(config), tokenizer))
+
+
+def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig):
+    from lockstep.models import load_pretrained
+    from lockstep.models.tokenizer import has_tokenizer, load_tokenizer
+
+    model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu")
+    return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None)
+
+
+class _AgreedRunner:
+    """The engine's ModelRunner, its forward calls agreed with the peers (module docstring)."""
+
+    def __init__(self, runner, engine: "ExpertParallelEngine"):
+        self.runner, self.ep = runner, engine
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+    def execute(self, scheduled):
+        mine = len(group_calls(scheduled, self.runner.batch_invariant, self.runner.one_call))
+        step = self.ep.agree_step(mine)
+        out = self.runner.execute(scheduled)
+        self.ep.empty_forwards(step - mine)
+        return out
+
+
+class ExpertParallelEngine:
+    """One engine rank of the expert-parallel engine: the Engine seam (generate, update_weights,
+    weight_version, pause / resume, tokenizer, model) over this rank's Engine."""
+
+    def __init__(self, ctx: DistContext, engine: Engine):
+        self.ctx, self.engine = ctx, engine
+        # module order is forward order: an empty forward's exchanges meet the peers' real ones layer by layer
+        self.experts = [m for m in engine.model.modules() if isinstance(m, EngineExpertShard)]
+        if not self.experts:
+            raise ValueError(f"rank {ctx.rank}: the engine's model has no expert-parallel experts")
+        self._expert_names = {f"{name}.{p}": m for name, m in engine.model.named_modules()
+                              if isinstance(m, EngineExpertShard) for p in ("gate_up_proj", "down_proj")}
+        self.steps = self.empty_forward_calls = 0  # agreed steps; forwards run with no rows (the log, tests)
+        engine.runner = _AgreedRunner(engine.runner, self)
+
+    # ---- the seam -------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module:
+        return self.engine.model
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.weight_version
+
+    @property
+    def paused(self) -> bool:
+        return self.engine.paused
+
+    def pause(self) -> None:
+        self.engine.pause()
+
+    def resume(self) -> None:
+        self.engine.resume()
+
+    def generate(self, requests: list) -> list:
+        """This rank's samples for its own `requests` (possibly none); returns once every rank is done."""
+        samples = self.engine.generate(requests)  # its steps are agreed through _AgreedRunner
+        while (step := self.agree_step(0)) > 0:
+            self.empty_forwards(step)
+        return samples
+
+    def update_weights(self, named_tensors, version: int, partial: bool = False) -> None:
+        """Full expert tensors are cut to this rank's experts; the Engine validates and writes."""
+        self.engine.update_weights(self.local_tensors(named_tensors), version, partial)
+
+    def local_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
+        """(name, tensor) pairs with each full routed-expert tensor [E, ...] replaced by this rank's
+        slice (a view); other tensors, and slices already cut, pass as they are."""
+        pairs = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        out = []
+        for name, t in pairs:
+            m = self._expert_names.get(name)
+            if m is not None and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == m.n_experts:
+                t = t[m.first_expert:m.first_expert + m.n_local]
+            out.append((name, t))
+        return out
+
+    # ---- lockstep steps -------------------------------------------------------------------
+
+    def agree_step(self, forwards: int) -> int:
+        """The most forward calls any rank needs this step (0: every rank is done)."""
+        self.steps += 1
+        t = torch.tensor([forwards], dtype=torch.int64)
+        with self.ctx.collective(f"all_reduce MAX of forward calls (expert-parallel engine step {self.steps})"):
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
+        return int(t.item())
+
+    @torch.no_grad()
+    def empty_forwards(self, n: int) -> None:
+        """n forwards with no rows: every MoE layer's exchange, so the peers' real ones complete."""
+        self.empty_forward_calls += n
+        for _ in range(n):
+            for experts in self.experts:
+                w = experts.gate_up_proj
+                rows = torch.empty(0, w.shape[-1], dtype=w.dtype, device=w.device)
+                experts.sorted_mlp(rows, torch.zeros(experts.n_experts, dtype=torch.long, device=w.device))

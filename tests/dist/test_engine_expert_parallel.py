@@ -1,0 +1,197 @@
+"""Expert-parallel engine with data-parallel attention (lockstep/dist/engine_expert_parallel.py):
+2 gloo processes, the bundled tiny DeepSeek-V4 (8 routed experts a layer, 4 kept per rank).
+
+Each rank serves its own requests; the experts are sharded, so every forward exchanges rows with the
+peer. Checked against ONE engine in this process given the same rank's requests (no batch-invariant
+mode: the exchange computes each source rank's rows in GEMMs of their own, so a rank's batch is
+computed as one engine computes it): token ids, finish reasons and routed experts equal, logprobs
+bitwise, greedy and seeded sampling, fp32 and bf16. Rounds: unequal load (rank 0 several prompts of
+different lengths, rank 1 one short one), then rank 1 with nothing at all (empty steps until rank 0
+is done), then after a weight push. Memory: each rank's expert parameters are half the full bytes,
+in storage of their own. Weight push (`push_weights`, two-phase commit): each rank's expert shard
+equals the slice of what one engine serves after the same in-process update, every other tensor
+equal; a stale version is voted down and changes nothing. A peer that exits mid-generation makes
+the survivor raise DistributedError naming its rank and the operation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import lockstep
+from dist_world import rank_values, run_world
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.engine.request import GenerateRequest
+
+ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
+VOCAB = 103
+
+
+def _requests(rank: int, round_: str) -> list[GenerateRequest]:
+    """rank 0: prompts of 2..9 tokens, greedy and seeded; rank 1: one short prompt, or none when idle."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, return_routed_experts=True, ignore_eos=True)
+    seeded = SamplingParams(temperature=1.0, seed=7, n=2, max_new_tokens=5, return_routed_experts=True)
+    g = torch.Generator().manual_seed(100 + rank)
+    prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (5, 2, 9, 3)]
+    if rank == 1:
+        return [] if round_ == "idle" else [GenerateRequest(prompts[1], greedy)]
+    return [GenerateRequest(p, greedy if i % 2 == 0 else seeded) for i, p in enumerate(prompts)]
+
+
+def _config(dtype: str) -> EngineConfig:
+    return EngineConfig(max_num_seqs=8, max_model_len=32, dtype=dtype, max_prefill_tokens=12)
+
+
+def _digest(samples) -> list:
+    return [(s.response_ids.tolist(), s.rollout_logprobs.clone(), s.finish_reason, s.routed_experts.clone())
+            for s in samples]
+
+
+def _new_weights(model) -> dict[str, torch.Tensor]:
+    """The full model's tensors, moved a little (what a trainer step would push)."""
+    g = torch.Generator().manual_seed(5)
+    return {n: (t + 1e-2 * torch.randn(t.shape, generator=g)).to(t.dtype) if t.is_floating_point() else t.clone()
+            for n, t in model.state_dict().items()}
+
+
+def _expert_bytes(model) -> tuple[int, int]:
+    """(bytes of the routed-expert parameters, bytes of their storages): equal if nothing else is kept."""
+    from lockstep.models.layers.moe import Experts
+
+    ps = [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters(recurse=False)]
+    return sum(p.numel() * p.element_size() for p in ps), sum(p.untyped_storage().nbytes() for p in ps)
+
+
+def _push(ctx, engine, weights, version: int):
+    from lockstep.dist.manifest import build_manifest
+    from lockstep.dist.weight_push import push_weights
+    from lockstep.models import load_pretrained
+
+    manifest = build_manifest(load_pretrained(ASSET), torch.float32, 1 << 20)  # the full model's
+    return push_weights(ctx, manifest, version, named_tensors=list(weights.items()), engine=engine)
+
+
+def _ep_rank(rank: int, dtype: str, push: bool) -> dict:
+    from lockstep.dist.engine_expert_parallel import expert_parallel_engine
+    from lockstep.dist.groups import init_distributed
+    from lockstep.dist.weight_push import WeightPushError
+    from lockstep.models import load_pretrained
+
+    ctx = init_distributed(20.0)
+    engine = expert_parallel_engine(ctx, load_pretrained(ASSET), _config(dtype))
+    out = {"uneven": _digest(engine.generate(_requests(rank, "uneven")))}
+    out["uneven_empty"] = engine.empty_forward_calls
+    out["idle"] = _digest(engine.generate(_requests(rank, "idle")))
+    out["idle_empty"], out["bytes"] = engine.empty_forward_calls - out["uneven_empty"], _expert_bytes(engine.model)
+    if push:
+        _push(ctx, engine, _new_weights(load_pretrained(ASSET)), version=3)
+        try:
+            _push(ctx, engine, _new_weights(load_pretrained(ASSET)), version=2)  # stale: voted down
+        except WeightPushError as e:
+            out["stale"] = str(e)
+        out["state"] = {n: t.clone() for n, t in engine.model.state_dict().items()}
+        out["version"] = engine.weight_version
+        out["pushed"] = _digest(engine.generate(_requests(rank, "uneven")))
+    return out
+
+
+def _one_engine(dtype: str):
+    from lockstep.engine.engine import Engine
+    from lockstep.models import load_pretrained
+
+    return Engine(load_pretrained(ASSET), _config(dtype))
+
+
+def _assert_same(got: list, want: list, what: str) -> None:
+    assert len(got) == len(want), what
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g[0] == w[0] and g[2] == w[2], f"{what} sample {i}: tokens {g[0]} != {w[0]}"
+        assert torch.equal(g[1], w[1]), f"{what} sample {i}: logprobs {g[1]} != {w[1]}"
+        assert torch.equal(g[3], w[3]), f"{what} sample {i}: routed experts differ"
+
+
+_WORLDS: dict[str, list] = {}
+
+
+def _world(dtype: str) -> list:
+    """Each rank's results of one 2-process world (run once per dtype; fp32 also pushes weights)."""
+    if dtype not in _WORLDS:
+        _WORLDS[dtype] = rank_values(run_world(_ep_rank, 2, guard_s=60, args=(dtype, dtype == "float32")))
+    return _WORLDS[dtype]
+
+
+DTYPES = pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+
+
+@DTYPES
+def test_ep_engine_generates_bitwise_what_one_engine_generates_per_rank(dtype):
+    torch.set_num_threads(1)
+    ranks = _world(dtype)
+    one = _one_engine(dtype)
+    for rank, got in enumerate(ranks):
+        for round_ in ("uneven", "idle"):
+            want = _digest(one.generate(_requests(rank, round_)))
+            _assert_same(got[round_], want, f"{dtype} rank {rank} round {round_}")
+    assert len(ranks[0]["uneven"]) == 6 and len(ranks[1]["uneven"]) == 1 and ranks[1]["idle"] == []
+    # rank 1 took part in rank 0's steps without work: forwards of its own done, or none at all
+    assert ranks[1]["uneven_empty"] > 0 and ranks[1]["idle_empty"] > 0 and ranks[0]["idle_empty"] == 0
+    assert len({len(s[0]) for s in ranks[0]["uneven"]}) > 1  # seeded samples stop at different lengths
+
+
+@DTYPES
+def test_each_rank_keeps_half_of_the_expert_bytes(dtype):
+    ranks = _world(dtype)
+    full, _ = _expert_bytes(_one_engine(dtype).model)
+    for rank, got in enumerate(ranks):
+        params, storage = got["bytes"]
+        assert params * 2 == full and storage == params, (rank, got["bytes"], full)
+
+
+def test_weight_push_into_ep_engines_equals_an_in_process_update():
+    torch.set_num_threads(1)
+    dtype, ranks = "float32", _world("float32")
+    from lockstep.models import load_pretrained
+
+    one = _one_engine(dtype)
+    one.update_weights(_new_weights(load_pretrained(ASSET)), version=3)
+    want = one.model.state_dict()
+    for rank, got in enumerate(ranks):
+        assert got["version"] == 3 and "aborted" in got["stale"] and f"rank(s) [0, 1]" in got["stale"]
+        assert set(got["state"]) == set(want)
+        for name, t in got["state"].items():
+            expected = want[name]
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                expected = expected[rank * 4:(rank + 1) * 4]
+            assert torch.equal(t, expected), f"rank {rank}: {name}"
+        _assert_same(got["pushed"], _digest(one.generate(_requests(rank, "uneven"))), f"rank {rank} after the push")
+
+
+def _dying_rank(rank: int) -> None:
+    from lockstep.dist.engine_expert_parallel import expert_parallel_engine
+    from lockstep.dist.groups import init_distributed
+    from lockstep.models import load_pretrained
+
+    ctx = init_distributed(10.0)
+    engine = expert_parallel_engine(ctx, load_pretrained(ASSET), _config("float32"))
+    if rank == 1:
+        agree = engine.agree_step
+
+        def die_at_step_4(forwards: int) -> int:
+            if engine.steps == 3:
+                os._exit(3)  # mid-generation: rank 0 still has requests running
+            return agree(forwards)
+        engine.agree_step = die_at_step_4
+    engine.generate(_requests(rank, "uneven"))
+
+
+def test_a_peer_dying_mid_generation_raises_naming_rank_and_operation():
+    r0, r1 = run_world(_dying_rank, 2, guard_s=30)
+    assert r1.exitcode == 3 and not r0.hung
+    assert r0.error_type == "DistributedError", r0.error
+    first = r0.error.splitlines()[0]
+    assert first.startswith("rank 0: ") and "expert-parallel" in first and "a peer probably exited" in first, first
+    assert r0.elapsed_s < 10, r0.elapsed_s
