@@ -39,7 +39,7 @@ from lockstep.dist.groups import Layout
 INSTALL_HINT = "pip install 'lockstep-rl[ray]'"
 # after the first failure, how long the driver still collects the other ranks' errors (a peer's
 # DistributedError arrives within moments of the death it reports) before it stops them
-GRACE_S = 5.0
+GRACE_S = 2.0
 
 
 class RayLaunchError(RuntimeError):
