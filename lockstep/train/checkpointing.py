@@ -7,6 +7,12 @@ Layout of a checkpoint directory:
                         names are listed in the metadata entry "aliases" (JSON {alias: stored name}).
     optimizer.pt        `MasterAdamW.state_dict()`: moments, fp32 masters (when they are copies), step
     trainer.pt          {"num_steps", "rng": torch / cuda / python / numpy states, "config": dict}
+    trainer.rankR.pt    the same for trainer rank R > 0 of a multi-process save (`trainer_file`): each
+                        rank's own RNG states; a rank without its file (another process count) takes
+                        trainer.pt
+
+The weights and the optimiser state are always the whole model's, whoever wrote them (one process,
+FSDP's ranks, pipeline stages), so any process count loads any save.
 
 Loading copies values into the existing tensors (same objects, same devices and dtypes), so the
 model, its wrappers and the optimiser's references stay valid.
@@ -40,18 +46,28 @@ def save_weights(named: Iterable[tuple[str, torch.Tensor]], path: Path) -> None:
 
 
 @torch.no_grad()
-def load_weights(named: Iterable[tuple[str, torch.Tensor]], path: Path) -> None:
-    """Copy the file's tensors into `named` (name -> live tensor); every name must be present."""
+def load_weights(named: Iterable[tuple[str, torch.Tensor]], path: Path, partial: bool = False) -> list[str]:
+    """Copy the file's tensors into `named` (name -> live tensor); every name must be present.
+    The file's names that no target takes are an error, or with `partial` (a pipeline stage, which
+    holds part of the model) returned, for the caller to check that another stage takes them."""
     targets = dict(named)
     with safe_open(str(path), framework="pt") as f:
         aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
         stored = set(f.keys())
         missing = [n for n in targets if n not in stored and aliases.get(n) not in stored]
-        unexpected = [n for n in stored if n not in targets]
-        if missing or unexpected:
+        taken = set(targets) | {aliases[n] for n in targets if n in aliases}
+        unexpected = [n for n in f.keys() if n not in taken]
+        if missing or (unexpected and not partial):
             raise KeyError(f"{path}: missing {missing[:5]}, unexpected {unexpected[:5]}")
         for name, dst in targets.items():
             dst.copy_(f.get_tensor(aliases.get(name, name)))
+    return unexpected
+
+
+def trainer_file(rank: int) -> str:
+    """The trainer-state file of trainer rank `rank` (ranks may draw different random numbers;
+    rank 0's is the one-process file)."""
+    return TRAINER if rank == 0 else f"trainer.rank{rank}.pt"
 
 
 def rng_state() -> dict:

@@ -388,7 +388,7 @@ class Trainer:
         """Write weights, optimiser state, RNG states and the step counter into `directory`.
         Data parallel: every rank calls it (the shards are gathered); the files are the one-process
         checkpoint (consolidated, written by rank 0, loadable by any rank count) plus each other
-        rank's RNG state (`_trainer_file`)."""
+        rank's RNG state (`checkpointing.trainer_file`)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         weights, optimizer = self.named_weights(), self.optimizer.state_dict()
@@ -398,22 +398,22 @@ class Trainer:
         else:
             for _ in weights:  # the gathers are collectives: run them with rank 0
                 pass
-        ckpt.save_trainer_state(d / self._trainer_file(), self.num_steps, self.config.to_dict())
+        ckpt.save_trainer_state(d / ckpt.trainer_file(self.dp.rank), self.num_steps, self.config.to_dict())
         self.dp.barrier("checkpoint saved")
 
-    def load(self, directory: str | Path) -> None:
+    def load(self, directory: str | Path, rank: int | None = None) -> list[str]:
         """Restore what `save` wrote (into this trainer's existing model and optimiser); each rank
-        takes its shard of every tensor."""
+        takes its shard of every tensor. A pipeline stage (pipeline_model_parallel_size > 1) takes its
+        own tensors and returns the file's other names (PipelineTrainer.load checks that some stage
+        took each); `rank`: whose RNG file to read, default this data-parallel rank's."""
         d = Path(directory)
         targets = ((n, _ShardTarget(t)) if isinstance(t, DTensor) else (n, t) for n, t in self._live_tensors())
-        ckpt.load_weights(targets, d / ckpt.WEIGHTS)
-        self.optimizer.load_state_dict(torch.load(d / ckpt.OPTIMIZER, weights_only=False))
-        own = d / self._trainer_file()
+        others = ckpt.load_weights(targets, d / ckpt.WEIGHTS, partial=self.config.pipeline_model_parallel_size > 1)
+        # mmap: a pipeline stage reads only its own parameters' state out of the whole model's
+        self.optimizer.load_state_dict(torch.load(d / ckpt.OPTIMIZER, weights_only=False, mmap=True))
+        own = d / ckpt.trainer_file(self.dp.rank if rank is None else rank)
         self.num_steps = int(ckpt.load_trainer_state(own if own.exists() else d / ckpt.TRAINER)["num_steps"])
-
-    def _trainer_file(self) -> str:
-        # ranks may draw different random numbers; rank 0's state is the one-process file
-        return ckpt.TRAINER if self.dp.rank == 0 else f"trainer.rank{self.dp.rank}.pt"
+        return others
 
 
 class _ShardTarget:

@@ -41,8 +41,9 @@ most samples in one, the longest sample; lockstep/dist/pipeline_parallel.py), on
 to its own longest sample: with the 172-token budget both pack each step's 16 samples into the same
 two micro-batches of 8, and each holds a sample of the step's longest length (the 4 x 21 + 4 x 22
 above), so both pad them to [8, 22] and run the same GEMMs (checked: 2 micro-batches in both).
-`--save` (checkpoints under PP are not built) and a PP other than the trainer ranks are refused
-before any process starts.
+Resumed on PP=2 from a PP=2 save (the one-process checkpoint, written by stage 0), its last rollout
+logs the unbroken PP run's metrics. A PP other than the trainer ranks is refused before any process
+starts.
 
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
 rank and the operation (at once for an exit, at --distributed-timeout for a hang).
@@ -144,25 +145,41 @@ def test_expert_parallel_two_processes_log_what_fsdp_logs(tmp_path, two_processe
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
-def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(tmp_path, one_process):
-    lines = _train(tmp_path, "--nproc-per-node", "2", "--pipeline-model-parallel-size", "2",
-                   "--decoder-last-pipeline-num-layers", "1", "--master-port", str(free_port()))
-    train = json.loads((tmp_path / "config.json").read_text())["train"]
+PIPELINE = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1"]
+
+
+@pytest.fixture(scope="module")
+def pipeline_two(tmp_path_factory) -> list[dict]:
+    run_dir = tmp_path_factory.mktemp("pipeline")
+    lines = _train(run_dir, *PIPELINE, "--master-port", str(free_port()))
+    train = json.loads((run_dir / "config.json").read_text())["train"]
     assert (train["pipeline_model_parallel_size"], train["decoder_last_pipeline_num_layers"]) == (2, 1)
+    return lines
+
+
+def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process, pipeline_two):
     # the same two micro-batches, padded to the same [8, 22] on both sides (module docstring)
-    assert [line["train/num_microbatches"] for line in lines if "train/step" in line] == [2.0] * 3
-    assert _first_difference(one_process, lines) is None, _first_difference(one_process, lines)
+    assert [line["train/num_microbatches"] for line in pipeline_two if "train/step" in line] == [2.0] * 3
+    assert _first_difference(one_process, pipeline_two) is None, _first_difference(one_process, pipeline_two)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--nproc-per-node", "2", "--save", "SAVE"],
-     "--pipeline-model-parallel-size 2 with --save SAVE: pipeline-parallel checkpoints are not built yet"),
-    ([], "--pipeline-model-parallel-size 2 must equal the trainer ranks for now"),
-])
-def test_pipeline_parallel_refuses_before_starting(tmp_path, flags, message):
+def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_two):
+    _train(tmp_path / "first", *PIPELINE, "--num-rollout", "2", "--save", str(tmp_path / "save"),
+           "--master-port", str(free_port()))
+    # the one-process files, written by stage 0, and stage 1's RNG states
+    assert sorted(p.name for p in (tmp_path / "save" / "trainer").iterdir()) == \
+        ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
+    resumed = _train(tmp_path / "resumed", *PIPELINE, "--load", str(tmp_path / "save"), "--master-port", str(free_port()))
+    assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
+    assert resumed[0]["train/step"] == 3.0
+    assert _perf_free(resumed[0]) == _perf_free(pipeline_two[-1])
+
+
+def test_pipeline_parallel_refuses_before_starting(tmp_path):
     cmd = [sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--run-dir", str(tmp_path / "run"),
-           "--pipeline-model-parallel-size", "2", *flags]
+           "--pipeline-model-parallel-size", "2"]
     proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=60)
+    message = "--pipeline-model-parallel-size 2 must equal the trainer ranks for now"
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # refused before any process or run directory
 
