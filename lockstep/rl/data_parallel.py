@@ -57,9 +57,6 @@ def pipeline_refusal(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) ->
                 f"{train_cfg.expert_model_parallel_size}: PP combined with EP is not built yet")
     if train_cfg.kl_loss_coef > 0:
         return f"--pipeline-model-parallel-size {pp} with --kl-loss-coef > 0: a reference model's stages are not built yet"
-    for flag, value in (("--save", run_cfg.save), ("--load", run_cfg.load)):
-        if value:
-            return f"--pipeline-model-parallel-size {pp} with {flag} {value}: pipeline-parallel checkpoints are not built yet"
     return None
 
 
