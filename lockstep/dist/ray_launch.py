@@ -31,10 +31,12 @@ import os
 import socket
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from lockstep.dist.config import DistConfig
-from lockstep.dist.groups import Layout
+
+if TYPE_CHECKING:  # groups imports torch: the placement probes' workers import this module and need none
+    from lockstep.dist.groups import Layout
 
 INSTALL_HINT = "pip install 'lockstep-rl[ray]'"
 # after the first failure, how long the driver still collects the other ranks' errors (a peer's
@@ -125,6 +127,8 @@ def launch_on_ray(config: DistConfig, device_type: str, entry: Callable[[list[st
     """Run `entry(argv)` as every rank of a config.world_size world on the Ray cluster at
     config.ray_address (module docstring); returns when every rank returned 0, else raises RayLaunchError.
     `entry` must be importable by reference (a module-level function): Ray pickles it to the actors."""
+    from lockstep.dist.groups import Layout
+
     ray = import_ray()
     layout = Layout.from_config(config, config.world_size)  # a bad actor/rollout split fails before placing
     owns = not ray.is_initialized()
