@@ -112,13 +112,14 @@ def _rank(args, configs, dist_cfg: DistConfig) -> int:
 
     ctx = init_distributed(dist_cfg.distributed_timeout, config=dist_cfg)
     try:
-        return _train(args, *configs, dist_ctx=ctx, weight_buffer_size=dist_cfg.update_weight_buffer_size)
+        return _train(args, *configs, dist_ctx=ctx, weight_buffer_size=dist_cfg.update_weight_buffer_size,
+                      rollout_ep_size=dist_cfg.rollout_expert_parallel_size)
     finally:
         destroy_distributed()
 
 
 def _train(args, run_cfg, train_cfg, engine_cfg, dist_ctx=None,
-           weight_buffer_size: int = DistConfig.update_weight_buffer_size) -> int:
+           weight_buffer_size: int = DistConfig.update_weight_buffer_size, rollout_ep_size: int = 1) -> int:
     from ..metrics.plots import plot_run
     from ..rl.progress import RunProgress
     from ..rl.setup import build_run
@@ -128,7 +129,7 @@ def _train(args, run_cfg, train_cfg, engine_cfg, dist_ctx=None,
         print(describe(args))
     with RunProgress(run_cfg.num_rollout) if primary else contextlib.nullcontext() as progress:
         rl = build_run(run_cfg, train_cfg, engine_cfg, progress=progress and progress.update, dist_ctx=dist_ctx,
-                       weight_buffer_size=weight_buffer_size)
+                       weight_buffer_size=weight_buffer_size, rollout_ep_size=rollout_ep_size)
         if progress:
             progress.start(rl.rollout_id)
         rl.run()

@@ -43,13 +43,17 @@ class DistConfig:
     update_weight_buffer_size: int = 512 * 1024 ** 2
     """Bytes per weight-push bucket (one flat broadcast each); a tensor larger than this gets a bucket of its
     own."""
+    rollout_expert_parallel_size: int = 1
+    """Colocated runs: shard the engines' routed experts over this many engine ranks (all of them for now),
+    each rank keeping its own attention, caches and requests (SGLang's --ep-size with --enable-dp-attention;
+    lockstep/dist/engine_expert_parallel.py); 1: every engine holds every expert."""
     ray_address: str | None = None
     """Start the world on this Ray cluster instead of torchrun (`auto` or HOST:PORT of its head; needs
     `pip install 'lockstep-rl[ray]'`): one actor per rank in a PACK placement group, nproc_per_node x nnodes
     ranks; rank 0's actor picks the master address and port."""
 
     def __post_init__(self):
-        for f in ("nproc_per_node", "nnodes", "update_weight_buffer_size"):
+        for f in ("nproc_per_node", "nnodes", "update_weight_buffer_size", "rollout_expert_parallel_size"):
             if getattr(self, f) < 1:
                 _fail(f, f"must be >= 1, got {getattr(self, f)}")
         if not 0 <= self.node_rank < self.nnodes:
@@ -68,6 +72,14 @@ class DistConfig:
         for f in ("actor_num_gpus", "rollout_num_gpus"):
             if getattr(self, f) is not None and getattr(self, f) < 1:
                 _fail(f, f"must be >= 1, got {getattr(self, f)}")
+        self._check_engine_ep()
+
+    def _check_engine_ep(self) -> None:
+        """The layout part; EP = the engine ranks is checked once the world is known (engine_expert_parallel.py)."""
+        ep = self.rollout_expert_parallel_size
+        if ep > 1 and not self.colocated:
+            _fail("rollout_expert_parallel_size", f"{ep}: the expert-parallel engine runs colocated only (every rank "
+                  "trains and serves); with actor_num_gpus / rollout_num_gpus it is not built")
 
     @property
     def world_size(self) -> int:

@@ -84,9 +84,15 @@ def _serving_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, cuda_graph=False, decode_steps=1)
 
 
-def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None):
+def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None,
+                           ep_size: int | None = None):
     """This rank's ExpertParallelEngine over every engine rank, from the full model (on the host:
-    the experts it does not keep are dropped before the Engine moves the model to its device)."""
+    the experts it does not keep are dropped before the Engine moves the model to its device).
+    `ep_size`, when given (the run's flag), must be the number of engine ranks."""
+    engines = len(ctx.layout.engine_ranks)
+    if ep_size is not None and ep_size != engines:
+        raise ValueError(f"rank {ctx.rank}: rollout_expert_parallel_size {ep_size} must equal the engine ranks, "
+                         f"here {engines} (EP smaller than the engine ranks is not built)")
     if not ctx.layout.is_colocated:
         raise ValueError(f"rank {ctx.rank}: the expert-parallel engine runs in the colocated layout only "
                          "(every rank trains and serves); with --actor-num-gpus / --rollout-num-gpus it is not built")
@@ -94,12 +100,12 @@ def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineCon
     return ExpertParallelEngine(ctx, Engine(model, _serving_config(config), tokenizer))
 
 
-def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig):
+def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig, ep_size: int | None = None):
     from lockstep.models import load_pretrained
     from lockstep.models.tokenizer import has_tokenizer, load_tokenizer
 
     model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu")
-    return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None)
+    return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None, ep_size)
 
 
 class _AgreedRunner:

@@ -77,7 +77,9 @@ class EngineReplicas:
     def generate(self, requests: list) -> list:
         """Every rank's samples for `requests`, in the order one engine returns them."""
         mine = self.my_requests(requests)
-        local = self.engine.generate(mine) if mine else []
+        # an engine rank calls generate even with no requests: an expert-parallel engine's rank must
+        # take part in its peers' steps (engine_expert_parallel.py); a plain Engine returns at once
+        local = self.engine.generate(mine) if self.engine is not None else []
         parts: list = [None] * self.ctx.world_size
         with self.ctx.collective(f"all_gather_object of rollout samples ({len(requests)} requests)"):
             dist.all_gather_object(parts, local, group=self.ctx.control_group)

@@ -3,7 +3,10 @@
 Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lockstep.dist.groups):
 
     engine   EngineReplicas: the rank's own Engine on an engine rank; generate() shards the requests
-             over the engine ranks and gathers the samples to every rank (lockstep/dist/replicas.py)
+             over the engine ranks and gathers the samples to every rank (lockstep/dist/replicas.py);
+             with --rollout-expert-parallel-size (colocated, = the ranks) each rank's engine is its part
+             of one expert-parallel engine: its own requests, 1/ep of the routed experts, steps taken
+             together (lockstep/dist/engine_expert_parallel.py)
     trainer  on a trainer rank the policy loaded in fp32 (FSDP's shards are the master weights),
              sharded over the trainer group with apply_fsdp (bf16 compute when TrainConfig.dtype says
              so) or, with --expert-model-parallel-size, its routed experts (apply_expert_parallel),
@@ -101,21 +104,34 @@ def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
     return Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)
 
 
-def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int, run_cfg=None):
+def _engine(ctx, path, engine_cfg, rollout_ep_size: int):
+    """This rank's Engine, or with --rollout-expert-parallel-size its rank of the expert-parallel engine
+    (each rank serves its own requests with 1/ep of the routed experts: engine_expert_parallel.py)."""
+    if rollout_ep_size > 1:
+        from ..dist.engine_expert_parallel import expert_parallel_engine_from_pretrained
+
+        return expert_parallel_engine_from_pretrained(ctx, path, engine_cfg, rollout_ep_size)
+    from ..engine.engine import Engine
+
+    return Engine.from_pretrained(path, engine_cfg)
+
+
+def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int, run_cfg=None,
+                             rollout_ep_size: int = 1):
     """(EngineReplicas, TrainerShard) of this rank, or with PP (EngineReplicas, PipelineTrainer).
-    `ref_model_fn(policy)` gives the KL reference; `run_cfg`: checked for what PP refuses."""
+    `ref_model_fn(policy)` gives the KL reference; `run_cfg`: checked for what PP refuses;
+    `rollout_ep_size` > 1: the engines are one expert-parallel engine (DistConfig checked the layout)."""
     from ..dist.manifest import build_manifest
     from ..dist.replicas import EngineReplicas
     from ..dist.trainer_shard import TrainerShard
-    from ..engine.engine import Engine
     from ..models.tokenizer import has_tokenizer, load_tokenizer
 
     if train_cfg.pipeline_model_parallel_size > 1:
         if run_cfg is not None:
             check_pipeline(train_cfg, run_cfg, len(ctx.layout.trainer_ranks), ctx.layout.is_colocated)
-        engine = Engine.from_pretrained(path, engine_cfg)
+        engine = _engine(ctx, path, engine_cfg, rollout_ep_size)
         return EngineReplicas(ctx, engine), _pipeline_trainer(ctx, path, train_cfg)
-    engine = Engine.from_pretrained(path, engine_cfg) if ctx.is_engine else None
+    engine = _engine(ctx, path, engine_cfg, rollout_ep_size) if ctx.is_engine else None
     trainer = _sharded_trainer(ctx, path, train_cfg, ref_model_fn) if ctx.is_trainer else None
     manifest = None
     if not ctx.layout.is_colocated:  # each side from its own copy of the model (manifest.py)

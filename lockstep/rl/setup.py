@@ -99,7 +99,8 @@ def reference_model(run: RunConfig, kl_loss_coef: float, policy):
     return ref
 
 
-def components(run: RunConfig, train_cfg, engine_cfg: EngineConfig, path, dist_ctx, weight_buffer_size: int):
+def components(run: RunConfig, train_cfg, engine_cfg: EngineConfig, path, dist_ctx, weight_buffer_size: int,
+               rollout_ep_size: int = 1):
     """(engine, trainer): one process's own, or this rank's part of the world's."""
     import torch
 
@@ -113,7 +114,7 @@ def components(run: RunConfig, train_cfg, engine_cfg: EngineConfig, path, dist_c
         from .data_parallel import data_parallel_components
 
         return data_parallel_components(dist_ctx, path, train_cfg, engine_cfg, ref_model, weight_buffer_size,
-                                        run_cfg=run)
+                                        run_cfg=run, rollout_ep_size=rollout_ep_size)
     engine = Engine.from_pretrained(path, engine_cfg)
     policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=engine_cfg.device)
     return engine, Trainer(policy, train_cfg, ref_model=ref_model(policy))
@@ -129,9 +130,10 @@ def shared_run_dir(run: RunConfig, dist_ctx) -> Path:
 
 
 def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None, dist_ctx=None,
-              weight_buffer_size: int = DistConfig.update_weight_buffer_size):
+              weight_buffer_size: int = DistConfig.update_weight_buffer_size, rollout_ep_size: int = 1):
     """The run's components; `dist_ctx` (a lockstep.dist DistContext): this rank's part of an N-process
-    run (lockstep/rl/data_parallel.py; `weight_buffer_size`: push bucket bytes), rank 0 writing the
+    run (lockstep/rl/data_parallel.py; `weight_buffer_size`: push bucket bytes; `rollout_ep_size`: the
+    engines' expert parallelism, DistConfig.rollout_expert_parallel_size), rank 0 writing the
     run directory's files."""
     from .loop import RLRun
 
@@ -142,7 +144,7 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     source = PromptSource(prompts, seed=run.seed)
     held_out = eval_sets(run)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
-    engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size)
+    engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size, rollout_ep_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
     run_dir = shared_run_dir(run, dist_ctx)
     if primary:

@@ -195,3 +195,11 @@ def test_a_peer_dying_mid_generation_raises_naming_rank_and_operation():
     first = r0.error.splitlines()[0]
     assert first.startswith("rank 0: ") and "expert-parallel" in first and "a peer probably exited" in first, first
     assert r0.elapsed_s < 10, r0.elapsed_s
+
+
+def test_the_ep_engine_is_refused_outside_the_colocated_layout():
+    from lockstep.dist.config import DistConfig
+
+    with pytest.raises(ValueError, match="rollout_expert_parallel_size: 2: the expert-parallel engine runs colocated"):
+        DistConfig(nproc_per_node=2, actor_num_gpus=1, rollout_num_gpus=1, rollout_expert_parallel_size=2)
+    assert DistConfig(nproc_per_node=2, rollout_expert_parallel_size=2).rollout_expert_parallel_size == 2
