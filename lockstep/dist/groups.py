@@ -26,6 +26,13 @@ so the stuck kernel returns). On CUDA `init_distributed` sets TORCH_NCCL_ASYNC_E
 (CleanUpOnly) unless it is set: torch's default (3) lets the NCCL watchdog end the process at the
 timeout before that error reaches Python; with 2 the watchdog aborts the communicators and the
 waiting thread raises the error that names rank and operation.
+
+A rank that dies (killed, crashed) makes torch's launcher stop the others with SIGTERM within its
+monitor interval (0.1 s), often before they reach a collective that would fail against the dead
+peer: their default SIGTERM death would leave the launcher's summary with the dead rank alone. In a
+torchrun-started process `init_distributed` turns that SIGTERM into `DistributedError` "rank R:
+stopped by the launcher (SIGTERM) in / after OP" (the collective it was in or last ran), which
+torch's @record writes where the launcher's summary shows it (tests/dist/test_rank_killed.py).
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -47,6 +56,9 @@ DEFAULT_TIMEOUT_S = 600.0
 # The configured timeout of the current world, for error messages: torch keeps the world itself
 # process-global, and `collective` must not need a context threaded through every call site.
 _world_timeout_s: float | None = None
+# the collective this process is in, the last one it entered and whether one failed, for the
+# launcher-stop message (`_on_launcher_stop`)
+_ops: dict = {"current": None, "last": None, "failed": False}
 
 
 class DistributedError(RuntimeError):
@@ -211,6 +223,7 @@ def init_distributed(timeout_s: float = DEFAULT_TIMEOUT_S, *, layout: Layout | N
         engine = _group(layout.engine_ranks, timeout, backend)
         control = _group(tuple(range(world_size)), timeout, "gloo")
         weight = _group(layout.weight_ranks, timeout, backend)
+    _report_launcher_stop()
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device,
                        timeout_s=timeout_s, layout=layout, trainer_group=trainer, engine_group=engine,
                        control_group=control, weight_group=weight)
@@ -222,6 +235,28 @@ def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     _world_timeout_s = None
+
+
+def _report_launcher_stop() -> None:
+    """In a torchrun-started process (its agent sets TORCHELASTIC_RUN_ID), SIGTERM raises the
+    DistributedError of `_on_launcher_stop` (module docstring). Signal handlers live in the main
+    thread only; elsewhere (an actor's worker thread) the default stays. It stays installed after
+    `destroy_distributed`: a failed rank's launcher SIGTERM may come between that teardown and torch's
+    @record writing the error, and must not kill the process before the error is written."""
+    if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _on_launcher_stop)
+
+
+def _on_launcher_stop(signum, frame) -> None:
+    # once: the exit that follows (torch's @record writing the error) must not be cut short by a
+    # second signal; the launcher SIGKILLs a process that has not exited after its shutdown timeout
+    signal.signal(signum, signal.SIG_IGN)
+    if _ops["failed"] or not dist.is_initialized():
+        return  # already leaving with a collective's error, or after the world's teardown: let it exit
+    current, last = _ops["current"], _ops["last"]
+    where = f"in {current}" if current else f"after {last}" if last else "before its first collective"
+    raise DistributedError(f"rank {dist.get_rank()}: stopped by the launcher (SIGTERM) {where}: another rank "
+                           "failed (the launcher's root cause names it) or the job was stopped")
 
 
 def _describe(op: str, rank: int | None, timeout_s: float | None, waited_s: float, error: BaseException) -> str:
@@ -243,10 +278,14 @@ def collective(op: str, *, rank: int | None = None, timeout_s: float | None = No
         rank = dist.get_rank()
     if timeout_s is None:
         timeout_s = _world_timeout_s
-    start = time.monotonic()
+    start, outer = time.monotonic(), _ops["current"]
+    _ops["current"] = _ops["last"] = op
     try:
         yield
     except DistributedError:
         raise
     except RuntimeError as e:  # torch.distributed.DistError and gloo's errors are RuntimeErrors
+        _ops["failed"] = True
         raise DistributedError(_describe(op, rank, timeout_s, time.monotonic() - start, e)) from e
+    finally:
+        _ops["current"] = outer

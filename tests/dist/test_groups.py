@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_world import run_world, shared_gpu, world_devices
+from dist_world import rank_values, run_world, shared_gpu, world_devices
 from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import DistributedError, Layout, collective, init_distributed
 
@@ -100,6 +100,51 @@ def test_collective_wraps_runtime_errors_with_rank_and_op():
     with pytest.raises(ValueError):  # not a distributed failure: left alone
         with collective("x", rank=0, timeout_s=1.0):
             raise ValueError("bad shape")
+
+
+def _sigterm() -> str:
+    """SIGTERM this process as torch's launcher does; the DistributedError it raises, or "ignored"."""
+    import signal
+
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(2)  # the handler runs at the next bytecode
+    except DistributedError as e:
+        return str(e)
+    return "ignored"
+
+
+def _launcher_stopped_rank(rank):
+    import signal
+
+    from lockstep.dist import groups
+
+    os.environ["TORCHELASTIC_RUN_ID"] = "test"  # as in a torchrun-started process
+    ctx = init_distributed(10.0)
+    ctx.barrier("before")
+    after = _sigterm()
+    signal.signal(signal.SIGTERM, groups._on_launcher_stop)  # it ignores the signal after once
+    try:
+        with ctx.collective("all_reduce x"):
+            inside = _sigterm()
+    except DistributedError as e:
+        inside = str(e)
+    signal.signal(signal.SIGTERM, groups._on_launcher_stop)
+    try:
+        with ctx.collective("all_reduce y"):
+            raise RuntimeError("Connection closed by peer")
+    except DistributedError:
+        pass
+    signal.signal(signal.SIGTERM, groups._on_launcher_stop)
+    return {"after": after, "inside": inside, "after_a_failure": _sigterm()}
+
+
+def test_launcher_sigterm_raises_naming_the_rank_and_its_last_collective():
+    got = rank_values(run_world(_launcher_stopped_rank, 1, guard_s=30))[0]
+    assert got["after"].startswith("rank 0: stopped by the launcher (SIGTERM) after barrier before: another rank "
+                                   "failed"), got
+    assert got["inside"].startswith("rank 0: stopped by the launcher (SIGTERM) in all_reduce x:"), got
+    assert got["after_a_failure"] == "ignored", got  # the failed collective's error is the one that leaves
 
 
 def test_layout_and_config_validation():

@@ -1,0 +1,153 @@
+"""A rank SIGKILLed mid-run of a real `lockstep train --nproc-per-node 2` (issues 13 / 18).
+
+The launcher (torch's `torch.distributed.run`, in the `lockstep train` process) is started with
+`--distributed-timeout 20` and enough rollouts that it is still running; once rank 0 has logged the
+metrics line of a trained rollout, one worker is SIGKILLed. The job must end non-zero within the timeout (plus a margin
+for the launcher's shutdown), its summary naming the killed rank (torch's "Root Cause") and the
+surviving rank with the operation it was in or had last run (lockstep's DistributedError), and no
+process of the job may be left. Killed: the worker that is not rank 0, rank 0 (the launcher's
+rendezvous store lives in the launcher, so the survivor still reports), and in the disaggregated
+layout (1 trainer + 1 engine) the engine rank.
+
+What ends the job: torch's launcher polls its workers every 0.1 s and, at the first that died,
+SIGTERMs the others. A survivor waiting in a gloo collective fails at once against the closed socket
+("... failed after 0.0s ..., a peer probably exited"); one that is computing is stopped by that
+SIGTERM, which lockstep turns into "rank R: stopped by the launcher (SIGTERM) after OP"
+(lockstep/dist/groups.py). Which of the two a run shows depends on where the kill lands, so the test
+accepts either; both name the survivor and an operation. On CUDA (LOCKSTEP_TEST_DEVICE=cuda) the same
+runs use one GPU per rank; a survivor blocked in an NCCL wait reports at the timeout instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_world import free_port, report, world_devices
+
+TIMEOUT_S = 20
+MARGIN_S = 15  # the launcher's poll, the survivor's exit and torch's summary; measured ~1 s on the CPU
+NUM_ROLLOUT = 60  # far more than run before the kill (~1 s per rollout here): the kill lands mid-run
+RUN = ["--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
+       "--eval-interval", "1000", "--eval-prompts-limit", "8", "--no-plot", "--distributed-timeout", str(TIMEOUT_S)]
+LAYOUTS = {"colocated": [], "disaggregated": ["--actor-num-gpus", "1", "--rollout-num-gpus", "1"]}
+SCENARIOS = [("colocated", 1), ("colocated", 0), ("disaggregated", 1)]  # (layout, killed rank)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (Linux /proc: its children, theirs, ...)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # exited while listed
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # fields after "(comm)": state, ppid, ...
+        parents.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        kids = parents.get(todo.pop(), [])
+        out += kids
+        todo += kids
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    ranks = [int(v.split(b"=", 1)[1]) for v in env if v.startswith(b"RANK=")]
+    return ranks[0] if ranks else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; only its parent's wait is missing
+
+
+def _wait_mid_run(proc: subprocess.Popen, metrics: Path, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not (metrics.is_file() and "train/step" in metrics.read_text()):  # a rollout trained, not step 0's eval
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended (rc {proc.returncode}) before logging a line: {proc.communicate()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no metrics line after {limit_s}s")
+        time.sleep(0.1)
+
+
+def _start(run_dir: Path, device: str, layout: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                                                             "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU wherever the test runs
+    flags = ["--device", "cuda", "--no-compile-decode", "--no-compile-prefill"] if device == "cuda" else []
+    cmd = [sys.executable, "-m", "lockstep.cli", "train", *RUN, *flags, *LAYOUTS[layout], "--run-dir", str(run_dir),
+           "--nproc-per-node", "2", "--master-port", str(free_port())]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _survivor_operation(stderr: str, rank: int) -> str | None:
+    """The operation rank `rank`'s DistributedError names: the collective that failed against the
+    dead peer, or the one it was in / had last run when the launcher's SIGTERM stopped it."""
+    failed = re.search(rf"DistributedError: rank {rank}: (.+?) (failed after|timed out after)", stderr)
+    stopped = re.search(rf"DistributedError: rank {rank}: stopped by the launcher \(SIGTERM\) (?:in|after) (.+?): "
+                        "another rank failed", stderr)
+    return (failed or stopped).group(1) if failed or stopped else None
+
+
+def _kill_rank(proc: subprocess.Popen, victim: int) -> list[int]:
+    """SIGKILL the worker of rank `victim`; every process of the job at that moment."""
+    job = _descendants(proc.pid)
+    workers = {_rank_of(pid): pid for pid in job if _rank_of(pid) is not None}
+    assert sorted(workers) == [0, 1], f"workers by rank: {workers}"
+    os.kill(workers[victim], signal.SIGKILL)
+    return job
+
+
+@pytest.mark.parametrize("device, scenario", [pytest.param(d.values[0], s, marks=d.marks, id=f"{d.values[0]}-{s[0]}"
+                                                           f"-kill{s[1]}") for d in world_devices() for s in SCENARIOS])
+def test_killed_rank_ends_the_job_naming_the_survivor_and_its_operation(tmp_path, device, scenario):
+    layout, victim = scenario
+    survivor = 1 - victim
+    proc = _start(tmp_path / "run", device, layout)
+    _wait_mid_run(proc, tmp_path / "run" / "metrics.jsonl", limit_s=300)
+    job = _kill_rank(proc, victim)
+    killed_at = time.monotonic()
+    try:
+        stderr = proc.communicate(timeout=TIMEOUT_S + MARGIN_S)[1]
+    except subprocess.TimeoutExpired:
+        _kill_all([proc.pid, *job])
+        pytest.fail(f"the launcher still ran {TIMEOUT_S + MARGIN_S}s after rank {victim} was killed")
+    seconds = time.monotonic() - killed_at
+    report(test="rank_killed", device=device, layout=layout, killed=victim, seconds_to_exit=round(seconds, 2),
+           survivor_error=next((line.strip() for line in stderr.splitlines()
+                                if f"DistributedError: rank {survivor}:" in line), None))
+    logged = len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    assert proc.returncode != 0 and logged < NUM_ROLLOUT, (proc.returncode, logged)
+    root_cause = stderr.split("Root Cause", 1)[-1]
+    assert re.search(rf"rank\s*: {victim} .*\n.*exitcode\s*: -9 .*SIGKILL", root_cause), stderr[-3000:]
+    assert _survivor_operation(stderr, survivor), stderr[-4000:]
+    assert not [pid for pid in job if _alive(pid)], f"left behind: {[pid for pid in job if _alive(pid)]}"
