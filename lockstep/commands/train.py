@@ -53,12 +53,51 @@ def configs_from_args(args):
     return run, train, engine
 
 
+class _LayoutFlagParser(argparse.ArgumentParser):
+    def error(self, message):  # a bad flag in a --layout file: raised, for apply_layout to name the file
+        raise ValueError(message)
+
+
+def apply_layout(args) -> str | None:
+    """--layout FILE: the `lockstep train` flags of the file's chosen layout (lockstep/plan/train_flags.py
+    `chosen_layout`) set on `args`, parsed by this command's own parser. A flag given on the command line
+    that the layout sets too must have the layout's value, else an error naming both: the plan's memory
+    and time estimates hold for the layout's values, so a silent override would run an unplanned layout.
+    Returns the line saying which layout was taken (None without --layout)."""
+    from ..files import FileError
+    from ..plan.train_flags import chosen_layout, layout_label
+
+    path = getattr(args, "layout", "")
+    if not path:
+        return None
+    index, entry, passed = chosen_layout(path)
+    parser = _LayoutFlagParser(prog="lockstep train")
+    add_arguments(parser)
+    try:
+        planned, unknown = parser.parse_known_args(entry["train_flags"])
+    except ValueError as e:
+        raise FileError(f"{path}: layout #{index}: field 'train_flags': {e}") from None
+    if unknown:
+        raise FileError(f"{path}: layout #{index}: field 'train_flags': lockstep train has no {' '.join(unknown)}")
+    for name, value in vars(planned).items():
+        flag = "--" + name.replace("_", "-")
+        if hasattr(args, name) and getattr(args, name) != value:
+            raise ValueError(f"{flag} {getattr(args, name)} conflicts with --layout {path}, whose layout #{index} "
+                             f"sets {flag} {value}: drop the flag, or plan with the value you want")
+        setattr(args, name, value)
+    over = f" (passed over: {'; '.join(passed)})" if passed else ""
+    return f"--layout {path}: layout #{index} ({layout_label(entry)}): {' '.join(entry['train_flags'])}{over}"
+
+
 def run(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from ..dist.groups import launched
     from ..dist.launch import launch, should_launch, strip_launch_flags
 
+    note = apply_layout(args)
+    if note and not launched():  # once, from the command the user ran
+        print(note)
     dist_cfg = dataclass_from_args(DistConfig, args)
     configs = configs_from_args(args)  # bad flags fail here, before any process starts
     if should_launch(dist_cfg) or not launched():  # a plain torchrun's world is checked once it is known

@@ -7,10 +7,13 @@ spec gives --max-tokens-per-gpu, --recompute-activations and --optimizer-offload
 PP (colocated only in lockstep, the planner's layout is disaggregated), EP smaller than the trainer
 ranks and optimizer offload with EP have no lockstep implementation: `not_runnable` names them.
 --model, --node-rank and --master-addr are the user's, per run and per node.
+
+`chosen_layout` reads them back from a `lockstep plan --json` file for `lockstep train --layout`.
 """
 
 from __future__ import annotations
 
+from lockstep.files import FileError, read_json
 from lockstep.plan.cluster import ClusterSpec, TrainSpec
 from lockstep.plan.layout import Layout
 
@@ -44,3 +47,43 @@ def train_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec) -> tuple
     if train.optimizer_offload:
         flags.append("--optimizer-offload")
     return flags, ""
+
+
+def layout_label(entry: dict) -> str:
+    return " ".join(f"{dim}{entry[dim]}" for dim in ("tp", "pp", "ep", "cp") if dim in entry)
+
+
+def _field(path, i: int, entry, name: str, types: tuple[type, ...]):
+    """Layout #i's field `name`, else FileError naming the file, the layout and the field."""
+    if not isinstance(entry, dict):
+        raise FileError(f"{path}: layout #{i}: expected a JSON object, got {type(entry).__name__}")
+    if name not in entry:
+        raise FileError(f"{path}: layout #{i}: missing field {name!r} (lockstep plan --json writes it)")
+    value = entry[name]
+    if not isinstance(value, types) or (name == "train_flags" and value is not None
+                                        and not all(isinstance(f, str) for f in value)):
+        raise FileError(f"{path}: layout #{i}: field {name!r}: unexpected value {value!r}")
+    return value
+
+
+def chosen_layout(path) -> tuple[int, dict, list[str]]:
+    """(its 1-based rank, the entry, notes on better-ranked layouts passed over) of the layout
+    `lockstep train --layout PATH` runs: the plan's best-ranked (first) layout that fits and that
+    lockstep can run. `lockstep plan --json` ranks them best first; a layout lockstep cannot run is
+    passed over with its not_runnable reason; none left: FileError with the reasons."""
+    layouts = read_json(path)
+    if not isinstance(layouts, list) or not layouts:
+        raise FileError(f"{path}: expected the non-empty JSON list of layouts `lockstep plan --json` writes, "
+                        f"got {type(layouts).__name__ if layouts else 'an empty list'}")
+    passed = []
+    for i, entry in enumerate(layouts, 1):
+        feasible = _field(path, i, entry, "feasible", (bool,))
+        flags = _field(path, i, entry, "train_flags", (list, type(None)))
+        why = _field(path, i, entry, "not_runnable", (str,))
+        if feasible and flags is not None:
+            return i, entry, passed
+        if feasible:
+            passed.append(f"#{i} ({layout_label(entry)}) not runnable: {why}")
+    if not passed:
+        raise FileError(f"{path}: no layout fits (the best, #1 {layout_label(layouts[0])}: {layouts[0].get('reason', '')})")
+    raise FileError(f"{path}: lockstep train cannot run any layout that fits: {'; '.join(passed)}")

@@ -73,6 +73,10 @@ class RunConfig:
     """Evaluate on at most this many prompts per set; 0: all."""
     run_dir: str = ""
     """Directory for metrics.jsonl, config.json and plots; "": runs/<timestamp>."""
+    layout: str = ""
+    """A `lockstep plan --json` file: its best-ranked layout that fits and that lockstep can run gives this
+    run its flags (processes, EP, micro-batch tokens, recompute, offload); a flag also given here must agree
+    with the layout's; "": none."""
     save: str = ""
     """Directory to save the run to (trainer state, data cursor, RNG); "": no saving."""
     load: str = ""

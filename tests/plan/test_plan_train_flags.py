@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from lockstep.cli import build_parser, main
 from lockstep.commands.train import configs_from_args
 from lockstep.dist.config import DistConfig
@@ -47,3 +49,101 @@ def test_tp_cp_pp_not_runnable():
     assert "CP 2" in train_flags(Layout(tp=1, pp=1, ep=1, cp=2, dp=4), CLUSTER, train)[1]
     assert "PP 2" in train_flags(Layout(tp=1, pp=2, ep=1, cp=1, dp=4), CLUSTER, train)[1]
     assert "EP 4" in train_flags(Layout(tp=1, pp=1, ep=4, cp=1, dp=8), CLUSTER, train)[1]
+
+
+# ---- lockstep train --layout FILE: the plan's JSON read back --------------------------------------
+
+# 16 nodes: the first layouts that fit need TP / PP / CP; tp1 pp1 ep64 cp1 fits and lockstep runs it
+PLAN = ["plan", "--model", "deepseek-v4-flash", "--nodes", "16", "--json", "--recompute", "--max-tokens-per-gpu", "4096"]
+RUNNABLE = ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "64"]
+
+
+def _plan_file(tmp_path, capsys, *flags) -> tuple:
+    assert main([*PLAN, *flags]) == 0
+    text = capsys.readouterr().out
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    return path, json.loads(text)
+
+
+def _configs(argv):
+    """(DistConfig, RunConfig without its layout field, TrainConfig, EngineConfig) as `lockstep train` builds them."""
+    import dataclasses
+
+    from lockstep.commands.train import apply_layout
+
+    args = build_parser(["train"]).parse_args(["train", *argv])
+    apply_layout(args)
+    run, train, engine = configs_from_args(args)
+    return dataclass_from_args(DistConfig, args), dataclasses.replace(run, layout=""), train, engine
+
+
+def test_layout_file_gives_the_config_of_the_printed_flags(tmp_path, capsys):
+    path, rows = _plan_file(tmp_path, capsys, *RUNNABLE)
+    (row,) = rows
+    assert row["feasible"] and row["train_flags"]
+    assert _configs(["--layout", str(path)]) == _configs(row["train_flags"])
+    dist, run, train, _ = _configs(["--layout", str(path), "--num-rollout", "3", "--max-tokens-per-gpu", "4096"])
+    assert (dist.world_size, dist.actor_num_gpus, train.expert_model_parallel_size) == (128, 64, 64)
+    assert run.num_rollout == 3 and train.recompute_activations  # flags the layout does not set, and one it does
+    assert _configs(["--layout", str(path)]) != _configs([])  # the layout changed something
+
+
+def test_layout_file_takes_the_best_layout_lockstep_can_run(tmp_path, capsys):
+    """The whole ranked list: the first layout that fits and has train flags; those ranked above it that
+    fit but lockstep cannot run are named in the line train prints."""
+    from lockstep.commands.train import apply_layout
+
+    path, rows = _plan_file(tmp_path, capsys)
+    best = next(i for i, r in enumerate(rows) if r["feasible"] and r["train_flags"])
+    skipped = [r for r in rows[:best] if r["feasible"]]
+    assert skipped, "the plan ranks a layout lockstep cannot run first (TP / CP / PP): the case under test"
+    args = build_parser(["train"]).parse_args(["train", "--layout", str(path)])
+    note = apply_layout(args)
+    assert note.startswith(f"--layout {path}: layout #{best + 1} ") and " ".join(rows[best]["train_flags"]) in note
+    assert skipped[0]["not_runnable"] in note
+    assert _configs(["--layout", str(path)]) == _configs(rows[best]["train_flags"])
+
+
+def _fails(argv, capsys) -> str:
+    """`lockstep train ARGV` exits 2 with one error line (before any process starts); the line."""
+    assert main(["train", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def test_layout_not_runnable_is_refused_with_its_reason(tmp_path, capsys):
+    path, (row,) = _plan_file(tmp_path, capsys, "--tp", "2", "--pp", "1", "--cp", "1", "--ep", "32")
+    assert row["feasible"] and row["train_flags"] is None and "TP 2" in row["not_runnable"]
+    err = _fails(["--layout", str(path), "--run-dir", str(tmp_path / "run")], capsys)
+    assert f"{path}: lockstep train cannot run any layout that fits: #1 (tp2 pp1 ep32 cp1) not runnable: " \
+           f"{row['not_runnable']}" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_layout_flag_given_twice_must_agree(tmp_path, capsys):
+    path, _ = _plan_file(tmp_path, capsys, *RUNNABLE)
+    err = _fails(["--layout", str(path), "--max-tokens-per-gpu", "1024"], capsys)
+    assert f"--max-tokens-per-gpu 1024 conflicts with --layout {path}, whose layout #1 sets --max-tokens-per-gpu 4096" \
+        in err
+
+
+def test_malformed_layout_files_name_file_and_field(tmp_path, capsys):
+    from lockstep.plan.train_flags import chosen_layout
+
+    path = tmp_path / "plan.json"
+    path.write_text('[{"feasible": true,')
+    assert f"{path}: line 1 column 20: invalid JSON" in _fails(["--layout", str(path)], capsys)
+    path.write_text(json.dumps([{"tp": 1, "feasible": True, "not_runnable": ""}]))
+    assert f"{path}: layout #1: missing field 'train_flags'" in _fails(["--layout", str(path)], capsys)
+    path.write_text(json.dumps([{"feasible": True, "train_flags": "--nnodes 2", "not_runnable": ""}]))
+    assert f"{path}: layout #1: field 'train_flags': unexpected value '--nnodes 2'" in _fails(["--layout", str(path)], capsys)
+    path.write_text(json.dumps([{"feasible": True, "train_flags": ["--no-such-flag"], "not_runnable": ""}]))
+    assert f"{path}: layout #1: field 'train_flags': lockstep train has no --no-such-flag" in \
+        _fails(["--layout", str(path)], capsys)
+    path.write_text(json.dumps({"feasible": True}))
+    assert f"{path}: expected the non-empty JSON list" in _fails(["--layout", str(path)], capsys)
+    path.write_text(json.dumps([{"feasible": False, "train_flags": None, "not_runnable": "", "reason": "OOM"}]))
+    with pytest.raises(ValueError, match="no layout fits .*OOM"):
+        chosen_layout(path)
