@@ -97,7 +97,12 @@ def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineCon
         raise ValueError(f"rank {ctx.rank}: the expert-parallel engine runs in the colocated layout only "
                          "(every rank trains and serves); with --actor-num-gpus / --rollout-num-gpus it is not built")
     apply_expert_parallel(model, ep_mesh(ctx.engine_group, ctx.device.type), ctx.collective, EngineExpertShard)
-    return ExpertParallelEngine(ctx, Engine(model, _serving_config(config), tokenizer))
+    engine = ExpertParallelEngine(ctx, Engine(model, _serving_config(config), tokenizer))
+    shard = engine.experts[0]
+    print(f"lockstep engine: rank {ctx.rank}: expert parallel over {engines} ranks, experts "
+          f"[{shard.first_expert}, {shard.first_expert + shard.n_local}) of {shard.n_experts} in each of "
+          f"{len(engine.experts)} MoE layers", file=sys.stderr)
+    return engine
 
 
 def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig, ep_size: int | None = None):

@@ -28,8 +28,9 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
-Three other ways to run the 2-process run each log its metrics bitwise: with the routed experts
-sharded instead of FSDP (`--expert-model-parallel-size 2`); started by two launchers (`--nnodes 2
+Four other ways to run the 2-process run each log its metrics bitwise: with the routed experts
+sharded instead of FSDP (`--expert-model-parallel-size 2`); with the engines' routed experts sharded
+(`--rollout-expert-parallel-size 2`: one expert-parallel engine, each rank serving its block); started by two launchers (`--nnodes 2
 --node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
 processes from a 2-process save.
 
@@ -142,6 +143,21 @@ def test_expert_parallel_two_processes_log_what_fsdp_logs(tmp_path, two_processe
     lines = _train(tmp_path, "--nproc-per-node", "2", "--expert-model-parallel-size", "2",
                    "--master-port", str(free_port()))
     assert json.loads((tmp_path / "config.json").read_text())["train"]["expert_model_parallel_size"] == 2
+    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
+
+
+def test_expert_parallel_engines_log_what_two_engines_log(tmp_path, two_processes):
+    # --rollout-expert-parallel-size 2: each rank's engine keeps half of the routed experts and serves its
+    # block of the prompts, the experts' rows exchanged with the peer; a rank's samples are bitwise one
+    # engine's for that block (test_engine_expert_parallel.py), so the run is the 2-engine run
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(tmp_path),
+                           "--nproc-per-node", "2", "--rollout-expert-parallel-size", "2", "--master-port",
+                           str(free_port())], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    for rank, experts in ((0, "[0, 4)"), (1, "[4, 8)")):
+        assert f"rank {rank}: expert parallel over 2 ranks, experts {experts} of 8 in each of 4" in proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
