@@ -350,11 +350,11 @@ def test_two_optimiser_steps_over_the_stages():
 
 # ---- checkpoints: the one-process files, written by the first stage, loaded by any process count ----
 
-def _pipeline_trainer(ctx, rank: int, dtype: str = "float32"):
+def _pipeline_trainer(ctx, rank: int, dtype: str = "float32", last_stage_layers: int | None = None):
     from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
     from lockstep.train.trainer import Trainer
 
-    stage = split_model(load_pretrained(ASSET), rank, 2)
+    stage = split_model(load_pretrained(ASSET), rank, 2, last_stage_layers)
     trainer = Trainer(stage, _train_config().replace(pipeline_model_parallel_size=2, dtype=dtype))
     return PipelineTrainer(trainer, PipelineParallel(stage, ctx.trainer_group, ctx.device,
                                                      streams_dtype=getattr(torch, dtype), collective=ctx.collective))
@@ -366,8 +366,8 @@ def _step(trainer) -> dict:
 
 
 def _checkpoint_rank(rank: int, directory: str) -> dict:
-    """Step, save, step (unbroken); fresh stages load the PP save, and the one-process save of one
-    step (`one/`), and step; a save with a tensor of another model is refused."""
+    """Step, save, step (unbroken); fresh stages load the PP save (split 2 + 2 as saved, and 3 + 1), and
+    the one-process save of one step (`one/`), and step; a save with a tensor of another model is refused."""
     from lockstep.dist.groups import init_distributed
 
     ctx = init_distributed(30.0)
@@ -375,9 +375,9 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
     _step(unbroken)
     unbroken.save(f"{directory}/pp")
     out = {"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights())}
-    for name in ("pp", "one"):
-        resumed = _pipeline_trainer(ctx, rank)
-        resumed.load(f"{directory}/{name}")
+    for name, save, last in (("pp", "pp", None), ("one", "one", None), ("pp-3+1", "pp", 1)):
+        resumed = _pipeline_trainer(ctx, rank, last_stage_layers=last)
+        resumed.load(f"{directory}/{save}")
         out[name] = {"num_steps": resumed.num_steps, "metrics": _step(resumed),
                      "weights": dict(resumed.named_weights())}
     try:
@@ -437,14 +437,16 @@ def checkpoints(tmp_path_factory):
 
 def test_pp_save_resumes_on_pp_as_the_unbroken_run(checkpoints):
     """PP=2 save after a step, loaded into fresh PP=2 stages: the next step's metrics and weights are the
-    unbroken run's, bitwise; the files are the one-process layout plus stage 1's RNG states."""
+    unbroken run's, bitwise, also when the stages are cut elsewhere (3 + 1); the files are the one-process
+    layout plus stage 1's RNG states."""
     _, _, _, results, directory = checkpoints
     assert sorted(p.name for p in (directory / "pp").iterdir()) == \
         ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
     for rank, r in enumerate(results):
-        assert r["pp"]["num_steps"] == 1, rank
-        assert r["pp"]["metrics"] == r["unbroken"], rank
-        _assert_weights_equal(r["pp"]["weights"], r["unbroken_weights"], f"rank {rank} resumed")
+        for name in ("pp", "pp-3+1"):  # the same split as saved, and another
+            assert r[name]["num_steps"] == 1, (rank, name)
+            assert r[name]["metrics"] == r["unbroken"], (rank, name)
+            _assert_weights_equal(r[name]["weights"], r["unbroken_weights"], f"rank {rank} resumed {name}")
     assert results[0]["unbroken"] == results[1]["unbroken"]
 
 
