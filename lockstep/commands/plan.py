@@ -4,7 +4,8 @@ Example (DeepSeek-V4-Flash, 2 actor + 2 rollout nodes of 8 x 288 GB GPUs):
 
     lockstep plan --model deepseek-v4-flash --nodes 4 --gpus-per-node 8 --gpu-memory-gb 288 \
         --actor-nodes 2 --rollout-nodes 2 --seq-len 4096 --max-tokens-per-gpu 8192 \
-        --recompute --optimizer-offload --host-memory-gb 3000 --json
+        --recompute --optimizer-offload --host-memory-gb 3000 --json > plan.json
+    lockstep train --layout plan.json --model DIR ...   # the best layout lockstep can run (train_flags.py)
 
 Every flag maps to one field of ModelSpec / ClusterSpec / TrainSpec / RolloutSpec
 (lockstep/plan/); the formulas are in the docstrings of lockstep/plan/{memory,rollout,comm,compute}.py.
