@@ -1,7 +1,8 @@
 """Starting the world on a Ray cluster: one actor per rank, placed by one PACK placement group.
 
 `lockstep train --ray-address auto|HOST:PORT --nproc-per-node N ...` is the torchrun job
-(lockstep/dist/launch.py) with Ray doing the placement. The driver
+(lockstep/dist/launch.py) with Ray doing the placement. The driver joins the cluster (after checking that HOST:PORT answers: ray.init would retry for
+minutes), then
 
 1. reserves N bundles in one PACK placement group: {"CPU": 1} each on the CPU, {"GPU": 1, "CPU": 1}
    on CUDA; it waits --distributed-timeout for the cluster to have room, then names what it lacks;
@@ -133,6 +134,7 @@ def launch_on_ray(config: DistConfig, device_type: str, entry: Callable[[list[st
     layout = Layout.from_config(config, config.world_size)  # a bad actor/rollout split fails before placing
     owns = not ray.is_initialized()
     if owns:
+        _check_reachable(config.ray_address)
         try:
             ray.init(address=config.ray_address)
         except (ConnectionError, RuntimeError, ValueError) as e:
@@ -142,6 +144,21 @@ def launch_on_ray(config: DistConfig, device_type: str, entry: Callable[[list[st
     finally:
         if owns:
             ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """HOST:PORT answers on TCP. ray.init keeps retrying an address where nothing listens (minutes, not a
+    clear error), so the driver looks first. `auto` is Ray's own lookup of a local cluster, which fails fast."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise RayLaunchError(f"--ray-address {address}: expected `auto` or HOST:PORT of a Ray head")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise RayLaunchError(f"--ray-address {address}: no Ray head answers there ({e}); start one with "
+                             f"`ray start --head --port {port}` or give the head's HOST:PORT") from None
 
 
 def _place_and_run(ray, config: DistConfig, layout: Layout, gpu: bool, entry, argv: list[str]) -> None:

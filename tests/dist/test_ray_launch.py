@@ -10,6 +10,8 @@ module. On it:
 - a rank's actor killed (as soon as it exists: the same path as mid-run, without waiting for a
   rollout) ends the driver with an error naming that rank within moments, not the timeout;
 - GPU bundles on a CPU-only cluster end the driver after --distributed-timeout, naming what it lacks.
+Without the head: an address where nothing listens and a missing `ray` package each fail at once with
+what to do, and the rank order / environment are checked on made-up placements of two nodes.
 """
 
 from __future__ import annotations
@@ -93,6 +95,15 @@ def test_missing_ray_names_the_extra(monkeypatch, capsys):
 
     assert main(["train", *SIZES, "--ray-address", "auto", "--nproc-per-node", "2"]) == 1
     assert INSTALL_HINT in capsys.readouterr().err
+
+
+def test_an_address_where_no_head_answers_fails_at_once(capsys):
+    from lockstep.cli import main
+
+    start, port = time.monotonic(), free_port()  # nothing listens there (ray.init would retry for minutes)
+    assert main(["train", *SIZES, "--ray-address", f"127.0.0.1:{port}", "--nproc-per-node", "2"]) == 1
+    assert f"--ray-address 127.0.0.1:{port}: no Ray head answers there (" in capsys.readouterr().err
+    assert time.monotonic() - start < 15
 
 
 def test_ray_actors_log_the_metrics_of_torchrun_processes(tmp_path, ray_head):
