@@ -1,8 +1,8 @@
 """Starting the world on a Ray cluster: one actor per rank, placed by one PACK placement group.
 
 `lockstep train --ray-address auto|HOST:PORT --nproc-per-node N ...` is the torchrun job
-(lockstep/dist/launch.py) with Ray doing the placement. The driver joins the cluster (after checking that HOST:PORT answers: ray.init would retry for
-minutes), then
+(lockstep/dist/launch.py) with Ray doing the placement. The driver joins the cluster (after checking
+that HOST:PORT answers: ray.init would retry for minutes), then
 
 1. reserves N bundles in one PACK placement group: {"CPU": 1} each on the CPU, {"GPU": 1, "CPU": 1}
    on CUDA; it waits --distributed-timeout for the cluster to have room, then names what it lacks;
