@@ -123,6 +123,17 @@ def test_two_processes_log_the_metrics_of_one(one_process, two_processes):
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
 
 
+def test_layout_file_starts_the_two_process_run(tmp_path, two_processes):
+    """`--layout FILE` (lockstep plan --json's format) gives the launch flags; the started processes, which
+    read the file again, run the 2-process run."""
+    layout = tmp_path / "plan.json"
+    layout.write_text(json.dumps([{"tp": 1, "pp": 1, "ep": 1, "cp": 1, "feasible": True, "not_runnable": "",
+                                   "train_flags": ["--nproc-per-node", "2", "--max-tokens-per-gpu", "172"]}]))
+    lines = _train(tmp_path / "run", "--layout", str(layout), "--master-port", str(free_port()))
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["world_size"] == 2
+    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
+
+
 def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_processes):
     # two launchers, one per "node" (here both on this machine), meet at --master-addr:--master-port
     port, run_dir = str(free_port()), tmp_path / "run"
