@@ -28,11 +28,11 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
-Four other ways to run the 2-process run each log its metrics bitwise: with the routed experts
+Five other ways to run the 2-process run each log its metrics bitwise: with the routed experts
 sharded instead of FSDP (`--expert-model-parallel-size 2`); with the engines' routed experts sharded
 (`--rollout-expert-parallel-size 2`: one expert-parallel engine, each rank serving its block); started by two launchers (`--nnodes 2
 --node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
-processes from a 2-process save.
+processes from a 2-process save; its flags read from a `--layout` file (lockstep plan --json's format).
 
 Pipeline parallel (`--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1`: the trainer
 group is the pipeline, layers 0-2 on rank 0 and 3 with the head on rank 1, every rank training the
