@@ -14,7 +14,8 @@ expert stay replicated, so routing is what one engine computes.
 The expert exchange is the trainer's (`ExpertParallelExperts.sorted_mlp`, expert_parallel.py, one
 home): token counts exchanged first, rows all-to-all to their experts' ranks, the local experts'
 grouped MLP run once per SOURCE rank, outputs all-to-all back, the k outputs summed on the home rank
-in ascending expert order. A source's rows for an expert are exactly the rows one engine serving
+in ascending expert order; a source's rows take the MLP kernel of the source's own step kind (decode
+or prefill, exchanged with the counts). A source's rows for an expert are exactly the rows one engine serving
 that rank's requests has for it, computed in a GEMM of their own, so a rank's samples are bitwise
 what one engine generates for the same requests (tests/dist/test_engine_expert_parallel.py, fp32
 and bf16, no batch-invariant mode needed). DISTRIBUTED.md suggests all-gather + reduce-scatter
@@ -36,9 +37,8 @@ Scope: the colocated layout (every rank serves; EP = the engine ranks = the worl
 group is the engine group). Weight push: full expert tensors in (in-process, or `push_weights`,
 whose staging keeps each rank's slice through `local_tensors`); the manifest is the full model's.
 Not built: EP smaller than the engine ranks, the disaggregated layout, the background loop / HTTP
-server, `update_weights_from_disk`, CUDA graphs (the all-gather form), per-source decode kernels on
-GPUs (a receiving rank runs its step kind's MoE kernel on every source's rows; on CUDA bf16 decode
-that is the Triton path, so GPU bitwise equality with one engine is not shown).
+server, `update_weights_from_disk`, CUDA graphs (the all-gather form). Not yet run on GPUs (NCCL),
+so bitwise equality with one engine there, where decode rows take the Triton kernels, is not shown.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ which forces the router's choice before the experts are called) is what one proc
 Forward, per layer (inherited from `Experts`: dispatch order, combine; replaced: `sorted_mlp`):
 
     order, counts = dispatch_order(experts)    this rank's slots sorted by expert (all E), stably
-    counts exchanged (all_to_all_single)       recv [ep, E_local]: rows each source sends per local expert
+    counts exchanged (all_to_all_single)       recv [ep, E_local]: rows each source sends per local expert,
+                                               with each source's step kind (decode or not: its MLP kernel)
     rows dispatched (all_to_all_single_autograd): sorted by expert = grouped by destination rank
     per source block: the local experts' grouped SwiGLU MLP on that source's rows
     outputs returned (all_to_all_single_autograd), back in the dispatch order
@@ -128,14 +129,13 @@ class ExpertParallelExperts(Experts):
 
     def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Rows sorted by expert (counts [E]) -> their experts' outputs, same order (module docstring)."""
-        received_counts = self._exchange_counts(counts)  # [ep, E_local]
+        received_counts, recv, decodes = self._exchange_counts(counts, decode)
         send = counts.view(self.ep_size, self.n_local).sum(1).tolist()
-        recv = received_counts.sum(1).tolist()
         received = self._all_to_all(xs, recv, send, "dispatch")
         # an empty block's output is itself: it keeps the combine's all-to-all in this rank's backward
         # (a rank that skips a collective there would leave its peers waiting)
-        ys = torch.cat([self.mlp(rows, c, decode) if rows.shape[0] else rows
-                        for rows, c in zip(received.split(recv), received_counts)])
+        ys = torch.cat([self.mlp(rows, c, d) if rows.shape[0] else rows
+                        for rows, c, d in zip(received.split(recv), received_counts, decodes)])
         if not ys.shape[0] and torch.is_grad_enabled():
             ys = ys + self._zero_dependence()
         return self._all_to_all(ys, send, recv, "combine")
@@ -146,12 +146,19 @@ class ExpertParallelExperts(Experts):
         gate_up, down = self.expert_weights()
         return 0 * (gate_up.sum() + down.sum())
 
-    def _exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
-        """counts [E] of this rank's rows -> [ep, E_local]: rows each source rank sends to each local expert."""
-        received = torch.empty_like(counts)
+    def _exchange_counts(self, counts: torch.Tensor, decode: bool) -> tuple[torch.Tensor, list[int], list[bool]]:
+        """counts [E] of this rank's rows, and its step kind -> ([ep, E_local]: rows each source rank sends
+        to each local expert, rows from each source, each source's step kind). A source's rows take the MLP
+        kernel its own step would (`Experts.mlp`'s decode path): in the engine (engine_expert_parallel.py)
+        ranks decode and prefill in the same step, and the kernel decides the rounding."""
+        kind = counts.new_full((self.ep_size, 1), int(decode))
+        send = torch.cat([counts.view(self.ep_size, self.n_local), kind], 1)  # one block of E_local + 1 per rank
+        received = torch.empty_like(send)
         with self.collective("expert-parallel all_to_all (token counts)"):
-            dist.all_to_all_single(received, counts.contiguous(), group=self.group)
-        return received.view(self.ep_size, self.n_local)
+            dist.all_to_all_single(received, send, group=self.group)
+        received_counts = received[:, :-1].contiguous()
+        host = torch.cat([received_counts.sum(1), received[:, -1]]).tolist()  # one read back
+        return received_counts, host[:self.ep_size], [bool(d) for d in host[self.ep_size:]]
 
     def _all_to_all(self, rows: torch.Tensor, out_splits: list[int], in_splits: list[int], what: str) -> torch.Tensor:
         with self.collective(f"expert-parallel all_to_all ({what})"):

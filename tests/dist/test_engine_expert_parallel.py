@@ -66,6 +66,17 @@ def _expert_bytes(model) -> tuple[int, int]:
     return sum(p.numel() * p.element_size() for p in ps), sum(p.untyped_storage().nbytes() for p in ps)
 
 
+def _record_kernel_kinds(engine) -> list[bool]:
+    """The decode flag of every local expert MLP call from now on (the kernel choice on GPUs)."""
+    kinds = []
+    for experts in engine.experts:
+        def mlp(xs, counts, decode=False, inner=experts.mlp):
+            kinds.append(decode)
+            return inner(xs, counts, decode)
+        experts.mlp = mlp
+    return kinds
+
+
 def _push(ctx, engine, weights, version: int):
     from lockstep.dist.manifest import build_manifest
     from lockstep.dist.weight_push import push_weights
@@ -85,7 +96,9 @@ def _ep_rank(rank: int, dtype: str, push: bool) -> dict:
     engine = expert_parallel_engine(ctx, load_pretrained(ASSET), _config(dtype))
     out = {"uneven": _digest(engine.generate(_requests(rank, "uneven")))}
     out["uneven_empty"] = engine.empty_forward_calls
+    kinds = _record_kernel_kinds(engine)
     out["idle"] = _digest(engine.generate(_requests(rank, "idle")))
+    out["idle_kinds"] = set(kinds)
     out["idle_empty"], out["bytes"] = engine.empty_forward_calls - out["uneven_empty"], _expert_bytes(engine.model)
     if push:
         _push(ctx, engine, _new_weights(load_pretrained(ASSET)), version=3)
@@ -139,6 +152,8 @@ def test_ep_engine_generates_bitwise_what_one_engine_generates_per_rank(dtype):
     assert len(ranks[0]["uneven"]) == 6 and len(ranks[1]["uneven"]) == 1 and ranks[1]["idle"] == []
     # rank 1 took part in rank 0's steps without work: forwards of its own done, or none at all
     assert ranks[1]["uneven_empty"] > 0 and ranks[1]["idle_empty"] > 0 and ranks[0]["idle_empty"] == 0
+    # idle rank 1 computed rank 0's prefill and decode rows, each with the kernel of rank 0's step kind
+    assert ranks[1]["idle_kinds"] == {False, True}
     assert len({len(s[0]) for s in ranks[0]["uneven"]}) > 1  # seeded samples stop at different lengths
 
 
