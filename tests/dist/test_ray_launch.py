@@ -30,7 +30,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from dist_world import free_port
-from lockstep.dist.ray_launch import INSTALL_HINT, Place, RayLaunchError, import_ray, rank_env, rank_order
+from lockstep.dist.groups import Layout
+from lockstep.dist.ray_launch import INSTALL_HINT, Place, RayLaunchError, import_ray, rank_env, rank_order, role
 from test_train_world import SIZES, _first_difference, _perf_free, _train
 
 
@@ -73,7 +74,7 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ranks_follow_node_ip_then_gpu_id():
+def test_ranks_follow_node_ip_then_gpu_id_and_are_named_by_the_layout():
     places = [Place(0, "10.0.0.10", (1,)), Place(1, "10.0.0.9", (3,)), Place(2, "10.0.0.10", (0,)),
               Place(3, "10.0.0.9", (2,))]
     ordered = rank_order(places)
@@ -85,6 +86,9 @@ def test_ranks_follow_node_ip_then_gpu_id():
     # a GPU actor sees only its own GPU: one local rank on one device (cuda:0, NCCL)
     gpu = rank_env(3, ordered, "10.0.0.9", 1234, gpu=True)
     assert (gpu["RANK"], gpu["LOCAL_RANK"], gpu["LOCAL_WORLD_SIZE"]) == ("3", "0", "1")
+    # actor names say what the layout makes of each rank
+    assert [role(Layout.disaggregated(1, 2), r) for r in range(3)] == ["trainer", "rollout", "rollout"]
+    assert role(Layout.colocated(2), 1) == "colocated"
 
 
 def test_missing_ray_names_the_extra(monkeypatch, capsys):
