@@ -164,7 +164,7 @@ class ExpertParallelExperts(Experts):
         with self.collective(f"expert-parallel all_to_all ({what})"):
             out = all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits, self.group)
             # the functional collective is asynchronous: wait here, so a failure names this operation
-            return out + 0 if out.numel() else out.view(-1, rows.shape[-1])
+            return (out + 0).view(-1, rows.shape[-1])  # +0 waits, an empty output included
 
     def extra_repr(self) -> str:
         return f"experts={self.n_experts}, local={self.n_local}, ep={self.ep_size}"
