@@ -1,28 +1,39 @@
 """Activations one token leaves behind in one decoder layer for the backward pass.
 
-Counted tensor by tensor, in bytes per token, bf16 (2 B) unless fp32 (4 B) is named. Assumes
-fused kernels: flash-style attention keeps its output and log-sum-exp (not the score matrix),
-the indexer keeps its top-k indices (not the scores), and no dropout masks. `split` says whether
-tensor parallelism with sequence parallelism divides the tensor across the TP ranks (sequence-
-split residual streams and MoE tokens, head-split attention tensors) or every TP rank keeps it
-whole (the low-rank q_a path, the single K=V head, compressor and indexer keys).
+Counted tensor by tensor, in bytes per token, bf16 (2 B) unless fp32 (4 B) is named, for
+lockstep's own trainer: the eager DeepSeek-V4 of lockstep/models (deepseek_v4.py, layers/) in
+bf16 with its fp32 pieces, as `Trainer` runs it without recompute. Each term names what keeps
+the tensor alive (the op whose backward saved it). `split` says whether tensor parallelism with
+sequence parallelism would divide the tensor across TP ranks (sequence-split streams and MoE
+tokens, head-split attention tensors) or every TP rank would keep it whole (the low-rank q path,
+the single K=V head, the compressors); lockstep's trainer runs TP 1, where it does not matter.
 
 DeepSeek-V4 (H hidden, n hc_mult, h*d heads*head_dim, r q_lora_rank, g*l o_groups*o_lora_rank,
-k top_k, I moe_intermediate, E experts):
-  per sub-block (attention, MoE) mHC: streams n*H*2, fp32 normed streams n*H*4, mixes (2+n)*n*4,
-      collapsed H*2, block norm H*2
-  attention: q_a out + norm 2*r*2, q_b out + normed/roped q 2*h*d*2, kv out + normed/roped 2*d*2,
-      core output h*d*2 + lse h*4, inverse-rope output h*d*2, o_a output g*l*2
-  C4/C128 compressor: kv and gate in fp32 2*c*d*4; C4 indexer: q hi*di*2, kv and gate fp32
-      2*2*di*4, top-k indices topk*4
-  MoE: router logits + scores 2*E*4, dispatched tokens k*H*2, fc1 k*2I*2, SwiGLU out k*I*2,
-      expert output k*H*2 (kept for the routing weights' gradient), shared fc1 2*Is*2 + out Is*2
-Llama: input + norm 2*H*2 per sub-block, q/k/v (h + 2*kv)*d*2, attention out h*d*2 + lse h*4,
-  MLP fc1 2*I*2 + SwiGLU out I*2.
+k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk keys per query):
+  per sub-block (attention, MoE), mHC (hyper_connection.py): fp32 flat streams n*H*4 and their
+      fp32 RMSNorm n*H*4, bf16 streams n*H*2, coefficients ((2+n)*n + n + n*n)*4, the combine's
+      block output H*2 + (n*n + n)*2, the block's RMSNorm fp32 input and output 2*H*4
+  attention (attention.py, sink_attention.py): layer input H*2, q_a RMSNorm fp32 2*r*4, q_res r*2,
+      per-head q RMSNorm fp32 h*d*4 + h*4, kv RMSNorm fp32 2*d*4, roped q h*d*2, keys Sk*d*2/S,
+      fp32 softmax h*(Sk+1)*4, bf16 probabilities h*Sk*2 + argmax h*8, un-roped output h*d*2,
+      o_a output g*l*2; the score matrix is materialised (not flash-style), so Sk = S + S/m keys
+      per query (S for window layers: the window is a mask over all S keys)
+  compressor (compressor.py; c = 2 overlapping C4, 1 for C128): pooled kv blocks c*d*2, fp32 and
+      bf16 softmax weights c*d*(4+2), entry RMSNorm 2*d*4/m; the C4 indexer keeps nothing
+  MoE (moe.py, grouped_gemm.py): shared-expert input H*2, fp32 router input + logits + scores
+      H*4 + 2*E*4, routing ids/order/weights k*28, dispatched rows k*H*2, expert SwiGLU k*I*12,
+      expert outputs bf16 + fp32 k*H*6, shared SwiGLU Is*12
+Llama (not re-derived against lockstep/models/llama.py yet): input + norm 2*H*2 per sub-block,
+  q/k/v (h + 2*kv)*d*2, attention out h*d*2 + lse h*4, MLP fc1 2*I*2 + SwiGLU out I*2.
+Measured against lockstep's model by tests/plan/test_plan_activations_measured.py (within 2%).
+The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) saves 1.985 MB per
+token over its layers on the CPU with the GPU's Sinkhorn (the saved-tensor probe); these terms
+give 1.969 MB; x 9,216 tokens = 18.1 GB, where an H200 measured a 19.2 GB transient of the whole
+train step over its set-up state (issue 18).
 
-With full recomputation (Megatron `--recompute-granularity full --recompute-method uniform
---recompute-num-layers 1`) a layer keeps only its input: n*H*2 bytes per token (the n mHC
-streams), split by sequence parallelism; one layer's full set is rebuilt during backward.
+With full recomputation (TrainConfig.recompute_activations: torch.utils.checkpoint per decoder
+layer, lockstep/train/recompute.py) a layer keeps only its input: n*H*2 bytes per token (the n
+mHC streams), split by sequence parallelism; one layer's full set is rebuilt during backward.
 """
 
 from __future__ import annotations
@@ -32,7 +43,7 @@ from functools import lru_cache
 
 from lockstep.plan.model import ModelSpec
 
-A, F = 2, 4  # bf16 and fp32 bytes
+A, F, I64 = 2, 4, 8  # bf16, fp32 and int64 bytes
 
 
 @dataclass(frozen=True)
@@ -40,36 +51,51 @@ class ActTerm:
     name: str
     bytes_per_token: float
     split: bool  # divided by TP (sequence / head parallel) or kept whole on every TP rank
+    why: str = ""  # what keeps it alive
 
 
 def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
     n, H = m.hc_mult, m.hidden_size
-    out = [ActTerm(f"{tag}.residual_in", n * H * A, True)]
-    if n > 1:
-        out += [ActTerm(f"{tag}.mhc_normed_fp32", n * H * F, True),
-                ActTerm(f"{tag}.mhc_mixes_fp32", (2 + n) * n * F, True),
-                ActTerm(f"{tag}.collapsed", H * A, True)]
-    return out + [ActTerm(f"{tag}.norm_out", H * A, True)]
+    return [
+        ActTerm(f"{tag}.hc_streams_fp32", n * H * F, True, "flat streams cast up, kept by mHC's RMSNorm"),
+        ActTerm(f"{tag}.hc_normed_fp32", n * H * F, True, "the RMSNorm's fp32 output, kept by fn @ x"),
+        ActTerm(f"{tag}.hc_streams", n * H * A, True, "bf16 streams, kept by the pre-collapse and comb^T @ X"),
+        ActTerm(f"{tag}.hc_coefficients_fp32", ((2 + n) * n + n + n * n) * F, True,
+                "mixes, pre, the Sinkhorn input (its fused GPU kernel keeps nothing else)"),
+        ActTerm(f"{tag}.hc_combine", H * A + (n * n + n) * A, True, "block output, bf16 post and comb"),
+        ActTerm(f"{tag}.norm_fp32", 2 * H * F, True, "block RMSNorm's fp32 input and normalised output"),
+    ]
 
 
-def _v4_attention(m: ModelSpec, ratio: int) -> list[ActTerm]:
-    hd, d, r = m.num_attention_heads * m.head_dim, m.head_dim, m.q_lora_rank
+def attention_keys(m: ModelSpec, ratio: int, seq_len: int) -> int:
+    """Keys each query's score row spans in the trainer's forward: all S positions (the window is
+    a mask) plus the S // m compressed entries."""
+    return seq_len + (seq_len // ratio if ratio else 0)
+
+
+def _v4_attention(m: ModelSpec, ratio: int, seq_len: int) -> list[ActTerm]:
+    h, d, r, H = m.num_attention_heads, m.head_dim, m.q_lora_rank, m.hidden_size
+    sk = attention_keys(m, ratio, seq_len)
     out = [
-        ActTerm("attn.q_a", 2 * r * A, False),
-        ActTerm("attn.q_b", 2 * hd * A, True),
-        ActTerm("attn.kv", 2 * d * A, False),
-        ActTerm("attn.core_out_lse", hd * A + m.num_attention_heads * F, True),
-        ActTerm("attn.unrope_out", hd * A, True),
-        ActTerm("attn.o_a_out", m.o_groups * m.o_lora_rank * A, True),
+        ActTerm("attn.input", H * A, True, "normed layer input, kept by every input projection"),
+        ActTerm("attn.q_a_norm_fp32", 2 * r * F, False, "q_a RMSNorm's fp32 input and output"),
+        ActTerm("attn.q_res", r * A, False, "q_a RMSNorm output, kept by q_b"),
+        ActTerm("attn.q_norm_fp32", h * d * F + h * F, True, "per-head q RMSNorm's fp32 input, rsqrt"),
+        ActTerm("attn.kv_norm_fp32", 2 * d * F, False, "kv RMSNorm's fp32 input and output"),
+        ActTerm("attn.q", h * d * A, True, "roped q, kept by the score einsum"),
+        ActTerm("attn.keys", sk * d * A / seq_len, False, "window + compressed keys (K = V), per sequence / S"),
+        ActTerm("attn.softmax_fp32", h * (sk + 1) * F, True, "materialised scores' softmax (+ sink column)"),
+        ActTerm("attn.probs", h * sk * A + h * I64, True, "bf16 probabilities for p @ V, the max's indices"),
+        ActTerm("attn.unrope_out", h * d * A, True, "inverse-roped output, kept by o_a"),
+        ActTerm("attn.o_a_out", m.o_groups * m.o_lora_rank * A, True, "kept by o_b"),
     ]
     if ratio:
         c = 2 if ratio == 4 else 1
-        out.append(ActTerm(f"compressor{ratio}.kv_gate_fp32", 2 * c * d * F, False))
-    if ratio == 4:
-        di = m.index_head_dim
-        out += [ActTerm("indexer.q", m.index_n_heads * di * A, True),
-                ActTerm("indexer.kv_gate_fp32", 2 * 2 * di * F, False),
-                ActTerm("indexer.topk_idx", m.index_topk * 4, False)]
+        out += [ActTerm(f"compressor{ratio}.pool", c * d * (A + F + A), False,
+                        "kv blocks, fp32 softmax weights and their bf16 cast, kept by the weighted sum"),
+                ActTerm(f"compressor{ratio}.entry_norm_fp32", 2 * d * F / ratio, False, "entries' RMSNorm")]
+    # the C4 indexer's scores only pick a top-k (integer indices, no gradient): its branch of the
+    # graph is unreachable from the loss and freed once the forward leaves it
     return out
 
 
@@ -79,27 +105,40 @@ def _llama_attention(m: ModelSpec) -> list[ActTerm]:
             ActTerm("attn.core_out_lse", h * d * A + h * F, True)]
 
 
-def _mlp(m: ModelSpec) -> list[ActTerm]:
+def _llama_block(m: ModelSpec, tag: str) -> list[ActTerm]:
     H = m.hidden_size
-    if not m.is_moe:
-        return [ActTerm("mlp.fc1_act", 3 * m.intermediate_size * A, True)]
-    k, I, E = m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
+    return [ActTerm(f"{tag}.residual_in", H * A, True), ActTerm(f"{tag}.norm_out", H * A, True)]
+
+
+def _moe(m: ModelSpec) -> list[ActTerm]:
+    H, k, I, E = m.hidden_size, m.num_experts_per_tok, m.moe_intermediate_size, m.n_routed_experts
     out = [
-        ActTerm("moe.router_fp32", 2 * E * F, True),
-        ActTerm("moe.dispatched", k * H * A, True),
-        ActTerm("moe.fc1_act", k * 3 * I * A, True),
-        ActTerm("moe.expert_out", k * H * A, True),
+        ActTerm("moe.router_fp32", H * F + 2 * E * F, True, "fp32 router input, logits and sqrt-softplus scores"),
+        ActTerm("moe.routing", k * (3 * I64 + F), True, "expert ids, dispatch order (twice), routing weights"),
+        ActTerm("moe.dispatched", k * H * A, True, "rows sorted by expert, kept by fc1"),
+        ActTerm("moe.expert_swiglu", k * I * A * 6, True, "fc1 out (gate, up), clamped gate, SiLU, clamped up, product"),
+        ActTerm("moe.expert_out", k * H * (A + F), True, "bf16 expert outputs and the fp32 copy each weight scales"),
     ]
     if m.n_shared_experts:
-        out.append(ActTerm("moe.shared_fc1_act", 3 * m.n_shared_experts * I * A, True))
+        Is = m.n_shared_experts * I
+        out += [ActTerm("moe.input", H * A, True, "MoE input, kept by the shared expert's gate and up"),
+                ActTerm("moe.shared_swiglu", Is * A * 6, True, "gate, up, clamped gate, SiLU, clamped up, product")]
     return out
 
 
+def _mlp(m: ModelSpec) -> list[ActTerm]:
+    if m.is_moe:
+        return _moe(m)
+    return [ActTerm("mlp.fc1_act", 3 * m.intermediate_size * A, True)]
+
+
 @lru_cache(maxsize=4096)
-def layer_terms(m: ModelSpec, i: int) -> tuple[ActTerm, ...]:
-    """Every saved tensor of layer i, per token (see the module docstring); cached."""
-    attn = _v4_attention(m, m.layer_kind(i)) if m.family == "deepseek_v4" else _llama_attention(m)
-    return tuple(_mhc(m, "attn") + attn + _mhc(m, "mlp") + _mlp(m))
+def layer_terms(m: ModelSpec, i: int, seq_len: int) -> tuple[ActTerm, ...]:
+    """Every saved tensor of layer i, per token, for sequences of seq_len tokens (see the module
+    docstring); cached."""
+    if m.family == "deepseek_v4":
+        return tuple(_mhc(m, "attn") + _v4_attention(m, m.layer_kind(i), seq_len) + _mhc(m, "mlp") + _mlp(m))
+    return tuple(_llama_block(m, "attn") + _llama_attention(m) + _llama_block(m, "mlp") + _mlp(m))
 
 
 def per_token(terms, tp: int) -> float:
@@ -107,9 +146,9 @@ def per_token(terms, tp: int) -> float:
     return sum(t.bytes_per_token / tp if t.split else t.bytes_per_token for t in terms)
 
 
-def layer_bytes_per_token(m: ModelSpec, i: int, tp: int) -> float:
+def layer_bytes_per_token(m: ModelSpec, i: int, tp: int, seq_len: int) -> float:
     """Full (no recompute) activation bytes per token of layer i on one GPU."""
-    return per_token(layer_terms(m, i), tp)
+    return per_token(layer_terms(m, i, seq_len), tp)
 
 
 def recompute_bytes_per_token(m: ModelSpec, tp: int) -> float:
@@ -117,9 +156,21 @@ def recompute_bytes_per_token(m: ModelSpec, tp: int) -> float:
     return m.hc_mult * m.hidden_size * A / tp
 
 
-def logits_bytes_per_token(m: ModelSpec, tp: int) -> float:
-    """Last stage: bf16 logits + fp32 log-softmax over the vocab shard, V/TP * (2 + 4)."""
-    return m.vocab_size / tp * (A + F)
+def head_bytes_per_token(m: ModelSpec, tp: int) -> float:
+    """Last stage, per token: mHC's head collapse (as a sub-block's first three mHC terms,
+    n*H*(4+4+2)), the final RMSNorm 2*H*4, the fp32 copy of the hidden state the fp32 LM head
+    keeps H*4 (deepseek_v4.compute_logits: training takes the fp32 GEMM), and V/TP fp32 logits
+    x 6 at the loss's peak: the logits, the kept log-softmax and the entropy's four fp32
+    temporaries (z - max, p, the zeroed z, p * z: train/losses.entropy_from_logits, computed every
+    step). Read from the code, not measured (the test measures the layers)."""
+    H = m.hidden_size
+    hc = m.hc_mult * H * (F + F + A) if m.family == "deepseek_v4" else 0
+    return hc + 2 * H * F + H * F + m.vocab_size / tp * F * 6
+
+
+def head_weight_fp32_bytes(m: ModelSpec, tp: int) -> float:
+    """The fp32 copy of the LM head's weight the fp32 GEMM keeps for the backward: V/TP * H * 4."""
+    return m.vocab_size / tp * m.hidden_size * F
 
 
 def dispatch_bytes_per_token(m: ModelSpec, tp: int) -> float:

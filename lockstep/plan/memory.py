@@ -16,7 +16,7 @@ the terms are
               t = max_tokens_per_gpu and inflight = min(PP - stage, micro-batches) under 1F1B
   recompute working set   t * max layer bytes_per_token        (one layer rebuilt in backward)
   MoE dispatch buffers    t * 2 * k * H * 2 / TP
-  logits (last stage)     t * V / TP * 6
+  logits (last stage)     t * head_bytes_per_token + the fp32 head weight V/TP * H * 4 (activations.py)
 A layout fits when the worst stage's sum is within gpu_memory * (1 - reserve).
 """
 
@@ -120,7 +120,7 @@ def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage:
                       layers: range) -> list[MemoryTerm]:
     t, tp = train.max_tokens_per_gpu, layout.tp
     inflight = min(layout.pp - stage, train.micro_batches(layout.dp, layout.cp))
-    full = [act.layer_bytes_per_token(model, i, tp) for i in layers]
+    full = [act.layer_bytes_per_token(model, i, tp, train.seq_len) for i in layers]
     terms = []
     if train.recompute:
         per = act.recompute_bytes_per_token(model, tp)
@@ -137,8 +137,9 @@ def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage:
     if disp and full:
         terms.append(MemoryTerm("MoE dispatch buffers", t * disp, f"{t} tok x {disp / 1e3:.1f} KB (send + recv)"))
     if stage == layout.pp - 1:
-        lg = act.logits_bytes_per_token(model, tp)
-        terms.append(MemoryTerm("logits", t * lg, f"{t} tok x V/TP {model.vocab_size // tp} x 6 B"))
+        lg, w = act.head_bytes_per_token(model, tp), act.head_weight_fp32_bytes(model, tp)
+        terms.append(MemoryTerm("logits", t * lg + w, f"{t} tok x {lg / 1e3:.1f} KB (head, V/TP {model.vocab_size // tp}"
+                                f" fp32 x 6) + fp32 head weight {w / 1e9:.2f} GB"))
     return terms
 
 

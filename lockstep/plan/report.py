@@ -120,25 +120,26 @@ def terms_table(p: LayoutPlan) -> Table:
     return t
 
 
-def activation_table(model: ModelSpec, tp: int) -> Table:
+def activation_table(model: ModelSpec, tp: int, seq_len: int) -> Table:
     """Saved activations per token of one layer of each attention kind, tensor by tensor."""
     kinds = {}
     for i in range(model.num_layers):
         kinds.setdefault(model.layer_kind(i), i)
-    t = Table(title=f"Activations saved per token per layer (bytes, TP {tp}; split terms divided by TP)")
+    t = Table(title=f"Activations saved per token per layer (bytes, TP {tp}, {seq_len}-token sequences; split terms "
+                    "divided by TP)")
     t.add_column("tensor")
     t.add_column("split", justify="center")
     for ratio, i in kinds.items():
         t.add_column(f"layer {i} ({'C' + str(ratio) if ratio else 'window/full'})", justify="right")
-    names = list(dict.fromkeys(a.name for i in kinds.values() for a in act.layer_terms(model, i)))
+    names = list(dict.fromkeys(a.name for i in kinds.values() for a in act.layer_terms(model, i, seq_len)))
     for name in names:
         cells, split = [], ""
         for i in kinds.values():
-            term = next((a for a in act.layer_terms(model, i) if a.name == name), None)
+            term = next((a for a in act.layer_terms(model, i, seq_len) if a.name == name), None)
             split = split or ("yes" if term and term.split else "no" if term else "")
             cells.append(f"{term.bytes_per_token / (tp if term.split else 1):.0f}" if term else "")
         t.add_row(name, split, *cells)
-    t.add_row("[bold]total[/bold]", "", *[f"[bold]{act.layer_bytes_per_token(model, i, tp):.0f}[/bold]"
+    t.add_row("[bold]total[/bold]", "", *[f"[bold]{act.layer_bytes_per_token(model, i, tp, seq_len):.0f}[/bold]"
                                           for i in kinds.values()])
     t.add_row("with full recompute", "yes", *[f"{act.recompute_bytes_per_token(model, tp):.0f}"] * len(kinds))
     return t
@@ -176,8 +177,8 @@ def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: i
     feasible = [p for p in plans if p.feasible]
     chosen = detail or (feasible[0] if feasible else plans[0])
     console.print(terms_table(chosen))
-    if activations:
-        console.print(activation_table(model, chosen.layout.tp))
+    if activations and train:  # the attention terms grow with the sequence length
+        console.print(activation_table(model, chosen.layout.tp, train.seq_len))
     console.print(recommendation(plans))
     if feasible and cluster and train:
         console.print(flags_line(feasible[0], cluster, train), markup=False)

@@ -17,6 +17,13 @@ Cache per sequence of `seq_len` tokens, per layer (kvb = kv_cache_dtype bytes, d
 Sequences per GPU: ceil(concurrency / G) with "dp" attention; all `concurrency` with "tp"
 attention, the cache split over min(G, kv_heads) (a single K=V head cannot be split).
 Workspace: chunk_tokens * (one layer's activations per token) + sequences * V * 4 B logits.
+Weight push staging: the whole push in the push format (bf16 / serving bytes per parameter, plus
+tid2eid and router-bias buffers). lockstep/dist/weight_push.py receives every bucket into its own
+buffer and stages the tensors as views of it until the two-phase commit's vote, so all buckets
+are alive at once; an expert-parallel engine keeps only its experts' slices, but as views, so
+their whole buckets stay too. The bucket being received is one of them: nothing extra.
+The push runs with the engine paused (no prefill chunk in flight) and the caches kept, so the
+GPU's peak is weights + caches + the larger of workspace and staging (`RolloutMemory.gpu_bytes`).
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from lockstep.plan.cluster import DTYPE_BYTES, ClusterSpec, RolloutSpec
 from lockstep.plan.layout import PlanError
 from lockstep.plan.memory import MemoryTerm
 from lockstep.plan.model import ModelSpec
-from lockstep.plan.params import ParamGroup, all_groups
+from lockstep.plan.params import ParamGroup, all_groups, buffer_bytes
 
 SERVE_BYTES = {"fp8": 1 + 4 / 128**2, "fp4": 0.5 + 1 / 32, "bf16": 2.0, "fp32": 4.0}
+# terms of phases that never overlap: a prefill chunk's workspace and the push's staging
+EXCLUSIVE = ("workspace", "weight push staging")
 
 
 @dataclass(frozen=True)
@@ -42,7 +51,9 @@ class RolloutMemory:
 
     @property
     def gpu_bytes(self) -> float:
-        return sum(t.bytes for t in self.terms)
+        """Peak bytes: every term, but only the larger of the phase-exclusive ones (EXCLUSIVE)."""
+        always = sum(t.bytes for t in self.terms if t.name not in EXCLUSIVE)
+        return always + max((t.bytes for t in self.terms if t.name in EXCLUSIVE), default=0.0)
 
     def largest(self) -> MemoryTerm:
         return max(self.terms, key=lambda t: t.bytes)
@@ -111,7 +122,8 @@ def rollout_memory(model: ModelSpec, cluster: ClusterSpec, rollout: RolloutSpec,
     w = weight_bytes_per_gpu(model, rollout)
     seqs, split = _seqs_and_split(model, rollout)
     per_seq = cache_bytes_per_seq(model, seq_len, rollout.kv_cache_dtype)
-    layer = max(act.layer_bytes_per_token(model, i, 1) for i in range(model.num_layers))
+    layer = max(act.layer_bytes_per_token(model, i, 1, seq_len) for i in range(model.num_layers))
+    staged = push_bytes(model, rollout)
     logits = seqs * model.vocab_size * 4
     terms = (
         MemoryTerm("routed experts", w["experts"], f"experts / EP {G} ({fmt})"),
@@ -122,8 +134,15 @@ def rollout_memory(model: ModelSpec, cluster: ClusterSpec, rollout: RolloutSpec,
                    + (f" / {split}" if split > 1 else "")),
         MemoryTerm("workspace", rollout.chunk_tokens * layer + logits,
                    f"{rollout.chunk_tokens} tok x {layer / 1e3:.1f} KB + {seqs} x V x 4 B"),
+        MemoryTerm("weight push staging", staged,
+                   f"every pushed tensor ({rollout.push_format}) held until the commit; paused: max with workspace"),
     )
     return RolloutMemory(terms=terms, engines=cluster.rollout_gpus // G, seqs_per_gpu=seqs)
+
+
+def push_bytes(model: ModelSpec, rollout: RolloutSpec) -> float:
+    """Bytes of one whole weight push: every parameter in the push format plus the buffers."""
+    return buffer_bytes(model) + sum(g.count * push_bytes_per_param(g, rollout) for g in all_groups(model))
 
 
 def push_bytes_per_param(g: ParamGroup, rollout: RolloutSpec) -> float:

@@ -66,3 +66,10 @@ def flash_train():
 @pytest.fixture
 def rollout():
     return RolloutSpec()
+
+
+@pytest.fixture
+def serving_rollout():
+    """Pushes in the serving format: lockstep stages a whole push on every engine GPU until the commit
+    (dist/weight_push.py), and V4-Flash's bf16 push (569 GB) fits no GPU; fp8/fp4 (~150 GB) does."""
+    return RolloutSpec(push_format="serving")

@@ -14,6 +14,7 @@ REPL_PER_LAYER = 2 * 64  # the two RMSNorm weights
 STAGE0 = 1000 * 64 / 2 + 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER)  # embed/TP + layers 0, 1
 STAGE1 = 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER) + 64 + 1000 * 64 / 2  # layers 2, 3 + norm + head/TP
 # Per token per layer, bytes: (input + norm) x 2 sub-blocks, q/k/v, attention out + lse, SwiGLU.
+LOGITS = 945_152
 ACT_PER_TOKEN = 2 * (2 * 64 * 2) + (4 + 2 * 2) * 16 * 2 + (4 * 16 * 2 + 4 * 4) + 3 * 128 * 2
 
 
@@ -22,16 +23,23 @@ def _terms(stage):
 
 
 def test_activation_bytes_per_token(tiny_llama, tiny_v4):
-    assert sum(t.bytes_per_token for t in act.layer_terms(tiny_llama, 0)) == ACT_PER_TOKEN == 1680
-    assert act.layer_bytes_per_token(tiny_llama, 0, 2) == 840
+    assert sum(t.bytes_per_token for t in act.layer_terms(tiny_llama, 0, 32)) == ACT_PER_TOKEN == 1680
+    assert act.layer_bytes_per_token(tiny_llama, 0, 2, 32) == 840
     # V4 with recompute keeps the n = 2 mHC streams: 2 * 64 * 2 B per token.
     assert act.recompute_bytes_per_token(tiny_v4, 1) == 256
-    # V4 C4 layer, TP 1: mHC (4 streams-worth + fp32 + mixes + collapsed + norm) x 2, attention, MoE.
-    mhc = 2 * 64 * 2 + 2 * 64 * 4 + 8 * 4 + 64 * 2 + 64 * 2
-    attn = 2 * 16 * 2 + 2 * 128 * 2 + 2 * 32 * 2 + (128 * 2 + 4 * 4) + 128 * 2 + 16 * 2
-    c4 = 2 * 2 * 32 * 4 + 2 * 8 * 2 + 2 * 2 * 8 * 4 + 4 * 4
-    moe = 2 * 8 * 4 + 2 * 64 * 2 + 2 * 3 * 16 * 2 + 2 * 64 * 2 + 3 * 16 * 2
-    assert act.layer_bytes_per_token(tiny_v4, 2, 1) == 2 * mhc + attn + c4 + moe
+    # V4 C4 layer, TP 1, 32-token sequences (40 keys per query: 32 positions + 8 entries).
+    # mHC per sub-block: fp32 streams + fp32 normed, bf16 streams, coefficients, combine, block norm
+    mhc = 2 * 2 * 64 * 4 + 2 * 64 * 2 + (4 * 2 + 2 + 4) * 4 + (64 * 2 + 6 * 2) + 2 * 64 * 4
+    # input, q_a norm, q_res, q norm, kv norm, q, keys, softmax, probs + argmax, un-roped out, o_a out
+    attn = (64 * 2 + 2 * 16 * 4 + 16 * 2 + (128 * 4 + 4 * 4) + 2 * 32 * 4 + 128 * 2 + 40 * 32 * 2 / 32
+            + 4 * 41 * 4 + (4 * 40 * 2 + 4 * 8) + 128 * 2 + 16 * 2)
+    c4 = 2 * 32 * (2 + 4 + 2) + 2 * 32 * 4 / 4  # pooling (kv, fp32 + bf16 weights), entry norm
+    # router fp32, routing ids, dispatched, expert SwiGLU, expert outputs, shared input + SwiGLU
+    moe = (64 * 4 + 2 * 8 * 4) + 2 * 28 + 2 * 64 * 2 + 2 * 16 * 12 + 2 * 64 * 6 + 64 * 2 + 16 * 12
+    assert act.layer_bytes_per_token(tiny_v4, 2, 1, 32) == 2 * mhc + attn + c4 + moe == 9360
+    # the materialised scores grow with the sequence: at 36 tokens 45 keys per query, 5 more, each
+    # 4 heads x (fp32 softmax + bf16 probabilities); the keys per token stay 80 B
+    assert act.layer_bytes_per_token(tiny_v4, 2, 1, 36) - 9360 == 4 * 5 * (4 + 2)
 
 
 def test_params_per_gpu(tiny_llama, small_cluster, small_train):
@@ -51,9 +59,11 @@ def test_memory_terms_no_recompute(tiny_llama, small_cluster, small_train):
     assert t1["optimizer states"] == STAGE1 * 12
     assert t0["activations"] == 2 * 2 * 64 * ACT_PER_TOKEN / 2
     assert t1["activations"] == 1 * 2 * 64 * ACT_PER_TOKEN / 2
-    assert t1["logits"] == 64 * 1000 / 2 * 6
+    # head: final norm + fp32 head input (3 x H x 4 B) and 6 fp32 copies of V/TP logits per token,
+    # plus the fp32 copy of the head weight
+    assert t1["logits"] == LOGITS == 64 * (3 * 64 * 4 + 1000 / 2 * 4 * 6) + 1000 / 2 * 64 * 4
     assert "logits" not in t0
-    assert s1.gpu_bytes == STAGE1 * 18 + 2 * 64 * 840 + 64 * 500 * 6
+    assert s1.gpu_bytes == STAGE1 * 18 + 2 * 64 * 840 + LOGITS
 
 
 def test_memory_terms_recompute_offload_and_dp(tiny_llama, small_cluster, small_train):

@@ -35,6 +35,24 @@ def test_llama_cache_and_rollout_terms(tiny_llama, small_cluster):
     assert terms["caches"] == 10 * (4 * 32 * 2 * 2 * 16 * 2) / 2  # KV heads (2) split over the engine
 
 
+def test_push_staging_is_the_whole_push_and_not_beside_the_workspace(tiny_v4, small_cluster, small_train):
+    """weight_push.py stages every bucket on every engine GPU until the commit vote, with the engine
+    paused: the push's bytes are one term, and only the larger of it and the workspace counts."""
+    lay = make_layout(tiny_v4, small_cluster, small_train, tp=1, pp=1, ep=1, cp=1)
+    for fmt in ("bf16", "serving"):
+        for chunk in (1, 1 << 20):  # the staging, then the workspace, is the larger
+            ro = RolloutSpec(gpus_per_engine=4, push_format=fmt, chunk_tokens=chunk)
+            rm = rollout_memory(tiny_v4, small_cluster, ro, 32)
+            terms = {t.name: t.bytes for t in rm.terms}
+            pushed = step_comm(tiny_v4, small_cluster, small_train, ro, lay, [range(4)])[-1]
+            assert pushed.name == "weight push" and terms["weight push staging"] == pushed.bytes
+            assert terms["weight push staging"] == sum(g.count * push_bytes_per_param(g, ro)
+                                                       for g in all_groups(tiny_v4)) + buffer_bytes(tiny_v4)
+            kept = sum(terms.values()) - terms["workspace"] - terms["weight push staging"]
+            assert rm.gpu_bytes == kept + max(terms["workspace"], terms["weight push staging"])
+            assert (terms["workspace"] > terms["weight push staging"]) == (chunk > 1)
+
+
 def test_v4_flash_rollout_weights():
     from lockstep.plan.cluster import ClusterSpec
     c = ClusterSpec(nodes=4, gpus_per_node=8, gpu_memory_gb=288, actor_nodes=2, rollout_nodes=2)

@@ -54,7 +54,9 @@ def test_tp_cp_pp_not_runnable():
 # ---- lockstep train --layout FILE: the plan's JSON read back --------------------------------------
 
 # 16 nodes: the first layouts that fit need TP / PP / CP; tp1 pp1 ep64 cp1 fits and lockstep runs it
-PLAN = ["plan", "--model", "deepseek-v4-flash", "--nodes", "16", "--json", "--recompute", "--max-tokens-per-gpu", "4096"]
+# (serving-format push: a bf16 one is staged whole on every engine GPU and fits none, plan/rollout.py)
+PLAN = ["plan", "--model", "deepseek-v4-flash", "--nodes", "16", "--json", "--recompute", "--max-tokens-per-gpu", "4096",
+        "--weight-push-format", "serving"]
 RUNNABLE = ["--tp", "1", "--pp", "1", "--cp", "1", "--ep", "64"]
 
 
