@@ -5,7 +5,7 @@ Each rank serves its own requests; the experts are sharded, so every forward exc
 peer. Checked against ONE engine in this process given the same rank's requests (no batch-invariant
 mode: the exchange computes each source rank's rows in GEMMs of their own, so a rank's batch is
 computed as one engine computes it): token ids, finish reasons and routed experts equal, logprobs
-bitwise, greedy and seeded sampling, fp32 and bf16. Rounds: unequal load (rank 0 several prompts of
+bitwise, greedy and seeded sampling, fp32 (bf16 serving format) and bf16 (fp8-fp4: fp4 experts). Rounds: unequal load (rank 0 several prompts of
 different lengths, rank 1 one short one), then rank 1 with nothing at all (empty steps until rank 0
 is done), then after a weight push. Memory: each rank's expert parameters are half the full bytes,
 in storage of their own. Weight push (`push_weights`, two-phase commit): each rank's expert shard
@@ -43,7 +43,9 @@ def _requests(rank: int, round_: str) -> list[GenerateRequest]:
 
 
 def _config(dtype: str) -> EngineConfig:
-    return EngineConfig(max_num_seqs=8, max_model_len=32, dtype=dtype, max_prefill_tokens=12)
+    # bf16 serves fp8 attention and fp4 experts (a 284B MoE's serving format): quantised shards too
+    fmt = "fp8-fp4" if dtype == "bfloat16" else "bf16"
+    return EngineConfig(max_num_seqs=8, max_model_len=32, dtype=dtype, max_prefill_tokens=12, serving_format=fmt)
 
 
 def _digest(samples) -> list:
