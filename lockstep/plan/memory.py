@@ -15,14 +15,17 @@ the terms are
   activations inflight * layers * t * bytes_per_token(layer)   (see activations.py), where
               t = max_tokens_per_gpu and inflight = min(PP - stage, micro-batches) under 1F1B
   recompute working set   t * max layer bytes_per_token        (one layer rebuilt in backward)
-  MoE dispatch buffers    t * 2 * k * H * 2 / TP
+  MoE dispatch buffers    t * 2 * k * H * 2 / TP   (EP > 1 only: with EP 1 no rows are exchanged)
   logits (last stage)     t * head_bytes_per_token + the fp32 head weight V/TP * H * 4 (activations.py)
-A layout fits when the worst stage's sum is within gpu_memory * (1 - reserve).
+The peak is the sum, except that with one micro-batch per GPU the gradients and the activation
+terms are phases (`peak_gpu_bytes`): lockstep's backward allocates the gradients as it frees the
+activations, so the peak holds the larger of the two.
+A layout fits when the worst stage's peak is within gpu_memory * (1 - reserve).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lockstep.plan import activations as act
 from lockstep.plan.cluster import DTYPE_BYTES, GB, ClusterSpec, TrainSpec
@@ -37,6 +40,18 @@ class MemoryTerm:
     bytes: float
     formula: str
     where: str = "gpu"  # "gpu" or "host"
+    phase: str = ""  # "" always held; terms of different named phases are never held at once
+
+
+def peak_gpu_bytes(terms) -> float:
+    """The GPU's peak: every always-held term plus the largest phase's terms (the one rule for the
+    phases: the actor's forward/backward vs its gradients, the engine's generation vs its push)."""
+    gpu = [t for t in terms if t.where == "gpu"]
+    phases: dict[str, float] = {}
+    for t in gpu:
+        if t.phase:
+            phases[t.phase] = phases.get(t.phase, 0.0) + t.bytes
+    return sum(t.bytes for t in gpu if not t.phase) + max(phases.values(), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -47,7 +62,7 @@ class StageMemory:
 
     @property
     def gpu_bytes(self) -> float:
-        return sum(t.bytes for t in self.terms if t.where == "gpu")
+        return peak_gpu_bytes(self.terms)
 
     @property
     def host_bytes(self) -> float:
@@ -94,9 +109,15 @@ def per_gpu_params(groups: list[ParamGroup], layout: Layout) -> tuple[float, flo
 def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list[MemoryTerm]:
     pb, gb, ob = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.grad_dtype], train.optimizer_bytes_per_param
     p = pd + pe
+    # lockstep's trainer keeps no gradient buffer: the backward allocates each gradient as it frees
+    # the activations it consumed, and the optimiser clears them after the step (train/optimizer.py
+    # zero_grad). With one micro-batch per GPU the two never peak together (1 micro-batch: phases);
+    # with more, the next micro-batch's forward runs beside the accumulated gradients.
+    single = train.micro_batches(layout.dp, layout.cp) == 1
     terms = [
         MemoryTerm("weights", p * pb, f"({pd / 1e9:.3f}B dense + {pe / 1e9:.3f}B expert) params x {pb:g} B"),
-        MemoryTerm("gradients", p * gb, f"{p / 1e9:.3f}B params x {gb:g} B ({train.grad_dtype} main grads)"),
+        MemoryTerm("gradients", p * gb, f"{p / 1e9:.3f}B params x {gb:g} B ({train.grad_dtype})"
+                   + ("; 1 micro-batch: max with the activations" if single else ""), phase="gradients" if single else ""),
     ]
     if train.use_kl_loss:
         terms.append(MemoryTerm("reference weights", p * pb, f"{p / 1e9:.3f}B params x {pb:g} B (KL reference)"))
@@ -119,7 +140,8 @@ def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list
 def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage: int,
                       layers: range) -> list[MemoryTerm]:
     t, tp = train.max_tokens_per_gpu, layout.tp
-    inflight = min(layout.pp - stage, train.micro_batches(layout.dp, layout.cp))
+    mbs = train.micro_batches(layout.dp, layout.cp)
+    inflight = min(layout.pp - stage, mbs)
     full = [act.layer_bytes_per_token(model, i, tp, train.seq_len) for i in layers]
     terms = []
     if train.recompute:
@@ -134,12 +156,14 @@ def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage:
         terms.append(MemoryTerm("activations", inflight * t * sum(full),
                                 f"{inflight} mb x {len(full)} layers x {t} tok x {avg / 1e3:.1f} KB"))
     disp = act.dispatch_bytes_per_token(model, tp)
-    if disp and full:
+    if disp and full and layout.ep > 1:  # EP 1 exchanges nothing: its rows are moe.dispatched
         terms.append(MemoryTerm("MoE dispatch buffers", t * disp, f"{t} tok x {disp / 1e3:.1f} KB (send + recv)"))
     if stage == layout.pp - 1:
         lg, w = act.head_bytes_per_token(model, tp), act.head_weight_fp32_bytes(model, tp)
         terms.append(MemoryTerm("logits", t * lg + w, f"{t} tok x {lg / 1e3:.1f} KB (head, V/TP {model.vocab_size // tp}"
                                 f" fp32 x 6) + fp32 head weight {w / 1e9:.2f} GB"))
+    if mbs == 1:  # see _state_terms
+        terms = [replace(x, phase="activations") for x in terms]
     return terms
 
 

@@ -23,7 +23,7 @@ buffer and stages the tensors as views of it until the two-phase commit's vote, 
 are alive at once; an expert-parallel engine keeps only its experts' slices, but as views, so
 their whole buckets stay too. The bucket being received is one of them: nothing extra.
 The push runs with the engine paused (no prefill chunk in flight) and the caches kept, so the
-GPU's peak is weights + caches + the larger of workspace and staging (`RolloutMemory.gpu_bytes`).
+GPU's peak is weights + caches + the larger of workspace and staging (memory.peak_gpu_bytes).
 """
 
 from __future__ import annotations
@@ -34,13 +34,11 @@ from dataclasses import dataclass
 from lockstep.plan import activations as act
 from lockstep.plan.cluster import DTYPE_BYTES, ClusterSpec, RolloutSpec
 from lockstep.plan.layout import PlanError
-from lockstep.plan.memory import MemoryTerm
+from lockstep.plan.memory import MemoryTerm, peak_gpu_bytes
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import ParamGroup, all_groups, buffer_bytes
 
 SERVE_BYTES = {"fp8": 1 + 4 / 128**2, "fp4": 0.5 + 1 / 32, "bf16": 2.0, "fp32": 4.0}
-# terms of phases that never overlap: a prefill chunk's workspace and the push's staging
-EXCLUSIVE = ("workspace", "weight push staging")
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,8 @@ class RolloutMemory:
 
     @property
     def gpu_bytes(self) -> float:
-        """Peak bytes: every term, but only the larger of the phase-exclusive ones (EXCLUSIVE)."""
-        always = sum(t.bytes for t in self.terms if t.name not in EXCLUSIVE)
-        return always + max((t.bytes for t in self.terms if t.name in EXCLUSIVE), default=0.0)
+        """Peak bytes: weights and caches, plus the larger phase (generation's workspace, the push's staging)."""
+        return peak_gpu_bytes(self.terms)
 
     def largest(self) -> MemoryTerm:
         return max(self.terms, key=lambda t: t.bytes)
@@ -133,9 +130,10 @@ def rollout_memory(model: ModelSpec, cluster: ClusterSpec, rollout: RolloutSpec,
                    f"{seqs} seqs x {per_seq / 1e6:.2f} MB/seq ({seq_len} tok, {rollout.kv_cache_dtype})"
                    + (f" / {split}" if split > 1 else "")),
         MemoryTerm("workspace", rollout.chunk_tokens * layer + logits,
-                   f"{rollout.chunk_tokens} tok x {layer / 1e3:.1f} KB + {seqs} x V x 4 B"),
+                   f"{rollout.chunk_tokens} tok x {layer / 1e3:.1f} KB + {seqs} x V x 4 B", phase="generate"),
         MemoryTerm("weight push staging", staged,
-                   f"every pushed tensor ({rollout.push_format}) held until the commit; paused: max with workspace"),
+                   f"every pushed tensor ({rollout.push_format}) held until the commit; engine paused",
+                   phase="push"),
     )
     return RolloutMemory(terms=terms, engines=cluster.rollout_gpus // G, seqs_per_gpu=seqs)
 

@@ -97,3 +97,26 @@ def test_kl_loss_adds_one_copy_of_the_weights(tiny_llama, small_cluster, small_t
     assert "reference weights" not in _terms(plain)
     assert _terms(kl)["reference weights"] == STAGE1 * 2  # bf16, sharded as the actor's weights
     assert kl.gpu_bytes == plain.gpu_bytes + STAGE1 * 2
+
+
+def test_one_micro_batch_peaks_on_activations_or_gradients_not_both(tiny_v4, small_cluster, small_train):
+    """lockstep's backward allocates gradients as it frees activations (no gradient buffer): with one
+    micro-batch per GPU the peak holds the larger; with two, the second forward runs beside the first's
+    accumulated gradients, so both count."""
+    lay = make_layout(tiny_v4, small_cluster, small_train, tp=1, pp=1, ep=1, cp=1)  # DP 4
+    for tokens, mbs in ((64, 1), (32, 2)):  # 256 tokens per step over DP 4
+        train = replace(small_train, max_tokens_per_gpu=tokens)
+        assert train.micro_batches(lay.dp, lay.cp) == mbs
+        (s,) = actor_memory(tiny_v4, small_cluster, train, lay)
+        t = _terms(s)
+        assert "MoE dispatch buffers" not in t  # EP 1: no rows leave the GPU
+        forward = t["activations"] + t["logits"]
+        states = t["weights"] + t["gradients"] + t["optimizer states"]
+        if mbs == 1:
+            assert forward > t["gradients"]
+            assert s.gpu_bytes == pytest.approx(states - t["gradients"] + forward)
+        else:
+            assert s.gpu_bytes == pytest.approx(states + forward)
+    with_ep = make_layout(tiny_v4, small_cluster, small_train, tp=1, pp=1, ep=2, cp=1)
+    t = _terms(actor_memory(tiny_v4, small_cluster, small_train, with_ep)[0])
+    assert t["MoE dispatch buffers"] == 64 * 2 * 2 * 64 * 2  # t x (send + receive) x k x H x 2 B
