@@ -93,7 +93,7 @@ def decode_bytes_per_step(model, batch: int, mean_len: float) -> float:
     c = model.config
     el = model.lm_head.weight.element_size()
     total = 0.0
-    for name, p in model.named_parameters():
+    for name, p in model.state_dict().items():  # packed fp8 weights are buffers (1 byte each; scales left out)
         nbytes = p.numel() * p.element_size()
         if ".experts." in name:  # routed experts: only the ones the batch touches are read
             e, k = c.n_routed_experts, c.num_experts_per_tok
@@ -221,6 +221,9 @@ def main(argv=None) -> None:
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
+    # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
+    n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
+    print(f"weight bytes {args.serving_format} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")
     graphs = getattr(engine.adapter, "graphs", None)
     g = torch.Generator().manual_seed(args.seed + 1)
     V = model.config.vocab_size

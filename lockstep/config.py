@@ -101,6 +101,10 @@ class EngineConfig:
     serving_format: str = "bf16"
     """Weights as served: bf16; fp8 (block e4m3, ue8m0 scales, experts too); fp8-fp4 (fp8 attention and
     shared experts, e2m1 routed experts with e8m0 scales)."""
+    packed_fp8: bool = True
+    """Under an fp8 serving format, fp8 linear weights are held packed (e4m3 bytes + 128x128 scales, read by an
+    fp8 GEMM: models/layers/fp8_linear.py); off: as their dequantised values in dtype (the emulation, same
+    values). Routed experts are not packed yet."""
     batch_invariant: bool = False
     """A sequence's logprobs do not depend on what else is in the batch."""
     dtype: str = "float32"

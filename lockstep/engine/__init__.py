@@ -13,6 +13,7 @@ model_adapter.py   which adapter drives which model; the Llama paged-cache adapt
 sampler.py         batched temperature / top-k / top-p / greedy, counter-based per-sequence seeds, logprobs
 output.py          stop conditions and the Sample records of a finished request
 serving_format.py  the served value of each weight under bf16 | fp8 | fp8-fp4
+packed_weights.py  fp8 linears held packed (e4m3 + block scales, fp8 GEMM); the bytes the weights occupy
 weight_update.py   validate-all-then-write weight updates (in memory or from disk)
 background.py      the step-loop thread behind start() and generate_async
 

@@ -34,6 +34,7 @@ from lockstep.engine.decode_path import compile_backend_for, describe, start_gra
 from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import decode_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
+from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
 from lockstep.engine.request import GenerateRequest, RequestState, SequenceStatus
 from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler
@@ -68,6 +69,7 @@ class Engine:
         self.config, self.tokenizer = config, tokenizer
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
+        install_packed_weights(self.model, config.serving_format, config.packed_fp8)  # packed_weights.py
         apply_serving_format(self.model, config.serving_format)
         self._fuse_projections()
         # the model imports no config: its kernel switches are handed over (kernel_switch.py)
@@ -384,6 +386,14 @@ class Engine:
         except (ValueError, OSError) as e:
             raise WeightUpdateError(f"cannot load weights from {path}: {e}") from e
         self.update_weights(tensors, self.weight_version + 1 if version is None else version, partial)
+
+    def weight_bytes(self) -> int:
+        """Bytes the served weights occupy on the device (packed fp8 as bytes + scales; packed_weights.py)."""
+        return weight_bytes(self.model)
+
+    def unpacked_weight_bytes(self) -> int:
+        """The same model's weights with nothing packed, in the engine's dtype: the bf16 format's bytes."""
+        return unpacked_weight_bytes(self.model, self.dtype)
 
     # ---- text helpers ----------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ and the first problem raises `WeightUpdateError` naming the tensor; the model is
 keeps serving the previous version. Then each tensor is replaced by its served value
 (`serving_format.served_value`: dequant(quant(w)) in the destination's dtype) and copied in
 place, one at a time, so the peak extra memory is one tensor. Quantisation cannot fail halfway:
-the shapes equal the model's, which were quantised when the engine was built.
+the shapes equal the model's, which were quantised when the engine was built. A weight held packed
+(packed_weights.py: fp8 bytes + block scales) is quantised straight into its storage instead.
 
 What depends on the weights (the rollout caches) is the engine's to flush afterwards.
 """
@@ -26,6 +27,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from lockstep.models.layers.fp8_linear import packed_weights
 from lockstep.quant.serving_format import served_value
 
 
@@ -108,8 +110,12 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
 @torch.no_grad()
 def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str) -> None:
     dest = serving_tensors(model)
+    packed = packed_weights(model)  # packed fp8 storage (engine/packed_weights.py): quantised into in place
     for name, t in pairs:
         d = dest[name]
+        if name in packed:
+            packed[name].load_(t.to(d.device))
+            continue
         d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
 
 
@@ -121,8 +127,10 @@ def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: boo
 
 
 def apply_serving_format(model: torch.nn.Module, fmt: str) -> None:
-    """Replace every weight of the model by its served value (done once when an engine is built)."""
-    write_served(model, list(serving_tensors(model).items()), fmt)
+    """Replace every weight of the model by its served value (done once when an engine is built;
+    packed weights were quantised when packed)."""
+    packed = packed_weights(model)
+    write_served(model, [(n, t) for n, t in serving_tensors(model).items() if n not in packed], fmt)
 
 
 def load_update_from_disk(path, model: torch.nn.Module) -> dict[str, torch.Tensor]:

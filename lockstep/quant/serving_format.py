@@ -6,7 +6,9 @@ multiply by (fp8: e4m3 with 128x128 UE8M0 block scales; fp4: e2m1 with 1x32 e8m0
 tensors stored unquantised ("bf16") kept in the engine's dtype — bf16 on GPUs, and exactly the
 trainer's weights in a float32 run; fp32 tensors kept). This fake-quantised form is correct
 on any device and is what the trainer's quantisation-aware forward reproduces; real fp8 / fp4
-kernels over packed weights are a speed optimisation that must return the same values.
+kernels over packed weights are a speed optimisation that must return the same values: the
+engine holds fp8 linears packed that way by default (lockstep/engine/packed_weights.py,
+models/layers/fp8_linear.py; EngineConfig.packed_fp8), routed experts not yet.
 
 Which storage a tensor gets: DeepSeek-V4 names follow `lockstep.quant.formats.storage_for`;
 dense Llama / Qwen3 names (which that rule does not know) follow the rule below: attention and

@@ -1,0 +1,117 @@
+"""An fp8 engine with packed linear weights (engine/packed_weights.py, models/layers/fp8_linear.py)
+serves what the emulated one (dequantised values, EngineConfig.packed_fp8=False) serves, keeps
+doing so across weight updates written in place, and holds its linears in a byte per parameter."""
+
+import pytest
+import torch
+
+from lockstep.engine.packed_weights import weight_bytes
+from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
+from lockstep.quant.formats import Storage
+from lockstep.quant.serving_format import serving_storage
+
+from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
+from test_weight_update import trainer_weights
+
+# the tiny config (every weight under 128 rows: fused fp8 stacks of unaligned weights), and one
+# whose q_lora_rank and shared-expert width are a whole 128-row block
+CONFIGS = {"tiny": {}, "aligned": dict(q_lora_rank=128, moe_intermediate_size=128)}
+
+
+def params(i):
+    return greedy(max_new_tokens=8) if i % 2 else sampled(seed=i, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_packed_engine_serves_the_emulated_policy(config, fmt):
+    """Same tokens and bitwise the same logprobs (CPU fp32: the same GEMMs on the same values)."""
+    packed = make_engine(model=tiny_dsv4(40, **CONFIGS[config]), serving_format=fmt)
+    emulated = make_engine(model=tiny_dsv4(40, **CONFIGS[config]), serving_format=fmt, packed_fp8=False)
+    names = packed_weights(packed.model)
+    fp8_names = [n for n in emulated.model.state_dict() if serving_storage(n, fmt) is Storage.FP8
+                 and ".experts." not in n]
+    assert sorted(names) == sorted(fp8_names)
+    # per layer q_a, q_b, kv, o_a (grouped), o_b, shared gate / up / down; the C4 layers' indexer q_b
+    assert len(names) == 4 * 8 + 2 and "model.layers.3.self_attn.compressor.indexer.q_b_proj.weight" in names
+    assert not packed_weights(emulated.model)
+    sd = packed.model.state_dict()
+    for name, module in names.items():
+        assert sd[name].dtype == torch.float8_e4m3fn
+        assert torch.equal(module.dequantized(torch.float32), emulated.model.state_dict()[name]), name
+    for layer in packed.model.model.layers:  # every fused stack is the linears' own storage
+        assert layer.mlp.fused_fp8_weight.dtype == torch.float8_e4m3fn
+        assert layer.self_attn.fused_fp8_weight.shape[0] == layer.self_attn.q_a_proj.out_features + 16
+    ps = prompts(5, seed=41)
+    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=True)
+
+
+def _storage_ptrs(engine):
+    return {n: (m.weight.data_ptr(), m.weight_scale.data_ptr()) for n, m in packed_weights(engine.model).items()}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_update_writes_packed_storage_in_place(config):
+    """After update_weights the packed engine equals a fresh packed engine built on the new weights:
+    bytes, scales and outputs; the storage is the same memory (CUDA graphs read it in place)."""
+    kw = CONFIGS[config]
+    ps = prompts(4, seed=42)
+    engine = make_engine(model=tiny_dsv4(43, **kw), serving_format="fp8")
+    before_ptrs = _storage_ptrs(engine)
+    before = engine.generate(requests(ps, params))
+    new = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
+           for k, v in tiny_dsv4(44, **kw).state_dict().items()}
+    engine.update_weights(new, version=1)
+    assert _storage_ptrs(engine) == before_ptrs
+    fresh_model = tiny_dsv4(0, **kw)
+    fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
+    fresh = make_engine(model=fresh_model, serving_format="fp8")
+    for (name, m), m_fresh in zip(packed_weights(engine.model).items(), packed_weights(fresh.model).values()):
+        assert torch.equal(m.weight, m_fresh.weight) and torch.equal(m.weight_scale, m_fresh.weight_scale), name
+    after = engine.generate(requests(ps, params))
+    assert any(a.response_ids.tolist() != b.response_ids.tolist() for a, b in zip(after, before))
+    same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
+
+
+def test_partial_update_of_one_packed_weight():
+    """A bucket holding one fused fp8 weight rewrites that weight's rows and scales only."""
+    engine = make_engine(seed=45, serving_format="fp8")
+    name = "model.layers.2.self_attn.kv_proj.weight"
+    attn = engine.model.model.layers[2].self_attn
+    fused_before = attn.fused_fp8_weight.clone()
+    w = trainer_weights(46)[name]
+    engine.update_weights({name: w}, version=1, partial=True)
+    rows = attn.q_a_proj.out_features
+    assert torch.equal(attn.fused_fp8_weight[:rows], fused_before[:rows])
+    assert not torch.equal(attn.fused_fp8_weight[rows:], fused_before[rows:])
+    assert torch.equal(attn.kv_proj.dequantized(torch.float32),
+                       make_engine(model=_with(tiny_dsv4(45), name, w), serving_format="fp8",
+                                   packed_fp8=False).model.state_dict()[name])
+
+
+def _with(model, name, w):
+    model.state_dict()[name].copy_(w)
+    return model
+
+
+def test_weight_bytes_of_packed_fp8_linears():
+    """On a config whose linears dominate (attention ranks of 1024 / 512 over hidden 512; routed
+    experts, which stay unpacked, of width 32; 2 mHC streams), fp8 holds <= 0.55x the bf16 engine's
+    weight bytes; unpacked_weight_bytes gives the bf16 engine's figure without building it."""
+    kw = dict(hidden_size=512, q_lora_rank=1024, head_dim=64, num_attention_heads=32, o_lora_rank=512,
+              moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, index_n_heads=4,
+              index_head_dim=32, hc_mult=2, vocab_size=64, max_position_embeddings=128)
+    fp8 = make_engine(model=tiny_dsv4(47, **kw), serving_format="fp8", dtype="bfloat16", max_model_len=64)
+    bf16 = make_engine(model=tiny_dsv4(47, **kw), serving_format="bf16", dtype="bfloat16", max_model_len=64)
+    n_bf16 = bf16.weight_bytes()
+    assert fp8.unpacked_weight_bytes() == n_bf16 == weight_bytes(bf16.model)
+    assert n_bf16 == sum(t.numel() * t.element_size() for t in bf16.model.state_dict().values())
+    ratio = fp8.weight_bytes() / n_bf16
+    packed = sum(m.weight.numel() for m in packed_weights(fp8.model).values())
+    print(f"weight bytes fp8 {fp8.weight_bytes()} of bf16 {n_bf16}: {ratio:.3f} ({packed} packed parameters)")
+    assert ratio <= 0.55
+    # what was saved is one byte per packed parameter, less the scales and scale-row tables
+    scales = sum(t.numel() * t.element_size() for m in packed_weights(fp8.model).values() for t in m.buffers()
+                 if t.dtype != torch.float8_e4m3fn)
+    assert n_bf16 - fp8.weight_bytes() <= packed and n_bf16 - fp8.weight_bytes() >= packed - 2 * scales
+    assert all(isinstance(m, Fp8Linear) for m in packed_weights(fp8.model).values())
