@@ -11,7 +11,8 @@ that HOST:PORT answers: ray.init would retry for minutes), then
 3. starts one `RankActor` per rank in its bundle, named by the layout (`lockstep-rank0-trainer`,
    `lockstep-rank1-rollout`, or `-colocated`) in the job's own namespace;
 4. has rank 0's actor pick its node IP and a free port (MASTER_ADDR / MASTER_PORT), and runs the
-   per-rank entry in every actor with torchrun's variables set (`rank_env`), so each joins with
+   per-rank entry in every actor with torchrun's variables set (`rank_env`) and the driver's torch /
+   NCCL / gloo / lockstep settings (`forwarded_env`), so each joins with
    `lockstep.dist.groups.init_distributed` and runs exactly what a torchrun process runs;
 5. waits for every actor. A failed rank (an exception, a non-zero exit, a dead actor) ends the
    driver with `RayLaunchError` naming the rank, and the failures of the other ranks that follow
@@ -43,6 +44,7 @@ INSTALL_HINT = "pip install 'lockstep-rl[ray]'"
 # after the first failure, how long the driver still collects the other ranks' errors (a peer's
 # DistributedError arrives within moments of the death it reports) before it stops them
 GRACE_S = 2.0
+FORWARDED_PREFIXES = ("NCCL_", "TORCH_", "GLOO_", "LOCKSTEP_")
 
 
 class RayLaunchError(RuntimeError):
@@ -91,6 +93,13 @@ def rank_env(rank: int, ordered: list[Place], master_addr: str, master_port: int
     local_rank, local_world = (0, 1) if gpu else (here.index(ordered[rank]), len(here))
     return {"RANK": str(rank), "WORLD_SIZE": str(len(ordered)), "LOCAL_RANK": str(local_rank),
             "LOCAL_WORLD_SIZE": str(local_world), "MASTER_ADDR": master_addr, "MASTER_PORT": str(master_port)}
+
+
+def forwarded_env(environ) -> dict[str, str]:
+    """The driver's settings of torch, NCCL, gloo and lockstep (NCCL_*, TORCH_*, GLOO_*, LOCKSTEP_*), which
+    torchrun's processes would inherit and Ray's workers (started by each node's raylet) do not; the
+    two sides of a push must agree on e.g. NCCL_CUMEM_ENABLE (DISTRIBUTED.md)."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES)}
 
 
 def _where() -> tuple[str, tuple[int, ...]]:
@@ -163,40 +172,60 @@ def _check_reachable(address: str, timeout_s: float = 10.0) -> None:
 
 def _place_and_run(ray, config: DistConfig, layout: Layout, gpu: bool, entry, argv: list[str]) -> None:
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = {"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}
+    bundle, timeout = ({"GPU": 1, "CPU": 1} if gpu else {"CPU": 1}), config.distributed_timeout
     pg = placement_group([dict(bundle)] * layout.world_size, strategy="PACK")
-    timeout = config.distributed_timeout
-
-    def in_bundle(i: int) -> dict:
-        return {"num_cpus": 1, "num_gpus": 1 if gpu else 0,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)}
-
     actors = []
     try:
-        try:
-            ray.get(pg.ready(), timeout=timeout)
-        except ray.exceptions.GetTimeoutError:
-            raise RayLaunchError(f"the Ray cluster had no room for {layout.world_size} bundles of {bundle} (PACK) "
-                                 f"within {timeout:g}s (--distributed-timeout); it has {ray.cluster_resources()}") from None
-        where = ray.remote(_where)
-        found = ray.get([where.options(**in_bundle(i)).remote() for i in range(layout.world_size)], timeout=timeout)
-        ordered = rank_order([Place(i, ip, gpus) for i, (ip, gpus) in enumerate(found)])
+        _reserve(ray, pg, layout.world_size, bundle, timeout)
+        ordered = _ranked_places(ray, pg, layout.world_size, gpu, timeout)
         names = [f"lockstep-rank{r}-{role(layout, r)}" for r in range(layout.world_size)]
         actor = ray.remote(RankActor)
-        actors = [actor.options(name=names[r], **in_bundle(p.bundle)).remote(names[r]) for r, p in enumerate(ordered)]
-        try:
-            master_addr, master_port = ray.get(actors[0].master.remote(), timeout=timeout)
-        except ray.exceptions.RayError as e:
-            raise RayLaunchError(f"rank 0 ({names[0]}) did not start: {_summary(e)}") from None
-        refs = {actors[r].run.remote(rank_env(r, ordered, master_addr, master_port, gpu), os.getcwd(), entry, argv): r
+        actors = [actor.options(name=names[r], **_in_bundle(pg, p.bundle, gpu)).remote(names[r])
+                  for r, p in enumerate(ordered)]
+        master = _await(ray, actors[0].master.remote(), timeout, f"rank 0 ({names[0]}) did not start")
+        shared = forwarded_env(os.environ)
+        refs = {actors[r].run.remote({**shared, **rank_env(r, ordered, *master, gpu)}, os.getcwd(), entry, argv): r
                 for r in range(layout.world_size)}
         _wait_all(ray, refs, [f"rank {r} ({names[r]} on {p.node_ip})" for r, p in enumerate(ordered)], timeout)
     finally:
         for a in actors:
             ray.kill(a)
         remove_placement_group(pg)
+
+
+def _in_bundle(pg, index: int, gpu: bool) -> dict:
+    """Ray options that run a task or actor in bundle `index`, holding the bundle's CPU (and GPU)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {"num_cpus": 1, "num_gpus": 1 if gpu else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)}
+
+
+def _reserve(ray, pg, n: int, bundle: dict, timeout_s: float) -> None:
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RayLaunchError(f"the Ray cluster had no room for {n} bundles of {bundle} (PACK) within {timeout_s:g}s "
+                             f"(--distributed-timeout); it has {ray.cluster_resources()}") from None
+
+
+def _ranked_places(ray, pg, n: int, gpu: bool, timeout_s: float) -> list[Place]:
+    """Where each bundle landed (a task in it reports), in rank order."""
+    where = ray.remote(_where)
+    found = _await(ray, [where.options(**_in_bundle(pg, i, gpu)).remote() for i in range(n)], timeout_s,
+                   "the placement probes did not report")
+    return rank_order([Place(i, ip, gpus) for i, (ip, gpus) in enumerate(found)])
+
+
+def _await(ray, refs, timeout_s: float, what: str):
+    """ray.get with the distributed timeout; a timeout or a Ray failure becomes RayLaunchError saying `what`."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise RayLaunchError(f"{what} within {timeout_s:g}s (--distributed-timeout)") from None
+    except ray.exceptions.RayError as e:
+        raise RayLaunchError(f"{what}: {_summary(e)}") from None
 
 
 def _wait_all(ray, refs: dict, names: list[str], timeout_s: float) -> None:

@@ -31,7 +31,8 @@ import pytest
 
 from dist_world import free_port
 from lockstep.dist.groups import Layout
-from lockstep.dist.ray_launch import INSTALL_HINT, Place, RayLaunchError, import_ray, rank_env, rank_order, role
+from lockstep.dist.ray_launch import (INSTALL_HINT, Place, RayLaunchError, forwarded_env, import_ray, rank_env,
+                                      rank_order, role)
 from test_train_world import SIZES, _first_difference, _perf_free, _train
 
 
@@ -74,7 +75,7 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def test_ranks_follow_node_ip_then_gpu_id_and_are_named_by_the_layout():
+def test_rank_order_environment_and_names():
     places = [Place(0, "10.0.0.10", (1,)), Place(1, "10.0.0.9", (3,)), Place(2, "10.0.0.10", (0,)),
               Place(3, "10.0.0.9", (2,))]
     ordered = rank_order(places)
@@ -86,6 +87,10 @@ def test_ranks_follow_node_ip_then_gpu_id_and_are_named_by_the_layout():
     # a GPU actor sees only its own GPU: one local rank on one device (cuda:0, NCCL)
     gpu = rank_env(3, ordered, "10.0.0.9", 1234, gpu=True)
     assert (gpu["RANK"], gpu["LOCAL_RANK"], gpu["LOCAL_WORLD_SIZE"]) == ("3", "0", "1")
+    # the driver's torch / NCCL / gloo / lockstep settings reach the actors; the rest is the node's own
+    assert forwarded_env({"NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "PATH": "/x",
+                          "CUDA_VISIBLE_DEVICES": "0,1", "TORCHELASTIC_RUN_ID": "x", "LOCKSTEP_TRACEBACK": "1"}) == {
+        "NCCL_CUMEM_ENABLE": "0", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "LOCKSTEP_TRACEBACK": "1"}
     # actor names say what the layout makes of each rank
     assert [role(Layout.disaggregated(1, 2), r) for r in range(3)] == ["trainer", "rollout", "rollout"]
     assert role(Layout.colocated(2), 1) == "colocated"
