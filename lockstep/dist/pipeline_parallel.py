@@ -101,6 +101,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from lockstep.files import FileError
 from lockstep.models.deepseek_v4 import Routing
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
@@ -518,12 +519,12 @@ class PipelineTrainer:
         with self.pipe.collective("pipeline-parallel all_gather_object (checkpoint names no stage holds)"):
             dist.all_gather_object(outcomes, mine, group=self.pipe.group)
         failed = [o for o in outcomes if isinstance(o, str)]
-        if failed:
-            raise KeyError("; ".join(failed))
+        if failed:  # every stage raises the same, naming each stage that failed
+            raise ValueError("; ".join(failed))
         unclaimed = sorted(set.intersection(*outcomes))
         if unclaimed:
-            raise KeyError(f"{d / ckpt.WEIGHTS}: no pipeline stage holds {unclaimed[:5]} "
-                           f"({len(unclaimed)} tensors): a checkpoint of another model")
+            raise FileError(f"{d / ckpt.WEIGHTS}: no pipeline stage holds {unclaimed[:5]} "
+                            f"({len(unclaimed)} in all): a checkpoint of another model")
 
 
 def _gather_to_first(pipe: PipelineParallel, named: list[tuple[object, torch.Tensor]], what: str):

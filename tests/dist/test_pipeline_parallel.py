@@ -380,10 +380,11 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
         resumed.load(f"{directory}/{save}")
         out[name] = {"num_steps": resumed.num_steps, "metrics": _step(resumed),
                      "weights": dict(resumed.named_weights())}
-    try:
-        _pipeline_trainer(ctx, rank).load(f"{directory}/foreign")
-    except KeyError as e:
-        out["foreign"] = str(e)
+    for name in ("foreign", "absent"):
+        try:
+            _pipeline_trainer(ctx, rank).load(f"{directory}/{name}")
+        except ValueError as e:
+            out[name] = str(e)
     bf16 = _pipeline_trainer(ctx, rank, "bfloat16")  # fp32 masters apart from the bf16 weights
     _step(bf16)
     bf16.save(f"{directory}/pp-bf16")
@@ -477,11 +478,15 @@ def test_one_process_save_loads_into_pp(checkpoints):
         _assert_weights_equal(r["one"]["weights"], dict(one.named_weights()), f"rank {rank} from the one-process save")
 
 
-def test_pp_load_refuses_a_tensor_no_stage_holds(checkpoints):
+def test_pp_load_errors_reach_every_stage(checkpoints):
+    """A tensor no stage holds, and a stage that cannot load (here: no such directory), fail on every stage
+    (none is left waiting for the others), naming the file, or each failed stage."""
     *_, results, directory = checkpoints
     for r in results:
-        assert f"{directory / 'foreign' / 'model.safetensors'}: no pipeline stage holds ['model.extra.weight']" \
-            in r["foreign"]
+        assert r["foreign"] == (f"{directory / 'foreign' / 'model.safetensors'}: no pipeline stage holds "
+                                "['model.extra.weight'] (1 in all): a checkpoint of another model")
+        assert r["absent"].startswith("pipeline stage 0: ") and "; pipeline stage 1: " in r["absent"]
+        assert str(directory / "absent" / "model.safetensors") in r["absent"]
 
 
 def test_pp_bf16_save_holds_every_stage_s_masters(checkpoints):
