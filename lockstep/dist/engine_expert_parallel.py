@@ -31,7 +31,10 @@ gloo control group gives the step's count; a rank with fewer runs empty forwards
 every MoE layer's exchange with zero rows, in layer order, no attention, no sampling. A rank whose
 requests are done keeps taking part in steps (empty ones) until the all-reduce says no rank
 scheduled anything: `generate` returns only when every rank is done. A dead peer fails the
-survivor's next collective: `DistributedError` naming rank and operation (groups.collective).
+survivor's next collective: `DistributedError` naming rank and operation (groups.collective). A rank
+whose step fails after its forwards (sampling, stop checks) says so at the next agreement, and its
+peers raise `DistributedError` naming it; one failing inside a forward leaves its peers in an
+exchange until the timeout.
 
 Scope: the colocated layout (every rank serves; EP = the engine ranks = the world, so the control
 group is the engine group). Weight push: full expert tensors in (in-process, or `push_weights`,
@@ -52,7 +55,7 @@ from torch import nn
 
 from lockstep.config import EngineConfig
 from lockstep.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel, ep_mesh
-from lockstep.dist.groups import DistContext
+from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.engine.engine import Engine
 from lockstep.engine.runner import group_calls
 
@@ -125,8 +128,10 @@ class _AgreedRunner:
     def execute(self, scheduled):
         mine = len(group_calls(scheduled, self.runner.batch_invariant, self.runner.one_call))
         step = self.ep.agree_step(mine)
+        self.ep.in_forward = True  # a failure in here leaves the peers inside an exchange
         out = self.runner.execute(scheduled)
         self.ep.empty_forwards(step - mine)
+        self.ep.in_forward = False
         return out
 
 
@@ -143,6 +148,7 @@ class ExpertParallelEngine:
         self._expert_names = {f"{name}.{p}": m for name, m in engine.model.named_modules()
                               if isinstance(m, EngineExpertShard) for p in ("gate_up_proj", "down_proj")}
         self.steps = self.empty_forward_calls = 0  # agreed steps; forwards run with no rows (the log, tests)
+        self.in_forward = False
         engine.runner = _AgreedRunner(engine.runner, self)
 
     # ---- the seam -------------------------------------------------------------------------
@@ -171,10 +177,27 @@ class ExpertParallelEngine:
 
     def generate(self, requests: list) -> list:
         """This rank's samples for its own `requests` (possibly none); returns once every rank is done."""
-        samples = self.engine.generate(requests)  # its steps are agreed through _AgreedRunner
+        try:
+            samples = self.engine.generate(requests)  # its steps are agreed through _AgreedRunner
+        except DistributedError:
+            raise
+        except Exception:
+            self._announce_failure()
+            raise
         while (step := self.agree_step(0)) > 0:
             self.empty_forwards(step)
         return samples
+
+    def _announce_failure(self) -> None:
+        """This rank failed between steps (sampling, stop checks): its peers wait at the next step's
+        agreement, so tell them there -- they stop at once, naming this rank, instead of at the
+        timeout. A failure inside a forward leaves them in an exchange: nothing to meet them with."""
+        if self.in_forward:
+            return
+        try:
+            self.agree_step(0, failed=True)
+        except DistributedError:
+            pass  # a peer is gone too; this rank's own error is the one to raise
 
     def update_weights(self, named_tensors, version: int, partial: bool = False) -> None:
         """Full expert tensors are cut to this rank's experts; the Engine validates and writes."""
@@ -194,13 +217,19 @@ class ExpertParallelEngine:
 
     # ---- lockstep steps -------------------------------------------------------------------
 
-    def agree_step(self, forwards: int) -> int:
-        """The most forward calls any rank needs this step (0: every rank is done)."""
+    def agree_step(self, forwards: int, failed: bool = False) -> int:
+        """The most forward calls any rank needs this step (0: every rank is done); raises when a peer
+        says it failed (`_announce_failure`)."""
         self.steps += 1
-        t = torch.tensor([forwards], dtype=torch.int64)
-        with self.ctx.collective(f"all_reduce MAX of forward calls (expert-parallel engine step {self.steps})"):
+        op = f"all_reduce MAX of forward calls (expert-parallel engine step {self.steps})"
+        t = torch.tensor([forwards, self.ctx.rank + 1 if failed else 0], dtype=torch.int64)
+        with self.ctx.collective(op):
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.control_group)
-        return int(t.item())
+        most, failed_rank = t.tolist()
+        if failed_rank and not failed:
+            raise DistributedError(f"rank {self.ctx.rank}: {op}: rank {failed_rank - 1} failed (its own error "
+                                   "says why); this rank stops too")
+        return most
 
     @torch.no_grad()
     def empty_forwards(self, n: int) -> None:

@@ -11,7 +11,8 @@ is done), then after a weight push. Memory: each rank's expert parameters are ha
 in storage of their own. Weight push (`push_weights`, two-phase commit): each rank's expert shard
 equals the slice of what one engine serves after the same in-process update, every other tensor
 equal; a stale version is voted down and changes nothing. A peer that exits mid-generation makes
-the survivor raise DistributedError naming its rank and the operation.
+the survivor raise DistributedError naming its rank and the operation; a peer whose sampling fails
+stops the other at the next step, naming the failed rank.
 """
 
 from __future__ import annotations
@@ -220,3 +221,31 @@ def test_the_ep_engine_is_refused_outside_the_colocated_layout():
     with pytest.raises(ValueError, match="rollout_expert_parallel_size: 2: the expert-parallel engine runs colocated"):
         DistConfig(nproc_per_node=2, actor_num_gpus=1, rollout_num_gpus=1, rollout_expert_parallel_size=2)
     assert DistConfig(nproc_per_node=2, rollout_expert_parallel_size=2).rollout_expert_parallel_size == 2
+
+
+def _failing_rank(rank: int) -> None:
+    from lockstep.dist.engine_expert_parallel import expert_parallel_engine
+    from lockstep.dist.groups import init_distributed
+    from lockstep.models import load_pretrained
+
+    ctx = init_distributed(30.0)
+    engine = expert_parallel_engine(ctx, load_pretrained(ASSET), _config("float32"))
+    if rank == 1:
+        sample = engine.engine.sampler
+
+        def fail_at_step_3(*args, **kwargs):
+            if engine.steps == 3:
+                raise RuntimeError("sampler failed (injected)")
+            return sample(*args, **kwargs)
+        engine.engine.sampler = fail_at_step_3
+    engine.generate(_requests(rank, "uneven"))
+
+
+def test_a_peer_failing_between_steps_stops_the_others_at_once_naming_it():
+    r0, r1 = run_world(_failing_rank, 2, guard_s=60)
+    assert r1.error_type == "RuntimeError" and "sampler failed (injected)" in r1.error, r1.error
+    assert r0.error_type == "DistributedError", r0.error
+    first = r0.error.splitlines()[0]
+    # told at the next step's agreement: not a timeout ("timed out after 30s"), nor a hang
+    assert first.startswith("rank 0: all_reduce MAX of forward calls (expert-parallel engine step 4): rank 1 "
+                            "failed"), first
