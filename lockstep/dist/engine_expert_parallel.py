@@ -40,7 +40,9 @@ Scope: the colocated layout (every rank serves; EP = the engine ranks = the worl
 group is the engine group). Weight push: full expert tensors in (in-process, or `push_weights`,
 whose staging keeps each rank's slice through `local_tensors`); the manifest is the full model's.
 Not built: EP smaller than the engine ranks, the disaggregated layout, the background loop / HTTP
-server, `update_weights_from_disk`, CUDA graphs (the all-gather form). Not yet run on GPUs (NCCL),
+server, `update_weights_from_disk`, CUDA graphs (the all-gather form), loading only this rank's
+experts from the checkpoint (`expert_parallel_engine_from_pretrained` loads the full model into host
+memory first: fine for the device, not for a 284B model's host). Not yet run on GPUs (NCCL),
 so bitwise equality with one engine there, where decode rows take the Triton kernels, is not shown.
 """
 
