@@ -14,10 +14,11 @@ replica ran (tests/dist/test_replicas.py: tokens and logprobs bitwise one engine
 Without it, on the CPU, logprobs move by ~1e-7 with the batch (the tokens stayed the same in the
 tests, though such a shift could flip one).
 
-The gather is `all_gather_object` on the gloo control group: the samples are pickled, tensors
-included. A rank whose block is done (a trainer-only rank: the whole rollout) waits in it, so the
-world's timeout must exceed the longest rollout. That is fine for the CPU proof and small rollouts; a large GPU rollout should gather the
-flat token / logprob tensors instead (not built yet).
+The gather is on the gloo control group (lockstep/dist/sample_gather.py): each rank's token ids,
+logprobs, loss masks and routed experts as one flat tensor per field, only the small fields (reward,
+group id, finish reason, metadata, the tensors' shapes) pickled. A rank whose block is done (a
+trainer-only rank: the whole rollout) waits in its first step, so the world's timeout must exceed
+the longest rollout.
 
 Weights, `update_weights(named_tensors, version)` on every rank at the same point:
     colocated       each rank's engine takes its own trainer's full weights in-process (as the
@@ -31,9 +32,8 @@ Weights, `update_weights(named_tensors, version)` on every rank at the same poin
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 from lockstep.dist.groups import DistContext
+from lockstep.dist.sample_gather import gather_samples
 from lockstep.dist.weight_push import push_weights
 
 
@@ -80,9 +80,8 @@ class EngineReplicas:
         # an engine rank calls generate even with no requests: an expert-parallel engine's rank must
         # take part in its peers' steps (engine_expert_parallel.py); a plain Engine returns at once
         local = self.engine.generate(mine) if self.engine is not None else []
-        parts: list = [None] * self.ctx.world_size
-        with self.ctx.collective(f"all_gather_object of rollout samples ({len(requests)} requests)"):
-            dist.all_gather_object(parts, local, group=self.ctx.control_group)
+        parts = gather_samples(local, self.ctx.control_group, self.ctx.collective,
+                               f"rollout samples ({len(requests)} requests)")
         return [s for r in self.ctx.layout.engine_ranks for s in parts[r]]
 
     def update_weights(self, named_tensors, version: int) -> dict[str, float]:
