@@ -57,9 +57,10 @@ def _wait_for_port(port: int, head: subprocess.Popen, timeout_s: float) -> None:
 @pytest.fixture(scope="module")
 def ray_head():
     """HOST:PORT of a fresh local Ray head (module docstring); stopped when the module is done."""
-    assert shutil.which("ray"), "no `ray` command: pip install -e '.[test,ray]' (.ci/run installs the extra)"
+    import_ray()  # without the extra: its install line (.ci/run installs it)
     port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
-    head = subprocess.Popen(["ray", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+    # the `ray` command of this interpreter's Ray
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
                              "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
                              "--temp-dir", temp], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
