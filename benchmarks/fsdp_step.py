@@ -42,6 +42,9 @@ monkeypatches of this process's objects, nothing in lockstep changes):
                      (which pickles every sample's tensors and, on an NCCL group, stages the bytes
                      through the GPU); the gathered tensors are checked equal to the original's once
     all              the four together
+    bf16-reduce      FSDP reduces gradients in bf16 (apply_fsdp's reduce_dtype) instead of fp32: half
+                     the reduce-scatter bytes, NOT the one-process gradients (a measurement only;
+                     not part of `all`)
 
     OMP_NUM_THREADS=1 python benchmarks/fsdp_step.py --config cpu-tiny                  # CPU smoke, gloo
     python benchmarks/fsdp_step.py --config gpu-848m --variant all --profile          # 2 GPUs
@@ -53,7 +56,9 @@ written once with save_pretrained and loaded by every rank, bf16 compute on CUDA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
 import os
 import pickle
 import re
@@ -70,6 +75,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 VARIANTS = ("coalesce-grads", "no-reshard", "bf16-gather", "tensor-gather")
+MEASURE_ONLY = ("bf16-reduce",)  # changes the numbers the step computes
 COMM_WORDS = ("nccl", "gloo", "allgather", "all_gather", "reducescatter", "reduce_scatter", "allreduce",
               "all_reduce", "broadcast", "c10d::")
 
@@ -273,7 +279,7 @@ def apply_variant(trainer, variant: str, samples):
     """Patch this rank's trainer for `variant`; returns the weight-gather function to time."""
     from lockstep.dist.fsdp import fsdp_modules
 
-    chosen = set(VARIANTS) if variant == "all" else {variant} - {"base"}
+    chosen = set(VARIANTS) if variant == "all" else {variant} - {"base", *MEASURE_ONLY}
     if "coalesce-grads" in chosen:
         trainer.dp.sum_grads = _coalesced_sum_grads(trainer.dp)
     if "tensor-gather" in chosen:
@@ -317,7 +323,8 @@ def measure(rank: int, args, model_dir: str, variant: str) -> dict:
     ctx = init_distributed()
     bench = _configs()[args.config]
     cfg = dataclasses.replace(_train_config(bench), compile_hc=args.compile_hc)
-    trainer = _sharded_trainer(ctx, model_dir, cfg, lambda policy: None)
+    with _reduce_dtype(torch.bfloat16 if variant == "bf16-reduce" else torch.float32):
+        trainer = _sharded_trainer(ctx, model_dir, cfg, lambda policy: None)
     timer = CollectiveTimer(trainer.dp.collective, trainer.device)
     trainer.dp.collective = timer  # the optimiser holds the same DataParallel
     vocab = trainer.model.config.vocab_size
@@ -335,7 +342,62 @@ def measure(rank: int, args, model_dir: str, variant: str) -> dict:
     med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in keys}
     peak = torch.cuda.max_memory_allocated(trainer.device) if trainer.device.type == "cuda" else None
     return {"parts": med, "comm": comm, "table": table, "tokens": sum(s.response_len for s in samples),
-            "peak_bytes": peak, "device": str(trainer.device)}
+            "peak_bytes": peak, "device": str(trainer.device), "fsdp_bytes": fsdp_bytes(trainer, variant),
+            # gloo on a shared CPU moves ~0.1 GB/s: a small probe there
+            "link": link_bandwidth(trainer.dp, 256 if trainer.device.type == "cuda" else 8) if trainer.dp.enabled else None}
+
+
+@contextlib.contextmanager
+def _reduce_dtype(dtype: torch.dtype):
+    """apply_fsdp with this reduce_dtype while _sharded_trainer runs (it imports the function on call)."""
+    import lockstep.dist.fsdp as fsdp
+
+    original = fsdp.apply_fsdp
+    fsdp.apply_fsdp = functools.partial(original, reduce_dtype=dtype)
+    try:
+        yield
+    finally:
+        fsdp.apply_fsdp = original
+
+
+def fsdp_bytes(trainer, variant: str) -> dict[str, float]:
+    """Bytes one rank receives per step through FSDP on a 2-rank world: half of every all-gathered
+    unsharded parameter (compute dtype; twice with reshard after forward), half of every gradient
+    reduce-scattered (reduce dtype). Comparing with the link's bandwidth says whether the step's
+    extra time is the bytes."""
+    from torch.distributed.tensor import DTensor
+
+    low = 2 if trainer.config.dtype == "bfloat16" else 4
+    sharded = [(n, p) for n, p in trainer.model.named_parameters() if isinstance(p, DTensor)]
+    from lockstep.models.precision import storage_dtype
+
+    gathered = sum(p.numel() * (low if storage_dtype(trainer.model, n, torch.bfloat16) != torch.float32 else 4)
+                   for n, p in sharded)
+    grads = sum(p.numel() for _, p in sharded) * (2 if variant == "bf16-reduce" else 4)
+    passes = 1 if variant in ("no-reshard", "all") else 2
+    return {"all_gather": passes * gathered / 2, "reduce_scatter": grads / 2}
+
+
+def link_bandwidth(dp, mib: int = 256, iters: int = 5) -> dict[str, float]:
+    """Bus bandwidth (bytes/s) of an all_gather and a reduce_scatter of `mib` MiB (fp32) outputs / inputs
+    over the data-parallel group: NVLink gives hundreds of GB/s, PCIe or shared memory tens."""
+    import torch.distributed as dist
+
+    n, dev = dp.size, dp.device
+    full = torch.empty(mib * 2**20 // 4, dtype=torch.float32, device=dev)
+    shard = torch.empty(full.numel() // n, dtype=torch.float32, device=dev)
+    ops = {"all_gather": lambda: dist.all_gather_into_tensor(full, shard, group=dp.group),
+           "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full, group=dp.group)}
+    out = {}
+    for name, op in ops.items():
+        op()
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            op()
+        _sync(dev)
+        out[name] = full.numel() * 4 * (n - 1) / n * iters / (time.perf_counter() - t0)
+    return out
 
 
 # ---- driver -------------------------------------------------------------------------------------
@@ -371,7 +433,7 @@ def print_table(columns: dict[str, dict]) -> None:
     names = list(columns)
     base = columns[names[0]]["parts"]
     keys = list(dict.fromkeys(k for c in columns.values() for k in c["parts"]))
-    width = max(12, *(len(n) + 4 for n in names))
+    width = max(12, *(len(n) + 6 for n in names))
     head = f"{'part (s/step, rank 0)':<52}" + "".join(f"{n:>{width}}" for n in names) + \
         "".join(f"{n + ' / 1':>{width}}" for n in names[1:])
     print(head)
@@ -397,6 +459,18 @@ def print_comm(columns: dict[str, dict]) -> None:
         print(f"{k[:59]:<60}" + "".join(f"{x:>{width}}" for x in cells))
 
 
+def print_link(columns: dict[str, dict]) -> None:
+    """Per multi-rank column: FSDP bytes per step against the link's measured bus bandwidth."""
+    for name, c in columns.items():
+        if not c["link"]:
+            continue
+        ag, rs = c["fsdp_bytes"]["all_gather"], c["fsdp_bytes"]["reduce_scatter"]
+        bw_ag, bw_rs = c["link"]["all_gather"], c["link"]["reduce_scatter"]
+        print(f"[{name}] link bus bandwidth: all_gather {bw_ag / 1e9:.1f} GB/s, reduce_scatter {bw_rs / 1e9:.1f} GB/s"
+              f"; FSDP per step per rank ~{ag / 1e6:.1f} MB all-gathered + {rs / 1e6:.1f} MB "
+              f"reduce-scattered = {ag / bw_ag + rs / bw_rs:.4f} s of pure transfer if none overlapped compute")
+
+
 def largest_growth(columns: dict[str, dict]) -> str:
     names = list(columns)
     one, two = columns[names[0]]["parts"], columns[names[1]]["parts"]
@@ -414,7 +488,7 @@ def main() -> None:
     ap.add_argument("--config", choices=("cpu-tiny", "gpu-848m"), default="cpu-tiny")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--variant", choices=("base", *VARIANTS, "all"), action="append", default=[],
+    ap.add_argument("--variant", choices=("base", *VARIANTS, "all", *MEASURE_ONLY), action="append", default=[],
                     help="prototype measured as an extra 2-rank column (repeatable)")
     ap.add_argument("--distinct-samples", action="store_true",
                     help="each rank its own samples (lengths differ: the step waits for the slowest)")
@@ -447,6 +521,8 @@ def main() -> None:
     print()
     print_table(columns)
     print_comm(columns)
+    print()
+    print_link(columns)
     print("\n" + largest_growth(columns))
 
 
