@@ -60,7 +60,8 @@ def ray_head():
     import_ray()  # without the extra: its install line (.ci/run installs it)
     port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
     # the `ray` command of this interpreter's Ray
-    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port), "--num-cpus", "2",
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--port", str(port), "--num-cpus", "2",
                              "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
                              "--temp-dir", temp], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
@@ -119,7 +120,8 @@ def test_an_address_where_no_head_answers_fails_at_once(capsys):
 def test_ray_actors_log_the_metrics_of_torchrun_processes(tmp_path, ray_head):
     # both at once (the Ray run spends much of its time starting workers); each rank runs 1 thread either way
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(_train, tmp_path / "torchrun", "--nproc-per-node", "2", "--master-port", str(free_port()))
+        reference = pool.submit(_train, tmp_path / "torchrun", "--nproc-per-node", "2",
+                                "--master-port", str(free_port()))
         on_ray = _train(tmp_path / "ray", "--ray-address", ray_head, "--nproc-per-node", "2")
         torchrun = reference.result()
     assert json.loads((tmp_path / "ray" / "config.json").read_text())["world_size"] == 2
