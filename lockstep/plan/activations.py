@@ -23,8 +23,10 @@ k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk ke
   MoE (moe.py, grouped_gemm.py): shared-expert input H*2, fp32 router input + logits + scores
       H*4 + 2*E*4, routing ids/order/weights k*28, dispatched rows k*H*2, expert SwiGLU k*I*12,
       expert outputs bf16 + fp32 k*H*6, shared SwiGLU Is*12
-Llama (not re-derived against lockstep/models/llama.py yet): input + norm 2*H*2 per sub-block,
-  q/k/v (h + 2*kv)*d*2, attention out h*d*2 + lse h*4, MLP fc1 2*I*2 + SwiGLU out I*2.
+Llama (lockstep/models/llama.py; kv KV heads, I intermediate): per sub-block RMSNorm fp32 input
+  H*4 + bf16 normalised H*2 (kept by the weight) + rsqrt 4, and the block input H*2; attention in
+  fp32 (`attend`): fp32 q, k, v (h + 2*kv)*d*4, the causal mask S (bool), softmax
+  output and its nan_to_num h*S*4 each, output h*d*2; MLP gate, SiLU, up, product 4*I*2.
 Measured against lockstep's model by tests/plan/test_plan_activations_measured.py (within 2%).
 The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) saves 1.985 MB per
 token over its layers on the CPU with the GPU's Sinkhorn (the saved-tensor probe); these terms
@@ -99,15 +101,20 @@ def _v4_attention(m: ModelSpec, ratio: int, seq_len: int) -> list[ActTerm]:
     return out
 
 
-def _llama_attention(m: ModelSpec) -> list[ActTerm]:
+def _llama_attention(m: ModelSpec, seq_len: int) -> list[ActTerm]:
     h, kv, d = m.num_attention_heads, m.num_kv_heads, m.head_dim
-    return [ActTerm("attn.qkv", (h + 2 * kv) * d * A, True),
-            ActTerm("attn.core_out_lse", h * d * A + h * F, True)]
+    # (the fp32 cos/sin, 2*d*4, are computed once per forward and shared by every layer: left out)
+    return [ActTerm("attn.qkv_fp32", (h + 2 * kv) * d * F, True, "q, k, v cast up for the fp32 attention"),
+            ActTerm("attn.mask", seq_len, False, "causal mask [S, S] bool, per sequence / S"),
+            ActTerm("attn.softmax_fp32", h * seq_len * F, True, "materialised scores' softmax"),
+            ActTerm("attn.probs_fp32", h * seq_len * F, True, "softmax after nan_to_num, kept by p @ V"),
+            ActTerm("attn.out", h * d * A, True, "kept by o_proj")]
 
 
 def _llama_block(m: ModelSpec, tag: str) -> list[ActTerm]:
     H = m.hidden_size
-    return [ActTerm(f"{tag}.residual_in", H * A, True), ActTerm(f"{tag}.norm_out", H * A, True)]
+    return [ActTerm(f"{tag}.norm", H * F + H * A + F, True, "RMSNorm's fp32 input, bf16 output (weight), rsqrt"),
+            ActTerm(f"{tag}.input", H * A, True, "normalised block input, kept by the input projections")]
 
 
 def _moe(m: ModelSpec) -> list[ActTerm]:
@@ -129,7 +136,7 @@ def _moe(m: ModelSpec) -> list[ActTerm]:
 def _mlp(m: ModelSpec) -> list[ActTerm]:
     if m.is_moe:
         return _moe(m)
-    return [ActTerm("mlp.fc1_act", 3 * m.intermediate_size * A, True)]
+    return [ActTerm("mlp.swiglu", 4 * m.intermediate_size * A, True, "gate, SiLU, up, product")]
 
 
 @lru_cache(maxsize=4096)
@@ -138,7 +145,7 @@ def layer_terms(m: ModelSpec, i: int, seq_len: int) -> tuple[ActTerm, ...]:
     docstring); cached."""
     if m.family == "deepseek_v4":
         return tuple(_mhc(m, "attn") + _v4_attention(m, m.layer_kind(i), seq_len) + _mhc(m, "mlp") + _mlp(m))
-    return tuple(_llama_block(m, "attn") + _llama_attention(m) + _llama_block(m, "mlp") + _mlp(m))
+    return tuple(_llama_block(m, "attn") + _llama_attention(m, seq_len) + _llama_block(m, "mlp") + _mlp(m))
 
 
 def per_token(terms, tp: int) -> float:
@@ -157,20 +164,24 @@ def recompute_bytes_per_token(m: ModelSpec, tp: int) -> float:
 
 
 def head_bytes_per_token(m: ModelSpec, tp: int) -> float:
-    """Last stage, per token: mHC's head collapse (as a sub-block's first three mHC terms,
-    n*H*(4+4+2)), the final RMSNorm 2*H*4, the fp32 copy of the hidden state the fp32 LM head
-    keeps H*4 (deepseek_v4.compute_logits: training takes the fp32 GEMM), and V/TP fp32 logits
-    x 6 at the loss's peak: the logits, the kept log-softmax and the entropy's four fp32
-    temporaries (z - max, p, the zeroed z, p * z: train/losses.entropy_from_logits, computed every
-    step). Read from the code, not measured (the test measures the layers)."""
+    """Last stage, per token, read from the code (the test measures the layers only). DeepSeek-V4:
+    mHC's head collapse (a sub-block's first three mHC terms, n*H*(4+4+2)), the final RMSNorm 2*H*4
+    and the fp32 hidden state the fp32 LM head keeps H*4 (deepseek_v4.compute_logits: training takes
+    the fp32 GEMM); Llama: the final RMSNorm H*4 + H*2 and the head's bf16 input H*2. Then V/TP fp32
+    logits x 6 at the loss's peak: the logits, the kept log-softmax and the entropy's four fp32
+    temporaries (z - max, p, the zeroed z, p * z: train/losses.entropy_from_logits, every step)."""
     H = m.hidden_size
-    hc = m.hc_mult * H * (F + F + A) if m.family == "deepseek_v4" else 0
-    return hc + 2 * H * F + H * F + m.vocab_size / tp * F * 6
+    if m.family == "deepseek_v4":
+        hidden = m.hc_mult * H * (F + F + A) + 2 * H * F + H * F
+    else:
+        hidden = H * F + H * A + H * A
+    return hidden + m.vocab_size / tp * F * 6
 
 
 def head_weight_fp32_bytes(m: ModelSpec, tp: int) -> float:
-    """The fp32 copy of the LM head's weight the fp32 GEMM keeps for the backward: V/TP * H * 4."""
-    return m.vocab_size / tp * m.hidden_size * F
+    """DeepSeek-V4's fp32 LM head GEMM keeps an fp32 copy of the weight for the backward: V/TP * H * 4
+    (Llama's head runs in bf16 and casts the logits: nothing)."""
+    return m.vocab_size / tp * m.hidden_size * F if m.family == "deepseek_v4" else 0.0
 
 
 def dispatch_bytes_per_token(m: ModelSpec, tp: int) -> float:

@@ -13,9 +13,12 @@ TP_PER_LAYER = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128  # q, k+v, o, MLP:
 REPL_PER_LAYER = 2 * 64  # the two RMSNorm weights
 STAGE0 = 1000 * 64 / 2 + 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER)  # embed/TP + layers 0, 1
 STAGE1 = 2 * (TP_PER_LAYER / 2 + REPL_PER_LAYER) + 64 + 1000 * 64 / 2  # layers 2, 3 + norm + head/TP
-# Per token per layer, bytes: (input + norm) x 2 sub-blocks, q/k/v, attention out + lse, SwiGLU.
-LOGITS = 945_152
-ACT_PER_TOKEN = 2 * (2 * 64 * 2) + (4 + 2 * 2) * 16 * 2 + (4 * 16 * 2 + 4 * 4) + 3 * 128 * 2
+LOGITS = 800_768
+# Per token per layer, 32-token sequences, bytes: per sub-block RMSNorm (fp32 input, bf16 output, rsqrt) and
+# block input; fp32 q/k/v, causal mask, fp32 softmax and its nan_to_num, attention out; SwiGLU (4 x I).
+ACT_PER_TOKEN = (2 * (64 * 4 + 64 * 2 + 4 + 64 * 2) + (4 + 2 * 2) * 16 * 4 + 32 + 2 * 4 * 32 * 4 + 4 * 16 * 2
+                 + 4 * 128 * 2)
+ACT_TP2 = (ACT_PER_TOKEN - 32) / 2 + 32  # the mask is whole on every TP rank
 
 
 def _terms(stage):
@@ -23,8 +26,8 @@ def _terms(stage):
 
 
 def test_activation_bytes_per_token(tiny_llama, tiny_v4):
-    assert sum(t.bytes_per_token for t in act.layer_terms(tiny_llama, 0, 32)) == ACT_PER_TOKEN == 1680
-    assert act.layer_bytes_per_token(tiny_llama, 0, 2, 32) == 840
+    assert sum(t.bytes_per_token for t in act.layer_terms(tiny_llama, 0, 32)) == ACT_PER_TOKEN == 3752
+    assert act.layer_bytes_per_token(tiny_llama, 0, 2, 32) == ACT_TP2 == 1892
     # V4 with recompute keeps the n = 2 mHC streams: 2 * 64 * 2 B per token.
     assert act.recompute_bytes_per_token(tiny_v4, 1) == 256
     # V4 C4 layer, TP 1, 32-token sequences (40 keys per query: 32 positions + 8 entries).
@@ -57,13 +60,12 @@ def test_memory_terms_no_recompute(tiny_llama, small_cluster, small_train):
     assert t1["weights"] == STAGE1 * 2
     assert t1["gradients"] == STAGE1 * 4
     assert t1["optimizer states"] == STAGE1 * 12
-    assert t0["activations"] == 2 * 2 * 64 * ACT_PER_TOKEN / 2
-    assert t1["activations"] == 1 * 2 * 64 * ACT_PER_TOKEN / 2
-    # head: final norm + fp32 head input (3 x H x 4 B) and 6 fp32 copies of V/TP logits per token,
-    # plus the fp32 copy of the head weight
-    assert t1["logits"] == LOGITS == 64 * (3 * 64 * 4 + 1000 / 2 * 4 * 6) + 1000 / 2 * 64 * 4
+    assert t0["activations"] == 2 * 2 * 64 * ACT_TP2
+    assert t1["activations"] == 1 * 2 * 64 * ACT_TP2
+    # head: final norm (fp32 in, bf16 out), the head's bf16 input and 6 fp32 copies of V/TP logits per token
+    assert t1["logits"] == LOGITS == 64 * (64 * 4 + 64 * 2 + 64 * 2 + 1000 / 2 * 4 * 6)
     assert "logits" not in t0
-    assert s1.gpu_bytes == STAGE1 * 18 + 2 * 64 * 840 + LOGITS
+    assert s1.gpu_bytes == STAGE1 * 18 + 2 * 64 * ACT_TP2 + LOGITS
 
 
 def test_memory_terms_recompute_offload_and_dp(tiny_llama, small_cluster, small_train):
