@@ -43,10 +43,12 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _wait_for_port(port: int, head: subprocess.Popen, timeout_s: float) -> None:
+def _wait_for_port(port: int, head: subprocess.Popen, log, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        assert head.poll() is None, f"ray start exited with {head.returncode}: {head.stdout.read()[-3000:]}"
+        if head.poll() is not None:
+            log.seek(0)
+            raise AssertionError(f"ray start exited with {head.returncode}: {log.read()[-3000:]}")
         with socket.socket() as s:
             if s.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -60,13 +62,13 @@ def ray_head():
     import_ray()  # without the extra: its install line (.ci/run installs it)
     port, temp = free_port(), tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
     # the `ray` command of this interpreter's Ray
+    log = open(os.path.join(temp, "head.log"), "w+")  # a file, not a pipe nobody drains
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             "--port", str(port), "--num-cpus", "2",
-                             "--num-gpus", "0", "--include-dashboard=false", "--disable-usage-stats",
-                             "--temp-dir", temp], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+                             "--port", str(port), "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard=false",
+                             "--disable-usage-stats", "--temp-dir", temp], env=_env(), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for_port(port, head, 60)
+        _wait_for_port(port, head, log, 60)
         yield f"127.0.0.1:{port}"
     finally:
         head.send_signal(signal.SIGTERM)  # `ray start --block` stops the processes it started
@@ -74,6 +76,7 @@ def ray_head():
             head.wait(timeout=40)
         except subprocess.TimeoutExpired:
             head.kill()
+        log.close()
         shutil.rmtree(temp, ignore_errors=True)
 
 
