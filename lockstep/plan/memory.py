@@ -8,7 +8,8 @@ the terms are
   reference weights   P * param_bytes                 (only with the KL loss: the frozen reference model,
               sharded as the actor and kept on the GPU as lockstep's trainer does; its forward takes
               no gradient, so it adds no activations beyond one micro-batch's transient working set)
-  gradients   P * grad_bytes                          (Megatron's main-grad buffer, fp32: 4 B)
+  gradients   P * grad_bytes                          (grad_dtype: fp32 4 B by default, Megatron's main
+              grads; lockstep's bf16 trainer keeps bf16 .grad, freed after each step)
   optimizer   (Pd / (DP*CP) + Pe / EDP) * (4 + 2*state_bytes)   with the distributed optimizer
               (fp32 master + Adam m, v = 12 B per param), P * 12 B without it; with offload the
               same bytes live in host memory plus a host copy of the gradient shard for the CPU step
