@@ -10,7 +10,7 @@ different lengths, rank 1 one short one), then rank 1 with nothing at all (empty
 is done), then after a weight push. Memory: each rank's expert parameters are half the full bytes,
 in storage of their own. Weight push (`push_weights`, two-phase commit): each rank's expert shard
 equals the slice of what one engine serves after the same in-process update, every other tensor
-equal; a stale version is voted down and changes nothing. A peer that exits mid-generation makes
+equal; a stale version, and a NaN in one rank's experts, are voted down and change nothing. A peer that exits mid-generation makes
 the survivor raise DistributedError naming its rank and the operation; a peer whose sampling fails
 stops the other at the next step, naming the failed rank.
 """
@@ -80,6 +80,9 @@ def _record_kernel_kinds(engine) -> list[bool]:
     return kinds
 
 
+NAN_EXPERTS = "model.layers.1.mlp.experts.gate_up_proj"
+
+
 def _push(ctx, engine, weights, version: int):
     from lockstep.dist.manifest import build_manifest
     from lockstep.dist.weight_push import push_weights
@@ -109,6 +112,12 @@ def _ep_rank(rank: int, dtype: str, push: bool) -> dict:
             _push(ctx, engine, _new_weights(load_pretrained(ASSET)), version=2)  # stale: voted down
         except WeightPushError as e:
             out["stale"] = str(e)
+        bad = _new_weights(load_pretrained(ASSET))
+        bad[NAN_EXPERTS][5, 0, 0] = float("nan")  # expert 5: in rank 1's slice only
+        try:
+            _push(ctx, engine, bad, version=4)
+        except WeightPushError as e:
+            out["nan"] = str(e)
         out["state"] = {n: t.clone() for n, t in engine.model.state_dict().items()}
         out["version"] = engine.weight_version
         out["pushed"] = _digest(engine.generate(_requests(rank, "uneven")))
@@ -178,7 +187,10 @@ def test_weight_push_into_ep_engines_equals_an_in_process_update():
     one.update_weights(_new_weights(load_pretrained(ASSET)), version=3)
     want = one.model.state_dict()
     for rank, got in enumerate(ranks):
-        assert got["version"] == 3 and "aborted" in got["stale"] and f"rank(s) [0, 1]" in got["stale"]
+        assert got["version"] == 3 and "aborted" in got["stale"] and "rank(s) [0, 1]" in got["stale"]
+        # a NaN in expert 5 fails rank 1's staging only (each rank checks its slice); the vote stops both
+        assert "aborted, rank(s) [1] failed" in got["nan"] and "keep version 3" in got["nan"], got["nan"]
+        assert (NAN_EXPERTS in got["nan"]) == (rank == 1), got["nan"]
         assert set(got["state"]) == set(want)
         for name, t in got["state"].items():
             expected = want[name]
