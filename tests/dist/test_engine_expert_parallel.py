@@ -205,7 +205,7 @@ def _dying_rank(rank: int) -> None:
     from lockstep.dist.groups import init_distributed
     from lockstep.models import load_pretrained
 
-    ctx = init_distributed(10.0)
+    ctx = init_distributed(30.0)
     engine = expert_parallel_engine(ctx, load_pretrained(ASSET), _config("float32"))
     if rank == 1:
         agree = engine.agree_step
@@ -219,12 +219,12 @@ def _dying_rank(rank: int) -> None:
 
 
 def test_a_peer_dying_mid_generation_raises_naming_rank_and_operation():
-    r0, r1 = run_world(_dying_rank, 2, guard_s=30)
+    r0, r1 = run_world(_dying_rank, 2, guard_s=60)
     assert r1.exitcode == 3 and not r0.hung
     assert r0.error_type == "DistributedError", r0.error
     first = r0.error.splitlines()[0]
     assert first.startswith("rank 0: ") and "expert-parallel" in first and "a peer probably exited" in first, first
-    assert r0.elapsed_s < 10, r0.elapsed_s
+    assert r0.elapsed_s < 30, r0.elapsed_s  # at once, not at the 30 s timeout (start-up included)
 
 
 def test_the_ep_engine_is_refused_outside_the_colocated_layout():
