@@ -28,9 +28,10 @@ from lockstep.plan.hf_config import spec_from_config
 
 # The plan leaves out per-token scraps (RoPE cos/sin, the norms' rsqrt, masks): 0.5-2% of a layer
 # at these widths (measured: -2.0% tiny, -0.5% wide, -1.4% on Llama's first layer, which computes
-# the cos/sin all layers share; the plan under), less at real widths. 5%
-# leaves room for them and still fails on a term that is missing or counted twice.
-TOLERANCE = 0.05
+# the cos/sin all layers share; the plan under), less at real widths. 3% leaves room for them; a
+# missing or doubled term larger than that fails (the softmax, mHC's fp32 streams, the experts':
+# 4-35% of a layer here; checked by dropping terms), a smaller one (q_res, routing ids) does not.
+TOLERANCE = 0.03
 
 CONFIGS = {
     # the tests' tiny config at the released rates: the plan knows C4 and C128 layers only
