@@ -28,10 +28,10 @@ Llama (lockstep/models/llama.py; kv KV heads, I intermediate): per sub-block RMS
   fp32 (`attend`): fp32 q, k, v (h + 2*kv)*d*4, the causal mask S (bool), softmax
   output and its nan_to_num h*S*4 each, output h*d*2; MLP gate, SiLU, up, product 4*I*2.
 Measured against lockstep's model by tests/plan/test_plan_activations_measured.py (within 2%).
-The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) saves 1.985 MB per
-token over its layers on the CPU with the GPU's Sinkhorn (the saved-tensor probe); these terms
-give 1.969 MB; x 9,216 tokens = 18.1 GB, where an H200 measured a 19.2 GB transient of the whole
-train step over its set-up state (issue 18).
+The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) keeps 1.971 MB per
+token over its layers (that test's probe on the CPU, bf16, the GPU's Sinkhorn); these terms give
+1.969 MB; x 9,216 tokens = 18.1 GB, where an H200 measured a 19.2 GB transient of the whole train
+step over its set-up state (issue 18: the rest is the head and the backward's working set).
 
 With full recomputation (TrainConfig.recompute_activations: torch.utils.checkpoint per decoder
 layer, lockstep/train/recompute.py) a layer keeps only its input: n*H*2 bytes per token (the n
