@@ -31,7 +31,8 @@ Measured against lockstep's model by tests/plan/test_plan_activations_measured.p
 The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) keeps 1.971 MB per
 token over its layers (that test's probe on the CPU, bf16, the GPU's Sinkhorn); these terms give
 1.969 MB; x 9,216 tokens = 18.1 GB, where an H200 measured a 19.2 GB transient of the whole train
-step over its set-up state (issue 18: the rest is the head and the backward's working set).
+step over its set-up state (issue 18; of the other 1.1 GB the plan has the head's 0.56 GB and not the
+backward's working set).
 
 With full recomputation (TrainConfig.recompute_activations: torch.utils.checkpoint per decoder
 layer, lockstep/train/recompute.py) a layer keeps only its input: n*H*2 bytes per token (the n
