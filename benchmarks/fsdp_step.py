@@ -49,7 +49,8 @@ monkeypatches of this process's objects, nothing in lockstep changes):
                      not part of `all`)
 
     OMP_NUM_THREADS=1 python benchmarks/fsdp_step.py --config cpu-tiny                  # CPU smoke, gloo
-    python benchmarks/fsdp_step.py --config gpu-848m --variant all --profile          # 2 GPUs
+    OMP_NUM_THREADS=1 python benchmarks/fsdp_step.py --config gpu-848m --variant all --variant no-reshard \
+        --variant unit-gather --variant tensor-gather --profile                       # 2 GPUs
 
 The model is scaling.py's (grpo_step.py's config with the embedded tokenizer's 103-token vocabulary,
 written once with save_pretrained and loaded by every rank, bf16 compute on CUDA).
@@ -92,7 +93,8 @@ def make_samples(bench, vocab: int, seed: int) -> list:
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(bench.num_prompts * bench.n):
-        r = bench.max_new_tokens if bench.fixed_length else \
+        # sample 0 at full length: gpu-848m's HCA layers need a padded batch of >= 128 positions
+        r = bench.max_new_tokens if bench.fixed_length or i == 0 else \
             int(torch.randint(bench.max_new_tokens // 2, bench.max_new_tokens + 1, (1,), generator=g))
         out.append(Sample(prompt_ids=torch.randint(2, vocab, (bench.prompt_len,), generator=g),
                           response_ids=torch.randint(2, vocab, (r,), generator=g),
