@@ -90,6 +90,8 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     """All checks of the module docstring, for every tensor, before anything is written."""
     pairs = _pairs(named_tensors)
     dest = serving_tensors(model)
+    # a packed tensor is checked against its unpacked shape (packed_weights.py)
+    expected = dict(dest, **{n: p.logical for n, p in packed_weights(model).items()})
     n_experts = getattr(getattr(model, "config", None), "n_routed_experts", None)
     seen: set[str] = set()
     for name, t in pairs:
@@ -99,7 +101,7 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
         if name in seen:
             raise WeightUpdateError(f"{name}: sent twice in one update")
         seen.add(name)
-        _check_one(name, t, dest[name], n_experts)
+        _check_one(name, t, expected[name], n_experts)
     missing = [] if partial else missing_tensors(dest, seen)
     if missing:
         raise WeightUpdateError(f"{missing[0]}: missing from the update ({len(missing)} of the model's {len(dest)} "

@@ -1,11 +1,13 @@
 """An fp8 engine with packed linear weights (engine/packed_weights.py, models/layers/fp8_linear.py)
 serves what the emulated one (dequantised values, EngineConfig.packed_fp8=False) serves, keeps
-doing so across weight updates written in place, and holds its linears in a byte per parameter."""
+doing so across weight updates written in place, and holds its linears in a byte per parameter;
+the same for fp8-fp4's routed experts packed as fp4 (EngineConfig.packed_fp4, fp4_experts.py)."""
 
 import pytest
 import torch
 
 from lockstep.engine.packed_weights import weight_bytes
+from lockstep.models.layers.fp4_experts import PackedFp4Experts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
 from lockstep.quant.formats import Storage
 from lockstep.quant.serving_format import serving_storage
@@ -115,3 +117,46 @@ def test_weight_bytes_of_packed_fp8_linears():
                  if t.dtype != torch.float8_e4m3fn)
     assert n_bf16 - fp8.weight_bytes() <= packed and n_bf16 - fp8.weight_bytes() >= packed - 2 * scales
     assert all(isinstance(m, Fp8Linear) for m in packed_weights(fp8.model).values())
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_packed_fp4_experts_serve_the_emulated_policy(config):
+    kw = CONFIGS[config]
+    packed = make_engine(model=tiny_dsv4(48, **kw), serving_format="fp8-fp4", packed_fp4=True)
+    emulated = make_engine(model=tiny_dsv4(48, **kw), serving_format="fp8-fp4", packed_fp8=False)
+    experts = [layer.mlp.experts for layer in packed.model.model.layers]
+    assert all(isinstance(e, PackedFp4Experts) for e in experts)
+    e = experts[1]
+    assert e.gate_up_proj.dtype == torch.uint8 and e.gate_up_proj.shape[-1] * 2 == e.shapes["gate_up_proj"][-1]
+    for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        attr = name.rpartition(".")[2]
+        assert torch.equal(e.expert_weights()[attr == "down_proj"], emulated.model.state_dict()[name]), name
+    ps = prompts(5, seed=49)
+    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=True)
+    # update in place, then equal to a fresh packed engine on the new weights
+    ptrs = [(x.gate_up_proj.data_ptr(), x.down_scale.data_ptr()) for x in experts]
+    new = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
+           for k, v in tiny_dsv4(50, **kw).state_dict().items()}
+    packed.update_weights(new, version=1)
+    assert [(x.gate_up_proj.data_ptr(), x.down_scale.data_ptr()) for x in experts] == ptrs
+    fresh_model = tiny_dsv4(0, **kw)
+    fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
+    fresh = make_engine(model=fresh_model, serving_format="fp8-fp4", packed_fp4=True)
+    for x, y in zip(experts, (layer.mlp.experts for layer in fresh.model.model.layers)):
+        assert all(torch.equal(a, b) for a, b in zip(x.buffers(), y.buffers()))
+    same_outputs(packed.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
+    with pytest.raises(Exception, match="gate_up_proj"):  # checked against the unpacked shape
+        packed.update_weights({"model.layers.1.mlp.experts.gate_up_proj": e.gate_up_proj.float()}, version=2,
+                              partial=True)
+
+
+def test_weight_bytes_of_packed_fp4_experts():
+    """On a config whose routed experts dominate (16 of width 256 over hidden 128; 2 mHC streams), in
+    bf16: fp8 linears + fp4 experts (0.5 byte + 1/32 per parameter) hold <= 0.32x bf16's bytes."""
+    kw = dict(hidden_size=128, moe_intermediate_size=256, n_routed_experts=16, hc_mult=2)
+    fp4 = make_engine(model=tiny_dsv4(51, **kw), serving_format="fp8-fp4", packed_fp4=True, dtype="bfloat16")
+    bf16 = make_engine(model=tiny_dsv4(51, **kw), serving_format="bf16", dtype="bfloat16")
+    assert fp4.unpacked_weight_bytes() == bf16.weight_bytes()
+    ratio = fp4.weight_bytes() / bf16.weight_bytes()
+    print(f"weight bytes fp8-fp4 {fp4.weight_bytes()} of bf16 {bf16.weight_bytes()}: {ratio:.3f}")
+    assert ratio <= 0.32

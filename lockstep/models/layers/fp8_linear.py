@@ -211,6 +211,11 @@ class Fp8Linear(nn.Module):
         self.weight.copy_(q)
         self.weight_scale.copy_(s)
 
+    @property
+    def logical(self) -> torch.Tensor:
+        """The unpacked weight's shape, as a meta tensor (packed_weights)."""
+        return torch.empty(self.weight.shape, dtype=torch.float32, device="meta")
+
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, self.scale_row, dtype)
 
@@ -251,6 +256,15 @@ def pack_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[st
     return packed
 
 
-def packed_weights(model: nn.Module) -> dict[str, Fp8Linear]:
-    """State-dict name of each packed weight -> its module (whose load_ writes it)."""
-    return {f"{name}.weight": m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+def packed_weights(model: nn.Module) -> dict:
+    """State-dict name of each packed tensor -> what writes it: `load_(w)` quantises w into the
+    storage in place, `logical` is a meta tensor of the unpacked shape and dtype (Fp8Linear: its
+    own module; other packed modules, fp4_experts.py, say theirs with `packed_tensors()`)."""
+    out = {}
+    for name, m in model.named_modules():
+        prefix = f"{name}." if name else ""
+        if isinstance(m, Fp8Linear):
+            out[f"{prefix}weight"] = m
+        elif hasattr(m, "packed_tensors"):
+            out.update({prefix + attr: p for attr, p in m.packed_tensors().items()})
+    return out
