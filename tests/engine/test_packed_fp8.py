@@ -12,7 +12,8 @@ from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
 from lockstep.quant.formats import Storage
 from lockstep.quant.serving_format import serving_storage
 
-from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
+from conftest import (DEVICE, full_sequence_log_softmax, greedy, make_engine, prompts, requests, same_outputs,
+                      sampled, tiny_dsv4)
 from test_weight_update import trainer_weights
 
 # the tiny config (every weight under 128 rows: fused fp8 stacks of unaligned weights), and one
@@ -160,3 +161,26 @@ def test_weight_bytes_of_packed_fp4_experts():
     ratio = fp4.weight_bytes() / bf16.weight_bytes()
     print(f"weight bytes fp8-fp4 {fp4.weight_bytes()} of bf16 {bf16.weight_bytes()}: {ratio:.3f}")
     assert ratio <= 0.32
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fp8 / fp4 kernels serve bf16 on GPUs (LOCKSTEP_TEST_DEVICE=cuda)")
+@pytest.mark.parametrize("fmt,packing", [("fp8", {}), ("fp8-fp4", {"packed_fp4": True})])
+def test_gpu_kernels_serve_the_emulated_policy(fmt, packing):
+    """bf16 on a GPU, decode graphs captured (compiled layers): the packed engine's kernels. Each
+    token's logprob is its own model's full forward (the trainer's view), and that full forward is
+    the emulated model's up to bf16 GEMM rounding (the kernels sum in another order)."""
+    kw = CONFIGS["aligned"]
+    packed = make_engine(model=tiny_dsv4(53, **kw), serving_format=fmt, dtype="bfloat16", **packing)
+    emulated = make_engine(model=tiny_dsv4(53, **kw), serving_format=fmt, dtype="bfloat16", packed_fp8=False)
+    assert packed_weights(packed.model) and not packed_weights(emulated.model)
+    worst_self = worst_emulated = 0.0
+    ps = prompts(7, lo=3, hi=50, seed=52)
+    for i, s in enumerate(packed.generate(requests(ps, params))):
+        t = params(i).temperature
+        lp = full_sequence_log_softmax(packed.model, s, t)
+        chosen = lp.gather(1, s.response_ids.unsqueeze(1)).squeeze(1)
+        worst_self = max(worst_self, (s.rollout_logprobs - chosen).abs().max().item())
+        worst_emulated = max(worst_emulated, (lp - full_sequence_log_softmax(emulated.model, s, t)).abs().max().item())
+    print(f"{fmt}: max |packed engine - its full forward| {worst_self:.2e}, "
+          f"max |packed - emulated full forward| {worst_emulated:.2e}")
+    assert worst_self <= 2e-2 and worst_emulated <= 2e-2
