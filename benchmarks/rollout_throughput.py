@@ -188,8 +188,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch-invariant", action="store_true")
     ap.add_argument("--emulated-fp8", action="store_true",
                     help="fp8 linears as dequantised values (EngineConfig.packed_fp8=False), not packed")
-    ap.add_argument("--packed-fp4", action="store_true",
-                    help="fp8-fp4: routed experts packed as fp4 (EngineConfig.packed_fp4)")
+    ap.add_argument("--packed-experts", action="store_true",
+                    help="routed experts packed in the format's storage (EngineConfig.packed_experts)")
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[EngineConfig().decode_steps],
                     help="EngineConfig.decode_steps of the timed run; further values are timed too, for comparison")
@@ -220,7 +220,7 @@ def main(argv=None) -> None:
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                       packed_fp8=not args.emulated_fp8, packed_fp4=args.packed_fp4,
+                       packed_fp8=not args.emulated_fp8, packed_experts=args.packed_experts,
                        cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
                        compile_options=dict(args.compile_option), compile_cache=args.compile_cache)
     t = time.perf_counter()

@@ -104,10 +104,11 @@ class EngineConfig:
     packed_fp8: bool = True
     """Under an fp8 serving format, fp8 linear weights are held packed (e4m3 bytes + 128x128 scales, read by an
     fp8 GEMM: models/layers/fp8_linear.py); off: as their dequantised values in dtype (the emulation, same
-    values). Routed experts: packed_fp4."""
-    packed_fp4: bool = False
-    """Under fp8-fp4, routed experts are held packed (e2m1 two per byte + e8m0 per 32, read by an fp4 grouped
-    GEMM at decode: models/layers/fp4_experts.py); off: dequantised values in dtype. Off until measured on GPUs."""
+    values). Routed experts: packed_experts."""
+    packed_experts: bool = False
+    """Routed experts held packed in the format's storage (fp8: e4m3 + 128x128 scales; fp8-fp4: e2m1 two per
+    byte + e8m0 per 32), read by grouped GEMMs that dequantise in registers at decode
+    (models/layers/packed_experts.py); off: dequantised values in dtype. Off until measured on GPUs."""
     batch_invariant: bool = False
     """A sequence's logprobs do not depend on what else is in the batch."""
     dtype: str = "float32"

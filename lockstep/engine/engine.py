@@ -70,7 +70,7 @@ class Engine:
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
         install_packed_weights(self.model, config.serving_format, config.packed_fp8,  # packed_weights.py
-                               config.packed_fp4)
+                               config.packed_experts)
         apply_serving_format(self.model, config.serving_format)
         self._fuse_projections()
         # the model imports no config: its kernel switches are handed over (kernel_switch.py)

@@ -5,10 +5,11 @@ stores as fp8 (`quant.serving_format.serving_storage`: DeepSeek-V4's LINEAR role
 attention and MLP projections) whose module is a bias-free linear is held packed: e4m3 bytes
 plus 128x128 UE8M0 block scales, multiplied by an fp8 GEMM (models/layers/fp8_linear.py). The
 served values are the emulation's (dequant(quant(w))), so the policy does not change, only its
-bytes. Not packed yet, served emulated as before: routed experts (fp8 or fp4; the grouped GEMMs
-take bf16), linears with a bias, tied weights. With `EngineConfig.packed_fp4` (off by default until
-measured on a GPU) the fp8-fp4 format's routed experts are held packed too: e2m1 codes two per
-byte + e8m0 per 1x32 (models/layers/fp4_experts.py, grouped_gemm_fp4.py).
+bytes. With `EngineConfig.packed_experts` (off by default until measured on a GPU) the routed
+experts are held packed too, in the format's expert storage: fp8 (e4m3 + 128x128 scales) under
+"fp8", fp4 (e2m1 two per byte + e8m0 per 1x32) under "fp8-fp4" (models/layers/packed_experts.py,
+grouped_gemm_fp8.py / grouped_gemm_fp4.py). Not packed: linears with a bias, tied weights,
+expert-parallel shards.
 
 Weight updates quantise straight into the packed storage, in place (weight_update.write_served
 asks `packed_weights`), so captured CUDA graphs keep reading the current weights.
@@ -19,27 +20,30 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lockstep.models.layers.fp4_experts import pack_fp4_experts
+from lockstep.models.layers.packed_experts import pack_experts
 from lockstep.models.layers.fp8_linear import pack_fp8_linears, packed_weights
 from lockstep.quant.formats import Storage, UnknownTensorError
 from lockstep.quant.serving_format import serving_storage
 
 
+def _storage(name: str, fmt: str) -> str | None:
+    """serving_storage's value ("fp8", "fp4", "bf16", ...), None for names no rule knows."""
+    try:
+        return serving_storage(name, fmt).value
+    except UnknownTensorError:
+        return None
+
+
 def _stored(fmt: str, storage: Storage):
-    def stored(name: str) -> bool:
-        try:
-            return serving_storage(name, fmt) is storage
-        except UnknownTensorError:
-            return False
-    return stored
+    return lambda name: _storage(name, fmt) == storage.value
 
 
-def install_packed_weights(model: nn.Module, fmt: str, packed_fp8: bool, packed_fp4: bool = False) -> list[str]:
-    """Swap the fp8-stored linears (packed_fp8) and fp4-stored routed experts (packed_fp4) for
+def install_packed_weights(model: nn.Module, fmt: str, packed_fp8: bool, packed_experts: bool = False) -> list[str]:
+    """Swap the fp8-stored linears (packed_fp8) and the quantised routed experts (packed_experts) for
     packed modules quantised from the current weights; returns their names."""
     names = pack_fp8_linears(model, _stored(fmt, Storage.FP8)) if packed_fp8 else []
-    if packed_fp4:
-        names += pack_fp4_experts(model, _stored(fmt, Storage.FP4))
+    if packed_experts:
+        names += pack_experts(model, lambda name: _storage(name, fmt))
     return names
 
 

@@ -1,13 +1,13 @@
 """An fp8 engine with packed linear weights (engine/packed_weights.py, models/layers/fp8_linear.py)
 serves what the emulated one (dequantised values, EngineConfig.packed_fp8=False) serves, keeps
 doing so across weight updates written in place, and holds its linears in a byte per parameter;
-the same for fp8-fp4's routed experts packed as fp4 (EngineConfig.packed_fp4, fp4_experts.py)."""
+the same for routed experts packed in fp8 or fp4 (EngineConfig.packed_experts, packed_experts.py)."""
 
 import pytest
 import torch
 
 from lockstep.engine.packed_weights import weight_bytes
-from lockstep.models.layers.fp4_experts import PackedFp4Experts
+from lockstep.models.layers.packed_experts import PackedExperts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
 from lockstep.quant.formats import Storage
 from lockstep.quant.serving_format import serving_storage
@@ -120,15 +120,19 @@ def test_weight_bytes_of_packed_fp8_linears():
     assert all(isinstance(m, Fp8Linear) for m in packed_weights(fp8.model).values())
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_packed_fp4_experts_serve_the_emulated_policy(config):
+def test_packed_experts_serve_the_emulated_policy(config, fmt):
     kw = CONFIGS[config]
-    packed = make_engine(model=tiny_dsv4(48, **kw), serving_format="fp8-fp4", packed_fp4=True)
-    emulated = make_engine(model=tiny_dsv4(48, **kw), serving_format="fp8-fp4", packed_fp8=False)
+    packed = make_engine(model=tiny_dsv4(48, **kw), serving_format=fmt, packed_experts=True)
+    emulated = make_engine(model=tiny_dsv4(48, **kw), serving_format=fmt, packed_fp8=False)
     experts = [layer.mlp.experts for layer in packed.model.model.layers]
-    assert all(isinstance(e, PackedFp4Experts) for e in experts)
+    assert all(isinstance(e, PackedExperts) for e in experts)
     e = experts[1]
-    assert e.gate_up_proj.dtype == torch.uint8 and e.gate_up_proj.shape[-1] * 2 == e.shapes["gate_up_proj"][-1]
+    if fmt == "fp8":
+        assert e.gate_up_proj.dtype == torch.float8_e4m3fn and e.gate_up_proj.shape == e.shapes["gate_up_proj"]
+    else:
+        assert e.gate_up_proj.dtype == torch.uint8 and e.gate_up_proj.shape[-1] * 2 == e.shapes["gate_up_proj"][-1]
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         attr = name.rpartition(".")[2]
         assert torch.equal(e.expert_weights()[attr == "down_proj"], emulated.model.state_dict()[name]), name
@@ -142,29 +146,32 @@ def test_packed_fp4_experts_serve_the_emulated_policy(config):
     assert [(x.gate_up_proj.data_ptr(), x.down_scale.data_ptr()) for x in experts] == ptrs
     fresh_model = tiny_dsv4(0, **kw)
     fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
-    fresh = make_engine(model=fresh_model, serving_format="fp8-fp4", packed_fp4=True)
+    fresh = make_engine(model=fresh_model, serving_format=fmt, packed_experts=True)
     for x, y in zip(experts, (layer.mlp.experts for layer in fresh.model.model.layers)):
         assert all(torch.equal(a, b) for a, b in zip(x.buffers(), y.buffers()))
     same_outputs(packed.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
     with pytest.raises(Exception, match="gate_up_proj"):  # checked against the unpacked shape
-        packed.update_weights({"model.layers.1.mlp.experts.gate_up_proj": e.gate_up_proj.float()}, version=2,
-                              partial=True)
+        packed.update_weights({"model.layers.1.mlp.experts.gate_up_proj": e.gate_up_proj[..., :2].float()},
+                              version=2, partial=True)
 
 
-def test_weight_bytes_of_packed_fp4_experts():
+@pytest.mark.parametrize("fmt,bound", [("fp8", 0.53), ("fp8-fp4", 0.32)])
+def test_weight_bytes_of_packed_experts(fmt, bound):
     """On a config whose routed experts dominate (16 of width 256 over hidden 128; 2 mHC streams), in
-    bf16: fp8 linears + fp4 experts (0.5 byte + 1/32 per parameter) hold <= 0.32x bf16's bytes."""
+    bf16, with linears and experts packed: fp8 (1 byte per parameter) <= 0.53x bf16's bytes, fp8-fp4
+    (experts 0.5 byte + 1/32) <= 0.32x."""
     kw = dict(hidden_size=128, moe_intermediate_size=256, n_routed_experts=16, hc_mult=2)
-    fp4 = make_engine(model=tiny_dsv4(51, **kw), serving_format="fp8-fp4", packed_fp4=True, dtype="bfloat16")
+    packed = make_engine(model=tiny_dsv4(51, **kw), serving_format=fmt, packed_experts=True, dtype="bfloat16")
     bf16 = make_engine(model=tiny_dsv4(51, **kw), serving_format="bf16", dtype="bfloat16")
-    assert fp4.unpacked_weight_bytes() == bf16.weight_bytes()
-    ratio = fp4.weight_bytes() / bf16.weight_bytes()
-    print(f"weight bytes fp8-fp4 {fp4.weight_bytes()} of bf16 {bf16.weight_bytes()}: {ratio:.3f}")
-    assert ratio <= 0.32
+    assert packed.unpacked_weight_bytes() == bf16.weight_bytes()
+    ratio = packed.weight_bytes() / bf16.weight_bytes()
+    print(f"weight bytes {fmt} {packed.weight_bytes()} of bf16 {bf16.weight_bytes()}: {ratio:.3f}")
+    assert ratio <= bound
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the fp8 / fp4 kernels serve bf16 on GPUs (LOCKSTEP_TEST_DEVICE=cuda)")
-@pytest.mark.parametrize("fmt,packing", [("fp8", {}), ("fp8-fp4", {"packed_fp4": True})])
+@pytest.mark.parametrize("fmt,packing", [("fp8", {}), ("fp8", {"packed_experts": True}),
+                                         ("fp8-fp4", {"packed_experts": True})])
 def test_gpu_kernels_serve_the_emulated_policy(fmt, packing):
     """bf16 on a GPU, decode graphs captured (compiled layers): the packed engine's kernels. Each
     token's logprob is its own model's full forward (the trainer's view), and that full forward is

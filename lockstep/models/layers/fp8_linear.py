@@ -259,7 +259,7 @@ def pack_fp8_linears(model: nn.Module, is_fp8: Callable[[str], bool]) -> list[st
 def packed_weights(model: nn.Module) -> dict:
     """State-dict name of each packed tensor -> what writes it: `load_(w)` quantises w into the
     storage in place, `logical` is a meta tensor of the unpacked shape and dtype (Fp8Linear: its
-    own module; other packed modules, fp4_experts.py, say theirs with `packed_tensors()`)."""
+    own module; other packed modules, packed_experts.py, say theirs with `packed_tensors()`)."""
     out = {}
     for name, m in model.named_modules():
         prefix = f"{name}." if name else ""

@@ -19,7 +19,7 @@ codes and the odd ones against the high: no interleaving in registers. BLOCK_K i
 so both codes of a byte share a scale. The result is rounded once to bf16; it differs from the
 reference by summation order only (1 bf16 ulp; exact where the sums are exact).
 
-fp4_experts.PackedFp4Experts serves the experts through it (engine opt-in: EngineConfig.packed_fp4).
+packed_experts.PackedExperts serves fp4 experts through it (engine opt-in: EngineConfig.packed_experts).
 """
 
 from __future__ import annotations

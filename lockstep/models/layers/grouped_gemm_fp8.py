@@ -1,0 +1,97 @@
+"""The routed experts' grouped GEMM over packed fp8 experts (the fp8 format's experts): e4m3 bytes
+[G, N, K] with one UE8M0 scale per 128x128 block of each expert (quant/fp8.py's layout, scale
+[G, ceil(N/128), ceil(K/128)] fp32), dequantised in registers: 1 byte per parameter instead of 2.
+
+`grouped_mm_fp8(x, w, scale, offs)` = x @ dequant(w[g]).T per group, the values the emulated
+engine serves; its reference `grouped_mm_fp8_reference` dequantises and runs grouped_mm_reference.
+The kernel is grouped_gemm_fp4.py's walk (a program per (group, BLOCK_N columns), the group's rows
+in BLOCK_M tiles, bounds from `offs` on the device) with fp8_linear.py's tile dequantisation:
+bytes bitcast to e4m3, times each row's block scale in fp32 (exact), to bf16, a bf16 dot with fp32
+accumulation, rounded once. BLOCK_K divides 128: one scale column per step.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
+
+from . import grouped_gemm_triton as _gt
+from .grouped_gemm import grouped_mm_reference
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+
+def grouped_mm_fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Dequantise (to x's dtype, as the emulation holds the experts), then the grouped GEMM."""
+    return grouped_mm_reference(x, dequantize_fp8_block(w, scale, x.dtype), counts)
+
+
+def launch_config(N: int, K: int) -> dict:
+    """By the weight's shape only: 64 output columns, 128 of K per step; smaller for small sizes."""
+    return dict(BLOCK_N=min(64, max(16, triton.next_power_of_2(N))),
+                BLOCK_K=min(FP8_BLOCK[1], max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, N, K,
+                            stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
+                            stride_om, stride_on, INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T."""
+        g = tl.program_id(0)
+        end = tl.load(offs_ptr + g)
+        start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_in = rn < N
+        w_tile = w_ptr + g.to(tl.int64) * stride_wg + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
+        s_row = s_ptr + g.to(tl.int64) * stride_sg + (rn // SCALE_BLOCK) * stride_sn
+        for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
+            rm = m0 + tl.arange(0, BLOCK_M)
+            m_ok = (rm < end)[:, None]
+            x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_ok = k0 + rk < K
+                a = tl.load(x_tile + k0 * stride_xk, mask=m_ok & k_ok[None, :], other=0.0)
+                qb = tl.load(w_tile + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
+                s = tl.load(s_row + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
+                w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                acc = _gt._dot(a, w, acc, INTERPRETED)
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
+                     _gt._bf16(acc, INTERPRETED), mask=m_ok & n_in[None, :])
+
+    @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
+    def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                        block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+        G, N, K = w.shape
+        cfg = launch_config(N, K)
+        if block_n:
+            cfg["BLOCK_N"] = block_n
+        if block_k:
+            cfg["BLOCK_K"] = block_k
+        assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
+        out = x.new_empty(x.shape[0], N)
+        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+        torch.library.wrap_triton(_grouped_fp8_kernel)[(G, triton.cdiv(N, cfg["BLOCK_N"]))](
+            x, w, scale, out, offs, N, K, *x.stride(), *w.stride(), *scale.stride(), *out.stride(),
+            INTERPRETED=interpreted, SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
+        return out
+
+    @_grouped_mm_fp8.register_fake
+    def _(x, w, scale, offs, *config):
+        return x.new_empty(x.shape[0], w.shape[1])
+
+
+def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                   block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+    """x [M, K] bf16 sorted by group, w [G, N, K] float8_e4m3fn, scale [G, ceil(N/128), ceil(K/128)]
+    fp32, offs [G] int32 cumulative row counts (rows past offs[-1] unwritten) -> [M, N] bf16."""
+    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k)

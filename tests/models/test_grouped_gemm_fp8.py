@@ -1,0 +1,59 @@
+"""The grouped GEMM over packed fp8 experts (grouped_gemm_fp8.py) against its reference (dequantise,
+then grouped_mm_reference) under Triton's interpreter (TRITON_INTERPRET=1, conftest.py;
+LOCKSTEP_TEST_DEVICE=cuda runs it on a GPU), on the group layout of test_grouped_gemm_triton.py."""
+
+import os
+
+import pytest
+import torch
+
+from lockstep.models.layers import grouped_gemm_fp8 as g8
+from lockstep.quant.fp8 import quantize_fp8_block
+
+needs_triton = pytest.mark.skipif(g8.triton is None, reason="triton is not installed")
+DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
+
+COUNTS = [0, 3, 40, 0, 7, 1, 0]  # empty first, middle and last groups; one of 3 row tiles
+# N and K off the tiles and the 128 blocks (200 rows: a ragged second scale row; K 72 = 2 x 32 + 8),
+# the default config, and K = 300 over 128-wide steps with a ragged last scale column
+SHAPES = [(200, 72, dict(block_n=32, block_k=32)), (48, 64, {}), (24, 300, {})]
+
+
+def _setup(seed, N, K, values=None):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.tensor(COUNTS)
+    M, G = int(counts.sum()), len(COUNTS)
+    if values is None:
+        x, w = torch.randn(M, K, generator=g), torch.randn(G, N, K, generator=g) * 0.1
+    else:
+        x, w = values(g, (M, K)), values(g, (G, N, K))
+    q, scale = quantize_fp8_block(w)
+    offs = counts.cumsum(0).to(torch.int32)
+    return x.bfloat16().to(DEVICE), q.to(DEVICE), scale.to(DEVICE), counts, offs.to(DEVICE)
+
+
+def _reference(x, q, scale, counts):
+    return g8.grouped_mm_fp8_reference(x.float(), q, scale, counts).bfloat16()  # fp32, rounded once
+
+
+def _eighths_pow2(g, shape):
+    return (torch.randint(-8, 9, shape, generator=g) / 8) * 2.0 ** torch.randint(-2, 2, shape, generator=g)
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,cfg", SHAPES)
+def test_grouped_fp8_equals_dequantise_then_grouped_mm(N, K, cfg):
+    x, q, scale, counts, offs = _setup(0, N, K)
+    out = g8.grouped_mm_fp8(x, q, scale, offs, **cfg)
+    ref = _reference(x, q, scale, counts)
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7, atol=1e-5)  # summation order: 1 ulp
+    x, q, scale, counts, offs = _setup(1, N, K, _eighths_pow2)
+    assert torch.equal(g8.grouped_mm_fp8(x, q, scale, offs, **cfg), _reference(x, q, scale, counts))
+    scale[2, -1, 0] *= 2  # the scales enter block by block (group 2, last row block, first column block)
+    out2 = g8.grouped_mm_fp8(x, q, scale, offs, **cfg)
+    assert torch.equal(out2, _reference(x, q, scale, counts))
+    rows2 = slice(3, 43)
+    changed = (out2 != g8.grouped_mm_fp8(x, q, scale * torch.where(torch.arange(len(COUNTS), device=DEVICE) == 2,
+                                                                   0.5, 1.0)[:, None, None], offs, **cfg))
+    assert not changed[:3].any() and not changed[43:].any() and changed[rows2].any()
