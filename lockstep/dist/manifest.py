@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lockstep.models.layers.fp8_linear import packed_weights
 from lockstep.models.precision import storage_dtype
 from lockstep.train.quant_aware import canonical_name
 
@@ -136,7 +137,9 @@ def build_manifest(model: torch.nn.Module, weight_dtype: torch.dtype, bucket_byt
     """The manifest of a push into or out of `model` (trainer or engine side; module docstring).
     Shapes are global (a sharded DTensor reports its full shape), so no gather is needed."""
     entries = []
+    logical = {n: p.logical for n, p in packed_weights(model).items()}  # packed storage: the unpacked shape
     for name, t in model.state_dict().items():
+        t = logical.get(name, t)
         name = canonical_name(name)
         entries.append(TensorSpec(name, tuple(t.shape), _dtype_name(wire_dtype(model, name, t.dtype, weight_dtype))))
     return Manifest(entries=tuple(entries), bucket_bytes=bucket_bytes)

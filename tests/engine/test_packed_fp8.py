@@ -6,6 +6,7 @@ the same for routed experts packed in fp8 or fp4 (EngineConfig.packed_experts, p
 import pytest
 import torch
 
+from lockstep.dist.manifest import build_manifest
 from lockstep.engine.packed_weights import weight_bytes
 from lockstep.models.layers.packed_experts import PackedExperts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
@@ -150,6 +151,9 @@ def test_packed_experts_serve_the_emulated_policy(config, fmt):
     for x, y in zip(experts, (layer.mlp.experts for layer in fresh.model.model.layers)):
         assert all(torch.equal(a, b) for a, b in zip(x.buffers(), y.buffers()))
     same_outputs(packed.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
+    # a disaggregated push's manifest from the engine's model is the trainer's (unpacked shapes)
+    trainer_side = build_manifest(tiny_dsv4(0, **kw), torch.bfloat16, 1 << 20)
+    assert build_manifest(packed.model, torch.bfloat16, 1 << 20).hash == trainer_side.hash
     with pytest.raises(Exception, match="gate_up_proj"):  # checked against the unpacked shape
         packed.update_weights({"model.layers.1.mlp.experts.gate_up_proj": e.gate_up_proj[..., :2].float()},
                               version=2, partial=True)
