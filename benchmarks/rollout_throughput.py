@@ -33,6 +33,7 @@ import torch
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine import Engine, GenerateRequest
 from lockstep.engine.engine import compiled_graph_count
+from lockstep.engine.packed_weights import unpacked_state_dict
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
@@ -143,9 +144,9 @@ def run_transformers(model, prompts, new_tokens: int, device: str):
     cfg._attn_implementation = "eager"
     with torch.device(device):
         ref = HFModel(cfg)
-    ref.load_state_dict(model.state_dict(), strict=False)
+    ours = unpacked_state_dict(model, model.lm_head.weight.dtype)  # packed fp8 / fp4 weights dequantised
+    ref.load_state_dict(ours, strict=False)
     ref = ref.to(model.lm_head.weight.dtype).eval()
-    ours = model.state_dict()
     for n, p in ref.named_parameters():  # the engine keeps these in fp32; so does HF's own loader
         if n in ours and ours[n].dtype == torch.float32:
             p.data = ours[n].clone()

@@ -47,6 +47,14 @@ def install_packed_weights(model: nn.Module, fmt: str, packed_fp8: bool, packed_
     return names
 
 
+def unpacked_state_dict(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """model.state_dict() with every packed tensor replaced by its served values in `dtype` (a
+    dequantised copy: for loading the served policy into another implementation)."""
+    state = dict(model.state_dict())
+    state.update({name: p.dequantized(dtype) for name, p in packed_weights(model).items()})
+    return state
+
+
 def _unique(model: nn.Module):
     """Each distinct storage behind the model's parameters and buffers once (a fused matrix and
     its views, tied weights) -> (storage nbytes, one tensor on it)."""

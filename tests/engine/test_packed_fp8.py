@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lockstep.dist.manifest import build_manifest
-from lockstep.engine.packed_weights import weight_bytes
+from lockstep.engine.packed_weights import unpacked_state_dict, weight_bytes
 from lockstep.models.layers.packed_experts import PackedExperts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
 from lockstep.quant.formats import Storage
@@ -137,6 +137,8 @@ def test_packed_experts_serve_the_emulated_policy(config, fmt):
     for name in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         attr = name.rpartition(".")[2]
         assert torch.equal(e.expert_weights()[attr == "down_proj"], emulated.model.state_dict()[name]), name
+    served = unpacked_state_dict(packed.model, torch.float32)  # the served values, every tensor
+    assert all(torch.equal(served[n], t) for n, t in emulated.model.state_dict().items())
     ps = prompts(5, seed=49)
     same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=True)
     # update in place, then equal to a fresh packed engine on the new weights

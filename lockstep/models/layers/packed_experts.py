@@ -46,6 +46,9 @@ class PackedTensor:
     def load_(self, w: torch.Tensor) -> None:
         self.module.load_(self.attr, w)
 
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.module.dequantized(self.attr, dtype)
+
 
 class PackedExperts(Experts):
     """Experts (moe.py) over packed `storage` ("fp8" or "fp4"), quantised from `experts`' weights."""
@@ -84,16 +87,15 @@ class PackedExperts(Experts):
     def packed_tensors(self) -> dict[str, PackedTensor]:
         return {attr: PackedTensor(self, attr, shape, self.dtype) for attr, shape in self.shapes.items()}
 
+    def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
+        q, scale = getattr(self, attr), getattr(self, _scale_attr(attr))
+        if self.storage == "fp8":
+            return dequantize_fp8_block(q, scale, dtype)
+        return dequantize_fp4_block(q, scale.view(E8M0), dtype)
+
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantised to the compute dtype (a transient copy per call)."""
-        out = []
-        for attr in ATTRS:
-            q, scale = getattr(self, attr), getattr(self, _scale_attr(attr))
-            if self.storage == "fp8":
-                out.append(dequantize_fp8_block(q, scale, self.dtype))
-            else:
-                out.append(dequantize_fp4_block(q, scale.view(E8M0), self.dtype))
-        return tuple(out)
+        return tuple(self.dequantized(attr, self.dtype) for attr in ATTRS)
 
     def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor) -> torch.Tensor:
         kernel = grouped_gemm_fp8.grouped_mm_fp8 if self.storage == "fp8" else grouped_gemm_fp4.grouped_mm_fp4
