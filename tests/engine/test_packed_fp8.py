@@ -22,6 +22,12 @@ from test_weight_update import trainer_weights
 CONFIGS = {"tiny": {}, "aligned": dict(q_lora_rank=128, moe_intermediate_size=128)}
 
 
+# packed vs emulated: bitwise on CPU (the same GEMMs on the same values); on a GPU (fp32) cuBLAS may
+# pick another kernel for the packed engine's unfused shapes, so there: the same tokens, logprobs
+# within 1e-5
+EXACT = DEVICE == "cpu"
+
+
 def params(i):
     return greedy(max_new_tokens=8) if i % 2 else sampled(seed=i, max_new_tokens=8)
 
@@ -47,7 +53,7 @@ def test_packed_engine_serves_the_emulated_policy(config, fmt):
         assert layer.mlp.fused_fp8_weight.dtype == torch.float8_e4m3fn
         assert layer.self_attn.fused_fp8_weight.shape[0] == layer.self_attn.q_a_proj.out_features + 16
     ps = prompts(5, seed=41)
-    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=True)
+    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=EXACT)
 
 
 def _storage_ptrs(engine):
@@ -105,8 +111,10 @@ def test_weight_bytes_of_packed_fp8_linears():
     kw = dict(hidden_size=512, q_lora_rank=1024, head_dim=64, num_attention_heads=32, o_lora_rank=512,
               moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, index_n_heads=4,
               index_head_dim=32, hc_mult=2, vocab_size=64, max_position_embeddings=128)
-    fp8 = make_engine(model=tiny_dsv4(47, **kw), serving_format="fp8", dtype="bfloat16", max_model_len=64)
-    bf16 = make_engine(model=tiny_dsv4(47, **kw), serving_format="bf16", dtype="bfloat16", max_model_len=64)
+    fp8 = make_engine(model=tiny_dsv4(47, **kw), serving_format="fp8", dtype="bfloat16", max_model_len=64,
+                      cuda_graph=False)
+    bf16 = make_engine(model=tiny_dsv4(47, **kw), serving_format="bf16", dtype="bfloat16", max_model_len=64,
+                       cuda_graph=False)
     n_bf16 = bf16.weight_bytes()
     assert fp8.unpacked_weight_bytes() == n_bf16 == weight_bytes(bf16.model)
     assert n_bf16 == sum(t.numel() * t.element_size() for t in bf16.model.state_dict().values())
@@ -140,7 +148,7 @@ def test_packed_experts_serve_the_emulated_policy(config, fmt):
     served = unpacked_state_dict(packed.model, torch.float32)  # the served values, every tensor
     assert all(torch.equal(served[n], t) for n, t in emulated.model.state_dict().items())
     ps = prompts(5, seed=49)
-    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=True)
+    same_outputs(packed.generate(requests(ps, params)), emulated.generate(requests(ps, params)), exact=EXACT)
     # update in place, then equal to a fresh packed engine on the new weights
     ptrs = [(x.gate_up_proj.data_ptr(), x.down_scale.data_ptr()) for x in experts]
     new = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
@@ -167,8 +175,9 @@ def test_weight_bytes_of_packed_experts(fmt, bound):
     bf16, with linears and experts packed: fp8 (1 byte per parameter) <= 0.53x bf16's bytes, fp8-fp4
     (experts 0.5 byte + 1/32) <= 0.32x."""
     kw = dict(hidden_size=128, moe_intermediate_size=256, n_routed_experts=16, hc_mult=2)
-    packed = make_engine(model=tiny_dsv4(51, **kw), serving_format=fmt, packed_experts=True, dtype="bfloat16")
-    bf16 = make_engine(model=tiny_dsv4(51, **kw), serving_format="bf16", dtype="bfloat16")
+    packed = make_engine(model=tiny_dsv4(51, **kw), serving_format=fmt, packed_experts=True, dtype="bfloat16",
+                         cuda_graph=False)
+    bf16 = make_engine(model=tiny_dsv4(51, **kw), serving_format="bf16", dtype="bfloat16", cuda_graph=False)
     assert packed.unpacked_weight_bytes() == bf16.weight_bytes()
     ratio = packed.weight_bytes() / bf16.weight_bytes()
     print(f"weight bytes {fmt} {packed.weight_bytes()} of bf16 {bf16.weight_bytes()}: {ratio:.3f}")
