@@ -1,6 +1,6 @@
 """Packed storage of the engine's quantised weights, and what the weights occupy.
 
-Under an fp8 serving format with `EngineConfig.packed_fp8` (the default), every weight the format
+Under an fp8 serving format with `EngineConfig.packed_fp8` (off by default until measured on GPUs), every weight the format
 stores as fp8 (`quant.serving_format.serving_storage`: DeepSeek-V4's LINEAR role, dense models'
 attention and MLP projections) whose module is a bias-free linear is held packed: e4m3 bytes
 plus 128x128 UE8M0 block scales, multiplied by an fp8 GEMM (models/layers/fp8_linear.py). The

@@ -36,7 +36,7 @@ def params(i):
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_packed_engine_serves_the_emulated_policy(config, fmt):
     """Same tokens and bitwise the same logprobs (CPU fp32: the same GEMMs on the same values)."""
-    packed = make_engine(model=tiny_dsv4(40, **CONFIGS[config]), serving_format=fmt)
+    packed = make_engine(model=tiny_dsv4(40, **CONFIGS[config]), serving_format=fmt, packed_fp8=True)
     emulated = make_engine(model=tiny_dsv4(40, **CONFIGS[config]), serving_format=fmt, packed_fp8=False)
     names = packed_weights(packed.model)
     fp8_names = [n for n in emulated.model.state_dict() if serving_storage(n, fmt) is Storage.FP8
@@ -66,7 +66,7 @@ def test_update_writes_packed_storage_in_place(config):
     bytes, scales and outputs; the storage is the same memory (CUDA graphs read it in place)."""
     kw = CONFIGS[config]
     ps = prompts(4, seed=42)
-    engine = make_engine(model=tiny_dsv4(43, **kw), serving_format="fp8")
+    engine = make_engine(model=tiny_dsv4(43, **kw), serving_format="fp8", packed_fp8=True)
     before_ptrs = _storage_ptrs(engine)
     before = engine.generate(requests(ps, params))
     new = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
@@ -75,7 +75,7 @@ def test_update_writes_packed_storage_in_place(config):
     assert _storage_ptrs(engine) == before_ptrs
     fresh_model = tiny_dsv4(0, **kw)
     fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
-    fresh = make_engine(model=fresh_model, serving_format="fp8")
+    fresh = make_engine(model=fresh_model, serving_format="fp8", packed_fp8=True)
     for (name, m), m_fresh in zip(packed_weights(engine.model).items(), packed_weights(fresh.model).values()):
         assert torch.equal(m.weight, m_fresh.weight) and torch.equal(m.weight_scale, m_fresh.weight_scale), name
     after = engine.generate(requests(ps, params))
@@ -85,7 +85,7 @@ def test_update_writes_packed_storage_in_place(config):
 
 def test_partial_update_of_one_packed_weight():
     """A bucket holding one fused fp8 weight rewrites that weight's rows and scales only."""
-    engine = make_engine(seed=45, serving_format="fp8")
+    engine = make_engine(seed=45, serving_format="fp8", packed_fp8=True)
     name = "model.layers.2.self_attn.kv_proj.weight"
     attn = engine.model.model.layers[2].self_attn
     fused_before = attn.fused_fp8_weight.clone()
@@ -111,7 +111,7 @@ def test_weight_bytes_of_packed_fp8_linears():
     kw = dict(hidden_size=512, q_lora_rank=1024, head_dim=64, num_attention_heads=32, o_lora_rank=512,
               moe_intermediate_size=32, n_routed_experts=2, num_experts_per_tok=1, index_n_heads=4,
               index_head_dim=32, hc_mult=2, vocab_size=64, max_position_embeddings=128)
-    fp8 = make_engine(model=tiny_dsv4(47, **kw), serving_format="fp8", dtype="bfloat16", max_model_len=64,
+    fp8 = make_engine(model=tiny_dsv4(47, **kw), serving_format="fp8", packed_fp8=True, dtype="bfloat16", max_model_len=64,
                       cuda_graph=False)
     bf16 = make_engine(model=tiny_dsv4(47, **kw), serving_format="bf16", dtype="bfloat16", max_model_len=64,
                        cuda_graph=False)
@@ -133,7 +133,7 @@ def test_weight_bytes_of_packed_fp8_linears():
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_packed_experts_serve_the_emulated_policy(config, fmt):
     kw = CONFIGS[config]
-    packed = make_engine(model=tiny_dsv4(48, **kw), serving_format=fmt, packed_experts=True)
+    packed = make_engine(model=tiny_dsv4(48, **kw), serving_format=fmt, packed_fp8=True, packed_experts=True)
     emulated = make_engine(model=tiny_dsv4(48, **kw), serving_format=fmt, packed_fp8=False)
     experts = [layer.mlp.experts for layer in packed.model.model.layers]
     assert all(isinstance(e, PackedExperts) for e in experts)
@@ -157,7 +157,7 @@ def test_packed_experts_serve_the_emulated_policy(config, fmt):
     assert [(x.gate_up_proj.data_ptr(), x.down_scale.data_ptr()) for x in experts] == ptrs
     fresh_model = tiny_dsv4(0, **kw)
     fresh_model.load_state_dict({k: v.to(fresh_model.state_dict()[k].dtype) for k, v in new.items()})
-    fresh = make_engine(model=fresh_model, serving_format=fmt, packed_experts=True)
+    fresh = make_engine(model=fresh_model, serving_format=fmt, packed_fp8=True, packed_experts=True)
     for x, y in zip(experts, (layer.mlp.experts for layer in fresh.model.model.layers)):
         assert all(torch.equal(a, b) for a, b in zip(x.buffers(), y.buffers()))
     same_outputs(packed.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
@@ -175,7 +175,7 @@ def test_weight_bytes_of_packed_experts(fmt, bound):
     bf16, with linears and experts packed: fp8 (1 byte per parameter) <= 0.53x bf16's bytes, fp8-fp4
     (experts 0.5 byte + 1/32) <= 0.32x."""
     kw = dict(hidden_size=128, moe_intermediate_size=256, n_routed_experts=16, hc_mult=2)
-    packed = make_engine(model=tiny_dsv4(51, **kw), serving_format=fmt, packed_experts=True, dtype="bfloat16",
+    packed = make_engine(model=tiny_dsv4(51, **kw), serving_format=fmt, packed_fp8=True, packed_experts=True, dtype="bfloat16",
                          cuda_graph=False)
     bf16 = make_engine(model=tiny_dsv4(51, **kw), serving_format="bf16", dtype="bfloat16", cuda_graph=False)
     assert packed.unpacked_weight_bytes() == bf16.weight_bytes()
@@ -192,7 +192,7 @@ def test_gpu_kernels_serve_the_emulated_policy(fmt, packing):
     token's logprob is its own model's full forward (the trainer's view), and that full forward is
     the emulated model's up to bf16 GEMM rounding (the kernels sum in another order)."""
     kw = CONFIGS["aligned"]
-    packed = make_engine(model=tiny_dsv4(53, **kw), serving_format=fmt, dtype="bfloat16", **packing)
+    packed = make_engine(model=tiny_dsv4(53, **kw), serving_format=fmt, dtype="bfloat16", packed_fp8=True, **packing)
     emulated = make_engine(model=tiny_dsv4(53, **kw), serving_format=fmt, dtype="bfloat16", packed_fp8=False)
     assert packed_weights(packed.model) and not packed_weights(emulated.model)
     worst_self = worst_emulated = 0.0
