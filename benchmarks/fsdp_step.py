@@ -39,18 +39,14 @@ monkeypatches of this process's objects, nothing in lockstep changes):
                      dtype (bf16: half the bytes); checked bitwise equal to Trainer.named_weights
     bf16-gather      named_weights still per parameter, each shard cast to bf16 before its gather
                      (half the bytes, same count; the cast is elementwise: checked bitwise equal)
-    tensor-gather    DataParallel.gather of the per-sample logprobs / masks (the mismatch metrics)
-                     as tensor all_gathers of the concatenated values instead of all_gather_object
-                     (which pickles every sample's tensors and, on an NCCL group, stages the bytes
-                     through the GPU); the gathered tensors are checked equal to the original's once
-    all              coalesce-grads, no-reshard, unit-gather and tensor-gather together
+    all              coalesce-grads, no-reshard and unit-gather together
     bf16-reduce      FSDP reduces gradients in bf16 (apply_fsdp's reduce_dtype) instead of fp32: half
                      the reduce-scatter bytes, NOT the one-process gradients (a measurement only;
                      not part of `all`)
 
     OMP_NUM_THREADS=1 python benchmarks/fsdp_step.py --config cpu-tiny                  # CPU smoke, gloo
     OMP_NUM_THREADS=1 python benchmarks/fsdp_step.py --config gpu-848m --variant all --variant no-reshard \
-        --variant unit-gather --variant tensor-gather --profile                       # 2 GPUs
+        --variant unit-gather --profile                       # 2 GPUs
 
 The model is scaling.py's (grpo_step.py's config with the embedded tokenizer's 103-token vocabulary,
 written once with save_pretrained and loaded by every rank, bf16 compute on CUDA).
@@ -77,7 +73,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("coalesce-grads", "no-reshard", "unit-gather", "tensor-gather", "bf16-gather")
+VARIANTS = ("coalesce-grads", "no-reshard", "unit-gather", "bf16-gather")
 MEASURE_ONLY = ("bf16-reduce",)  # changes the numbers the step computes
 COMM_WORDS = ("nccl", "gloo", "allgather", "all_gather", "reducescatter", "reduce_scatter", "allreduce",
               "all_reduce", "broadcast", "c10d::")
@@ -265,54 +261,6 @@ def _bf16_gather_weights(trainer):
     return named_weights
 
 
-def _all_gather_padded(dp, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """Each rank's 1-D `t` (its length in `sizes`, rank order), one all_gather of padded copies."""
-    import torch.distributed as dist
-
-    pad = torch.zeros(max(sizes), dtype=t.dtype, device=dp.device)
-    pad[:t.numel()] = t.to(dp.device)
-    out = [torch.empty_like(pad) for _ in sizes]
-    with dp.collective("all_gather (tensor-gather)"):
-        dist.all_gather(out, pad, group=dp.group)
-    return [o[:n].cpu() for o, n in zip(out, sizes)]
-
-
-def _tensor_gather(dp):
-    """DataParallel.gather for a tuple of lists of 1-D tensors (what the mismatch metrics gather):
-    the lengths, then every value as float64 (exact for float32 logprobs and 0/1 int masks), in two
-    tensor all_gathers; anything else goes to the original all_gather_object."""
-    original = dp.gather
-
-    def gather(obj):
-        if not (dp.enabled and isinstance(obj, tuple) and all(isinstance(x, list) for x in obj)
-                and all(isinstance(t, torch.Tensor) and t.dim() == 1 for x in obj for t in x)):
-            return original(obj)
-        k = len(obj[0])
-        lens = torch.tensor([k] + [t.numel() for x in obj for t in x], dtype=torch.float64)
-        counts = [int(n[0]) for n in _all_gather_padded(dp, lens[:1], [1] * dp.size)]
-        rank_lens = _all_gather_padded(dp, lens, [1 + len(obj) * c for c in counts])
-        flat = torch.cat([t.to(torch.float64) for x in obj for t in x])
-        values = _all_gather_padded(dp, flat, [int(r[1:].sum()) for r in rank_lens])
-        dtypes = [x[0].dtype for x in obj]
-        return [_unflatten(v, r[1:].long().tolist(), len(obj), dtypes) for v, r in zip(values, rank_lens)]
-    return gather
-
-
-def _unflatten(values: torch.Tensor, lens: list[int], n_lists: int, dtypes) -> tuple:
-    parts, k = list(values.split(lens)), len(lens) // n_lists
-    return tuple([p.to(dtypes[j]) for p in parts[j * k:(j + 1) * k]] for j in range(n_lists))
-
-
-def _check_tensor_gather(trainer, fn, samples) -> None:
-    obj = ([s.rollout_logprobs + 1 for s in samples], [s.rollout_logprobs for s in samples],
-           [s.loss_mask for s in samples])
-    want, got = trainer.dp.gather(obj), fn(obj)
-    same = all(torch.equal(a, b) and a.dtype == b.dtype for w, g in zip(want, got)
-               for wl, gl in zip(w, g) for a, b in zip(wl, gl))
-    if not same:
-        raise AssertionError("tensor-gather: the gathered tensors differ from all_gather_object's")
-
-
 def apply_variant(trainer, variant: str, samples):
     """Patch this rank's trainer for `variant`; returns the weight-gather function to time."""
     from lockstep.dist.fsdp import fsdp_modules
@@ -321,10 +269,6 @@ def apply_variant(trainer, variant: str, samples):
     chosen = set(VARIANTS) - {"bf16-gather"} if variant == "all" else {variant} - {"base", *MEASURE_ONLY}
     if "coalesce-grads" in chosen:
         trainer.dp.sum_grads = _coalesced_sum_grads(trainer.dp)
-    if "tensor-gather" in chosen:
-        fn = _tensor_gather(trainer.dp)
-        _check_tensor_gather(trainer, fn, samples)
-        trainer.dp.gather = fn
     if "no-reshard" in chosen:
         for m in fsdp_modules(trainer.model):
             m.set_reshard_after_forward(False, recurse=False)

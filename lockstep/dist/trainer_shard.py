@@ -50,7 +50,7 @@ class TrainerShard:
         if self.trainer is None:
             return [None] * len(samples)
         local = self.trainer.logprobs(samples[self._mine(samples)])
-        return [t for block in self.dp.gather(local) for t in block]
+        return [t for (block,) in self.dp.gather_tensors(local) for t in block]
 
     def train_step(self, samples, old_logprobs=None) -> dict[str, float]:
         metrics = None

@@ -332,7 +332,7 @@ class Trainer:
         rollout = [s.rollout_logprobs for s in samples]
         masks = [s.loss_mask for s in samples]
         if self.dp.enabled:  # per-sample metrics over the global batch, samples in rank order
-            ranks = self.dp.gather((before, rollout, masks))
+            ranks = self.dp.gather_tensors(before, rollout, masks)
             before, rollout, masks = ([x for r in ranks for x in r[j]] for j in range(3))
         metrics = mismatch_metrics(before, rollout, masks)
         if self.config.importance_sampling:
