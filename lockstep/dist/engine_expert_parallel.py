@@ -7,9 +7,13 @@ parallelism" item 2): how a model whose routed experts do not fit one device is 
 
 Each engine rank keeps what one Engine keeps -- attention, KV caches, scheduler, requests -- except
 the routed experts: rank r of ep keeps experts [r E/ep, (r+1) E/ep) of every MoE layer, as plain
-tensors (`EngineExpertShard`); the other experts' tensors are dropped before the engine moves the
-model to its device, so the device never holds them. The router, hash table, router bias and shared
-expert stay replicated, so routing is what one engine computes.
+tensors (`EngineExpertShard`). From a checkpoint (`expert_parallel_engine_from_pretrained`, what
+`lockstep train --rollout-expert-parallel-size` builds) the rank reads only those experts into host
+memory (`load_pretrained(..., experts=window)`: per-expert tensors of other experts are never read,
+stacked ones are read through `get_slice` rows), so neither host nor device ever holds every expert;
+a model handed over whole (`expert_parallel_engine`) has the other experts dropped before the engine
+moves it to its device. The router, hash table, router bias and shared expert stay replicated, so
+routing is what one engine computes.
 
 The expert exchange is the trainer's (`ExpertParallelExperts.sorted_mlp`, expert_parallel.py, one
 home): token counts exchanged first, rows all-to-all to their experts' ranks, the local experts'
@@ -40,9 +44,8 @@ Scope: the colocated layout (every rank serves; EP = the engine ranks = the worl
 group is the engine group). Weight push: full expert tensors in (in-process, or `push_weights`,
 whose staging keeps each rank's slice through `local_tensors`); the manifest is the full model's.
 Not built: EP smaller than the engine ranks, the disaggregated layout, the background loop / HTTP
-server, `update_weights_from_disk`, CUDA graphs (the all-gather form), loading only this rank's
-experts from the checkpoint (`expert_parallel_engine_from_pretrained` loads the full model into host
-memory first: fine for the device, not for a 284B model's host). Not yet run on GPUs (NCCL),
+server, `update_weights_from_disk`, CUDA graphs (the all-gather form), a windowed load of the
+trainer's experts (its policy is still loaded whole, then sharded). Not yet run on GPUs (NCCL),
 so bitwise equality with one engine there, where decode rows take the Triton kernels, is not shown.
 """
 
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -67,17 +71,15 @@ class EngineExpertShard(ExpertParallelExperts):
     quantisation and weight updates see an ordinary parameter (quantisation blocks never cross
     experts, so a slice is served as the same experts are in one engine)."""
 
-    def _shard(self, full: torch.Tensor) -> nn.Parameter:
-        lo = self.mesh.get_local_rank() * self.n_local
-        # clone: a view would keep the full tensor's storage (every expert) alive
-        return nn.Parameter(full.detach()[lo:lo + self.n_local].clone(), requires_grad=False)
+    def _shard(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+        return nn.Parameter(local, requires_grad=False)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.gate_up_proj, self.down_proj
 
     @property
     def first_expert(self) -> int:
-        return self.mesh.get_local_rank() * self.n_local
+        return self.rows.start
 
 
 def _serving_config(config: EngineConfig) -> EngineConfig:
@@ -89,11 +91,8 @@ def _serving_config(config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(config, cuda_graph=False, decode_steps=1)
 
 
-def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None,
-                           ep_size: int | None = None):
-    """This rank's ExpertParallelEngine over every engine rank, from the full model (on the host:
-    the experts it does not keep are dropped before the Engine moves the model to its device).
-    `ep_size`, when given (the run's flag), must be the number of engine ranks."""
+def _check_layout(ctx: DistContext, ep_size: int | None) -> int:
+    """The number of engine ranks (= EP); `ep_size`, when given (the run's flag), must equal it."""
     engines = len(ctx.layout.engine_ranks)
     if ep_size is not None and ep_size != engines:
         raise ValueError(f"rank {ctx.rank}: rollout_expert_parallel_size {ep_size} must equal the engine ranks, "
@@ -101,6 +100,26 @@ def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineCon
     if not ctx.layout.is_colocated:
         raise ValueError(f"rank {ctx.rank}: the expert-parallel engine runs in the colocated layout only "
                          "(every rank trains and serves); with --actor-num-gpus / --rollout-num-gpus it is not built")
+    return engines
+
+
+def expert_window(n_experts: int, ep_size: int, ep_rank: int) -> range:
+    """The routed experts rank `ep_rank` of `ep_size` serves: its contiguous block (the order
+    `ExpertParallelExperts` shards in)."""
+    if n_experts % ep_size:
+        raise ValueError(f"n_routed_experts {n_experts} (config.json) does not split over "
+                         f"rollout_expert_parallel_size {ep_size} engine ranks")
+    n_local = n_experts // ep_size
+    return range(ep_rank * n_local, (ep_rank + 1) * n_local)
+
+
+def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None,
+                           ep_size: int | None = None):
+    """This rank's ExpertParallelEngine over every engine rank, from a model on the host holding every
+    expert (the ones this rank does not keep are dropped before the Engine moves the model to its
+    device) or only this rank's (`expert_parallel_engine_from_pretrained`).
+    `ep_size`, when given (the run's flag), must be the number of engine ranks."""
+    engines = _check_layout(ctx, ep_size)
     apply_expert_parallel(model, ep_mesh(ctx.engine_group, ctx.device.type), ctx.collective, EngineExpertShard)
     engine = ExpertParallelEngine(ctx, Engine(model, _serving_config(config), tokenizer))
     shard = engine.experts[0]
@@ -111,10 +130,18 @@ def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineCon
 
 
 def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig, ep_size: int | None = None):
+    """The same from a checkpoint directory, reading only this rank's experts into host memory."""
     from lockstep.models import load_pretrained
+    from lockstep.models.registry import config_from_file
     from lockstep.models.tokenizer import has_tokenizer, load_tokenizer
 
-    model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu")
+    engines = _check_layout(ctx, ep_size)
+    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
+    if not n_experts:
+        raise ValueError(f"{path}: config.json names no n_routed_experts: expert parallelism needs a MoE model")
+    # the mesh's rank order: the engine group's, i.e. the engine ranks' order
+    window = expert_window(n_experts, engines, ctx.layout.engine_ranks.index(ctx.rank))
+    model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu", experts=window)
     return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None, ep_size)
 
 

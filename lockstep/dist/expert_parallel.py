@@ -82,13 +82,12 @@ def ep_mesh(group: ProcessGroup, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(group, device_type, mesh_dim_names=("ep",))
 
 
-def _sharded(full: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
-    """This rank's contiguous block of experts (dim 0) of `full`, as a Shard(0) DTensor parameter."""
-    ep, rank = mesh.size(), mesh.get_local_rank()
-    n_local = full.shape[0] // ep
-    local = full.detach()[rank * n_local:(rank + 1) * n_local].clone()
-    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-    return nn.Parameter(shard, requires_grad=full.requires_grad)
+def _sharded(local: torch.Tensor, mesh: DeviceMesh, n_experts: int, requires_grad: bool) -> nn.Parameter:
+    """This rank's contiguous block of experts (dim 0, contiguous) of the n_experts, as a Shard(0)
+    DTensor parameter."""
+    shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=(n_experts, *local.shape[1:]),
+                               stride=local.stride())
+    return nn.Parameter(shard, requires_grad=requires_grad)
 
 
 class ExpertParallelExperts(Experts):
@@ -102,14 +101,28 @@ class ExpertParallelExperts(Experts):
         self.n_experts, self.limit, self.kernels = experts.n_experts, experts.limit, experts.kernels
         self.mesh, self.group = mesh, mesh.get_group()
         self.ep_size, self.n_local = mesh.size(), experts.n_experts // mesh.size()
+        self.rows = range(mesh.get_local_rank() * self.n_local, (mesh.get_local_rank() + 1) * self.n_local)
         self.collective = collective or (lambda op: contextlib.nullcontext())
-        self.gate_up_proj = self._shard(experts.gate_up_proj)
-        self.down_proj = self._shard(experts.down_proj)
+        for attr in ("gate_up_proj", "down_proj"):
+            w = getattr(experts, attr)
+            setattr(self, attr, self._shard(self._block(w, experts.rows, attr), w.requires_grad))
 
-    def _shard(self, full: torch.Tensor) -> nn.Parameter:
+    def _block(self, w: torch.Tensor, held: range, attr: str) -> torch.Tensor:
+        """This rank's experts of `w`, which holds experts `held`: all of them (cut and cloned: a view
+        would keep every expert's storage alive), or exactly this rank's (a windowed load,
+        lockstep/models/checkpoint.py: kept as is)."""
+        if held == range(self.n_experts):
+            return w.detach()[self.rows.start:self.rows.stop].clone()
+        if held == self.rows:
+            return w.detach()
+        raise ValueError(f"expert parallel: {attr} holds experts [{held.start}, {held.stop}), but rank "
+                         f"{self.mesh.get_local_rank()} of {self.ep_size} serves [{self.rows.start}, {self.rows.stop}) "
+                         f"of {self.n_experts}: load that window, or every expert")
+
+    def _shard(self, local: torch.Tensor, requires_grad: bool) -> nn.Parameter:
         """This rank's block of a stacked expert weight, as the parameter it keeps (the engine's
         subclass, lockstep/dist/engine_expert_parallel.py, keeps a plain tensor instead)."""
-        return _sharded(full, self.mesh)
+        return _sharded(local, self.mesh, self.n_experts, requires_grad)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._local("gate_up_proj"), self._local("down_proj")

@@ -8,6 +8,12 @@ data is read; then each tensor is read by name, dequantised if it has a sibling
 scale (FP8 e4m3 block scales, or packed FP4 with e8m0 1x32 scales), and copied straight into
 its destination (a model parameter, or one expert's slice of a stacked expert tensor). Every
 error is a `CheckpointError` naming the tensor and the file.
+
+Expert window (`load_pretrained(..., experts=range(lo, hi))`, an expert-parallel rank's block): the
+model's routed experts are built with hi - lo experts' storage (moe.expert_window) and only those
+experts are read: per-expert tensors (DeepSeek's and transformers' layouts) of other experts are
+never opened, and a stacked tensor (lockstep / transformers in-memory names, `gate_up_proj` [E, ...])
+is read through `get_slice` rows [lo, hi), so no host ever holds every expert.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +34,9 @@ from lockstep.quant.formats import scale_names
 from lockstep.quant.fp4 import PACKED_DTYPES
 from lockstep.quant.safetensors_io import INDEX_NAME as INDEX  # noqa: F401  (re-export)
 from lockstep.quant.safetensors_io import CheckpointError, TensorHeader, TensorReader, read_headers
+
+if TYPE_CHECKING:
+    from lockstep.models.layers.moe import Experts
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
@@ -78,18 +88,49 @@ def _plan(entries: dict[str, _Entry], key_map: KeyMap) -> list[_Entry]:
 
 # ---- validating against destinations --------------------------------------------------------------
 
-def _dest_view(dest: dict[str, torch.Tensor], e: _Entry) -> torch.Tensor:
+def _expert_windows(model: torch.nn.Module) -> dict[str, "Experts"]:
+    """{stacked expert tensor name: its Experts} for experts built in an expert window."""
+    from lockstep.models.layers.moe import Experts  # here: it imports the Triton kernels (~1 s)
+
+    return {f"{name}.{attr}": m for name, m in model.named_modules()
+            if isinstance(m, Experts) and len(m.rows) != m.n_experts for attr in EXPERT_PARTS}
+
+
+def _rows(dest: dict[str, torch.Tensor], windows: dict[str, "Experts"], name: str) -> range:
+    """The experts destination `name` holds (its rows' experts; all of them unless windowed)."""
+    return windows[name].rows if name in windows else range(dest[name].shape[0])
+
+
+def _source_rows(e: _Entry, windows: dict[str, "Experts"]) -> range | None:
+    """The rows of a stacked checkpoint tensor to read (None: all of it)."""
+    return windows[e.mapped.name].rows if e.mapped.part is None and e.mapped.name in windows else None
+
+
+def _dest_view(dest: dict[str, torch.Tensor], e: _Entry, windows: dict[str, "Experts"]) -> torch.Tensor | None:
+    """Where entry `e` goes; None for one expert's tensor outside the window (never read)."""
     m = e.mapped
     full = dest[m.name]
     if m.part is None:
         return full
-    if m.expert >= full.shape[0]:
+    n_experts = windows[m.name].n_experts if m.name in windows else full.shape[0]
+    if m.expert >= n_experts:
         raise CheckpointError(f"tensor {e.name} in {e.file}: expert {m.expert} out of range, "
-                              f"{m.name} has {full.shape[0]} experts")
-    return expert_slice(full, m.expert, m.part)
+                              f"{m.name} has {n_experts} experts")
+    rows = _rows(dest, windows, m.name)
+    return expert_slice(full, m.expert - rows.start, m.part) if m.expert in rows else None
 
 
-def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[str], key_map: KeyMap, where: str):
+def _expected_shape(dest: dict[str, torch.Tensor], e: _Entry, windows: dict[str, "Experts"]) -> tuple[int, ...]:
+    """The shape entry `e` must have on disk: a windowed stacked tensor still holds every expert."""
+    full = dest[e.mapped.name]
+    if _source_rows(e, windows) is not None:
+        return (windows[e.mapped.name].n_experts, *full.shape[1:])
+    view = _dest_view(dest, e, windows)
+    return tuple((view if view is not None else expert_slice(full, 0, e.mapped.part)).shape)
+
+
+def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[str], key_map: KeyMap, where: str,
+              windows: dict[str, "Experts"]):
     filled = set()
     for e in plan:
         name = e.mapped.name
@@ -97,7 +138,7 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
             continue
         if name not in dest:
             raise CheckpointError(f"unexpected tensor {e.name} in {e.file}: maps to {name}, which the model lacks")
-        got, want = e.logical_shape, tuple(_dest_view(dest, e).shape)
+        got, want = e.logical_shape, _expected_shape(dest, e, windows)
         if got != want:
             alias = f" (lockstep {name})" if name != e.name else ""
             raise CheckpointError(f"wrong shape for tensor {e.name}{alias} in {e.file}: expected {list(want)}, "
@@ -106,7 +147,7 @@ def _validate(plan: list[_Entry], dest: dict[str, torch.Tensor], aliases: set[st
     for name, t in dest.items():
         parts = EXPERT_PARTS.get(name.rsplit(".", 1)[-1]) if t.dim() == 3 else None
         need = [(name, None, None)] if not parts or (name, None, None) in filled else \
-            [(name, x, p) for x in range(t.shape[0]) for p in parts]
+            [(name, x, p) for x in _rows(dest, windows, name) for p in parts]
         for key in need:
             if key not in filled:
                 ckpt = key_map.checkpoint_name(name, expert=key[1] or 0, part=key[2])
@@ -136,16 +177,17 @@ def _dequantize(q: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype, e:
 
 
 def _fill(plan: list[_Entry], dest: dict[str, torch.Tensor], entries: dict[str, _Entry], aliases: set[str],
-          fp8_block: tuple[int, int]):
+          fp8_block: tuple[int, int], windows: dict[str, "Experts"]):
     with TensorReader({n: e.header for n, e in entries.items()}) as reader:
         for e in plan:
-            if e.mapped.name in aliases:
+            view = None if e.mapped.name in aliases else _dest_view(dest, e, windows)
+            if view is None:  # an alias, or an expert outside the window
                 continue
-            view = _dest_view(dest, e)
-            t = reader.get(e.name)
+            rows = _source_rows(e, windows)  # a stacked scale is [E, ...] too: the same rows
+            t = reader.get(e.name, rows)
             if e.scale:
-                t = _dequantize(t, reader.get(e.scale), view.dtype if view.is_floating_point() else torch.float32,
-                                e, fp8_block)
+                t = _dequantize(t, reader.get(e.scale, rows),
+                                view.dtype if view.is_floating_point() else torch.float32, e, fp8_block)
             with torch.no_grad():
                 view.copy_(t)
 
@@ -199,21 +241,23 @@ def load_state_dict(path, model_type_or_config=None, *, dtype: torch.dtype | Non
     entries, where = _read_headers(path)
     plan = _plan(entries, key_map)
     dest = _alloc_dest(plan, dtype, model_type, getattr(config, "n_routed_experts", None))
-    _validate(plan, dest, set(), key_map, where)
-    _fill(plan, dest, entries, set(), _fp8_block(path))
+    _validate(plan, dest, set(), key_map, where, {})
+    _fill(plan, dest, entries, set(), _fp8_block(path), {})
     return dest
 
 
 def load_into(model: torch.nn.Module, path, model_type: str | None = None) -> None:
-    """Copy a checkpoint into an existing model's parameters and buffers, validating everything."""
+    """Copy a checkpoint into an existing model's parameters and buffers, validating everything;
+    experts built in an expert window read only their rows (module docstring)."""
     path = Path(path)
     model_type = model_type or model.config.model_type
     key_map = KEY_MAPS[registry.entry(model_type).key_map]
     entries, where = _read_headers(path)
     plan = _plan(entries, key_map)
     dest, aliases = model_tensors(model)
-    _validate(plan, dest, aliases, key_map, where)
-    _fill(plan, dest, entries, aliases, _fp8_block(path))
+    windows = _expert_windows(model)
+    _validate(plan, dest, aliases, key_map, where, windows)
+    _fill(plan, dest, entries, aliases, _fp8_block(path), windows)
 
 
 @contextmanager
@@ -231,12 +275,17 @@ def _skip_init():
             setattr(torch.nn.init, n, fn)
 
 
-def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu") -> torch.nn.Module:
-    """Build the model config.json names and load its weights; `dtype` None keeps float32."""
+def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu",
+                    experts: range | None = None) -> torch.nn.Module:
+    """Build the model config.json names and load its weights; `dtype` None keeps float32.
+    `experts`: hold and read only these routed experts of every MoE layer (module docstring); the
+    model then runs once they are sharded (lockstep/dist/engine_expert_parallel.py)."""
     path = Path(path)
     config_file = _config_file(path)
     config = registry.config_from_file(config_file)
-    with torch.device(device), _skip_init():
+    from lockstep.models.layers.moe import expert_window
+
+    with torch.device(device), _skip_init(), expert_window(experts):
         model = registry.model_class(config.model_type)(config)
     if dtype is not None:
         cast_model(model, dtype)

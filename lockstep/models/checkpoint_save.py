@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from lockstep.models import registry
-from lockstep.models.checkpoint import TOKENIZER_FILES
+from lockstep.models.checkpoint import TOKENIZER_FILES, _expert_windows
 from lockstep.models.key_maps import KEY_MAPS
 from lockstep.models.precision import model_tensors
 from lockstep.quant.safetensors_io import INDEX_NAME, write_index
@@ -107,6 +107,11 @@ def save_pretrained(model: torch.nn.Module, path, *, max_shard_size="5GB", token
 
     Tokenizer files are copied from `tokenizer_dir`, or from the directory the model was loaded from.
     """
+    windows = _expert_windows(model)
+    if windows:  # its experts would be written as experts 0.. of a smaller model
+        name, experts = next(iter(windows.items()))
+        raise ValueError(f"cannot save a model holding only experts {experts.rows} of {experts.n_experts} "
+                         f"({name}): save the full model's tensors")
     tensors, _ = model_tensors(model)
     save_state_dict(tensors, model.config, path, max_shard_size=max_shard_size, layout=layout,
                     tokenizer_dir=tokenizer_dir or getattr(model, "source_dir", None))

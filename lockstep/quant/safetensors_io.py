@@ -141,9 +141,12 @@ class TensorReader:
             self._handles[file] = open_file(file, self._stack)
         return self._handles[file]
 
-    def get(self, name: str) -> torch.Tensor:
+    def get(self, name: str, rows: range | None = None) -> torch.Tensor:
+        """Tensor `name`, or only its rows [rows.start, rows.stop) of dim 0 (the others are not read)."""
         file = self.headers[name].file
         try:
+            if rows is not None:
+                return self._handle(file).get_slice(name)[rows.start:rows.stop]
             return self._handle(file).get_tensor(name)
         except CheckpointError:
             raise

@@ -12,7 +12,9 @@ in storage of their own. Weight push (`push_weights`, two-phase commit): each ra
 equals the slice of what one engine serves after the same in-process update, every other tensor
 equal; a stale version, and a NaN in one rank's experts, are voted down and change nothing. A peer that exits mid-generation makes
 the survivor raise DistributedError naming its rank and the operation; a peer whose sampling fails
-stops the other at the next step, naming the failed rank.
+stops the other at the next step, naming the failed rank. Built from the checkpoint with each rank's
+experts only (`expert_parallel_engine_from_pretrained`, the windowed load), an EP engine serves
+bitwise what one built from the full model serves, holding the same tensors.
 """
 
 from __future__ import annotations
@@ -261,3 +263,44 @@ def test_a_peer_failing_between_steps_stops_the_others_at_once_naming_it():
     # told at the next step's agreement: not a timeout ("timed out after 30s"), nor a hang
     assert first.startswith("rank 0: all_reduce MAX of forward calls (expert-parallel engine step 4): rank 1 "
                             "failed"), first
+
+
+def _windowed_rank(rank: int, dtype: str) -> dict:
+    """One EP engine read from the checkpoint with this rank's experts only, one from the full model."""
+    from lockstep.dist.engine_expert_parallel import expert_parallel_engine, expert_parallel_engine_from_pretrained
+    from lockstep.dist.groups import init_distributed
+    from lockstep.models import load_pretrained
+    from lockstep.models.tokenizer import load_tokenizer
+
+    ctx = init_distributed(20.0)
+    out = {}
+    for how in ("windowed", "full"):  # the full one with the tokenizer from_pretrained loads (its EOS stops)
+        engine = expert_parallel_engine_from_pretrained(ctx, ASSET, _config(dtype), ep_size=2) if how == "windowed" \
+            else expert_parallel_engine(ctx, load_pretrained(ASSET, dtype=getattr(torch, dtype)), _config(dtype),
+                                        load_tokenizer(ASSET))
+        out[how] = _digest(engine.generate(_requests(rank, "uneven")))
+        out[f"{how}_state"] = {n: t.clone() for n, t in engine.model.state_dict().items()}
+    return out
+
+
+@DTYPES
+def test_an_ep_engine_read_with_its_experts_only_serves_what_the_full_load_serves(dtype):
+    torch.set_num_threads(1)
+    ranks = rank_values(run_world(_windowed_rank, 2, guard_s=60, args=(dtype,)))
+    one = _one_engine(dtype).model.state_dict()
+    for rank, got in enumerate(ranks):
+        _assert_same(got["windowed"], got["full"], f"{dtype} rank {rank}: windowed load")
+        assert set(got["windowed_state"]) == set(got["full_state"]) == set(one)
+        for name, t in got["windowed_state"].items():
+            assert torch.equal(t, got["full_state"][name]), f"rank {rank}: {name}"
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # its block of the served experts
+                assert torch.equal(t, one[name][rank * 4:(rank + 1) * 4]), f"rank {rank}: {name}"
+
+
+def test_experts_that_do_not_split_over_the_ep_ranks_are_refused_naming_the_fields():
+    from lockstep.dist.engine_expert_parallel import expert_window
+
+    assert expert_window(8, 2, 1) == range(4, 8)
+    with pytest.raises(ValueError, match=r"n_routed_experts 8 \(config.json\) does not split over "
+                                         r"rollout_expert_parallel_size 3"):
+        expert_window(8, 3, 0)

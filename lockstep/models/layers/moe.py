@@ -12,6 +12,9 @@ the sum does not depend on which other tokens share the batch.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -107,14 +110,40 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     return order, counts
 
 
+_WINDOW: ContextVar[range | None] = ContextVar("expert_window", default=None)
+
+
+@contextmanager
+def expert_window(rows: range | None):
+    """Experts built inside hold experts `rows` only (None: all), in storage of that size from the
+    start: an expert-parallel rank's block of a model whose experts do not fit one host
+    (checkpoint.load_pretrained reads just those rows). Such experts compute nothing until sharded."""
+    token = _WINDOW.set(rows)
+    try:
+        yield
+    finally:
+        _WINDOW.reset(token)
+
+
+def _held_rows(n_experts: int) -> range:
+    rows = _WINDOW.get()
+    if rows is None:
+        return range(n_experts)
+    if rows.step != 1 or not rows or rows.start < 0 or rows.stop > n_experts:
+        raise ValueError(f"expert window {rows} is not a non-empty block of the {n_experts} routed experts "
+                         "(n_routed_experts)")
+    return rows
+
+
 class Experts(Switched, nn.Module):
-    """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F]."""
+    """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F];
+    built inside `expert_window`, only experts `rows` ([E', ...]) of the n_experts the router picks."""
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int, swiglu_limit: float):
         super().__init__()
-        self.n_experts, self.limit = n_experts, swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+        self.n_experts, self.limit, self.rows = n_experts, swiglu_limit, _held_rows(n_experts)
+        self.gate_up_proj = nn.Parameter(torch.empty(len(self.rows), 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(len(self.rows), hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 decode: bool = False) -> torch.Tensor:
@@ -133,6 +162,9 @@ class Experts(Switched, nn.Module):
         the same order. The seam expert parallelism replaces (lockstep/dist/expert_parallel.py sends
         the rows to the ranks that hold their experts and brings the outputs back), so the dispatch
         order and the combine above stay this module's on every layout."""
+        if len(self.rows) != self.n_experts:  # counts index all experts: the weights would be misread
+            raise RuntimeError(f"these experts hold {self.rows} of {self.n_experts} only (an expert window): "
+                               "shard them over their expert-parallel ranks before running the model")
         return self.mlp(xs, counts, decode)
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

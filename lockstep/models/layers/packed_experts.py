@@ -58,6 +58,7 @@ class PackedExperts(Experts):
         if storage not in ("fp8", "fp4"):
             raise ValueError(f"packed expert storage is fp8 or fp4, got {storage!r}")
         self.n_experts, self.limit, self.storage = experts.n_experts, experts.limit, storage
+        self.rows = experts.rows
         self.dtype = experts.gate_up_proj.dtype  # the compute dtype the emulation holds them in
         self.shapes = {attr: tuple(getattr(experts, attr).shape) for attr in ATTRS}
         for attr in ATTRS:
