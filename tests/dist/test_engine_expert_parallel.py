@@ -304,3 +304,20 @@ def test_experts_that_do_not_split_over_the_ep_ranks_are_refused_naming_the_fiel
     with pytest.raises(ValueError, match=r"n_routed_experts 8 \(config.json\) does not split over "
                                          r"rollout_expert_parallel_size 3"):
         expert_window(8, 3, 0)
+
+
+def _wrong_window_rank(rank: int) -> None:
+    from lockstep.dist.engine_expert_parallel import expert_parallel_engine
+    from lockstep.dist.groups import init_distributed
+    from lockstep.models import load_pretrained
+
+    ctx = init_distributed(20.0)
+    other = range(4, 8) if rank == 0 else range(0, 4)  # the peer's experts
+    expert_parallel_engine(ctx, load_pretrained(ASSET, experts=other), _config("float32"))
+
+
+def test_a_rank_handed_another_ranks_experts_is_refused_naming_both_windows():
+    for rank, r in enumerate(run_world(_wrong_window_rank, 2, guard_s=60)):
+        assert r.error_type == "ValueError", r.error
+        mine, held = ("[0, 4)", "[4, 8)") if rank == 0 else ("[4, 8)", "[0, 4)")
+        assert f"gate_up_proj holds experts {held}, but rank {rank} of 2 serves {mine} of 8" in r.error, r.error
