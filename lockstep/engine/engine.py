@@ -35,7 +35,7 @@ from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import decode_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
-from lockstep.engine.request import GenerateRequest, RequestState, SequenceStatus
+from lockstep.engine.request import GenerateRequest, RequestState
 from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
