@@ -15,6 +15,10 @@ problems of the split in the seed's order (a set of n is a prefix of the set of 
 Difficulty knobs (defaults): digits = 2 (operands have exactly `digits` digits; 1 allows 0..9),
 operators = ("+", "-") (any of "+", "-", "*"), allow_negative = False (for "-", the operands are
 ordered so the result is >= 0). The reward is `lockstep.rl.rewards.arithmetic`.
+
+Worked solutions (`worked_pairs`, for + and -): the same problems, selected by the same rule
+(`_distinct_problems`, hence the same splits), with the column method written out before the
+answer: SFT data with real structure for the `lockstep sft --preset` models.
 """
 
 from __future__ import annotations
@@ -75,6 +79,27 @@ def arithmetic_problem(
     return f"What is {a} {op} {b}?", OPERATORS[op](a, b)
 
 
+def _distinct_problems(n: int, seed: int, digits: int, operators: Sequence[str], allow_negative: bool,
+                       split: str | None) -> list[tuple[int, str, int]]:
+    """The first n distinct (a, op, b) of `split` among draws 0, 1, 2, ... of `seed`: the one
+    selection rule every prompt and worked-solution set of this module goes through."""
+    _check(digits, operators, split)
+    seen: set[tuple[int, str, int]] = set()
+    out = []
+    for i in range(MAX_DRAWS_PER_PROMPT * n):
+        if len(out) == n:
+            return out
+        problem = _draw(i, seed, digits, operators, allow_negative)
+        if problem in seen or (split is not None and problem_split(*problem) != split):
+            continue
+        seen.add(problem)
+        out.append(problem)
+    if len(out) < n:
+        raise ValueError(f"arithmetic_prompts: found only {len(out)} distinct problems of split {split!r} in "
+                         f"{MAX_DRAWS_PER_PROMPT * n} draws, {n} asked for (digits={digits}, operators={list(operators)})")
+    return out
+
+
 def arithmetic_prompts(
     n: int,
     seed: int = 0,
@@ -85,19 +110,46 @@ def arithmetic_prompts(
 ) -> list[Prompt]:
     """The first n distinct problems of `split` (None: of any split) among draws 0, 1, 2, ... of
     `seed`, as plain-string prompts with integer labels as strings; Prompt.index is the position."""
-    _check(digits, operators, split)
-    seen: set[str] = set()
-    out = []
-    for i in range(MAX_DRAWS_PER_PROMPT * n):
-        if len(out) == n:
-            return out
-        a, op, b = _draw(i, seed, digits, operators, allow_negative)
-        question = f"What is {a} {op} {b}?"
-        if question in seen or (split is not None and problem_split(a, op, b) != split):
-            continue
-        seen.add(question)
-        out.append(Prompt(prompt=question, label=str(OPERATORS[op](a, b)), index=len(out), source="arithmetic"))
-    if len(out) < n:
-        raise ValueError(f"arithmetic_prompts: found only {len(out)} distinct problems of split {split!r} in "
-                         f"{MAX_DRAWS_PER_PROMPT * n} draws, {n} asked for (digits={digits}, operators={list(operators)})")
-    return out
+    problems = _distinct_problems(n, seed, digits, operators, allow_negative, split)
+    return [Prompt(prompt=f"What is {a} {op} {b}?", label=str(OPERATORS[op](a, b)), index=i, source="arithmetic")
+            for i, (a, op, b) in enumerate(problems)]
+
+
+def worked_solution(a: int, op: str, b: int) -> str:
+    """The column method written out, least significant digit first, one line per column, then
+    "Answer: N" (what the arithmetic reward reads). For a - b, a >= b. E.g. 58 + 67:
+
+        8+7+0=15 c1
+        5+6+1=12 c1
+        Answer: 125
+
+    and 52 - 17: "2-7-0+10=5 b1", "5-1-1=3 b0", "Answer: 35". Every line is checkable arithmetic,
+    so a model must learn carries and borrows rather than a digit-pattern lookup."""
+    if op not in ("+", "-") or (op == "-" and a < b) or min(a, b) < 0:
+        raise ValueError(f"worked_solution covers a + b and a - b with a >= b >= 0, got {a} {op} {b}")
+    da, db = str(a)[::-1], str(b)[::-1]
+    lines, carry = [], 0  # carry: the carry of + or the borrow of -, into the next column
+    for i in range(max(len(da), len(db))):
+        x, y = int(da[i]) if i < len(da) else 0, int(db[i]) if i < len(db) else 0
+        lines.append(_column(x, op, y, carry))
+        carry = int(lines[-1][-1])
+    lines.append(f"Answer: {OPERATORS[op](a, b)}")
+    return "\n".join(lines)
+
+
+def _column(x: int, op: str, y: int, carry: int) -> str:
+    """One column's line; its last character is the carry / borrow it passes on."""
+    if op == "+":
+        total = x + y + carry
+        return f"{x}+{y}+{carry}={total} c{total // 10}"
+    diff = x - y - carry
+    return f"{x}-{y}-{carry}+10={diff + 10} b1" if diff < 0 else f"{x}-{y}-{carry}={diff} b0"
+
+
+def worked_pairs(n: int, seed: int = 0, digits: int = 4, operators: Sequence[str] = ("+", "-"),
+                 split: str | None = None) -> list[tuple[str, str]]:
+    """(question, worked_solution) of the same problems, in the same order, as
+    arithmetic_prompts(n, seed, digits, operators, split=split): SFT targets whose splits are
+    those of the prompts the reward scores."""
+    problems = _distinct_problems(n, seed, digits, operators, False, split)
+    return [(f"What is {a} {op} {b}?", worked_solution(a, op, b)) for a, op, b in problems]
