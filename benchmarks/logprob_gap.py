@@ -7,6 +7,12 @@ project starts from (0.09 mean, the ROCm bring-up of DeepSeek-V4-Flash; DSV4_SPE
 
     python benchmarks/logprob_gap.py --config 1b --device cuda --dtype bfloat16
     python benchmarks/logprob_gap.py ... --no-compile-decode      # the engine's decode uncompiled
+    python benchmarks/logprob_gap.py --model DIR ...              # a saved model (e.g. `lockstep sft --preset`)
+    python benchmarks/logprob_gap.py --model DIR --reinit ...     # its config at random init: the baseline
+
+With --model the prompts are the model's tokenizer's chat encoding of held-out ("eval" split)
+arithmetic problems of --task-digits digits, the task the presets train on, so a trained model's
+completions are its own confident ones; otherwise they are random token ids.
 """
 
 from __future__ import annotations
@@ -27,26 +33,41 @@ from lockstep.align.compare import compare
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine.engine import Engine
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models import load_pretrained
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_
+from lockstep.models.tokenizer import load_tokenizer
+from lockstep.prompt_encoding import encode_prompt
+from lockstep.rl.arithmetic import arithmetic_prompts
 from lockstep.train.config import TrainConfig
 from lockstep.train.trainer import Trainer
 
 BASELINE_MEAN_ABS_DIFF = 0.09
 
 
-def make_model(name: str, seed: int) -> DeepseekV4ForCausalLM:
-    model = DeepseekV4ForCausalLM(bench_config(name))
-    init_deepseek_v4_(model, seed)
+def make_model(args, seed: int) -> DeepseekV4ForCausalLM:
+    """--model's saved model (its config at random init with --reinit), else --config's at random init."""
+    model = load_pretrained(args.model) if args.model else DeepseekV4ForCausalLM(bench_config(args.config))
+    if args.reinit or not args.model:
+        init_deepseek_v4_(model, seed)  # every parameter redrawn: the saved weights are gone
     return model
 
 
-def run_setting(name, state, args, fmt, qat, invariant, replay):
-    engine_model, train_model = make_model(name, 0), make_model(name, 0)
+def make_prompts(args, vocab: int) -> list[list[int]]:
+    if not args.model:
+        g = torch.Generator().manual_seed(1)
+        return [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+    tok = load_tokenizer(args.model)
+    held_out = arithmetic_prompts(args.batch, digits=args.task_digits, split="eval")
+    return [encode_prompt(tok, p.prompt) for p in held_out]
+
+
+def run_setting(state, prompts, args, fmt, qat, invariant, replay):
+    engine_model, train_model = make_model(args, 0), make_model(args, 0)
     engine_model.load_state_dict(state)
     train_model.load_state_dict(state)
     engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
                                                batch_invariant=invariant, max_num_seqs=args.batch,
-                                               max_model_len=args.prompt_len + args.new_tokens + 8,
+                                               max_model_len=max(map(len, prompts)) + args.new_tokens + 8,
                                                compile_decode=args.compile_decode, **args.engine_option))
     # the quant-aware parametrisation does not trace: those settings keep eager trainer layers
     compiled = args.compile_trainer and qat is None
@@ -54,9 +75,6 @@ def run_setting(name, state, args, fmt, qat, invariant, replay):
                                                                 use_rollout_routing_replay=replay,
                                                                 compile_backend="inductor" if compiled else None,
                                                                 max_tokens_per_gpu=16384))
-    g = torch.Generator().manual_seed(1)
-    vocab = engine_model.config.vocab_size
-    prompts = [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=5, ignore_eos=True,
                               return_routed_experts=replay)
     start = time.perf_counter()
@@ -76,6 +94,10 @@ def _option(text: str) -> tuple[str, object]:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=["tiny", "1b"], default="tiny")
+    ap.add_argument("--model", default="", help="a saved model directory instead of --config at random init")
+    ap.add_argument("--reinit", action="store_true", help="with --model: its config, randomly initialised")
+    ap.add_argument("--task-digits", type=int, default=4,
+                    help="with --model: digits of the held-out arithmetic prompts (default: 4, the gpu preset's)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     ap.add_argument("--batch", type=int, default=16)
@@ -102,12 +124,13 @@ def main():
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = args.bf16_reduced_precision_reduction
     print(f"engine options {args.engine_option}, allow_bf16_reduced_precision_reduction "
           f"{torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction}")
-    state = make_model(args.config, 0).state_dict()
-    print(f"config {args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
+    model = make_model(args, 0)
+    state, prompts = model.state_dict(), make_prompts(args, model.config.vocab_size)
+    print(f"config {args.model + (' (reinit)' if args.reinit else '') if args.model else args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
     print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'rr':3s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
     for fmt, inv, rr in itertools.product(args.formats, args.batch_invariant, args.routing_replay):
         for qat in ([None] if fmt == "bf16" else [None, fmt]):
-            r = run_setting(args.config, state, args, fmt, qat, bool(inv), bool(rr))
+            r = run_setting(state, prompts, args, fmt, qat, bool(inv), bool(rr))
             print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {rr:<3d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
                   f"{r['exact_fraction']:6.3f} {r['mean_abs_diff'] / BASELINE_MEAN_ABS_DIFF:8.4f}", flush=True)
             print("JSON " + json.dumps(r))
