@@ -1,7 +1,12 @@
 """`lockstep sft --preset`: worked-step arithmetic data whose splits stay disjoint, and the preset's
 whole path (random init, bf16 autocast, SFT, save) at a CPU size, loaded back by Engine and Trainer."""
 
+import json
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +27,7 @@ from lockstep.train.config import TrainConfig
 from lockstep.train.sft import collate, make_examples, sft_loss
 from lockstep.train.trainer import Trainer
 
+ROOT = Path(__file__).resolve().parents[2]
 PRESET = "gpu-dsv4-0.85b"
 # the embedded tiny model's shape (lockstep/rl/embedded.py): every layer kind, CPU-sized
 TINY = dict(hidden_size=64, moe_intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, head_dim=32,
@@ -82,10 +88,17 @@ def test_preset_needs_its_own_output_and_no_other_model(capsys, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_preset_path_at_cpu_size_trains_saves_and_loads(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """The preset trained at CPU size once: (its directory, its per-step losses)."""
+    out = tmp_path_factory.mktemp("preset")
     torch.manual_seed(0)
-    losses = run_preset(PRESET, tmp_path, model_overrides=TINY, device="cpu",
-                        split_sizes={"train": 256, "select": 16}, steps=20, batch_size=16, lr=3e-3)
+    return out, run_preset(PRESET, out, model_overrides=TINY, device="cpu",
+                           split_sizes={"train": 256, "select": 16}, steps=20, batch_size=16, lr=3e-3)
+
+
+def test_preset_path_at_cpu_size_trains_saves_and_loads(trained):
+    tmp_path, losses = trained
     assert len(losses) == 20 and sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3
     tok = load_tokenizer(tmp_path)
     saved = load_pretrained(tmp_path)  # the trained weights, not the init: its loss is the trained one
@@ -98,3 +111,16 @@ def test_preset_path_at_cpu_size_trains_saves_and_loads(tmp_path):
     report = compare(engine, trainer, prompts, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5,
                                                               ignore_eos=True))
     assert report.as_dict()["mean_abs_diff"] < 1e-4  # both sides run the saved weights, in float32
+
+
+@pytest.mark.parametrize("reinit", [False, True])
+def test_logprob_gap_measures_the_saved_model(trained, reinit):
+    """benchmarks/logprob_gap.py --model DIR (and --reinit, the random-init baseline) prints its agreement row."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "logprob_gap.py"), "--model", str(trained[0]), "--device", "cpu",
+           "--dtype", "float32", "--batch", "2", "--new-tokens", "4", "--formats", "bf16", "--batch-invariant", "0",
+           "--routing-replay", "0", "--no-compile-decode", *(["--reinit"] if reinit else [])]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("JSON ")]
+    assert len(rows) == 1 and rows[0]["mean_abs_diff"] < 1e-4  # float32 on both sides
+    assert ("(reinit)" in done.stdout) == reinit
