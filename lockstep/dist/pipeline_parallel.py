@@ -75,10 +75,10 @@ lockstep/rl/data_parallel.py: the trainer group as the pipeline group, PP = the 
 engines taking `pipeline_named_weights`); tests/dist/test_train_world.py: a 3-rollout run logs one
 process's metrics bitwise (the same padded micro-batches there).
 
-Checkpoints (`PipelineTrainer.save` / `load`): the one-process files (lockstep/train/checkpointing.py),
-the stages' weights and optimiser state sent to the first stage, which writes them; each stage loads
-its part of any such save (one process's, FSDP's, another split's). Proof (tests/dist/
-test_pipeline_parallel.py): a PP=2 save resumed on PP=2 takes the unbroken run's next step bitwise,
+Checkpoints (`PipelineTrainer.save` / `load`, pipeline_checkpoint.py): the one-process files
+(lockstep/train/checkpointing.py), the stages' weights and optimiser state sent to the first stage,
+which writes them; each stage loads its part of any such save (one process's, FSDP's, another
+split's). Proof (tests/dist/test_pipeline_checkpoint.py): a PP=2 save resumed on PP=2 takes the unbroken run's next step bitwise,
 loaded into one process it gives the same weights, optimiser state and next step, and a one-process
 save loads into PP=2; tests/dist/test_train_world.py resumes `lockstep train` on PP=2.
 
@@ -92,7 +92,6 @@ interleaved schedules.
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
@@ -101,11 +100,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from lockstep.files import FileError
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.train import checkpointing as ckpt
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
 from lockstep.train.routing_replay import forced_experts
+from lockstep.dist.pipeline_checkpoint import load_pipeline, save_pipeline
 
 Collective = Callable[[str], ContextManager]
 
@@ -483,70 +481,9 @@ class PipelineTrainer:
         return pipeline_named_weights(self.trainer, self.pipe)
 
     def save(self, directory) -> None:
-        """The one-process checkpoint (lockstep/train/checkpointing.py), written by the first stage: every
-        stage sends it its weights and optimiser state, so the files hold the whole model and any process
-        count (1, FSDP, PP) loads them; each stage writes its own RNG states (`checkpointing.trainer_file`
-        of its stage index). Consolidated rather than a shard file per stage: one format for every
-        layout, and a PP save needs no re-cut to resume on another pipeline split or none. The cost:
-        the first stage holds the whole model's weights and optimiser state on the host while writing,
-        as FSDP's rank 0 does. Every stage calls it."""
-        d, trainer, first = Path(directory), self.trainer, self.pipe.stage.is_first
-        d.mkdir(parents=True, exist_ok=True)
-        weights = _gather_to_first(self.pipe, list(trainer.named_weights()), "weights")
-        own = trainer.optimizer.state_dict()
-        entries = [((name, key), t) for name, entry in own["state"].items() for key, t in entry.items()]
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for (name, key), t in _gather_to_first(self.pipe, entries, "optimizer state"):
-            state.setdefault(name, {})[key] = t
-        if first:
-            ckpt.save_weights(weights, d / ckpt.WEIGHTS)
-            torch.save({**own, "state": state}, d / ckpt.OPTIMIZER)  # step and lr: every stage steps together
-        ckpt.save_trainer_state(d / ckpt.trainer_file(self.pipe.stage.stage_index), trainer.num_steps,
-                                trainer.config.to_dict())
-        with self.pipe.collective("pipeline-parallel barrier (checkpoint saved)"):
-            dist.barrier(group=self.pipe.group)
+        """The one-process checkpoint, written by the first stage (pipeline_checkpoint.py). Every stage calls it."""
+        save_pipeline(self.trainer, self.pipe, directory)
 
     def load(self, directory) -> None:
-        """Any consolidated checkpoint (one process's, FSDP's, a PP save of any split): each stage copies in
-        its own tensors and their optimiser state; a tensor of the file that no stage holds is an error
-        (another model). Every stage calls it."""
-        d, index = Path(directory), self.pipe.stage.stage_index
-        try:
-            mine: set[str] | str = set(self.trainer.load(d, rank=index))
-        except (KeyError, OSError, ValueError) as e:  # sent to the other stages, which would wait otherwise
-            mine = f"pipeline stage {index}: {e}"
-        outcomes = [None] * self.pipe.stage.num_stages
-        with self.pipe.collective("pipeline-parallel all_gather_object (checkpoint names no stage holds)"):
-            dist.all_gather_object(outcomes, mine, group=self.pipe.group)
-        failed = [o for o in outcomes if isinstance(o, str)]
-        if failed:  # every stage raises the same, naming each stage that failed
-            raise ValueError("; ".join(failed))
-        unclaimed = sorted(set.intersection(*outcomes))
-        if unclaimed:
-            raise FileError(f"{d / ckpt.WEIGHTS}: no pipeline stage holds {unclaimed[:5]} "
-                            f"({len(unclaimed)} in all): a checkpoint of another model")
-
-
-def _gather_to_first(pipe: PipelineParallel, named: list[tuple[object, torch.Tensor]], what: str):
-    """Every stage's (key, tensor) pairs, in stage order, on the first stage's host (a list there, [] on
-    the others): each stage's keys, shapes and dtypes broadcast, then its tensors sent to the first stage
-    one at a time (point-to-point, on the pipeline's device)."""
-    stage, out = pipe.stage, []
-    first = dist.get_global_rank(pipe.group, 0)
-    if stage.is_first:
-        out += [(k, t.detach().cpu()) for k, t in named]
-    for s in range(1, stage.num_stages):
-        src, mine = dist.get_global_rank(pipe.group, s), s == stage.stage_index
-        box = [[(k, tuple(t.shape), t.dtype) for k, t in named] if mine else None]
-        with pipe.collective(f"pipeline-parallel broadcast_object_list (stage {s}'s {what}: names)"):
-            dist.broadcast_object_list(box, src=src, group=pipe.group, device=pipe.device)
-        for i, (key, shape, dtype) in enumerate(box[0]):
-            if mine:
-                with pipe.collective(f"pipeline-parallel send ({what} {key} to stage 0)"):
-                    dist.send(named[i][1].detach().contiguous().to(pipe.device), dst=first, group=pipe.group)
-            elif stage.is_first:
-                t = torch.empty(shape, dtype=dtype, device=pipe.device)
-                with pipe.collective(f"pipeline-parallel recv ({what} {key} from stage {s})"):
-                    dist.recv(t, src=src, group=pipe.group)
-                out.append((key, t.cpu()))
-    return out
+        """Any consolidated checkpoint, each stage taking its own part (pipeline_checkpoint.py). Every stage calls it."""
+        load_pipeline(self.trainer, self.pipe, directory)
