@@ -47,7 +47,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, \
     register_fsdp_forward_method
 
+from lockstep.dist.host_staged_comm import HostStagedAllGather, HostStagedReduceScatter
 from lockstep.models.precision import keeps_fp32, model_tensors, storage_dtype
+from lockstep.train.data_parallel import moves_cuda_over_gloo
 
 
 def dp_mesh(group: ProcessGroup, device_type: str) -> DeviceMesh:
@@ -133,8 +135,12 @@ def _cast_buffers(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype = torch.float32,
-               reduce_dtype: torch.dtype = torch.float32, offload: bool = False) -> nn.Module:
-    """Shard `model` in place over `mesh` (1-D data parallel) as the module docstring says; returns it."""
+               reduce_dtype: torch.dtype = torch.float32, offload: bool = False,
+               host_staged: bool | None = None) -> nn.Module:
+    """Shard `model` in place over `mesh` (1-D data parallel) as the module docstring says; returns it.
+
+    `host_staged`: run the units' collectives on host copies (lockstep.dist.host_staged_comm);
+    None: when the mesh moves CUDA tensors over gloo (ranks sharing a GPU)."""
     _check_fp32(model)
     units = plan_units(model, param_dtype)
     params = dict(model.named_parameters())
@@ -152,7 +158,16 @@ def apply_fsdp(model: nn.Module, mesh: DeviceMesh, *, param_dtype: torch.dtype =
             _register_forward_methods(m)
     _cast_buffers(model, param_dtype)
     _sum_gradients(model)
+    if host_staged if host_staged is not None else moves_cuda_over_gloo(mesh.get_group(), mesh.device_type):
+        _stage_through_host(model)
     return model
+
+
+def _stage_through_host(model: nn.Module) -> None:
+    all_gather, reduce_scatter = HostStagedAllGather(), HostStagedReduceScatter()
+    for m in fsdp_modules(model):
+        m.set_custom_all_gather(all_gather)
+        m.set_custom_reduce_scatter(reduce_scatter)
 
 
 def _register_forward_methods(module: nn.Module) -> None:

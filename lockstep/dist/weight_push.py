@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.engine.weight_update import check_version, validate_update
+from lockstep.train.data_parallel import gather_full
 
 
 class WeightPushError(RuntimeError):
@@ -125,7 +126,7 @@ def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: 
     for spec in manifest.entries[bucket.start:bucket.stop]:
         name, t = next(tensors, (None, None))
         if isinstance(t, DTensor):
-            t = t.full_tensor()
+            t = gather_full(t)
         if name != spec.name or tuple(t.shape) != spec.shape:
             got = "the end of named_weights()" if name is None else f"{name} {list(t.shape)}"
             raise ManifestMismatch(f"rank {rank}: {op}: the trainer's tensor #{manifest.entries.index(spec)} is "

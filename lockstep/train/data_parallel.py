@@ -29,7 +29,39 @@ from typing import Callable, ContextManager, Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def moves_cuda_over_gloo(group: dist.ProcessGroup, device_type: str) -> bool:
+    """CUDA tensors whose collectives gloo would run: ranks sharing a GPU (NCCL refuses that).
+    gloo's own CUDA path crashes on torch 2.11 under FSDP2's side streams and DTensor's functional
+    collectives (SIGSEGV in wait_tensor), so such collectives are staged through host memory."""
+    return device_type == "cuda" and dist.get_backend(group) == "gloo"
+
+
+_host_meshes: dict[int, DeviceMesh] = {}
+
+
+def _host_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    # the same ranks and gloo group, as a CPU mesh: DTensor collectives then run on host tensors
+    if mesh.ndim != 1:
+        raise NotImplementedError(f"gathering a DTensor of a {mesh.ndim}-D mesh through host memory")
+    group = mesh.get_group()
+    if id(group) not in _host_meshes:
+        _host_meshes[id(group)] = DeviceMesh.from_group(group, "cpu", mesh_dim_names=mesh.mesh_dim_names)
+    return _host_meshes[id(group)]
+
+
+def gather_full(t: DTensor, host_staged: bool | None = None) -> torch.Tensor:
+    """`t.full_tensor()` (a collective), staged through host memory where gloo carries CUDA tensors
+    (`host_staged` None) or when asked."""
+    mesh = t.device_mesh
+    if not (host_staged if host_staged is not None else moves_cuda_over_gloo(mesh.get_group(), mesh.device_type)):
+        return t.full_tensor()
+    host = DTensor.from_local(t.to_local().cpu(), _host_mesh(mesh), t.placements, run_check=False, shape=t.shape,
+                              stride=t.stride())
+    return host.full_tensor().to(t.device)
 
 
 def full_tensor(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -37,8 +69,8 @@ def full_tensor(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     whole (a collective); `t` itself when `like` is a plain tensor."""
     if not isinstance(like, DTensor):
         return t
-    return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
-                              stride=like.stride()).full_tensor()
+    return gather_full(DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                                          stride=like.stride()))
 
 
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

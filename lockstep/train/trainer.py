@@ -62,7 +62,7 @@ from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig
-from lockstep.train.data_parallel import DataParallel, local_part
+from lockstep.train.data_parallel import DataParallel, gather_full, local_part
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
@@ -374,7 +374,7 @@ class Trainer:
         dtype it computes in (what cast_model gives a single-process bf16 run); others as they are."""
         if not isinstance(t, DTensor):
             return t
-        full = t.full_tensor()
+        full = gather_full(t)
         if self.config.dtype == "bfloat16" and full.is_floating_point():
             full = full.to(storage_dtype(self.model, name, torch.bfloat16))
         return full

@@ -1,14 +1,17 @@
 """DataParallel.gather_tensors on 2 gloo processes: every rank gets every rank's lists of 1-D tensors,
 in rank order, bitwise, in each list's dtype (fp32 logprobs, bf16 values, integer masks), with ranks
-holding different numbers of tensors of different lengths; one process returns its input."""
+holding different numbers of tensors of different lengths; one process returns its input. And
+gather_full through host memory (the path of ranks sharing a GPU) equals DTensor's full_tensor."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from dist_world import rank_values, run_world
-from lockstep.train.data_parallel import DataParallel
+from lockstep.train.data_parallel import DataParallel, gather_full
 
 COUNTS = {0: 3, 1: 1}
 
@@ -43,3 +46,16 @@ def test_one_process_returns_its_input():
     lists = _lists(0)
     (out,) = DataParallel().gather_tensors(*lists)
     assert all(a is b for x, y in zip(out, lists) for a, b in zip(x, y))
+
+
+def _gather_full(rank: int):
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.arange(5 * 3, dtype=torch.float32).view(5, 3).to(torch.bfloat16)  # 5 rows: uneven shards
+    t = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    return full, t.full_tensor(), gather_full(t, host_staged=True)
+
+
+def test_gather_full_through_host_equals_full_tensor():
+    for full, direct, staged in rank_values(run_world(_gather_full, 2, guard_s=60)):
+        assert staged.dtype == torch.bfloat16 and torch.equal(staged, direct) and torch.equal(staged, full)

@@ -27,7 +27,7 @@ import lockstep
 from dist_world import (cpu_world_only, device_scenarios, max_abs_diff, rank_values, report, run_world,
                         to_cpu)
 from lockstep.models import load_pretrained
-from lockstep.train.data_parallel import DataParallel
+from lockstep.train.data_parallel import DataParallel, gather_full
 from lockstep.train.quant_aware import canonical_name
 from lockstep.train.trainer import Trainer
 from test_fsdp import EVEN, _assert_same, _budget, _config, _run
@@ -127,7 +127,7 @@ def _no_rows_on_rank0(ctx, rank: int) -> dict:
     got = ep(x, chosen, weights)
     got.sum().backward()
     return {"out": torch.equal(got, want), "x_grad": torch.equal(x.grad, want_x_grad), "want_grad": want_grad,
-            "local_grad": ep.gate_up_proj.grad.to_local(), "full_grad": ep.gate_up_proj.grad.full_tensor()}
+            "local_grad": ep.gate_up_proj.grad.to_local(), "full_grad": gather_full(ep.gate_up_proj.grad)}
 
 
 @pytest.fixture(scope="module")

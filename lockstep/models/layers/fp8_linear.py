@@ -122,6 +122,9 @@ def launch_config(N: int, K: int) -> dict:
 
 
 if triton is not None:
+    # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
+    # from the JIT functions it references directly, so a module alias is undefined there
+    _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
     def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
@@ -149,9 +152,9 @@ if triton is not None:
             s = tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0)
             # e4m3 times a power of two: exact in fp32 and in bf16
             w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-            acc = _gt._dot(a, w, acc, INTERPRETED)
+            acc = _dot(a, w, acc, INTERPRETED)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rn[None, :] * stride_on,
-                 _gt._bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
+                 _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
     @torch.library.triton_op("lockstep::fp8_linear", mutates_args=())
     def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor,

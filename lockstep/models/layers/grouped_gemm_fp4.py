@@ -54,6 +54,9 @@ def launch_config(N: int, K: int) -> dict:
 
 
 if triton is not None:
+    # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
+    # from the JIT functions it references directly, so a module alias is undefined there
+    _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
     def _e2m1(code):
@@ -98,10 +101,10 @@ if triton is not None:
                 s = _e8m0(tl.load(s_tile + (k0 // SCALE_BLOCK) * stride_sk, mask=n_ok & k_ok[:, None], other=127))
                 w_lo = (_e2m1(byte & 0xF) * s).to(tl.bfloat16)
                 w_hi = (_e2m1(byte >> 4) * s).to(tl.bfloat16)
-                acc = _gt._dot(a_lo, w_lo, acc, INTERPRETED)
-                acc = _gt._dot(a_hi, w_hi, acc, INTERPRETED)
+                acc = _dot(a_lo, w_lo, acc, INTERPRETED)
+                acc = _dot(a_hi, w_hi, acc, INTERPRETED)
             tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
-                     _gt._bf16(acc, INTERPRETED), mask=m_ok & n_ok)
+                     _bf16(acc, INTERPRETED), mask=m_ok & n_ok)
 
     @torch.library.triton_op("lockstep::grouped_mm_fp4", mutates_args=())
     def grouped_mm_fp4(x: torch.Tensor, w_packed: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,

@@ -38,6 +38,9 @@ def launch_config(N: int, K: int) -> dict:
 
 
 if triton is not None:
+    # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
+    # from the JIT functions it references directly, so a module alias is undefined there
+    _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
     def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, N, K,
@@ -64,9 +67,9 @@ if triton is not None:
                 qb = tl.load(w_tile + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
                 s = tl.load(s_row + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
                 w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-                acc = _gt._dot(a, w, acc, INTERPRETED)
+                acc = _dot(a, w, acc, INTERPRETED)
             tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
-                     _gt._bf16(acc, INTERPRETED), mask=m_ok & n_in[None, :])
+                     _bf16(acc, INTERPRETED), mask=m_ok & n_in[None, :])
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
