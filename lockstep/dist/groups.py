@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import os
 import signal
 import threading
@@ -245,6 +246,9 @@ def _report_launcher_stop() -> None:
     @record writing the error, and must not kill the process before the error is written."""
     if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _on_launcher_stop)
+        # `kill -USR1 PID` prints every thread's Python stack to stderr: a rank that does not answer
+        # its launcher (stuck in native code, where the SIGTERM handler above cannot run) says where
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 def _on_launcher_stop(signum, frame) -> None:

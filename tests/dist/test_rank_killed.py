@@ -118,10 +118,23 @@ def _survivor_operation(stderr: str, rank: int) -> str | None:
     return (failed or stopped).group(1) if failed or stopped else None
 
 
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
+def _workers(job: list[int]) -> dict[int, int]:
+    """{rank: pid} of the job's rank processes. Their own children (torch.compile's worker pool on a
+    GPU) inherit RANK too; a rank is the process whose parent has none."""
+    return {_rank_of(pid): pid for pid in job if _rank_of(pid) is not None and _rank_of(_parent(pid) or 0) is None}
+
+
 def _kill_rank(proc: subprocess.Popen, victim: int) -> list[int]:
     """SIGKILL the worker of rank `victim`; every process of the job at that moment."""
     job = _descendants(proc.pid)
-    workers = {_rank_of(pid): pid for pid in job if _rank_of(pid) is not None}
+    workers = _workers(job)
     assert sorted(workers) == [0, 1], f"workers by rank: {workers}"
     os.kill(workers[victim], signal.SIGKILL)
     return job
@@ -139,8 +152,13 @@ def test_killed_rank_ends_the_job_naming_the_survivor_and_its_operation(tmp_path
     try:
         stderr = proc.communicate(timeout=TIMEOUT_S + MARGIN_S)[1]
     except subprocess.TimeoutExpired:
+        for pid in (pid for pid in _workers(job).values() if _alive(pid)):
+            os.kill(pid, signal.SIGUSR1)  # lockstep.dist.groups: each live rank prints its stacks
+        time.sleep(2)
         _kill_all([proc.pid, *job])
-        pytest.fail(f"the launcher still ran {TIMEOUT_S + MARGIN_S}s after rank {victim} was killed")
+        stacks = proc.communicate()[1]
+        pytest.fail(f"the launcher still ran {TIMEOUT_S + MARGIN_S}s after rank {victim} was killed; "
+                    f"stderr with the live ranks' stacks:\n{stacks[-6000:]}")
     seconds = time.monotonic() - killed_at
     report(test="rank_killed", device=device, layout=layout, killed=victim, seconds_to_exit=round(seconds, 2),
            survivor_error=next((line.strip() for line in stderr.splitlines()
