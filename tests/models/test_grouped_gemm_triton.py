@@ -141,3 +141,16 @@ def test_experts_take_the_triton_path_at_decode_only(monkeypatch):
         assert torch.equal(compiled(x, counts, decode=True), fused)
     # an ulp off in the activation moves sums that may cancel: tolerance on the output's scale
     _assert_within_ulps(fused, native, 4, atol=2**-7 * native.abs().max().item())
+
+
+def test_grouped_mm_under_autocast_casts_as_a_linear_does():
+    # torch._grouped_mm has no autocast rule: bf16 rows met fp32 expert weights in `lockstep sft`'s
+    # bf16 autocast on the GPU ("expected mat1 and mat2 to have the same dtype")
+    from lockstep.models.layers.grouped_gemm import grouped_mm
+
+    g = torch.Generator().manual_seed(0)
+    x, w, counts = torch.randn(6, 16, generator=g), torch.randn(2, 8, 16, generator=g), torch.tensor([4, 2])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = grouped_mm(x.to(torch.bfloat16), w, counts)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, grouped_mm(x.to(torch.bfloat16), w.to(torch.bfloat16), counts))

@@ -48,6 +48,11 @@ def grouped_mm_gathered(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) 
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    if torch.is_autocast_enabled(x.device.type):
+        # torch._grouped_mm has no autocast rule (fp32 weights met bf16 rows in `lockstep sft`'s bf16
+        # autocast): cast both as autocast casts a Linear's input and weight
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     if _can_use_native(x, w):
         offs = torch.cumsum(counts, 0).to(torch.int32)
         return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
