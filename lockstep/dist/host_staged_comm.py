@@ -1,9 +1,11 @@
 """FSDP2's all-gather and reduce-scatter staged through host memory, for CUDA tensors over gloo.
 
 Two processes sharing one GPU cannot use NCCL ("Duplicate GPU detected"), so their groups are gloo
-(lockstep.dist.groups). gloo's own CUDA path (device -> pinned host copies on gloo's streams, run
-from FSDP2's all-gather / reduce-scatter side streams) crashed both ranks with SIGSEGV on torch 2.11
-while the same collectives on CPU tensors are gloo's everyday path. These comms (FSDP2's
+(lockstep.dist.groups). On torch 2.11 an FSDP2 step there killed both ranks with SIGSEGV (the stack
+faulthandler printed: DTensor's functional all-gather, `wait_tensor`, of CUDA tensors over gloo),
+while the same collectives on CPU tensors are gloo's everyday path. FSDP2's own all-gather and
+reduce-scatter take gloo's CUDA path from FSDP's side streams; rather than rely on it, these comms
+(FSDP2's
 `set_custom_all_gather` / `set_custom_reduce_scatter` hooks) copy the flat buffer FSDP hands them to
 the host on the stream FSDP runs them on, run the collective on the CPU tensor, and copy the result
 back on that stream: FSDP's events then order the copies as they order its own collectives.

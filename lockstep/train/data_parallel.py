@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 def moves_cuda_over_gloo(group: dist.ProcessGroup, device_type: str) -> bool:
     """CUDA tensors whose collectives gloo would run: ranks sharing a GPU (NCCL refuses that).
-    gloo's own CUDA path crashes on torch 2.11 under FSDP2's side streams and DTensor's functional
-    collectives (SIGSEGV in wait_tensor), so such collectives are staged through host memory."""
+    DTensor's functional all-gather of such tensors crashed on torch 2.11 (SIGSEGV in wait_tensor),
+    so FSDP's collectives and `gather_full` stage them through host memory (bitwise the same)."""
     return device_type == "cuda" and dist.get_backend(group) == "gloo"
 
 
