@@ -1,0 +1,132 @@
+"""A batch-invariant GEMM, y = x @ w^T, as a Triton kernel registered as the custom op
+`lockstep::fixed_order_linear` (issue 16, item 2: one set of fixed-order kernels on the policy
+path, so a token's logprob does not depend on batch size, composition, chunking or padding).
+
+What is invariant, and why: output row m is a function of x[m] and w only, bit for bit, whatever
+M, the other rows (garbage padding included) and the row's position in the batch. A program owns
+one BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K tiles in index order, accumulating in
+fp32 (tl.dot), and rounds to x's dtype once; rows of a tile do not mix (each output element is its
+own dot product), and the tile sizes, warps and stages are chosen from (N, K) only
+(`launch_config`), never from M. No split-K, no atomics, no autotune (which could pick another
+config per M); M is not specialised on (do_not_specialize: M == 1 would compile a second kernel).
+Keyword overrides of the config change the sums' order: every path of one run must use the same.
+
+Numerics: bf16 x and w: fp32 accumulation of bf16 products, rounded to bf16 once (nearest even);
+fp32: tl.dot with input_precision="ieee" (no TF32), fp32 result. The reference
+(`fixed_order_linear_reference`, fp32 matmul rounded once) sums in another order: 1 bf16 ulp apart,
+equal where every partial sum is exact. Interpreter (CPU tests) gaps bridged as in
+grouped_gemm_triton.py, whose _dot / _bf16 helpers this kernel shares.
+
+`fixed_order_linear(x, w)` takes the kernel where it runs (CUDA, or the interpreter) and the
+reference elsewhere, or when a gradient is wanted: forward only, no autograd registered yet (the
+trainer's loss forward will need a backward). Not wired into the model, engine or trainer.
+
+GPU validation owed: neither the speed (16-row tiles suit decode; prefill re-reads weight tiles
+per 16 rows and uses mma.sync, not wgmma) nor bitwise invariance on a GPU has been measured.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import grouped_gemm_triton as _gt
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+DTYPES = (torch.bfloat16, torch.float32)
+
+
+def interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+
+
+def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype."""
+    return (x.float() @ w.float().T).to(x.dtype)
+
+
+def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Triton present, CUDA (or the interpreter), bf16 or fp32 x and w alike, no gradient wanted."""
+    if triton is None or x.dtype not in DTYPES or w.dtype != x.dtype or w.dim() != 2:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return False
+    return x.is_cuda or interpreted()
+
+
+def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype: the kernel where it applies, else the reference."""
+    if not kernel_applies(x, w):
+        return fixed_order_linear_reference(x, w)
+    out = torch.ops.lockstep.fixed_order_linear(x.reshape(-1, x.shape[-1]), w)
+    return out.view(*x.shape[:-1], w.shape[0])
+
+
+def launch_config(N: int, K: int) -> dict:
+    """By the weight's shape only (module docstring): 16 rows per tile (tl.dot's minimum; decode
+    has a few dozen rows), up to 64 output columns and 64 of K per step, smaller for small
+    dimensions. Not tuned."""
+    return dict(BLOCK_M=16, BLOCK_N=min(64, max(16, triton.next_power_of_2(N))),
+                BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
+
+
+if triton is not None:
+    # by name, not as _gt._dot: torch.compile's compile worker cannot resolve a module alias
+    _dot, _bf16 = _gt._dot, _gt._bf16
+
+    @triton.jit(do_not_specialize=["M"])
+    def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+                                   stride_om, stride_on, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[m, n] = sum over K tiles k0 = 0, BLOCK_K, ... (in this order) of x[m, k0:] . w[n, k0:]."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+        w_tile = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_ok = k0 + rk < K
+            a = tl.load(x_tile + k0 * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+            if BF16:
+                acc = _dot(a, b, acc, INTERPRETED)
+            else:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+        if BF16:
+            result = _bf16(acc, INTERPRETED)
+        else:
+            result = acc
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, result,
+                 mask=m_ok[:, None] & n_ok[None, :])
+
+    @torch.library.triton_op("lockstep::fixed_order_linear", mutates_args=())
+    def _fixed_order_linear_op(x: torch.Tensor, w: torch.Tensor, block_m: int = 0, block_n: int = 0,
+                               block_k: int = 0) -> torch.Tensor:
+        """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype. Nonzero keywords
+        override `launch_config` (the same on every path, or rows are no longer comparable)."""
+        M, K = x.shape
+        N = w.shape[0]
+        cfg = launch_config(N, K)
+        for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), (block_m, block_n, block_k)):
+            if value:
+                cfg[key] = value
+        out = x.new_empty(M, N)
+        if M == 0:
+            return out
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+        torch.library.wrap_triton(_fixed_order_linear_kernel)[grid](
+            x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(), BF16=x.dtype == torch.bfloat16,
+            INTERPRETED=interpreted(), **cfg)
+        return out
+
+    # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
+    @_fixed_order_linear_op.register_fake
+    def _(x, w, *config):
+        return x.new_empty(x.shape[0], w.shape[0])

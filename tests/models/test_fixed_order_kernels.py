@@ -1,0 +1,132 @@
+"""The fixed-order (batch-invariant) kernels of issue 16 against their PyTorch references, and
+bitwise batch invariance: a row computed alone, or inside batches of 1, 3, 16 and 37 rows at the
+first, a middle and the last position, among garbage rows (huge values, inf, NaN), in a strided
+view of a larger buffer, gives the same bits. Under Triton's interpreter here (TRITON_INTERPRET=1,
+conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs the same tests on a GPU."""
+
+import os
+
+import pytest
+import torch
+
+from lockstep.models.layers import fixed_order_linear as fol
+
+needs_triton = pytest.mark.skipif(fol.triton is None, reason="triton is not installed")
+DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
+# aot_eager traces the ops' bodies on fake tensors, which interpreted kernels (CPU) cannot run on
+COMPILE_BACKENDS = ["eager", "aot_eager"] if DEVICE == "cuda" else ["eager"]
+BATCHES = (1, 3, 16, 37)
+BF16_ULP = 2**-7  # relative spacing of bf16 values, at most
+# garbage rows hold inf and NaN on purpose
+pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered", "ignore:overflow encountered")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _eighths(g, shape):
+    # small multiples of 1/8: every fp32 partial sum (of products, of squares) is exact
+    return torch.randint(-8, 9, shape, generator=g) / 8
+
+
+def _garbage(g, shape, dtype):
+    """Rows no batch should leak from: large values with inf and NaN sprinkled in."""
+    x = torch.randn(shape, generator=g) * 1e4
+    x.view(-1)[torch.randperm(x.numel(), generator=g)[: max(1, x.numel() // 20)]] = float("nan")
+    x.view(-1)[torch.randperm(x.numel(), generator=g)[: max(1, x.numel() // 20)]] = float("inf")
+    return x.to(dtype)
+
+
+def _assert_batch_invariant(run, row, others=(), seed=0):
+    """run(x, *companions) -> per-row results [M, ...]; row: [1, ...] input; others: pairs
+    (the row's companion [1] (ids, temperatures), fill(g, M) -> [M] valid values for other rows)."""
+    alone = run(row, *(o for o, _ in others))
+    g = _gen(seed)
+    for M in BATCHES:
+        for p in sorted({0, M // 2, M - 1}):
+            # a view two rows into a larger buffer: other pointer alignment, garbage all around
+            buf = _garbage(g, (M + 3, *row.shape[1:]), row.dtype).to(row.device)
+            buf[2 + p] = row[0]
+            companions = []
+            for o, fill in others:
+                c = fill(g, M).to(o.device, o.dtype)
+                c[p] = o[0]
+                companions.append(c)
+            got = run(buf[2:2 + M], *companions)[p:p + 1]
+            assert torch.equal(got, alone), f"M={M}, position {p}"
+
+
+# ---- fixed_order_linear ----------------------------------------------------------------------
+
+# default configs: BLOCK_N 64 > N = 40 and K = 72 = 64 + 8 (masked tail); 32 x 64 exact tiles;
+# an override with two K tiles of 32 and two column tiles
+LINEAR_SHAPES = [(40, 72, {}), (32, 64, {}), (48, 64, dict(block_n=32, block_k=32))]
+
+
+def _linear_inputs(seed, N, K, dtype, values=None):
+    g = _gen(seed)
+    make = values or (lambda g, shape: torch.randn(shape, generator=g))
+    return make(g, (23, K)).to(DEVICE, dtype), make(g, (N, K)).to(DEVICE, dtype)
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,cfg", LINEAR_SHAPES)
+def test_linear_equals_the_reference(N, K, cfg):
+    x, w = _linear_inputs(0, N, K, torch.bfloat16)
+    assert fol.kernel_applies(x, w)
+    out, ref = torch.ops.lockstep.fixed_order_linear(x, w, **cfg), fol.fixed_order_linear_reference(x, w)
+    # fp32 sums in another order round to a bf16 neighbour at most
+    torch.testing.assert_close(out.float(), ref.float(), rtol=BF16_ULP, atol=1e-5)
+    x, w = _linear_inputs(1, N, K, torch.bfloat16, _eighths)  # exact sums: the same bf16 values
+    assert torch.equal(torch.ops.lockstep.fixed_order_linear(x, w, **cfg), fol.fixed_order_linear_reference(x, w))
+    x, w = _linear_inputs(2, N, K, torch.float32)
+    # fp32 (no TF32): the sums' order only, |error| <= K * 2^-24 * sum |x w| (~ 1e-5 here)
+    torch.testing.assert_close(torch.ops.lockstep.fixed_order_linear(x, w, **cfg), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K,cfg", LINEAR_SHAPES[::2])
+def test_linear_is_batch_invariant(N, K, cfg, dtype):
+    x, w = _linear_inputs(3, N, K, dtype)
+    _assert_batch_invariant(lambda x: torch.ops.lockstep.fixed_order_linear(x, w, **cfg), x[:1], seed=4)
+    # leading dimensions fold into rows: one row of a [2, 3, K] activation is the same row alone
+    x3 = x[:6].view(2, 3, K)
+    assert torch.equal(fol.fixed_order_linear(x3, w)[1, 2], fol.fixed_order_linear(x[5:6], w)[0])
+
+
+@needs_triton
+def test_the_invariance_check_catches_an_m_dependent_split():
+    # the check's control: BLOCK_K chosen by M (as a cuBLAS heuristic might) changes the sums' order
+    x, w = _linear_inputs(8, 48, 64, torch.float32)
+    with pytest.raises(AssertionError):
+        _assert_batch_invariant(
+            lambda x: torch.ops.lockstep.fixed_order_linear(x, w, block_k=16 if x.shape[0] > 8 else 64), x[:1])
+
+
+@needs_triton
+def test_linear_falls_back_to_the_reference(monkeypatch):
+    x, w = _linear_inputs(5, 40, 72, torch.bfloat16)
+    ref = fol.fixed_order_linear_reference(x, w)
+    assert not fol.kernel_applies(x.requires_grad_(), w)  # a gradient wanted: forward-only kernel
+    assert torch.equal(fol.fixed_order_linear(x, w), ref)
+    x = x.detach()
+    assert not fol.kernel_applies(x.half(), w.half())
+    monkeypatch.setattr(fol, "triton", None)  # no Triton
+    assert not fol.kernel_applies(x, w) and torch.equal(fol.fixed_order_linear(x, w), ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_linear_traces_whole_under_torch_compile(backend):
+    x, w = _linear_inputs(6, 40, 72, torch.bfloat16)
+    w2 = _linear_inputs(7, 72, 40, torch.bfloat16)[1]
+
+    def mlp(x):
+        return fol.fixed_order_linear(torch.relu(fol.fixed_order_linear(x, w)), w2)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(mlp, backend=backend, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), mlp(x))
