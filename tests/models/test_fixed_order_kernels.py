@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from lockstep.models.layers import fixed_order_linear as fol
+from lockstep.models.layers import fixed_order_rmsnorm as fon
+from lockstep.models.layers.norm import RMSNorm, rms_norm
 
 needs_triton = pytest.mark.skipif(fol.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
@@ -130,3 +132,74 @@ def test_linear_traces_whole_under_torch_compile(backend):
     compiled = torch.compile(mlp, backend=backend, fullgraph=True, dynamic=True)
     with torch.no_grad():
         assert torch.equal(compiled(x), mlp(x))
+
+
+# ---- fixed_order_rms_norm --------------------------------------------------------------------
+
+# three tiles of 32 with a masked tail; one default tile (BLOCK 64 > D = 48, masked); one exact
+NORM_SHAPES = [(72, 32), (48, 0), (64, 0)]
+
+
+def _norm_inputs(seed, D, dtype, values=None):
+    """x [23, D] on DEVICE and an RMSNorm(D) whose fp32 weight is random."""
+    g = _gen(seed)
+    make = values or (lambda g, shape: torch.randn(shape, generator=g) * 3)
+    norm = RMSNorm(D, eps=1e-5).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(make(g, (D,)))
+    return make(g, (23, D)).to(DEVICE, dtype), norm
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D,block", NORM_SHAPES)
+def test_rms_norm_equals_the_module(D, block, dtype):
+    op = torch.ops.lockstep.fixed_order_rms_norm
+    x, norm = _norm_inputs(10, D, dtype)
+    assert fon.kernel_applies(x, norm.weight.detach())
+    with torch.no_grad():
+        out, ref = op(x, norm.weight, norm.eps, block), norm(x)
+        # the sum of squares in another order: an ulp of x's dtype at most (bf16), a few (fp32)
+        rtol = BF16_ULP if dtype == torch.bfloat16 else 4 * 2**-23
+        torch.testing.assert_close(out, ref, rtol=rtol, atol=1e-6)
+        torch.testing.assert_close(op(x, None, norm.eps, block), rms_norm(x, norm.eps), rtol=rtol, atol=1e-6)
+        # exact sums of squares: every other step rounds as eager does, bit for bit
+        x, norm = _norm_inputs(11, D, dtype, _eighths)
+        assert torch.equal(op(x, norm.weight, norm.eps, block), norm(x))
+        assert torch.equal(op(x, None, norm.eps, block), rms_norm(x, norm.eps))
+        assert torch.equal(norm(x), fon.rms_norm_reference(x, norm.weight, norm.eps))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("D,block", NORM_SHAPES[:2])
+def test_rms_norm_is_batch_invariant(D, block, dtype):
+    x, norm = _norm_inputs(12, D, dtype)
+    w = norm.weight.detach()
+    _assert_batch_invariant(lambda x: torch.ops.lockstep.fixed_order_rms_norm(x, w, 1e-5, block), x[:1], seed=13)
+    x3 = x[:6].view(2, 3, D)
+    assert torch.equal(fon.fixed_order_rms_norm(x3, w, 1e-5)[1, 2], fon.fixed_order_rms_norm(x[5:6], w, 1e-5)[0])
+
+
+@needs_triton
+def test_rms_norm_falls_back_to_the_reference(monkeypatch):
+    x, norm = _norm_inputs(14, 48, torch.bfloat16)
+    ref = norm(x)
+    assert not fon.kernel_applies(x, norm.weight)  # the module's weight wants a gradient
+    assert torch.equal(fon.fixed_order_rms_norm(x, norm.weight, norm.eps), ref)
+    monkeypatch.setattr(fon, "triton", None)
+    assert torch.equal(fon.fixed_order_rms_norm(x, norm.weight.detach(), norm.eps), ref)
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_rms_norm_traces_whole_under_torch_compile(backend):
+    x, norm = _norm_inputs(15, 48, torch.bfloat16)
+    w = norm.weight.detach()
+
+    def block(x):
+        return fon.fixed_order_rms_norm(x + fon.fixed_order_rms_norm(x, w, 1e-5), None, 1e-5)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(x), block(x))
