@@ -99,6 +99,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor
 
 from lockstep.models.deepseek_v4 import Routing
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
@@ -280,18 +281,36 @@ class PipelineParallel:
         return logits if self.stage.is_last else None
 
 
-def pad_microbatches(mbs: list[MicroBatch]) -> tuple[torch.Tensor, int, int]:
+def pad_microbatches(mbs: list[MicroBatch], at_least: tuple[int, int] = (1, 1)) -> tuple[torch.Tensor, int, int]:
     """(ids [n_mb * b, S], b, S) of packed micro-batches: b = the most samples in one, S = the longest
-    sample; micro-batch i's samples are rows i b, i b + 1, ..., right-padded with 0, its other rows all 0.
-    When every micro-batch has b samples and a sample of length S, these are the [b, S] batches the
-    one-process model pads them to (`forward_packed`)."""
+    sample (each at least `at_least`'s); micro-batch i's samples are rows i b, i b + 1, ..., right-padded
+    with 0, its other rows all 0. When every micro-batch has b samples and a sample of length S, these
+    are the [b, S] batches the one-process model pads them to (`forward_packed`)."""
     lens = [(mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist() for mb in mbs]
-    b, S = max(len(x) for x in lens), max(max(x) for x in lens)
+    b, S = max(at_least[0], *(len(x) for x in lens)), max(at_least[1], *(max(x) for x in lens))
     ids = torch.zeros(len(mbs) * b, S, dtype=torch.int64)
     for i, (mb, n) in enumerate(zip(mbs, lens)):
         for j, row in enumerate(mb.input_ids.split(n)):
             ids[i * b + j, :len(row)] = row
     return ids, b, S
+
+
+def step_microbatches(trainer, samples) -> tuple[list[MicroBatch], int, torch.Tensor, int, int]:
+    """(micro-batches, how many are real, ids [n_mb b, S], b, S) of this pipeline's samples. With data
+    parallel across pipelines (`trainer.dp`: this stage's ranks in every pipeline, the expert-parallel
+    group) the pipelines agree on n_mb, b and S (maxed): each stage's expert all-to-alls pair up one
+    micro-batch of every pipeline, so all run as many, and one shape makes each pipeline's padded
+    micro-batches those of a single pipeline over the whole batch. A pipeline with fewer repeats its
+    first micro-batch, at zero loss weight (as the Trainer's data-parallel ranks do). One pipeline:
+    its own micro-batches, no collective."""
+    mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
+    ids, b, S = pad_microbatches(mbs)
+    real = len(mbs)
+    if trainer.dp.enabled:
+        n, b, S = trainer.dp.max_ints([real, b, S], "pipeline micro-batch count and shape")
+        mbs = mbs + [mbs[0]] * (n - real)
+        ids, b, S = pad_microbatches(mbs, (b, S))
+    return mbs, real, ids, b, S
 
 
 def _response_logits(logits: torch.Tensor, mb: MicroBatch, S: int) -> torch.Tensor:
@@ -315,16 +334,15 @@ def _from_last(pipe: PipelineParallel, obj, what: str):
 def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Tensor]:
     """`Trainer.logprobs` through the pipeline's forward: per-sample [R_i] float32 logprobs, on every
     stage (sent from the last); routing replay as in `trainer_forward_backward`."""
-    mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
-    ids, b, S = pad_microbatches(mbs)
+    mbs, real, ids, b, S = step_microbatches(trainer, samples)
     replay = trainer.config.use_rollout_routing_replay
-    forced = _replay_forced(pipe, mbs, samples, b, S) if replay else None
+    forced = _replay_forced(pipe, mbs, samples, b, S, trainer.dp.enabled) if replay else None
     first = pipe.stage.is_first
     logits = pipe.forward(ids if first else None, len(mbs), microbatch_shape=(b, S),
                           forced=forced if first else None, replay=replay)
     out: list[torch.Tensor | None] = [None] * len(samples)
     if pipe.stage.is_last:
-        for i, mb in enumerate(mbs):
+        for i, mb in enumerate(mbs[:real]):
             packed = _response_logits(logits[i * b:(i + 1) * b], mb, S)
             logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature)
             for j, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
@@ -333,16 +351,20 @@ def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Te
 
 
 @torch.no_grad()
-def pipeline_prompt_routing(pipe: PipelineParallel, prefixes) -> list[torch.Tensor]:
+def pipeline_prompt_routing(pipe: PipelineParallel, prefixes, always_forward: bool = False) -> list[torch.Tensor]:
     """`routing_replay.prompt_routing` through the pipeline (every stage calls it with the same prefixes):
     the model's own experts [P_i, L, k] for each token sequence, distinct non-empty ones in one
     forward-only micro-batch [n_unique, P_max] (the one process's batch); each stage records its
-    layers' choices and broadcasts them, so every stage returns all layers'."""
+    layers' choices and broadcasts them, so every stage returns all layers'. always_forward: a forward
+    over one token even when every prefix is empty (its routing unused): the pipelines of an
+    expert-parallel stage exchange tokens in every forward, so each runs as many."""
     stage, c = pipe.stage, pipe.stage.config
     L, k = c.num_hidden_layers, c.num_experts_per_tok
     keys = [tuple(p.tolist()) for p in prefixes]
     unique = [key for key in dict.fromkeys(keys) if key]
     own = {(): torch.zeros(0, L, k, dtype=torch.int64)}
+    if not unique and always_forward:
+        pipe.forward(torch.zeros(1, 1, dtype=torch.int64) if stage.is_first else None, 1, microbatch_shape=(1, 1))
     if unique:
         ids = nn.utils.rnn.pad_sequence([torch.tensor(key, dtype=torch.int64) for key in unique], batch_first=True)
         stage.recorded = []
@@ -363,7 +385,8 @@ def pipeline_prompt_routing(pipe: PipelineParallel, prefixes) -> list[torch.Tens
     return [own[key] for key in keys]
 
 
-def _replay_forced(pipe: PipelineParallel, mbs: list[MicroBatch], samples, b: int, S: int) -> torch.Tensor:
+def _replay_forced(pipe: PipelineParallel, mbs: list[MicroBatch], samples, b: int, S: int,
+                   always_forward: bool = False) -> torch.Tensor:
     """Routing replay's forced experts [n_mb b, S, L, k] of the padded micro-batches (routing_replay.py's
     rule per sample; padding rows and positions get experts 0..k-1, reaching no loss)."""
     c = pipe.stage.config
@@ -374,7 +397,7 @@ def _replay_forced(pipe: PipelineParallel, mbs: list[MicroBatch], samples, b: in
         for j, s in zip(mb.indices, chosen):
             if s.routed_experts is None or tuple(s.routed_experts.shape[1:]) != (L, k):
                 raise ValueError(f"sample {j}: routing replay needs routed_experts [R, {L}, {k}]")
-        own = pipeline_prompt_routing(pipe, [s.prompt_ids[:-1] for s in chosen])
+        own = pipeline_prompt_routing(pipe, [s.prompt_ids[:-1] for s in chosen], always_forward)
         mb_forced = forced_experts(chosen, own, L, k, "cpu")
         forced[i * b:i * b + len(chosen), :mb_forced.shape[1]] = mb_forced
     return forced
@@ -387,22 +410,26 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
     (`Trainer._microbatch_loss(..., logits=)`). Returns the summed loss stats on the last stage (None
     elsewhere): `Trainer.forward_backward`'s metrics. Routing replay: the prompts' own routing through a
     forward-only pipeline per micro-batch (`pipeline_prompt_routing`), the forced experts sent from the
-    first stage. Not yet: a reference model, data parallel (the normalisers are this batch's)."""
+    first stage. Data parallel across pipelines (`trainer.dp`, pipeline_expert_parallel.py): the
+    normalisers and metrics are the global batch's, the replicated gradients summed over the pipelines.
+    Not yet: a reference model."""
     if trainer.ref_model is not None:
         raise ValueError("pipeline parallel: the trainer's loss on the last stage takes no reference model yet")
-    mbs = pack_microbatches(samples, trainer.config.max_tokens_per_gpu)
-    ids, b, S = pad_microbatches(mbs)
+    mbs, real, ids, b, S = step_microbatches(trainer, samples)
     replay = trainer.config.use_rollout_routing_replay
-    forced = _replay_forced(pipe, mbs, samples, b, S) if replay else None
+    forced = _replay_forced(pipe, mbs, samples, b, S, trainer.dp.enabled) if replay else None
     totals: dict[str, torch.Tensor] = {}
     before: list[torch.Tensor | None] = [None] * len(samples)  # the logprobs before the update, per sample
     norms = trainer._normalisers(samples) if pipe.stage.is_last else None
     trainer.model.train()
 
     def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        mb = mbs[int(rows[0]) // b]
+        index = int(rows[0]) // b
+        mb = mbs[index]
         packed = _response_logits(logits, mb, S)
         loss, stats, mb_before = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
+        if index >= real:  # a repeat for the other pipelines' count (step_microbatches): no weight, no stats
+            return loss * 0.0
         for k, v in stats.items():
             totals[k] = totals.get(k, 0.0) + v
         for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
@@ -412,7 +439,11 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
     first = pipe.stage.is_first
     pipe.train(ids if first else None, loss_fn, len(mbs), microbatch_shape=(b, S),
                forced=forced if first else None, replay=replay)
-    return trainer._loss_metrics(totals, samples, before, norms, len(mbs)) if pipe.stage.is_last else None
+    # pipelines in data parallel: each replicated parameter's gradient is this pipeline's tokens' part of
+    # the global loss's (the normalisers are global), so the sum over the pipelines is the global gradient;
+    # expert shards (DTensors) already hold every pipeline's tokens (the all-to-all's backward brought them)
+    trainer.dp.sum_grads(p for p in pipe.stage.parameters() if not isinstance(p, DTensor))
+    return trainer._loss_metrics(totals, samples, before, norms, real) if pipe.stage.is_last else None
 
 
 def pipeline_train_step(trainer, pipe: PipelineParallel, samples, old_logprobs=None) -> dict[str, float]:
@@ -470,6 +501,12 @@ class PipelineTrainer:
     @property
     def num_steps(self) -> int:
         return self.trainer.num_steps
+
+    @property
+    def dp(self):
+        """The data parallel across pipelines (this stage's ranks in every pipeline; one pipeline: none):
+        TrainerShard (trainer_shard.py) cuts the loop's batch by it, one block a pipeline."""
+        return self.trainer.dp
 
     def logprobs(self, samples) -> list[torch.Tensor]:
         return pipeline_logprobs(self.trainer, self.pipe, samples)
