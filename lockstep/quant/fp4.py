@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.quant import fp4_triton, fp8_triton
 from lockstep.quant.errors import QuantFormatError, where
 from lockstep.quant.scales import E8M0, div_by_const, round_up_pow2, scale_from_e8m0, scale_to_e8m0
 
@@ -135,11 +136,20 @@ def _blocked(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def quantize_fp4_block(
-    w: torch.Tensor, block: int = FP4_BLOCK, *, scale_dtype: torch.dtype = E8M0, name: str | None = None
+    w: torch.Tensor,
+    block: int = FP4_BLOCK,
+    *,
+    scale_dtype: torch.dtype = E8M0,
+    name: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., out, in] (in even) -> (packed uint8 [..., out, in/2], scale [..., out, ceil(in/block)]).
 
-    `scale_dtype` is torch.float8_e8m0fnu (default) or torch.float32 (the same powers of two)."""
+    `scale_dtype` is torch.float8_e8m0fnu (default) or torch.float32 (the same powers of two).
+    `out` = (packed, scale): preallocated storage written in place and returned (packed: uint8 /
+    int8 / float4_e2m1fn_x2 bytes; scale: e8m0 bytes as float8_e8m0fnu / uint8, or float32, which
+    then decides the scale storage). CUDA tensors in eager mode are quantised by the Triton kernel
+    (fp4_triton.py, bitwise this rule); everything else by the PyTorch code below, the rule."""
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be torch.float8_e8m0fnu or torch.float32, got {scale_dtype}")
     if w.dim() < 1 or not w.is_floating_point():
@@ -147,6 +157,15 @@ def quantize_fp4_block(
     if w.shape[-1] % 2:
         raise QuantFormatError(where(name, f"last dim {w.shape[-1]} is odd; e2m1 packs two values per byte"))
     k = w.shape[-1]
+    if out is not None:
+        _check_out(w, out, block)
+        scale_dtype = E8M0 if out[1].dtype in fp8_triton.BYTE_DTYPES else torch.float32
+    if fp8_triton.eligible(w) and block >= 2 and block & (block - 1) == 0:
+        packed, scale = out if out is not None else (
+            torch.empty(*w.shape[:-1], k // 2, dtype=torch.uint8, device=w.device),
+            torch.empty(fp4_scale_shape(tuple(w.shape), block), dtype=scale_dtype, device=w.device))
+        fp4_triton.quantize_fp4_into(w.detach(), packed, scale, block)
+        return packed, scale
     xb = _blocked(w.float(), block)  # [..., nb, block]
     amax = xb.abs().amax(dim=-1)  # [..., nb]
     scale = round_up_pow2(div_by_const(amax, FP4_E2M1_MAX))
@@ -155,7 +174,25 @@ def quantize_fp4_block(
     packed = pack_e2m1(codes)
     if scale_dtype == E8M0:
         scale = scale_to_e8m0(scale, _scale_name(name))
+    if out is not None:
+        out[0].view(torch.uint8).copy_(packed)
+        if scale.dtype == E8M0:
+            out[1].view(torch.uint8).copy_(scale.view(torch.uint8))
+        else:
+            out[1].copy_(scale)
+        return out
     return packed, scale
+
+
+def _check_out(w: torch.Tensor, out, block: int) -> None:
+    packed, scale = out
+    expected = (*w.shape[:-1], w.shape[-1] // 2)
+    if tuple(packed.shape) != expected or packed.dtype not in PACKED_DTYPES:
+        raise ValueError(f"out packed must be e2m1 bytes of shape {expected}, got {packed.dtype} {tuple(packed.shape)}")
+    expected = fp4_scale_shape(tuple(w.shape), block)
+    if tuple(scale.shape) != expected or scale.dtype not in (torch.float32, *fp8_triton.BYTE_DTYPES):
+        raise ValueError(f"out scale must be e8m0 bytes or float32 of shape {expected}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
 
 
 def dequantize_fp4_block(

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import from_blocks, scale_shape, to_blocks
+from lockstep.quant import fp8_triton
 from lockstep.quant.errors import QuantFormatError, where
 from lockstep.quant.scales import E8M0, div_by_const, round_up_pow2, scale_from_e8m0, scale_to_e8m0
 
@@ -95,10 +96,15 @@ def quantize_fp8_block(
     *,
     scale_dtype: torch.dtype = torch.float32,
     name: str | None = None,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """w [..., out, in] (any float dtype) -> (q float8_e4m3fn [..., out, in], scale [..., ceil(out/b0), ceil(in/b1)]).
 
-    `scale_dtype` is float32 (default) or torch.float8_e8m0fnu (ue8m0 only).
+    `scale_dtype` is float32 (default) or torch.float8_e8m0fnu (ue8m0 only). `out` = (q, scale):
+    preallocated storage written in place and returned (q float8_e4m3fn or uint8 bytes; scale
+    float32, or e8m0 bytes as float8_e8m0fnu / uint8, which then decides the scale storage).
+    CUDA tensors in eager mode are quantised by the Triton kernel (fp8_triton.py, bitwise this
+    rule); everything else by the PyTorch code below, which defines the rule.
     """
     if scale_fmt == "float":  # transformers' spelling of fp32 scales
         scale_fmt = "fp32"
@@ -111,6 +117,17 @@ def quantize_fp8_block(
     if w.dim() < 2 or not w.is_floating_point():
         raise QuantFormatError(where(name, f"cannot fp8-quantise a {w.dtype} tensor of shape {tuple(w.shape)}"))
     block = (int(block[0]), int(block[1]))
+    if out is not None:
+        _check_out(w, out, block)
+        scale_dtype = E8M0 if out[1].dtype in fp8_triton.BYTE_DTYPES else torch.float32
+        if scale_dtype == E8M0 and scale_fmt != "ue8m0":
+            raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0' (power-of-two scales)")
+    if fp8_triton.eligible(w) and all(b > 0 and b & (b - 1) == 0 for b in block):
+        q, scale = out if out is not None else (
+            torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
+            torch.empty(fp8_scale_shape(tuple(w.shape), block), dtype=scale_dtype, device=w.device))
+        fp8_triton.quantize_fp8_into(w.detach(), q, scale, block, scale_fmt)
+        return q, scale
     rows, cols = w.shape[-2:]
     wb = to_blocks(w.float(), block)  # [..., nbr, br, nbc, bc]
     amax = wb.abs().amax(dim=(-3, -1))  # [..., nbr, nbc]
@@ -125,7 +142,30 @@ def quantize_fp8_block(
     q = from_blocks(qb, rows, cols).to(torch.float8_e4m3fn)
     if scale_dtype == E8M0:
         scale = scale_to_e8m0(scale, name)
+    if out is not None:
+        _copy_bytes(out[0], q)
+        if scale.dtype == E8M0:
+            _copy_bytes(out[1], scale)
+        else:
+            out[1].copy_(scale)
+        return out
     return q, scale
+
+
+def _check_out(w: torch.Tensor, out, block: tuple[int, int]) -> None:
+    q, scale = out
+    if tuple(q.shape) != tuple(w.shape) or q.dtype not in (torch.float8_e4m3fn, torch.uint8):
+        raise ValueError(f"out q must be float8_e4m3fn or uint8 of shape {tuple(w.shape)}, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    expected = fp8_scale_shape(tuple(w.shape), block)
+    if tuple(scale.shape) != expected or scale.dtype not in (torch.float32, *fp8_triton.BYTE_DTYPES):
+        raise ValueError(f"out scale must be float32 or e8m0 bytes of shape {expected}, got {scale.dtype} "
+                         f"{tuple(scale.shape)}")
+
+
+def _copy_bytes(dest: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy one-byte values as bytes (a float8 -> uint8 copy_ would convert the values)."""
+    dest.view(torch.uint8).copy_(src.view(torch.uint8))
 
 
 def dequantize_fp8_block(
