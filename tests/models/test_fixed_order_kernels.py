@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lockstep.models.layers import fixed_order_linear as fol
+from lockstep.models.layers import fixed_order_log_softmax as fls
 from lockstep.models.layers import fixed_order_rmsnorm as fon
 from lockstep.models.layers.norm import RMSNorm, rms_norm
 
@@ -203,3 +204,86 @@ def test_rms_norm_traces_whole_under_torch_compile(backend):
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=backend, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(x), block(x))
+
+
+# ---- fixed_order_token_logprobs / fixed_order_log_softmax -------------------------------------
+
+# four tiles of 32 with a masked tail; one default tile (BLOCK 128 > V = 100); one exact
+SOFTMAX_SHAPES = [(100, 32), (100, 0), (64, 0)]
+
+
+def _softmax_inputs(seed, V, dtype, M=23):
+    """logits [M, V] spanning ~ +-20 (a peaked row among them), ids [M], temperatures [M]."""
+    g = _gen(seed)
+    logits = torch.randn(M, V, generator=g) * 5
+    logits[0, 3] = 40.0
+    ids = torch.randint(0, V, (M,), generator=g)
+    temps = torch.rand(M, generator=g) + 0.5
+    return logits.to(DEVICE, dtype), ids.to(DEVICE), temps.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("V,block", SOFTMAX_SHAPES)
+def test_log_softmax_equals_the_reference(V, block, dtype):
+    logits, ids, temps = _softmax_inputs(20, V, dtype)
+    assert fls.kernel_applies(logits)
+    ones = torch.ones_like(temps)
+    for t_kernel, t_ref in ((ones, 1.0), (temps, temps)):
+        rows = torch.ops.lockstep.fixed_order_log_softmax(logits, t_kernel, block)
+        lp = torch.ops.lockstep.fixed_order_token_logprobs(logits, ids, t_kernel, block)
+        assert rows.dtype == lp.dtype == torch.float32
+        # the sum's order and exp / log an ulp apart: <= 2e-6 seen (fp32 ulp 4e-6 at |logp| ~ 48)
+        torch.testing.assert_close(rows, fls.log_softmax_reference(logits, t_ref), rtol=1e-6, atol=4e-6)
+        torch.testing.assert_close(lp, fls.token_logprobs_reference(logits, ids, t_ref), rtol=1e-6, atol=4e-6)
+        assert torch.equal(lp, rows.gather(1, ids[:, None])[:, 0])  # the same arithmetic, bit for bit
+    # the definition's temperature division, per row (train/logprobs.py, engine/sampler.py)
+    assert torch.equal(fls.log_softmax_reference(logits, temps), torch.log_softmax(logits.float() / temps[:, None], -1))
+    bad = ids.clone()
+    bad[1], bad[2] = -100, V  # ids outside the vocabulary: NaN, the other rows untouched
+    lp_bad = torch.ops.lockstep.fixed_order_token_logprobs(logits, bad, temps, block)
+    assert lp_bad[1:3].isnan().all() and torch.equal(lp_bad[3:], lp[3:])
+
+
+@needs_triton
+@pytest.mark.parametrize("V,block,dtype", [(100, 32, torch.bfloat16), (100, 0, torch.float32)])
+def test_log_softmax_is_batch_invariant(V, block, dtype):
+    logits, ids, temps = _softmax_inputs(21, V, dtype)
+    ids_fill = (ids[:1], lambda g, M: torch.randint(0, V, (M,), generator=g))
+    temps_fill = (temps[:1], lambda g, M: torch.rand(M, generator=g) + 0.5)
+    _assert_batch_invariant(lambda z, i, t: torch.ops.lockstep.fixed_order_token_logprobs(z, i, t, block),
+                            logits[:1], (ids_fill, temps_fill), seed=22)
+    _assert_batch_invariant(lambda z, t: torch.ops.lockstep.fixed_order_log_softmax(z, t, block),
+                            logits[:1], (temps_fill,), seed=23)
+    # leading dimensions and a float temperature, through the public functions
+    z3, i3 = logits[:6].view(2, 3, V), ids[:6].view(2, 3)
+    assert torch.equal(fls.fixed_order_token_logprobs(z3, i3, 0.7)[1, 2],
+                       fls.fixed_order_token_logprobs(logits[5:6], ids[5:6], 0.7)[0])
+    assert torch.equal(fls.fixed_order_log_softmax(z3, temps[:6].view(2, 3, 1))[1, 2],
+                       fls.fixed_order_log_softmax(logits[5:6], temps[5:6])[0])
+
+
+@needs_triton
+def test_log_softmax_falls_back_to_the_reference(monkeypatch):
+    logits, ids, temps = _softmax_inputs(24, 100, torch.bfloat16)
+    ref = fls.token_logprobs_reference(logits, ids, temps)
+    z = logits.clone().requires_grad_()
+    assert not fls.kernel_applies(z)  # a gradient wanted: forward-only kernel
+    assert torch.equal(fls.fixed_order_token_logprobs(z, ids, temps), ref)
+    monkeypatch.setattr(fls, "triton", None)
+    assert torch.equal(fls.fixed_order_token_logprobs(logits, ids, temps), ref)
+    assert torch.equal(fls.fixed_order_log_softmax(logits, 0.7), fls.log_softmax_reference(logits, 0.7))
+
+
+@needs_triton
+@pytest.mark.parametrize("backend", COMPILE_BACKENDS)
+def test_log_softmax_traces_whole_under_torch_compile(backend):
+    logits, ids, temps = _softmax_inputs(25, 100, torch.bfloat16)
+
+    def logprobs(z, ids, t):
+        return fls.fixed_order_token_logprobs(z, ids, t), fls.fixed_order_log_softmax(z, 1.0)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(logprobs, backend=backend, fullgraph=True, dynamic=True)
+    for got, want in zip(compiled(logits, ids, temps), logprobs(logits, ids, temps)):
+        assert torch.equal(got, want)
