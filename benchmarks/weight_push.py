@@ -13,6 +13,14 @@ Measured on one H200 (torch 2.11, both ranks on the one GPU, gloo on CUDA tensor
 serving: 1709 MB in 4 buckets of 512 MiB, push 0.587 s (2.9 GB/s; gloo stages through host memory)
 vs in-process update 0.058 s: ratio 10.1; 0 tensors differ from the in-process update. NCCL between
 two GPUs is the figure to measure next (2-GPU issue). On 2 CPU cores, cpu-tiny fp8: 5 MB, 0.06 s.
+
+Issue 17's bar: perf/weight_sync_time (the push: transfer, validation, re-quantisation into the
+packed storage, whose CUDA path is quant/fp8_triton.py's kernels) within 2x of the bytes moved
+at copy bandwidth. Rank 1 also prints `weight sync ratio R (T s for B bytes; copy bound C s at
+X GB/s measured in this run)`: T the best push, B the bytes pushed, C a copy of B bytes timed
+in the same run on the engine's device (CUDA: device-to-device, torch.cuda events; CPU: a
+memcpy), X = B / C (each byte read once and written once). Owed: this line from a GPU run (gpu-848m,
+fp8 and fp8-fp4, --packed) with the Triton re-quantisation; not run yet.
 """
 
 from __future__ import annotations
@@ -44,6 +52,9 @@ def _args():
     p.add_argument("--serving-format", default="bf16", choices=("bf16", "fp8", "fp8-fp4"))
     p.add_argument("--bucket-mib", type=int, default=512)
     p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--packed", action="store_true",
+                   help="engine holds fp8 linears and routed experts packed (EngineConfig.packed_fp8 / packed_experts): "
+                        "the push quantises into the packed storage")
     return p.parse_args()
 
 
@@ -60,6 +71,34 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def copy_bound(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Seconds to copy nbytes on `device` (best of `repeats`, after one warm-up): device to device
+    timed by CUDA events on a GPU, a memcpy timed by the clock on CPU."""
+    src = torch.ones(max(nbytes, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            best = min(best, start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def ratio_line(sync_s: float, nbytes: int, copy_s: float) -> str:
+    """Issue 17's figure: the push's time over the copy bound of the same bytes."""
+    return (f"weight sync ratio {sync_s / copy_s:.2f} ({sync_s:.4f} s for {nbytes} bytes; copy bound {copy_s:.6f} s "
+            f"at {nbytes / copy_s / 1e9:.1f} GB/s measured in this run)")
+
+
 def rank_main(args) -> None:
     bench = _configs()[args.config]
     one_gpu = torch.cuda.is_available() and torch.cuda.device_count() == 1
@@ -72,7 +111,8 @@ def rank_main(args) -> None:
             push_weights(ctx, manifest, v, named_tensors=trainer_model.state_dict().items())
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
-                       dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False)
+                       dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
+                       packed_fp8=args.packed, packed_experts=args.packed)
     reference, pushed = Engine(make_model(bench), cfg), Engine(make_model(bench), cfg)
     in_process = float("inf")
     for v in range(1, args.pushes + 1):
@@ -91,6 +131,8 @@ def rank_main(args) -> None:
           f"{manifest.total_bytes / push_s / 1e9:.2f} GB/s) vs in-process update {in_process:.3f} s (best): "
           f"ratio {push_s / in_process:.2f}; tensors differing from the in-process update: {len(differ)} "
           f"{differ[:3]}", flush=True)
+    copy_s = copy_bound(manifest.total_bytes, torch.device(device))
+    print(f"{args.serving_format}{' packed' if args.packed else ''}: {ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
 
 
 def main() -> None:
