@@ -12,7 +12,11 @@ grouped_gemm_fp8.py / grouped_gemm_fp4.py). Not packed: linears with a bias, tie
 expert-parallel shards.
 
 Weight updates quantise straight into the packed storage, in place (weight_update.write_served
-asks `packed_weights`), so captured CUDA graphs keep reading the current weights.
+asks `packed_weights`), so captured CUDA graphs keep reading the current weights. On CUDA the
+re-quantisation is quant/fp8_triton.py's and fp4_triton.py's Triton kernels (quantize_fp8_block /
+quantize_fp4_block select them for CUDA tensors; bitwise the PyTorch rule, which CPU runs; their
+`out=` writes the packed storage directly). Issue 17's bar, the push within 2x of its bytes at
+copy bandwidth, is printed by benchmarks/weight_push.py --packed; the GPU figure is still owed.
 """
 
 from __future__ import annotations

@@ -136,7 +136,7 @@ def test_fp4_ties_zero_blocks_nan_and_subnormal_scales():
 
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     """quantize_fp8_block / quantize_fp4_block take the kernels where `eligible` says (CUDA tensors;
-    faked here), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
+    faked on CPU), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
     w = _wide((2, 136, 264), torch.bfloat16, seed=4)
     ref8, ref4 = quantize_fp8_block(w), quantize_fp4_block(w)
     calls = []
@@ -145,15 +145,18 @@ def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     from lockstep.quant import fp4_triton
     monkeypatch.setattr(fp4_triton, "quantize_fp4_into", lambda *a: calls.append(4) or real4(*a))
     _same(quantize_fp8_block(w), ref8)  # CPU: the reference, no kernel
+    _same(quantize_fp4_block(w), ref4)
     assert calls == []
-    monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
+    if DEVICE == "cpu":
+        monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
+    w = w.to(DEVICE)
     _same(quantize_fp8_block(w), ref8)
-    out = (torch.zeros(w.shape, dtype=torch.float8_e4m3fn), torch.zeros(ref8[1].shape))
+    out = (torch.zeros(w.shape, dtype=torch.float8_e4m3fn, device=DEVICE), torch.zeros(ref8[1].shape, device=DEVICE))
     res = quantize_fp8_block(w, out=out)
     assert res[0] is out[0] and res[1] is out[1]
     _same(out, ref8)
     _same(quantize_fp4_block(w), ref4)
-    out4 = (torch.zeros(ref4[0].shape, dtype=torch.uint8), torch.zeros(ref4[1].shape, dtype=torch.uint8))
+    out4 = tuple(torch.zeros(r.shape, dtype=torch.uint8, device=DEVICE) for r in ref4)
     _same(quantize_fp4_block(w, out=out4), ref4)
     assert calls == [8, 8, 4, 4]
 
