@@ -2,6 +2,7 @@
 
 fp8.py         e4m3 weights, one scale per 128x128 block (ue8m0 power-of-two or fp32 scales)
 fp4.py         e2m1 weights packed two per byte, one e8m0 scale per 1x32 block (MXFP4 style)
+fp8_triton.py  Triton kernels for both (fp4_triton.py), taken on CUDA tensors by the two above
 scales.py      power-of-two (UE8M0) scales: rounding up, float32 <-> float8_e8m0fnu
 fake_quant.py  straight-through fake quantisation for quantisation-aware training
 formats.py     serving formats (bf16 | fp8 | fp8-fp4) and which storage each checkpoint tensor gets
