@@ -172,8 +172,7 @@ def test_rms_norm_equals_the_module(D, block, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("D,block", NORM_SHAPES[:2])
+@pytest.mark.parametrize("D,block,dtype", [(72, 32, torch.bfloat16), (48, 0, torch.float32)])
 def test_rms_norm_is_batch_invariant(D, block, dtype):
     x, norm = _norm_inputs(12, D, dtype)
     w = norm.weight.detach()
@@ -212,7 +211,7 @@ def test_rms_norm_traces_whole_under_torch_compile(backend):
 SOFTMAX_SHAPES = [(100, 32), (100, 0), (64, 0)]
 
 
-def _softmax_inputs(seed, V, dtype, M=23):
+def _softmax_inputs(seed, V, dtype, M=12):
     """logits [M, V] spanning ~ +-20 (a peaked row among them), ids [M], temperatures [M]."""
     g = _gen(seed)
     logits = torch.randn(M, V, generator=g) * 5

@@ -13,8 +13,9 @@ multiplies by an fp32 1/D instead, at most 1 fp32 ulp apart); r = rsqrt(ms + eps
 fp32; y = x * r; weighted: w.float() * y; the one rounding to x's dtype at the end (bf16: nearest
 even). Only the order of the sum of squares differs from eager (torch's vectorised / cascade
 sum): outputs agree to 1 ulp of x's dtype, bitwise where the sum of squares is exact (the tests).
-rsqrt: libdevice's rsqrtf on GPUs (what torch's CUDA rsqrt calls), numpy's 1 / sqrt under the
-interpreter (what torch's CPU rsqrt computes; equal on CPU). A GPU compiler may fuse x * x + acc
+rsqrt: libdevice's rsqrtf on GPUs (torch's CUDA rsqrt calls CUDA's rsqrtf; whether the two
+agree bitwise is part of the GPU check owed), numpy's 1 / sqrt under the interpreter (what torch's
+CPU rsqrt computes: equal on CPU). A GPU compiler may fuse x * x + acc
 into an FMA: a fixed choice per compiled kernel, so invariance holds; it may move the sum an ulp.
 
 `fixed_order_rms_norm(x, weight, eps)` takes the kernel where it runs (CUDA, or the interpreter)
@@ -109,7 +110,7 @@ if triton is not None:
         if M == 0:
             return out
         torch.library.wrap_triton(_fixed_order_rms_norm_kernel)[(M,)](
-            x, x if weight is None else weight, out, D, float(D), eps, *x.stride(), *out.stride(),
+            x, x if weight is None else weight.contiguous(), out, D, float(D), eps, *x.stride(), *out.stride(),
             HAS_WEIGHT=weight is not None, BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted(), **cfg)
         return out
 
