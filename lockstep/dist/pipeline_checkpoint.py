@@ -28,8 +28,11 @@ def save_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
     of its stage index). Consolidated rather than a shard file per stage: one format for every
     layout, and a PP save needs no re-cut to resume on another pipeline split or none. The cost:
     the first stage holds the whole model's weights and optimiser state on the host while writing,
-    as FSDP's rank 0 does. Every stage calls it."""
-    d, first = Path(directory), pipe.stage.is_first
+    as FSDP's rank 0 does. Every stage calls it. Pipelines in data parallel (`trainer.dp`, the expert
+    shards' group: pipeline_expert_parallel.py) hold the same weights and state, and each gathers them
+    (the expert shards are gathered over the pipelines, a collective of all), but only the first
+    pipeline writes: two writers of one file would race."""
+    d, first, writer = Path(directory), pipe.stage.is_first, trainer.dp.rank == 0
     d.mkdir(parents=True, exist_ok=True)
     weights = _gather_to_first(pipe, list(trainer.named_weights()), "weights")
     own = trainer.optimizer.state_dict()
@@ -37,13 +40,16 @@ def save_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
     state: dict[str, dict[str, torch.Tensor]] = {}
     for (name, key), t in _gather_to_first(pipe, entries, "optimizer state"):
         state.setdefault(name, {})[key] = t
-    if first:
+    if first and writer:
         ckpt.save_weights(weights, d / ckpt.WEIGHTS)
         torch.save({**own, "state": state}, d / ckpt.OPTIMIZER)  # step and lr: every stage steps together
-    ckpt.save_trainer_state(d / ckpt.trainer_file(pipe.stage.stage_index), trainer.num_steps,
-                            trainer.config.to_dict())
+    if writer:
+        ckpt.save_trainer_state(d / ckpt.trainer_file(pipe.stage.stage_index), trainer.num_steps,
+                                trainer.config.to_dict())
     with pipe.collective("pipeline-parallel barrier (checkpoint saved)"):
         dist.barrier(group=pipe.group)
+    # then the other pipelines' stages wait for the first pipeline's: no rank returns before the files exist
+    trainer.dp.barrier("pipeline checkpoint saved")
 
 
 def load_pipeline(trainer, pipe: PipelineParallel, directory) -> None:

@@ -17,14 +17,16 @@ Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lo
              train, the others serve): push_weights over torch.distributed, with the manifest each
              side derives from its own model and --update-weight-buffer-size buckets
 
-Pipeline parallel (--pipeline-model-parallel-size PP, colocated, PP = the trainer ranks): the trainer
-group is the pipeline group; each rank loads the policy as one process does (TrainConfig.dtype), keeps
-its stage (split_model: --decoder-last-pipeline-num-layers decides the cut) and is driven through
-PipelineTrainer (lockstep/dist/pipeline_parallel.py): every rank trains the whole batch through the
-pipeline, so the loop needs no TrainerShard; its named_weights gathers the whole model on every rank,
-so each colocated engine serves the full policy. Rollouts are sharded over the engines as without PP.
-`pipeline_refusal` names what PP is not combined with yet (checked before any process starts and
-again once the world is known).
+Pipeline parallel (--pipeline-model-parallel-size PP, colocated, PP x EP = the trainer ranks, EP =
+--expert-model-parallel-size): the trainer ranks form EP pipelines of PP stages (lockstep/dist/
+pipeline_grid.py: each stage's EP ranks consecutive); each rank loads the policy as one process does
+(TrainConfig.dtype), keeps its stage (split_model: --decoder-last-pipeline-num-layers decides the cut),
+its routed experts sharded over the stage's EP ranks, and is driven through PipelineTrainer behind
+TrainerShard (lockstep/dist/pipeline_expert_parallel.py): pipeline p trains block p of the batch (EP 1:
+one pipeline, the whole batch); named_weights gathers the whole model on every rank, so each colocated
+engine serves the full policy. Rollouts are sharded over the engines as without PP. `pipeline_refusal`
+names what PP is not combined with yet (checked before any process starts and again once the world is
+known).
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def pipeline_refusal(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) ->
     if not colocated:
         return (f"--pipeline-model-parallel-size {pp} runs colocated only for now (every rank trains and serves): "
                 "drop --actor-num-gpus / --rollout-num-gpus")
-    if pp != trainer_ranks:
-        return (f"--pipeline-model-parallel-size {pp} must equal the trainer ranks for now (one stage per rank, no "
-                f"data parallel across pipelines), here {trainer_ranks}: run {pp} processes in all "
+    ep = train_cfg.expert_model_parallel_size
+    if pp * ep != trainer_ranks:
+        sizes = f"--pipeline-model-parallel-size {pp}" + (f" x --expert-model-parallel-size {ep}" if ep > 1 else "")
+        return (f"{sizes} must equal the trainer ranks for now (one stage per rank; more pipelines than one only "
+                "with their experts sharded over them: data parallel across pipelines without EP, or EP smaller "
+                f"than the pipelines, is not built), here {trainer_ranks}: run {pp * ep} processes in all "
                 "(--nproc-per-node x --nnodes)")
-    if train_cfg.expert_model_parallel_size > 1:
-        return (f"--pipeline-model-parallel-size {pp} with --expert-model-parallel-size "
-                f"{train_cfg.expert_model_parallel_size}: PP combined with EP is not built yet")
     if train_cfg.kl_loss_coef > 0:
         return f"--pipeline-model-parallel-size {pp} with --kl-loss-coef > 0: a reference model's stages are not built yet"
     return None
@@ -70,17 +72,15 @@ def check_pipeline(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> N
 
 
 def _pipeline_trainer(ctx, path, train_cfg):
-    """This rank's stage of the policy in a PipelineTrainer over the trainer group (module docstring)."""
-    from ..dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
+    """This rank's stage of the policy, experts sharded over the pipelines, behind TrainerShard (module
+    docstring). Every rank makes the grid's groups, before anything else of the trainer."""
+    from ..dist.pipeline_expert_parallel import pipeline_expert_trainer
+    from ..dist.pipeline_grid import pipeline_grid
     from ..models import load_pretrained
-    from ..train.trainer import Trainer
 
-    dtype = getattr(torch, train_cfg.dtype)
-    pp, stage_index = train_cfg.pipeline_model_parallel_size, ctx.layout.trainer_ranks.index(ctx.rank)
-    stage = split_model(load_pretrained(path, dtype=dtype, device=ctx.device), stage_index, pp,
-                        train_cfg.decoder_last_pipeline_num_layers)
-    pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, streams_dtype=dtype, collective=ctx.collective)
-    return PipelineTrainer(Trainer(stage, train_cfg), pipe)
+    grid = pipeline_grid(ctx, train_cfg.pipeline_model_parallel_size)
+    policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=ctx.device)
+    return pipeline_expert_trainer(policy, train_cfg, grid, ctx.device, ctx.collective, ctx)
 
 
 def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
@@ -118,7 +118,7 @@ def _engine(ctx, path, engine_cfg, rollout_ep_size: int):
 
 def data_parallel_components(ctx, path, train_cfg, engine_cfg, ref_model_fn, weight_buffer_size: int, run_cfg=None,
                              rollout_ep_size: int = 1):
-    """(EngineReplicas, TrainerShard) of this rank, or with PP (EngineReplicas, PipelineTrainer).
+    """(EngineReplicas, TrainerShard) of this rank (with PP: over a PipelineTrainer).
     `ref_model_fn(policy)` gives the KL reference; `run_cfg`: checked for what PP refuses;
     `rollout_ep_size` > 1: the engines are one expert-parallel engine (DistConfig checked the layout)."""
     from ..dist.manifest import build_manifest

@@ -110,7 +110,19 @@ def _trace(trainer, samples) -> dict:
     return out
 
 
-def _rank(rank: int, ep: int) -> dict:
+def _resume(make, samples, directory: str) -> dict:
+    """Step, save, step (unbroken); a fresh trainer loads the save and steps again."""
+    unbroken = make()
+    unbroken.train_step(samples)
+    unbroken.save(directory)
+    out = {"unbroken": unbroken.train_step(samples), "unbroken_weights": dict(unbroken.named_weights())}
+    resumed = make()
+    resumed.load(directory)
+    out.update(resumed=resumed.train_step(samples), resumed_weights=dict(resumed.named_weights()))
+    return out
+
+
+def _rank(rank: int, ep: int, checkpoint: str | None = None) -> dict:
     from lockstep.dist.expert_parallel import ExpertParallelExperts
     from lockstep.dist.groups import init_distributed
     from lockstep.dist.pipeline_expert_parallel import pipeline_expert_trainer
@@ -119,12 +131,17 @@ def _rank(rank: int, ep: int) -> dict:
     ctx = init_distributed(60.0)
     grid = pipeline_grid(ctx, PP)
     out = {"grid": (grid.stage, grid.pipeline, grid.ep)}
+    def make(name: str):
+        return pipeline_expert_trainer(load_pretrained(ASSET), _config(name, ep), grid, ctx.device, ctx.collective,
+                                       ctx)
+
     for name in SCENARIOS:
-        trainer = pipeline_expert_trainer(load_pretrained(ASSET), _config(name, ep), grid, ctx.device,
-                                          ctx.collective, ctx)
+        trainer = make(name)
         out[name] = _trace(trainer, _samples(name))
         out["local_experts"] = [m.expert_weights()[0].shape[0] for m in trainer.trainer.pipe.stage.modules()
                                 if isinstance(m, ExpertParallelExperts)]
+    if checkpoint is not None:
+        out["resume"] = _resume(lambda: make("one-microbatch"), _samples("one-microbatch"), checkpoint)
     return out
 
 
@@ -136,9 +153,14 @@ def one_pipeline() -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def two_pipelines() -> list[dict]:
+def checkpoint(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pp-ep-checkpoint")
+
+
+@pytest.fixture(scope="module")
+def two_pipelines(checkpoint) -> list[dict]:
     """PP2 x EP2: every scenario on one 4-process world (starting processes costs more than the steps)."""
-    return rank_values(run_world(_rank, 4, guard_s=240, args=(2,)))
+    return rank_values(run_world(_rank, 4, guard_s=240, args=(2, str(checkpoint))))
 
 
 def _stage_grads(results: list[dict], name: str, pipeline: int = 0) -> dict:
@@ -212,3 +234,60 @@ def test_pp2_ep2_uneven_microbatches_round_only(two_pipelines, one_pipeline):
         for k, v in got["metrics"][1].items():
             assert abs(v - want["metrics"][1][k]) <= CLOSE["metrics"] * max(1.0, abs(v)), (k, v, want["metrics"][1][k])
         assert max(_diff(got["weights"][1][n], w) for n, w in want["weights"][1].items()) <= CLOSE["weights"]
+
+
+def test_resume_from_two_pipelines(two_pipelines, checkpoint):
+    """The PP2 x EP2 save (the one-process files, written by stage 0 of pipeline 0 alone) resumes PP2 x EP2
+    exactly, and one process (today's Trainer, the same two padded micro-batches) that loads it takes the
+    same next step on all the samples."""
+    from lockstep.train.trainer import Trainer
+
+    assert sorted(p.name for p in (checkpoint).iterdir()) == \
+        ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
+    for r in two_pipelines:
+        got = r["resume"]
+        assert got["resumed"] == got["unbroken"], r["grid"]
+        for n, w in got["unbroken_weights"].items():
+            assert torch.equal(got["resumed_weights"][n], w), (r["grid"], n)
+    one = Trainer(load_pretrained(ASSET), _config("one-microbatch", 1).replace(pipeline_model_parallel_size=1))
+    one.load(checkpoint)
+    unbroken = two_pipelines[0]["resume"]
+    assert one.train_step(_samples("one-microbatch")) == unbroken["unbroken"]
+    for n, w in one.named_weights():
+        assert torch.equal(w, unbroken["unbroken_weights"][n]), n
+
+
+def test_refusals():
+    """What is not built is refused with a sentence: pipelines in data parallel without their experts
+    sharded over them, EP other than the pipelines' count, a config whose EP is not the grid's."""
+    from lockstep.dist.pipeline_grid import grid_ranks
+    from lockstep.rl.data_parallel import pipeline_refusal
+
+    assert pipeline_refusal(_config("one-microbatch", 2), None, 4, True) is None
+    assert pipeline_refusal(_config("one-microbatch", 1), None, 2, True) is None
+    assert "data parallel across pipelines without EP" in pipeline_refusal(_config("one-microbatch", 1), None, 4, True)
+    assert "run 8 processes" in pipeline_refusal(_config("one-microbatch", 4), None, 4, True)
+    assert grid_ranks((0, 1, 2, 3, 4, 5), 3) == ([(0, 2, 4), (1, 3, 5)], [(0, 1), (2, 3), (4, 5)])
+    with pytest.raises(ValueError, match="do not split into whole pipelines"):
+        grid_ranks((0, 1, 2), 2)
+
+
+def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process(tmp_path):
+    """`lockstep train --nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2`,
+    2 rollouts, against one process, metrics.jsonl line by line bitwise (perf/* aside). test_train_world.py's
+    RUN makes it so: a batch-invariant engine (4 replicas sample what one engine samples), and a budget
+    that packs each pipeline's block of 8 samples into one micro-batch, one process the 16 into the same
+    two, each padded to [8, 22] (the one-micro-batch case above, through the loop, the weights pushed to
+    the colocated engines)."""
+    from dist_world import free_port
+    from test_train_world import _first_difference, _train
+
+    one = _train(tmp_path / "one", "--num-rollout", "2")
+    grid = _train(tmp_path / "pp-ep", "--num-rollout", "2", "--nproc-per-node", "4", "--pipeline-model-parallel-size",
+                  "2", "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
+                  "--master-port", str(free_port()))
+    config = __import__("json").loads((tmp_path / "pp-ep" / "config.json").read_text())
+    assert (config["world_size"], config["train"]["pipeline_model_parallel_size"],
+            config["train"]["expert_model_parallel_size"]) == (4, 2, 2)
+    assert [line["train/num_microbatches"] for line in grid if "train/step" in line] == [2.0] * 2
+    assert len(grid) == len(one) == 3 and _first_difference(one, grid) is None, _first_difference(one, grid)
