@@ -39,7 +39,8 @@ all-reduce (each rank's expert gradient is already the sum over every rank's tok
 the all-to-all's backward), AdamW on the local shard, gradient-norm squares summed over ranks for
 sharded gradients and counted once for replicated ones (optimizer.py), `named_weights` and
 checkpoints gathering the full expert tensors. This needs the ep group to be the trainer's
-data-parallel group (ep == the number of trainer ranks); EP smaller than DP (experts replicated or
+data-parallel group (ep == the number of trainer ranks; with pipeline parallel, the ranks holding one
+stage in every pipeline: pipeline_expert_parallel.py); EP smaller than DP (experts replicated or
 FSDP-sharded over the remaining dp ranks) is not built.
 
 The engine's expert parallelism (lockstep/dist/engine_expert_parallel.py) reuses this exchange

@@ -28,10 +28,14 @@ the pieces already written for one pipeline and for EP alone do the rest:
                     each pipeline: the whole model on every rank
 
 Proof (tests/dist/test_pipeline_expert_parallel.py, CPU, gloo, tiny DeepSeek-V4, fp32): PP2 x EP2 on 4
-ranks against PP2 x EP1 on 2 (the whole batch through one pipeline). With one micro-batch a pipeline,
-logprobs, every metric, the gradients and the weights after two AdamW steps are bitwise equal. With
-more, gradients and metrics differ by rounding only: a sum order no layout change can reproduce (the
-test's docstring says which sums).
+ranks against PP2 x EP1 on 2 (the whole batch through one pipeline). With one micro-batch a pipeline
+(also with routing replay), logprobs, every metric, the gradients and the weights after two AdamW steps
+are bitwise equal. With more, the expert gradients differ in the last bits (1.2e-7 of the largest
+entry), and so the steps after: each stage's all-to-all sums the pipelines' micro-batches pairwise,
+(A0 + B0) + A1, where one pipeline accumulates (A0 + A1) + B0, and no order of its micro-batches gives
+both that and the replicated gradients' (A0 + A1) + B0. A PP2 x EP2 checkpoint resumes exactly and
+loads into one process; `lockstep train --nproc-per-node 4 --pipeline-model-parallel-size 2
+--expert-model-parallel-size 2` logs one process's metrics bitwise over 2 rollouts.
 
 Not built: expert-parallel groups smaller than the pipelines' count (EP < DP: experts replicated or
 FSDP-sharded over the rest), FSDP of the replicated part, a reference model's stages, a disaggregated

@@ -71,9 +71,15 @@ order) on every stage; `PipelineTrainer` puts the three behind the Trainer's met
 steps run through it). Not yet run on GPUs (NCCL).
 
 The RL loop drives a PipelineTrainer (`lockstep train --nproc-per-node 2 --pipeline-model-parallel-size 2`,
-lockstep/rl/data_parallel.py: the trainer group as the pipeline group, PP = the trainer ranks, colocated
-engines taking `pipeline_named_weights`); tests/dist/test_train_world.py: a 3-rollout run logs one
-process's metrics bitwise (the same padded micro-batches there).
+lockstep/rl/data_parallel.py: the trainer ranks as one pipeline, colocated engines taking
+`pipeline_named_weights`); tests/dist/test_train_world.py: a 3-rollout run logs one process's metrics
+bitwise (the same padded micro-batches there).
+
+Several pipelines side by side, each stage's routed experts sharded over the pipelines (PP x EP, with
+`--expert-model-parallel-size`): pipeline_grid.py makes the groups, pipeline_expert_parallel.py builds
+the trainer; here the Trainer's `dp` (the stage's ranks in every pipeline) makes the pipelines agree on
+their micro-batches (`step_microbatches`) and sums the replicated gradients, and the Trainer's own
+normalisers, metrics and gradient norm sum over it as they do for EP alone.
 
 Checkpoints (`PipelineTrainer.save` / `load`, pipeline_checkpoint.py): the one-process files
 (lockstep/train/checkpointing.py), the stages' weights and optimiser state sent to the first stage,
@@ -85,8 +91,8 @@ save loads into PP=2; tests/dist/test_train_world.py resumes `lockstep train` on
 Not built yet (a Trainer with pipeline_model_parallel_size > 1 takes a stage and refuses its own
 steps; these functions drive it from outside): PP with a disaggregated layout (the push's manifest
 from a stage), a reference model's stages, `routed_experts`
-(the trainer's own routing of the responses), PP combined with FSDP or EP (a pp x dp mesh),
-interleaved schedules.
+(the trainer's own routing of the responses), PP combined with FSDP, pipelines in data parallel
+without EP or with EP smaller than their count, interleaved schedules.
 """
 
 from __future__ import annotations
