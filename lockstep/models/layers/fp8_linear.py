@@ -210,9 +210,7 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise w [out, in] (any float dtype) into this module's storage, in place."""
-        q, s = quantize_fp8_block(w.to(self.weight.device), scale_fmt="ue8m0")
-        self.weight.copy_(q)
-        self.weight_scale.copy_(s)
+        quantize_fp8_block(w.to(self.weight.device), scale_fmt="ue8m0", out=(self.weight, self.weight_scale))
 
     @property
     def logical(self) -> torch.Tensor:

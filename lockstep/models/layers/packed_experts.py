@@ -76,14 +76,12 @@ class PackedExperts(Experts):
 
     @torch.no_grad()
     def load_(self, attr: str, w: torch.Tensor) -> None:
-        w = w.to(getattr(self, attr).device)
+        storage = (getattr(self, attr), getattr(self, _scale_attr(attr)))  # quantised in place, no staging copy
+        w = w.to(storage[0].device)
         if self.storage == "fp8":
-            q, scale = quantize_fp8_block(w, scale_fmt="ue8m0")
+            quantize_fp8_block(w, scale_fmt="ue8m0", out=storage)
         else:
-            q, scale = quantize_fp4_block(w, scale_dtype=E8M0)
-            scale = scale.view(torch.uint8)
-        getattr(self, attr).copy_(q)
-        getattr(self, _scale_attr(attr)).copy_(scale)
+            quantize_fp4_block(w, out=storage)
 
     def packed_tensors(self) -> dict[str, PackedTensor]:
         return {attr: PackedTensor(self, attr, shape, self.dtype) for attr, shape in self.shapes.items()}
