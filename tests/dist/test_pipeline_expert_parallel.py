@@ -1,4 +1,4 @@
-"""Pipeline parallel x expert parallel trainer, gloo, the bundled tiny DeepSeek-V4 in fp32.
+"""Pipeline parallel x expert parallel trainer, gloo, the bundled tiny DeepSeek-V4 (fp32, and bf16).
 
 PP2 x EP2: 4 processes, two pipelines of two stages (ranks {0, 2} and {1, 3}); each stage's 8 routed
 experts sharded over its two ranks (ranks {0, 1} hold stage 0, {2, 3} stage 1), pipeline p trains
@@ -11,8 +11,9 @@ logprobs before each step, every metric of each step, every parameter's gradient
 (each stage's, expert shards gathered) and the whole model's weights after each step (named_weights,
 on every rank).
 
-Bitwise where it can be: one micro-batch a pipeline (and with routing replay, one pipeline's prompts a
-single token: it has no prompt to route, yet runs the forward the other pipeline's experts wait for).
+Bitwise where it can be: one micro-batch a pipeline, in fp32, in bf16 (bf16 streams between the stages,
+fp32 masters), and with routing replay (one pipeline's prompts a single token: it has no prompt to
+route, yet runs the forward the other pipeline's experts wait for).
 Each stage's expert gradient is then A + B (one backward, the two pipelines' rows in separate GEMMs,
 expert_parallel.py) and each replicated gradient A + B (the all-reduce of two), which is what one
 pipeline accumulating micro-batch A then B computes.
@@ -41,12 +42,13 @@ from lockstep.models import load_pretrained
 ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
 VOCAB, N_LAYERS, TOP_K, N_EXPERTS, PP, STEPS = 103, 4, 2, 8, 2, 2
 
-# name: ((prompt, response) lengths, max_tokens_per_gpu, routing replay). The blocks are the batch's
-# halves; "1f1b-uneven": pipeline 0 packs [0], [1, 2], pipeline 1 [3, 4, 5], one pipeline all three
-SCENARIOS = {"one-microbatch": ([(4, 6), (3, 4), (5, 5), (6, 2)], 18, False),
-             "routing-replay": ([(1, 9), (1, 6), (5, 5), (6, 2)], 18, True),
-             "1f1b-uneven": ([(4, 6), (5, 4), (4, 4), (3, 2), (4, 2), (2, 2)], 18, False)}
-EXACT = ("one-microbatch", "routing-replay")
+# name: ((prompt, response) lengths, max_tokens_per_gpu, routing replay, dtype). The blocks are the
+# batch's halves; "1f1b-uneven": pipeline 0 packs [0], [1, 2], pipeline 1 [3, 4, 5], one pipeline all three
+SCENARIOS = {"one-microbatch": ([(4, 6), (3, 4), (5, 5), (6, 2)], 18, False, "float32"),
+             "routing-replay": ([(1, 9), (1, 6), (5, 5), (6, 2)], 18, True, "float32"),
+             "bf16": ([(4, 6), (3, 4), (5, 5), (6, 2)], 18, False, "bfloat16"),
+             "1f1b-uneven": ([(4, 6), (5, 4), (4, 4), (3, 2), (4, 2), (2, 2)], 18, False, "float32")}
+EXACT = ("one-microbatch", "routing-replay", "bf16")
 # "1f1b-uneven"'s limits, about 8-10x the largest differences measured (x86 CPU, torch 2.13): expert
 # gradients 1.2e-7 of the tensor's largest entry, weights 3.0e-8 after the first step and 1.2e-7 after
 # the second (lr 1e-2), the second step's logprobs 4.8e-6, its metrics 1.9e-8 (relative above 1)
@@ -72,11 +74,11 @@ def _samples(name: str):
 def _config(name: str, ep: int):
     from lockstep.train.config import TrainConfig
 
-    _, budget, replay = SCENARIOS[name]
+    _, budget, replay, dtype = SCENARIOS[name]
     # a large lr and a clip that binds: every parameter moves, by the norm over all stages and shards
     return TrainConfig(lr=1e-2, clip_grad=1e-5, max_tokens_per_gpu=budget, use_tis=True, entropy_coef=0.01,
                        weight_decay=0.01, use_rollout_routing_replay=replay, pipeline_model_parallel_size=PP,
-                       expert_model_parallel_size=ep)
+                       expert_model_parallel_size=ep, dtype=dtype)
 
 
 def _record_grads(stage_trainer, grads: dict) -> None:
@@ -132,8 +134,10 @@ def _rank(rank: int, ep: int, checkpoint: str | None = None) -> dict:
     grid = pipeline_grid(ctx, PP)
     out = {"grid": (grid.stage, grid.pipeline, grid.ep)}
     def make(name: str):
-        return pipeline_expert_trainer(load_pretrained(ASSET), _config(name, ep), grid, ctx.device, ctx.collective,
-                                       ctx)
+        # loaded in the compute dtype, as the loop loads a pipeline's policy (lockstep/rl/data_parallel.py)
+        config = _config(name, ep)
+        return pipeline_expert_trainer(load_pretrained(ASSET, dtype=getattr(torch, config.dtype)), config, grid,
+                                       ctx.device, ctx.collective, ctx)
 
     for name in SCENARIOS:
         trainer = make(name)
