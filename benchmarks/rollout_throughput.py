@@ -14,7 +14,8 @@ generate of the same batch with 2 new tokens on each side. Printed from one run:
   at the device copy bandwidth measured here with a large tensor copy (bytes read + written).
 The ratios are lockstep / transformers and lockstep decode / roofline. On CUDA the engine decodes
 through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
-kernels and syncs of one decode step on a CPU.
+kernels and syncs of one decode step on a CPU. Each engine's start is printed as `engine start S s
+(compile cache: hit|miss|off)`; --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py).
 
 `--config 1b`: 8 layers, hidden 1024, 64 routed experts top-6 (moe_intermediate 512) + 1 shared,
 16 heads x head_dim 128, q_lora 512, 4 output groups of rank 256, vocab 32768: about 0.9B params,
@@ -198,9 +199,9 @@ def main(argv=None) -> None:
     ap.add_argument("--compile-option", action="append", default=[], type=compile_option, metavar="KEY=VALUE",
                     help="an inductor setting for the engine's compiled layers (EngineConfig.compile_options), "
                          "e.g. combo_kernels=True; repeatable")
-    ap.add_argument("--compile-cache", metavar="FILE",
-                    help="the engine's compiled graphs, read before compiling and written after "
-                         "(EngineConfig.compile_cache): another machine's start skips the compilation")
+    ap.add_argument("--compile-cache-dir", metavar="DIR",
+                    help="the engine's compiled graphs, loaded before compiling and saved after a start that "
+                         "compiled (EngineConfig.compile_cache_dir): another machine's start skips the compilation")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
@@ -223,10 +224,12 @@ def main(argv=None) -> None:
                        device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
                        packed_fp8=not args.emulated_fp8, packed_experts=args.packed_experts,
                        cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
-                       compile_options=dict(args.compile_option), compile_cache=args.compile_cache)
+                       compile_options=dict(args.compile_option), compile_cache_dir=args.compile_cache_dir)
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
+    status = {"nothing": "nothing to cache"}.get(engine.compile_cache.status, engine.compile_cache.status)
+    print(f"engine start {engine.start_seconds:.1f} s (compile cache: {status})")
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
     print(f"weight bytes {args.serving_format} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, str] = {
     "sft": "supervised warm-start of a model on a prompt/answer set",
     "generate": "sample completions from a model with the rollout engine",
     "serve": "serve a model over HTTP (OpenAI-compatible + native endpoints)",
+    "compile": "compile the rollout engine's graphs once into MODEL/compile-cache (fast engine starts)",
     "eval": "evaluate a model on held-out sets with pass@k",
     "align": "compare trainer and rollout log-probabilities token by token",
     "plan": "find the parallel layouts (TP/PP/EP/CP) that fit a model on a cluster",

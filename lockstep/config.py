@@ -130,9 +130,11 @@ class EngineConfig:
     compile_options: dict = field(default_factory=dict)
     """Inductor settings for the compiled decoder layers on top of lockstep's own (torch.compile's `options`;
     names from torch._inductor.config, e.g. {"combo_kernels": True}). Not a flag."""
-    compile_cache: str | None = None
-    """File of compiled graphs carried between machines (engine/compile_cache.py): read before the engine
-    compiles, rewritten after; None: none."""
+    compile_cache_dir: str | None = None
+    """Directory of compiled-graph artifacts reused across processes and machines (engine/compile_cache.py):
+    at start the engine loads the file matching this torch, GPU, model and engine config before compiling,
+    and saves one after a start that compiled something new. None: off; train, serve and generate default to
+    MODEL/compile-cache when it exists (`lockstep compile MODEL` fills it); "" turns that off."""
     compile_decode: bool = True
     """On CUDA in bf16 with cuda_graph, the decoder layers are compiled (inductor) before the decode graphs are
     captured; off: the graphs replay the eager forward (a different rounding: README, train/rollout agreement).

@@ -40,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="longest sequence, prompt + completion, in tokens (default: 2048)")
     parser.add_argument("--no-chat-template", action="store_true", help="tokenize prompts as raw text")
     parser.add_argument("--show-logprobs", action="store_true", help="print each token's rollout logprob")
-    add_dataclass_arguments(parser, EngineConfig, only=EngineConfig.PATH_FIELDS, group="served path")
+    add_dataclass_arguments(parser, EngineConfig, only=(*EngineConfig.PATH_FIELDS, "compile_cache_dir"),
+                            group="served path")
 
 
 def _model_dir(arg: str | None) -> Path:
@@ -68,10 +69,13 @@ def run(args) -> int:
     from lockstep.cli_args import given_fields
     from lockstep.config import EngineConfig, SamplingParams
     from lockstep.engine import Engine, GenerateRequest
+    from lockstep.engine.compile_cache import default_dir
 
     path = _model_dir(args.model)
     config = EngineConfig(max_model_len=args.max_model_len, serving_format=args.serving_format, dtype=args.dtype,
-                          device=args.device, max_num_seqs=max(8, args.n * 2), **given_fields(args, EngineConfig.PATH_FIELDS))
+                          device=args.device, max_num_seqs=max(8, args.n * 2),
+                          **given_fields(args, EngineConfig.PATH_FIELDS),
+                          compile_cache_dir=default_dir(path, getattr(args, "compile_cache_dir", None)))
     engine = Engine.from_pretrained(path, config)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, n=args.n,
                               seed=args.seed, max_new_tokens=args.max_new_tokens)

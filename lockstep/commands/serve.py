@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                         help="uvicorn log level (default: info)")
     add_dataclass_arguments(parser, ServerLimits, group="limits")
-    add_dataclass_arguments(parser, EngineConfig, only=EngineConfig.PATH_FIELDS, group="served path")
+    add_dataclass_arguments(parser, EngineConfig, only=(*EngineConfig.PATH_FIELDS, "compile_cache_dir"),
+                            group="served path")
 
 
 def run(args) -> int:
@@ -71,6 +72,7 @@ def run(args) -> int:
     from lockstep.cli_args import dataclass_from_args, given_fields
     from lockstep.config import EngineConfig
     from lockstep.engine import Engine
+    from lockstep.engine.compile_cache import default_dir
     from lockstep.engine.kv_cache import describe
     from lockstep.engine.limits import ServerLimits
     from lockstep.engine.server import create_app, is_loopback
@@ -88,7 +90,8 @@ def run(args) -> int:
     limits = dataclass_from_args(ServerLimits, args)
     config = EngineConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len, dtype=args.dtype,
                           device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                          cache_memory_bytes=cache_budget(args), **given_fields(args, EngineConfig.PATH_FIELDS))
+                          cache_memory_bytes=cache_budget(args), **given_fields(args, EngineConfig.PATH_FIELDS),
+                          compile_cache_dir=default_dir(path, getattr(args, "compile_cache_dir", None)))
     engine = Engine.from_pretrained(path, config)
     print(f"lockstep serve: rollout cache {describe(engine.cache, engine.max_model_len)}", file=sys.stderr)
     app = create_app(engine, admin_token=token, weights_dir=args.weights_dir, require_admin=beyond_loopback,

@@ -42,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def configs_from_args(args):
+    from ..engine.compile_cache import default_dir
     from ..train.config import TrainConfig
 
     run = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
@@ -49,7 +50,8 @@ def configs_from_args(args):
                                 rollout_max_response_len=run.rollout_max_response_len,
                                 **preset(args, TRAIN_RECIPE))
     engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, compile_hc=train.compile_hc, **engine_preset(
-        args, run.rollout_max_response_len, run.eval_max_response_len))
+        args, run.rollout_max_response_len, run.eval_max_response_len),
+        compile_cache_dir=default_dir(run.model, getattr(args, "compile_cache_dir", None)))
     return run, train, engine
 
 

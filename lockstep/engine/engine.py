@@ -66,6 +66,7 @@ def compiled_graph_count() -> int:
 
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None):
+        started = time.perf_counter()
         self.config, self.tokenizer = config, tokenizer
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)
@@ -88,6 +89,8 @@ class Engine:
         if hasattr(self.adapter, "compile_prefill"):
             self.adapter.compile_prefill = config.compile_prefill
         on_cuda = torch.device(config.device).type == "cuda"
+        # compiled graphs from earlier starts, here or on another machine (compile_cache.py)
+        self.compile_cache = compile_cache.StartCache(config.compile_cache_dir, self.model.config, config)
         if config.cuda_graph and on_cuda:
             self._capture_graphs()
         self.serving_path = describe(self.adapter, self.kernels)  # what serves, for the log and the tests
@@ -100,6 +103,7 @@ class Engine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._loop = BackgroundLoop(self)
+        self.start_seconds = time.perf_counter() - started  # construction, compilation included
 
     def _capture_graphs(self) -> None:
         if not hasattr(self.adapter, "enable_graphs"):
@@ -110,18 +114,16 @@ class Engine:
             return
         # a failure is an error naming its stage, unless config.compile_fallback (decode_path.py)
         start, compiled_before = time.perf_counter(), compiled_graph_count()
-        cache = self.config.compile_cache
-        loaded = bool(cache) and compile_cache.load(cache)
         if compile_backend_for(self.config):
+            self.compile_cache.load()  # save() below writes only after a load(): nothing compiles without it
             print("lockstep engine: compiling the decoder layers for decode and prefill, capturing decode graphs: "
-                  "minutes on a machine's first start, seconds once inductor's cache holds them", file=sys.stderr)
+                  "minutes on a machine's first start, seconds once inductor's cache (or the compile cache) "
+                  "holds them", file=sys.stderr)
         start_graphs(self.adapter, self.config)
-        note = ""
-        if cache:
-            written = compile_cache.save(cache)
-            note = f"; compile cache {cache}: {'read, ' if loaded else ''}{written / 2**20:.1f} MiB written"
+        self.compile_cache.save()
         print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s "
-              f"({compiled_graph_count() - compiled_before} graphs compiled{note})", file=sys.stderr)
+              f"({compiled_graph_count() - compiled_before} graphs compiled; {self.compile_cache.describe()})",
+              file=sys.stderr)
 
     def _fuse_projections(self) -> None:
         if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM
