@@ -48,8 +48,8 @@ CACHE_SUBDIR = "compile-cache"  # MODEL/compile-cache: where `lockstep compile M
 # EngineConfig fields that change no compiled graph, left out of the key so that they do not split
 # the cache: what ends a sequence, host-side stepping, the fallback after a failure, where the cache
 # lives, which device of a kind (the kind is in the key), and the cache memory (serve sizes it from
-# the memory free at start, which varies between starts; the compiled layers take cache sizes as
-# dynamic shapes, and were one specialised, inductor's own entry key would miss, not mismatch).
+# the memory free at start, which varies between starts; should a compiled graph specialise on a
+# cache size, inductor's own entry key misses: a compilation, never a wrong graph; not measured).
 KEY_EXCLUDED = ("eos_token_ids", "decode_steps", "compile_fallback", "compile_cache_dir", "device",
                 "cache_memory_bytes")
 
