@@ -3,7 +3,7 @@
 `save_pipeline` gathers every stage's weights and optimiser state on the first stage, which writes
 lockstep/train/checkpointing.py's files; `load_pipeline` has each stage take its own tensors from any
 consolidated save (one process's, FSDP's, a PP save of any split). `PipelineTrainer.save / load`
-(pipeline_parallel.py) call them.
+(pipeline_trainer.py) call them.
 """
 
 from __future__ import annotations

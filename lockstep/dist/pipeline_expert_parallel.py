@@ -11,7 +11,7 @@ of every pipeline's micro-batch go to their experts' rank and back by all-to-all
 the stage is replicated across the pipelines. The stage's Trainer gets `DataParallel(ep group)`, and
 the pieces already written for one pipeline and for EP alone do the rest:
 
-    micro-batches   step_microbatches (pipeline_parallel.py): the pipelines agree on the count and the
+    micro-batches   step_microbatches (pipeline_trainer.py): the pipelines agree on the count and the
                     padded [b, S] (maxed); a pipeline with fewer repeats one at zero weight, since the
                     stage's all-to-alls pair up the pipelines' micro-batches one for one
     normalisers     Trainer._normalisers on the last stage: token / sample counts summed over the
@@ -48,7 +48,8 @@ import torch
 
 from lockstep.dist.expert_parallel import Collective, apply_expert_parallel, ep_mesh
 from lockstep.dist.pipeline_grid import PipelineGrid
-from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
+from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+from lockstep.dist.pipeline_trainer import PipelineTrainer
 from lockstep.dist.trainer_shard import TrainerShard
 from lockstep.train.data_parallel import DataParallel
 from lockstep.train.trainer import Trainer

@@ -17,7 +17,8 @@ from lockstep.models import load_pretrained
 from test_pipeline_parallel import ASSET, _train_config, _trainer_samples
 
 def _pipeline_trainer(ctx, rank: int, dtype: str = "float32", last_stage_layers: int | None = None):
-    from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+    from lockstep.dist.pipeline_trainer import PipelineTrainer
     from lockstep.train.trainer import Trainer
 
     stage = split_model(load_pretrained(ASSET), rank, 2, last_stage_layers)

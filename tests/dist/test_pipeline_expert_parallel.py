@@ -38,9 +38,10 @@ from torch.distributed.tensor import DTensor
 import lockstep
 from dist_world import rank_values, run_world
 from lockstep.models import load_pretrained
+from test_pipeline_parallel import _trainer_samples
 
 ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
-VOCAB, N_LAYERS, TOP_K, N_EXPERTS, PP, STEPS = 103, 4, 2, 8, 2, 2
+N_LAYERS, N_EXPERTS, PP, STEPS = 4, 8, 2, 2
 
 # name: ((prompt, response) lengths, max_tokens_per_gpu, routing replay, dtype). The blocks are the
 # batch's halves; "1f1b-uneven": pipeline 0 packs [0], [1, 2], pipeline 1 [3, 4, 5], one pipeline all three
@@ -56,19 +57,7 @@ CLOSE = {"grad": 1e-6, "weights": 1e-6, "logprobs": 5e-5, "metrics": 2e-7}
 
 
 def _samples(name: str):
-    from lockstep.sample import Sample
-
-    g = torch.Generator().manual_seed(11)
-    out = []
-    for i, (p, r) in enumerate(SCENARIOS[name][0]):
-        mask = torch.ones(r, dtype=torch.int64)
-        mask[0] = int(i != 2)
-        experts = torch.rand(r, N_LAYERS, N_EXPERTS, generator=g).argsort(-1)[..., :TOP_K].sort(-1).values
-        out.append(Sample(prompt_ids=torch.randint(1, VOCAB, (p,), generator=g),
-                          response_ids=torch.randint(1, VOCAB, (r,), generator=g),
-                          rollout_logprobs=-torch.rand(r, generator=g), loss_mask=mask, routed_experts=experts,
-                          advantages=1.0 if i % 2 else -1.0, group_id=i // 2))
-    return out
+    return _trainer_samples(SCENARIOS[name][0])
 
 
 def _config(name: str, ep: int):

@@ -204,13 +204,14 @@ def test_stage_refuses_streams_of_another_dtype():
 LENGTHS, TRAIN_BUDGET = [(4, 6), (3, 4), (5, 5), (6, 2)], 18
 
 
-def _trainer_samples():
-    """With rollout experts (routing replay reads them; the other runs ignore them)."""
+def _trainer_samples(lengths=LENGTHS):
+    """With rollout experts (routing replay reads them; the other runs ignore them); (prompt, response)
+    lengths per sample."""
     from lockstep.sample import Sample
 
     g = torch.Generator().manual_seed(11)
     out = []
-    for i, (p, r) in enumerate(LENGTHS):
+    for i, (p, r) in enumerate(lengths):
         mask = torch.ones(r, dtype=torch.int64)
         mask[0] = int(i != 2)
         experts = torch.rand(r, N_LAYERS, N_EXPERTS, generator=g).argsort(-1)[..., :TOP_K].sort(-1).values
@@ -236,8 +237,8 @@ def _stage_trainer(stage, replay: bool = False):
 
 def _trainer_rank(rank: int) -> dict:
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, pipeline_logprobs, split_model, \
-        trainer_forward_backward
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+    from lockstep.dist.pipeline_trainer import pipeline_logprobs, trainer_forward_backward
 
     ctx = init_distributed(30.0)
     out = {}
@@ -263,7 +264,7 @@ def test_trainer_loss_on_the_last_stage(trainer_ranks, replay):
     last stage: every metric (loss terms, train/rollout mismatch) and every gradient bitwise those of
     `Trainer.forward_backward` in one process, and the logprobs `Trainer.logprobs`; with routing replay
     too (the prompts' own routing through a forward-only pipeline, the rollout's experts forced)."""
-    from lockstep.dist.pipeline_parallel import pad_microbatches
+    from lockstep.dist.pipeline_trainer import pad_microbatches
     from lockstep.train.logprobs import pack_microbatches
     from lockstep.train.trainer import Trainer
 
@@ -293,7 +294,8 @@ def test_trainer_loss_on_the_last_stage(trainer_ranks, replay):
 def _train_step_rank(rank: int) -> dict:
     """Through `PipelineTrainer`, the Trainer seam a loop calls (logprobs, train_step, named_weights)."""
     from lockstep.dist.groups import init_distributed
-    from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineTrainer, split_model
+    from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+    from lockstep.dist.pipeline_trainer import PipelineTrainer
 
     ctx = init_distributed(30.0)
     stage = split_model(load_pretrained(ASSET), rank, 2)
