@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
+from .deepseek_v4_rows import FullSequences, StepKeys, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
@@ -162,8 +163,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         [T] (or [1, T]) of several sequences and the logits come back packed [T, V]."""
         if cu_seqlens is not None:
             return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
+        if self.true_on_policy:
+            return logits_rows(self, input_ids, FullSequences(*input_ids.shape, input_ids.device), routing)
         hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
         return self.compute_logits(hidden)
+
+    @property
+    def true_on_policy(self) -> bool:
+        """The true-on-policy forward is switched on (KernelSwitches; deepseek_v4_rows.py)."""
+        return self.model.hc_head.kernels.on("true_on_policy")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head in fp32 whatever the model dtype: bf16 logits would be rounded to ~1/128 of
@@ -192,6 +200,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_step(self, input_ids: torch.Tensor, batch: StepBatch, cache: "DeepseekV4Cache",
                      routing: Routing | None = None) -> torch.Tensor:
         """input_ids [N, S] (rows padded past num_new) -> logits [N, S, V] fp32; appends to cache."""
+        if self.true_on_policy:
+            return logits_rows(self, input_ids, StepKeys(batch, cache), routing)
         hidden = self.model.run(
             input_ids, routing,
             lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, cache.layers[layer.layer_idx])))

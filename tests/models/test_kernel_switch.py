@@ -29,7 +29,16 @@ def test_the_environment_wins_when_set(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
-                                           "compile_hc off (LOCKSTEP_COMPILE=0)")
+                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off")
+
+
+def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
+    on = KernelSwitches(true_on_policy=True)
+    assert on.on("true_on_policy") and not any(on.on(k) for k in ("triton_moe", "triton_hc", "compile_hc"))
+    monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")  # the environment cannot bring one back either
+    assert not on.on("triton_moe")
+    monkeypatch.setenv("LOCKSTEP_TRUE_ON_POLICY", "1")
+    assert KernelSwitches().on("true_on_policy") and not KernelSwitches().on("triton_hc")
 
 
 def test_the_gate_needs_the_switch_cuda_and_no_gradient():

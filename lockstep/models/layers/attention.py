@@ -155,19 +155,19 @@ class DeepseekV4Attention(nn.Module):
         return InputProjections(*project(self, self.input_linears(), h))
 
     def _project(self, x: InputProjections, positions: torch.Tensor):
-        N, S = positions.shape
+        """Projections at positions [...] (any leading shape) -> q_res, q [..., H, D], kv [..., D], cos, sin."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         q_res = self.q_a_norm(x.q_a)
-        q = rms_norm(self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim), self.norm_eps)
-        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        q = rms_norm(self.q_b_proj(q_res).view(*positions.shape, self.n_heads, self.head_dim), self.norm_eps)
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         kv = apply_rope(self.kv_norm(x.kv), cos, sin)
         return q_res, q, kv, cos, sin
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        o = apply_rope(o, cos.unsqueeze(2), -sin.unsqueeze(2))  # undo the rope V carried
-        N, S = o.shape[:2]
-        grouped = self.o_a_proj(o.reshape(N, S, self.o_groups, -1))
-        return self.o_b_proj(grouped.flatten(2))
+        """Attention output o [..., H, D] -> the layer's output [..., hidden]."""
+        o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the rope V carried
+        grouped = self.o_a_proj(o.reshape(*o.shape[:-2], self.o_groups, -1))
+        return self.o_b_proj(grouped.flatten(-2))
 
     def _compressed_bias(self, x: InputProjections, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
         if self.layer_type == CSA:

@@ -10,7 +10,7 @@ Each token t yields kv_t = W_kv h_t and gate_t = W_gate h_t + position_bias[t mo
 RoPE (compress frequencies) rotates the entry's trailing dims at the block start j*m.
 A query at position p may use entry j only once block j has closed: j < floor((p+1)/m).
 
-Two callers share `pool_blocks`: `forward_full` over whole sequences (training) and
+Two callers share `entries_from_blocks`: `forward_full` over whole sequences (training) and
 `forward_step` over a chunk of new tokens with per-slot state (rollout): the open block's
 raw kv/gate (`buf_*`) and, for C4, the last closed block's Ca half (`prev_*`).
 """
@@ -21,11 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernel_switch import Switched
 from .norm import RMSNorm
+from .row_blocks import row_blocks
 from .rope import apply_rope, rope_cos_sin
 
 
-class Compressor(nn.Module):
+class Compressor(Switched, nn.Module):
     def __init__(self, hidden_size: int, head_dim: int, compress_rate: int, overlap: bool, norm_eps: float):
         super().__init__()
         self.m, self.head_dim, self.overlap = compress_rate, head_dim, overlap
@@ -39,24 +41,43 @@ class Compressor(nn.Module):
     def width(self) -> int:
         return self.kv_proj.out_features
 
-    def pool_blocks(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
-                    prev_gate: torch.Tensor | None) -> torch.Tensor:
-        """kv/gate [N, nb, m, width] with position bias added -> pooled entries [N, nb, D] (pre-norm).
-
+    def block_slots(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                    prev_gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv/gate [N, nb, m, width] with position bias added -> each entry's pooled slots [N, nb, slots, D]
+        (C4: 2m slots, block j-1's Ca half then block j's Cb half; C128: the block's m tokens).
         prev_kv/prev_gate [N, m, D]: Ca half of the block before block 0 (C4 only; None = none).
         """
-        if self.overlap:
-            d = self.head_dim
-            ca_kv, ca_gate = kv[..., :d], gate[..., :d]
-            if prev_kv is None:
-                prev_kv = torch.zeros_like(ca_kv[:, 0])
-                prev_gate = torch.full_like(ca_gate[:, 0], float("-inf"))
-            shifted_kv = torch.cat([prev_kv.unsqueeze(1).to(kv.dtype), ca_kv[:, :-1]], dim=1)
-            shifted_gate = torch.cat([prev_gate.unsqueeze(1).to(gate.dtype), ca_gate[:, :-1]], dim=1)
-            kv = torch.cat([shifted_kv, kv[..., d:]], dim=2)
-            gate = torch.cat([shifted_gate, gate[..., d:]], dim=2)
-        weights = gate.softmax(dim=2, dtype=torch.float32).to(kv.dtype)
-        return (kv * weights).sum(dim=2)
+        if not self.overlap:
+            return kv, gate
+        d = self.head_dim
+        ca_kv, ca_gate = kv[..., :d], gate[..., :d]
+        if prev_kv is None:
+            prev_kv = torch.zeros_like(ca_kv[:, 0])
+            prev_gate = torch.full_like(ca_gate[:, 0], float("-inf"))
+        shifted_kv = torch.cat([prev_kv.unsqueeze(1).to(kv.dtype), ca_kv[:, :-1]], dim=1)
+        shifted_gate = torch.cat([prev_gate.unsqueeze(1).to(gate.dtype), ca_gate[:, :-1]], dim=1)
+        return torch.cat([shifted_kv, kv[..., d:]], dim=2), torch.cat([shifted_gate, gate[..., d:]], dim=2)
+
+    @staticmethod
+    def pool_slots(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """[..., slots, D] -> [..., D]: softmax over the slots per channel, weighted sum (pre-norm)."""
+        weights = gate.softmax(dim=-2, dtype=torch.float32).to(kv.dtype)
+        return (kv * weights).sum(dim=-2)
+
+    def entries_from_blocks(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                            prev_gate: torch.Tensor | None, block_starts: torch.Tensor,
+                            inv_freq: torch.Tensor) -> torch.Tensor:
+        """Blocks [N, nb, m, width] (position bias added) -> finished entries [N, nb, D]. In the
+        true-on-policy forward the entries are pooled and finished in row blocks (row_blocks.py),
+        so an entry has the same bits whether training pooled a whole sequence or a decode step
+        closed its block."""
+        kv, gate = self.block_slots(kv, gate, prev_kv, prev_gate)
+        if not self.kernels.on("true_on_policy"):
+            return self.finish(self.pool_slots(kv, gate), block_starts, inv_freq)
+        N, nb = kv.shape[:2]
+        entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), s, inv_freq),
+                             kv.flatten(0, 1), gate.flatten(0, 1), block_starts.flatten())
+        return entries.view(N, nb, -1)
 
     def finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Norm, then RoPE at each entry's block start. pooled [N, nb, D], block_starts [N, nb]."""
@@ -73,7 +94,7 @@ class Compressor(nn.Module):
         kv = kv[:, : nb * self.m].reshape(B, nb, self.m, -1)
         gate = gate[:, : nb * self.m].reshape(B, nb, self.m, -1) + self.position_bias
         starts = (torch.arange(nb, device=kv.device) * self.m).expand(B, nb)
-        return self.finish(self.pool_blocks(kv, gate, None, None), starts, inv_freq)
+        return self.entries_from_blocks(kv, gate, None, None, starts, inv_freq)
 
     def forward_step(self, kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor,
                      num_new: torch.Tensor, state: "CompressorState", slots: torch.Tensor,
@@ -100,7 +121,7 @@ class Compressor(nn.Module):
         prev_gate = state.prev_gate[slots] if self.overlap else None
         first_block = start_pos // m
         starts = (first_block.unsqueeze(1) + torch.arange(nb, device=dev)) * m
-        entries = self.finish(self.pool_blocks(kv_b, gate_b, prev_kv, prev_gate), starts, inv_freq)
+        entries = self.entries_from_blocks(kv_b, gate_b, prev_kv, prev_gate, starts, inv_freq)
         closed = (fill + num_new) // m  # blocks closed by this chunk, per row
         self._write_state(state, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed)
 
@@ -132,7 +153,7 @@ class CompressorState:
 
     entries [slots, max_entries, D]; buf_kv/buf_gate [slots, m, width] hold the open block's
     raw projections (gate without position bias); prev_kv/prev_gate [slots, m, D] hold the Ca
-    half of the last closed block (C4 only; gate with bias, -inf before the first block).
+    half of the last closed block (C4 only; gate with bias, fp32, -inf before the first block).
     """
 
     def __init__(self, num_slots: int, max_entries: int, comp: Compressor, dtype, device):
@@ -141,7 +162,10 @@ class CompressorState:
         self.buf_kv = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
         self.buf_gate = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
         self.prev_kv = torch.zeros(num_slots, m, d, dtype=dtype, device=device) if comp.overlap else None
-        self.prev_gate = torch.full((num_slots, m, d), float("-inf"), dtype=dtype, device=device) if comp.overlap else None
+        # fp32 whatever the cache dtype: the position bias (kept in fp32) is already added, and a
+        # training forward pools the same gates unrounded
+        self.prev_gate = (torch.full((num_slots, m, d), float("-inf"), dtype=torch.float32, device=device)
+                          if comp.overlap else None)
 
     @property
     def scratch_slot(self) -> int:

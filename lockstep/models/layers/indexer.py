@@ -34,27 +34,39 @@ class Indexer(Compressor):
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, n_heads)
 
+    def query(self, q_res: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """q_res [..., q_lora_rank] at positions [...] -> roped index queries [..., H_I, D_I]."""
+        cos, sin = rope_cos_sin(inv_freq, positions)
+        q = self.q_b_proj(q_res).view(*positions.shape, self.n_heads, self.head_dim)
+        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+    def scaled_head_weights(self, head_weights: torch.Tensor) -> torch.Tensor:
+        """scorer.weights_proj(h) -> the per-head score weights, fp32 (w_h * H_I^-0.5)."""
+        return head_weights.float() * self.n_heads**-0.5
+
+    def visible(self, positions: torch.Tensor, num_entries: int) -> torch.Tensor:
+        """[..., E] bool: entry j has closed for a query at position p (j < (p + 1) // m)."""
+        return torch.arange(num_entries, device=positions.device) < ((positions + 1) // self.m).unsqueeze(-1)
+
+    def picked(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[..., E] bool: the top min(index_topk, E) visible entries by score, ties to the lower index."""
+        E = scores.shape[-1]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(self.topk, E)]
+        keep = visible.gather(-1, picks)
+        # invalid picks go to a spare column E that is dropped afterwards
+        mask = torch.zeros(*scores.shape[:-1], E + 1, dtype=torch.bool, device=scores.device)
+        mask.scatter_(-1, torch.where(keep, picks, torch.full_like(picks, E)), True)
+        return mask[..., :E]
+
     def select(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Additive bias [N, S, E] over the compressed entries: 0 where selected, -inf elsewhere.
-
         head_weights [N, S, H_I] = scorer.weights_proj(h), q_res [N, S, q_lora_rank],
         positions [N, S], keys [N, E, D_I].
         """
-        N, S = positions.shape
-        E = keys.shape[1]
-        cos, sin = rope_cos_sin(inv_freq, positions)
-        q = self.q_b_proj(q_res).view(N, S, self.n_heads, self.head_dim)
-        q = apply_rope(q, cos.unsqueeze(2), sin.unsqueeze(2))
+        q = self.query(q_res, positions, inv_freq)
         dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
-        w = head_weights.float() * self.n_heads**-0.5
-        scores = (dots * w.unsqueeze(-1)).sum(dim=2)
-        visible = torch.arange(E, device=keys.device) < ((positions + 1) // self.m).unsqueeze(-1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(self.topk, E)
-        picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
-        keep = visible.gather(-1, picks)
-        bias = torch.full((N, S, E + 1), float("-inf"), device=keys.device)
-        # invalid picks go to a spare column E that is dropped afterwards
-        bias.scatter_(-1, torch.where(keep, picks, torch.full_like(picks, E)), 0.0)
-        return bias[..., :E]
+        scores = (dots * self.scaled_head_weights(head_weights).unsqueeze(-1)).sum(dim=2)
+        chosen = self.picked(scores, self.visible(positions, keys.shape[1]))
+        return torch.zeros(chosen.shape, device=keys.device).masked_fill(~chosen, float("-inf"))

@@ -29,7 +29,10 @@ import torch
 from torch import nn
 
 # each switch's environment override
-ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE"}
+ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
+       "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY"}
+# the kernels a decode step and a training forward run differently: off in the true-on-policy forward
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
 
 def env_override(variable: str, configured: bool) -> bool:
@@ -46,9 +49,14 @@ class KernelSwitches:
     """mHC's projection + RMSNorm of a decode step is one Triton kernel."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
+    true_on_policy: bool = False
+    """The true-on-policy forward (deepseek_v4_rows.py): a token's logprob has the same bits in the
+    engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the three above off."""
 
     def on(self, name: str) -> bool:
         """Whether switch `name` is on: the setting, or its environment variable when set."""
+        if name in _SIDE_SPECIFIC and self.on("true_on_policy"):
+            return False
         return env_override(ENV[name], getattr(self, name))
 
     def describe(self) -> str:

@@ -148,6 +148,8 @@ class Experts(Switched, nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 decode: bool = False) -> torch.Tensor:
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
+        if self.kernels.on("true_on_policy"):
+            return self.dense_rows(x, experts, weights)
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         ys = self.sorted_mlp(x[order // k], counts, decode)
@@ -155,6 +157,25 @@ class Experts(Switched, nn.Module):
         out = torch.zeros_like(x)
         for j in range(k):  # fixed order: ascending expert id
             out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
+        return out
+
+    def dense_rows(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The true-on-policy experts (deepseek_v4_rows.py): every held expert computes every row, so
+        the GEMMs' shapes are [E, rows, ...] whichever experts the rows picked (grouping rows by
+        expert makes a row's GEMM size depend on its neighbours' choices); then each row keeps its
+        own k outputs, added in ascending expert order like `forward`. Costs E / k times the
+        experts' FLOPs, run in row blocks of a few dozen rows where the weights' reads dominate."""
+        if len(self.rows) != self.n_experts:
+            raise RuntimeError(f"the true-on-policy forward computes all {self.n_experts} routed experts on one "
+                               f"device; these hold {self.rows} only (expert parallel is not supported there)")
+        gate_up, down = self.expert_weights()
+        E, F2, H = gate_up.shape
+        gate, up = F.linear(x, gate_up.reshape(E * F2, H)).view(-1, E, F2).transpose(0, 1).chunk(2, dim=-1)
+        ys = torch.bmm(swiglu_clamped(gate, up, self.limit), down.transpose(1, 2))  # [E, T, H]
+        rows = torch.arange(x.shape[0], device=x.device)
+        out = torch.zeros_like(x)
+        for j in range(experts.shape[1]):  # fixed order: ascending expert id
+            out = out + (ys[experts[:, j], rows].float() * weights[:, j:j + 1]).to(x.dtype)
         return out
 
     def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:

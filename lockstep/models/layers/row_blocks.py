@@ -1,0 +1,48 @@
+"""Row blocks: the true-on-policy forward's way to make a token's arithmetic independent of its batch.
+
+A GEMM or a reduction library kernel picks its tiling (and with it the order of its sums) from
+the shapes it is called with: cuBLAS by M, torch's reduction kernels by the number of outputs,
+oneDNN by its blocking. A row's result is still a pure function of that row once the call's
+shape is fixed, because rows of one call never mix (every output element is its own sum). So
+`row_blocks(fn, *xs)` calls `fn` on consecutive blocks of exactly ROWS rows (dim 0), the last
+block zero-padded, and concatenates the results: whether a token is one of 64 decode rows, of a
+prefill chunk or of a 16k-token training batch, every op inside `fn` sees the same shapes, so
+the token gets the same bits. The padding rows compute garbage that no real row reads.
+
+ROWS is one number for the engine and the trainer (a block size is part of the numerics: two
+sides with different ROWS disagree). 64 rows fill a decode batch of 64 exactly and keep a
+training batch's loop at T / 64 calls.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+ROWS = 64
+
+
+def _pad_rows(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
+    if x is None or not pad:
+        return x
+    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+
+def _concat(outs: list, total: int):
+    first = outs[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(outs)[:total]
+    if first is None:
+        return None
+    return type(first)(_concat([o[i] for o in outs], total) for i in range(len(first)))
+
+
+def row_blocks(fn: Callable, *xs: torch.Tensor, rows: int = ROWS):
+    """fn(*blocks) over ROWS-row blocks of xs (all with the same dim 0; a None passes as None),
+    results (a tensor, or a tuple of tensors / None) concatenated back to xs' row count."""
+    total = xs[0].shape[0]
+    pad = -total % rows if total else rows  # an empty input still runs one block: shapes to return
+    xs = [_pad_rows(x, pad) for x in xs]
+    outs = [fn(*(None if x is None else x[i:i + rows] for x in xs)) for i in range(0, total + pad, rows)]
+    return _concat(outs, total)

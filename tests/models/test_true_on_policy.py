@@ -1,0 +1,76 @@
+"""The true-on-policy forward (models/deepseek_v4_rows.py): a token's logits have the same bits
+in a training forward, in prefill chunks of any size, in decode steps of any batch, alone or among
+other sequences, in fp32 and in bf16 (every layer kind: window, C4 + indexer, C128, hash / top-k MoE)."""
+
+import pytest
+import torch
+from test_deepseek_v4 import CONFIGS, run_incremental
+
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+from lockstep.models.layers.key_tiles import ENTRY_TILE
+from lockstep.models.layers.row_blocks import ROWS, row_blocks
+from lockstep.models.precision import cast_model
+
+ON = KernelSwitches(true_on_policy=True)
+
+
+def true_on_policy_model(name: str, dtype: torch.dtype, seed: int = 3) -> DeepseekV4ForCausalLM:
+    model = DeepseekV4ForCausalLM(CONFIGS[name])
+    init_deepseek_v4_(model, seed)
+    cast_model(model, dtype)
+    return set_kernel_switches(model, ON)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_rollout_steps_equal_the_training_forward_bitwise(name, dtype):
+    model = true_on_policy_model(name, dtype)
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids)
+        alone = model(ids[1:2])
+        # token by token; odd prefill chunks; chunks longer than the window (rows join and leave)
+        steps, _ = run_incremental(model, ids, [[1] * 40, [5, 1, 3, 7, 2, 1, 9, 12], [13, 11, 16]], slots=[5, 0, 3])
+    assert torch.equal(steps, full)
+    assert torch.equal(alone, full[1:2])  # batch composition and padding length
+    set_kernel_switches(model, KernelSwitches())
+    with torch.no_grad():
+        default = model(ids)
+    # the same function as the default forward, up to rounding
+    assert (default - full).abs().max().item() <= (1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_training_forward_has_gradients_and_routing():
+    model = true_on_policy_model("mixed", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(4))
+    routing = Routing()
+    model(ids, routing=routing).logsumexp(-1).mean().backward()
+    assert routing.stacked().shape == (2, 30, model.config.num_hidden_layers, model.config.num_experts_per_tok)
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+    # hash-routed layers never read their router weight, the indexer only selects (top-k has no
+    # gradient), as in the default forward
+    assert all("gate.weight" in n or "indexer" in n for n in missing), missing
+    replay = Routing(forced=routing.stacked())
+    with torch.no_grad():
+        assert torch.equal(model(ids, routing=replay), model(ids))
+
+
+def test_row_blocks_pad_and_concatenate():
+    x = torch.arange(ROWS * 2 + 3, dtype=torch.float32).unsqueeze(1)
+    seen = []
+    out, none = row_blocks(lambda a, b: (seen.append(a.shape[0]) or a * 2, b), x, None)
+    assert torch.equal(out, x * 2) and none is None and seen == [ROWS] * 3
+    assert row_blocks(lambda a: a + 1, x[:0]).shape == (0, 1)
+
+
+def test_long_sequences_span_several_entry_tiles():
+    # C4 entries past one tile: sequence of 4 * ENTRY_TILE + 9 tokens
+    model = true_on_policy_model("mixed", torch.float32)
+    S = 4 * ENTRY_TILE + 9
+    ids = torch.randint(0, model.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        steps, _ = run_incremental(model, ids, [[S - 40] + [1] * 40], num_slots=2)
+    assert torch.equal(steps, full)
