@@ -111,6 +111,11 @@ class EngineConfig:
     (models/layers/packed_experts.py); off: dequantised values in dtype. Off until measured on GPUs."""
     batch_invariant: bool = False
     """A sequence's logprobs do not depend on what else is in the batch."""
+    true_on_policy: bool = False
+    """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only): a token's logprob has the
+    same bits as the trainer's with the same setting, whatever the batch, chunk or CUDA-graph bucket. Decode
+    graphs replay the eager forward (no compiled layers); fp8 serving keeps dequantised weights (the values
+    the trainer's quantisation-aware forward uses), so packed_fp8 / packed_experts must stay off."""
     dtype: str = "float32"
     """Compute dtype of the engine's model."""
     device: str = "cpu"
@@ -155,7 +160,7 @@ class EngineConfig:
     # the fields that choose the served path's kernels, offered as flags by every command that builds an
     # engine (train, serve, generate), so the path a measurement used can always be named
     PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
-                   "compile_hc")
+                   "compile_hc", "true_on_policy")
 
     def __post_init__(self):
         name = "EngineConfig"
@@ -166,3 +171,7 @@ class EngineConfig:
             if getattr(self, f) < 1:
                 _fail(name, f, f"must be >= 1, got {getattr(self, f)}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+        if self.true_on_policy and (self.packed_fp8 or self.packed_experts):
+            _fail(name, "packed_fp8" if self.packed_fp8 else "packed_experts",
+                  "true_on_policy serves the dequantised fp8 values (the trainer's quantisation-aware forward "
+                  "computes with them); packed weights compute in another order: turn one off")

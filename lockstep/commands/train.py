@@ -23,7 +23,8 @@ from .presets import PROMPT_ROOM, default_text, describe, engine_preset, preset
 
 # set from RunConfig instead (one flag per concept)
 TRAIN_SHARED = ("temperature", "seed", "rollout_max_response_len")
-ENGINE_SHARED = ("dtype", "eos_token_ids", "compile_hc")  # compile_hc: both sides compile mHC alike
+# compile_hc: both sides compile mHC alike; true_on_policy: both sides run that forward
+ENGINE_SHARED = ("dtype", "eos_token_ids", "compile_hc", "true_on_policy")
 MAX_MODEL_LEN = f"{PROMPT_ROOM} + the longer of --rollout-max-response-len and --eval-max-response-len"
 
 
@@ -49,7 +50,8 @@ def configs_from_args(args):
     train = dataclass_from_args(TrainConfig, args, temperature=run.rollout_temperature, seed=run.seed,
                                 rollout_max_response_len=run.rollout_max_response_len,
                                 **preset(args, TRAIN_RECIPE))
-    engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, compile_hc=train.compile_hc, **engine_preset(
+    engine = dataclass_from_args(EngineConfig, args, dtype=train.dtype, compile_hc=train.compile_hc,
+                                 true_on_policy=train.true_on_policy, **engine_preset(
         args, run.rollout_max_response_len, run.eval_max_response_len),
         compile_cache_dir=default_dir(run.model, getattr(args, "compile_cache_dir", None)))
     return run, train, engine

@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 
 from lockstep.engine.cuda_graph import StageError, stage
-from lockstep.models.layers.kernel_switch import env_override
+from lockstep.models.layers.kernel_switch import ENV, env_override
 
 
 FALLBACK_HINT = "EngineConfig.compile_fallback (--compile-fallback) serves the eager path instead"
@@ -25,6 +25,8 @@ FALLBACK_HINT = "EngineConfig.compile_fallback (--compile-fallback) serves the e
 
 def compile_backend_for(config, requested="auto"):
     """The backend the decode graphs compile with: `requested`, or None when compiling is off."""
+    if env_override(ENV["true_on_policy"], config.true_on_policy):  # eager on both sides (deepseek_v4_rows.py)
+        return None
     return requested if env_override("LOCKSTEP_COMPILE", config.compile_decode) else None
 
 

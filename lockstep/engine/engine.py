@@ -73,11 +73,14 @@ class Engine:
         install_packed_weights(self.model, config.serving_format, config.packed_fp8,  # packed_weights.py
                                config.packed_experts)
         apply_serving_format(self.model, config.serving_format)
-        self._fuse_projections()
         # the model imports no config: its kernel switches are handed over (kernel_switch.py)
         self.kernels = KernelSwitches(triton_moe=config.triton_moe, triton_hc=config.triton_hc,
-                                      compile_hc=config.compile_hc)
+                                      compile_hc=config.compile_hc, true_on_policy=config.true_on_policy)
         set_kernel_switches(self.model, self.kernels)
+        if self.kernels.on("true_on_policy") and not hasattr(self.model, "true_on_policy"):
+            raise ValueError(f"EngineConfig.true_on_policy: {type(self.model).__name__} has no true-on-policy "
+                             "forward (DeepSeek-V4 has)")
+        self._fuse_projections()
         # never past the positions the model was built for
         limit = getattr(self.model.config, "max_position_embeddings", None) or config.max_model_len
         self.max_model_len = min(config.max_model_len, limit)
@@ -126,7 +129,9 @@ class Engine:
               file=sys.stderr)
 
     def _fuse_projections(self) -> None:
-        if hasattr(self.model, "fuse_projections"):  # weights that read one input: one GEMM
+        # not in the true-on-policy forward: the trainer multiplies by each weight on its own, and a
+        # stacked weight is a GEMM of another shape (another order of sums)
+        if hasattr(self.model, "fuse_projections") and not self.kernels.on("true_on_policy"):
             self.model.fuse_projections()
 
     def _refresh_graphs(self) -> None:

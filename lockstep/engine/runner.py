@@ -110,13 +110,7 @@ class DeepseekV4Adapter:
     def run_step(self, ids_NS: torch.Tensor, batch, routing, call_layer=None) -> torch.Tensor:
         """model.forward_step up to the final norm -> hidden [N, S, H]: the LM head runs only over
         the rows somebody samples from."""
-        layers = self.cache.cache.layers
-
-        def attend_for(layer):
-            cache = layers[layer.layer_idx]  # looked up here: a compiled layer must not guard on its index
-            return lambda h: layer.self_attn.forward_step(h, batch, cache)
-
-        return self.model.model.run(ids_NS, routing, attend_for, call_layer)
+        return self.model.hidden_step(ids_NS, batch, self.cache.cache, routing, call_layer)
 
     def forward(self, seqs, nums, want_logits, want_routing):
         self.cache.prepare()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
-from .deepseek_v4_rows import FullSequences, StepKeys, logits_rows
+from .deepseek_v4_rows import FullSequences, StepKeys, hidden_rows, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
@@ -164,8 +164,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
         if self.true_on_policy:
-            return logits_rows(self, input_ids, FullSequences(*input_ids.shape, input_ids.device), routing)
-        hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
+            hidden = hidden_rows(self.model, input_ids, FullSequences(*input_ids.shape, input_ids.device), routing)
+        else:
+            hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
         return self.compute_logits(hidden)
 
     @property
@@ -184,6 +185,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         skipping the weight's fp32 copy (on a 1B config: ~150 us of each ~3 ms decode step).
         No backward exists for it (torch 2.11-2.13), so training takes the fp32 GEMM."""
         w = self.lm_head.weight
+        if self.true_on_policy:
+            return logits_rows(w, hidden)
         if _bf16_gemm_fp32_out(hidden, w):
             flat = hidden.reshape(-1, hidden.shape[-1])
             return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], w.shape[0])
@@ -200,12 +203,20 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward_step(self, input_ids: torch.Tensor, batch: StepBatch, cache: "DeepseekV4Cache",
                      routing: Routing | None = None) -> torch.Tensor:
         """input_ids [N, S] (rows padded past num_new) -> logits [N, S, V] fp32; appends to cache."""
+        return self.compute_logits(self.hidden_step(input_ids, batch, cache, routing))
+
+    def hidden_step(self, input_ids: torch.Tensor, batch: StepBatch, cache: "DeepseekV4Cache",
+                    routing: Routing | None = None, call_layer=None) -> torch.Tensor:
+        """forward_step up to the final norm -> hidden [N, S, H] (the engine runs the LM head only
+        over the rows it samples from). call_layer: compiled layers (DeepseekV4Model.run)."""
         if self.true_on_policy:
-            return logits_rows(self, input_ids, StepKeys(batch, cache), routing)
-        hidden = self.model.run(
-            input_ids, routing,
-            lambda layer: (lambda h: layer.self_attn.forward_step(h, batch, cache.layers[layer.layer_idx])))
-        return self.compute_logits(hidden)
+            return hidden_rows(self.model, input_ids, StepKeys(batch, cache), routing)
+
+        def attend_for(layer):
+            layer_cache = cache.layers[layer.layer_idx]  # looked up here: a compiled layer must not guard on it
+            return lambda h: layer.self_attn.forward_step(h, batch, layer_cache)
+
+        return self.model.run(input_ids, routing, attend_for, call_layer)
 
     def fuse_projections(self) -> None:
         """Per layer, the attention's and the MoE's input projections become one GEMM each

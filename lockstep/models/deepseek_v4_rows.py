@@ -166,13 +166,18 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     return streams
 
 
-def logits_rows(causal_lm, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
-    """input_ids [N, S] (rows of `keys`) -> logits [N, S, V] fp32 through the true-on-policy forward."""
-    model = causal_lm.model
+def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
+    """DeepseekV4Model's run through the true-on-policy forward: input_ids [N, S] (the rows of
+    `keys`) -> final hidden states [N, S, H]."""
     ids = input_ids.reshape(-1)
     streams = model.embed_streams(ids)
     for layer in model.layers:
         streams = layer_rows(layer, streams, ids, keys, routing)
-    w = causal_lm.lm_head.weight
-    logits = row_blocks(lambda s: F.linear(model.final_hidden(s).float(), w.float()), streams)
-    return logits.view(*input_ids.shape, -1)
+    return row_blocks(model.final_hidden, streams).view(*input_ids.shape, streams.shape[-1])
+
+
+def logits_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] -> logits [..., V] fp32, the head in row blocks (an fp32 GEMM on every side)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logits = row_blocks(lambda h: F.linear(h.float(), lm_head_weight.float()), flat)
+    return logits.view(*hidden.shape[:-1], lm_head_weight.shape[0])

@@ -89,7 +89,7 @@ class Trainer:
         self._check(model, ref_model)
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
-                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc))
+                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy))
         masters = self._prepare_dtype()
         if config.quant_aware_forward:
             apply_quant_aware(model, config.quant_aware_forward)
