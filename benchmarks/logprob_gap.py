@@ -9,10 +9,16 @@ project starts from (0.09 mean, the ROCm bring-up of DeepSeek-V4-Flash; DSV4_SPE
     python benchmarks/logprob_gap.py ... --no-compile-decode      # the engine's decode uncompiled
     python benchmarks/logprob_gap.py --model DIR ...              # a saved model (e.g. `lockstep sft --preset`)
     python benchmarks/logprob_gap.py --model DIR --reinit ...     # its config at random init: the baseline
+    python benchmarks/logprob_gap.py ... --true-on-policy 0 1     # also with the true-on-policy forward
+
+--true-on-policy 1 runs engine and trainer through the true-on-policy forward
+(models/deepseek_v4_rows.py): its rows must print mean 0 and exact 1.000 (JSON "true_on_policy": true).
 
 With --model the prompts are the model's tokenizer's chat encoding of held-out ("eval" split)
 arithmetic problems of --task-digits digits, the task the presets train on, so a trained model's
-completions are its own confident ones; otherwise they are random token ids.
+completions are its own confident ones; otherwise they are random token ids, of lengths drawn
+between --prompt-len / 2 and --prompt-len (requests of different lengths: prefill chunks and decode
+rows mix, sequences finish apart).
 """
 
 from __future__ import annotations
@@ -55,32 +61,35 @@ def make_model(args, seed: int) -> DeepseekV4ForCausalLM:
 def make_prompts(args, vocab: int) -> list[list[int]]:
     if not args.model:
         g = torch.Generator().manual_seed(1)
-        return [torch.randint(2, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.batch)]
+        lengths = torch.randint(max(args.prompt_len // 2, 1), args.prompt_len + 1, (args.batch,), generator=g)
+        return [torch.randint(2, vocab, (int(n),), generator=g).tolist() for n in lengths]
     tok = load_tokenizer(args.model)
     held_out = arithmetic_prompts(args.batch, digits=args.task_digits, split="eval")
     return [encode_prompt(tok, p.prompt) for p in held_out]
 
 
-def run_setting(state, prompts, args, fmt, qat, invariant, replay):
+def run_setting(state, prompts, args, fmt, qat, invariant, replay, true_on_policy=False):
     engine_model, train_model = make_model(args, 0), make_model(args, 0)
     engine_model.load_state_dict(state)
     train_model.load_state_dict(state)
     engine = Engine(engine_model, EngineConfig(dtype=args.dtype, device=args.device, serving_format=fmt,
                                                batch_invariant=invariant, max_num_seqs=args.batch,
                                                max_model_len=max(map(len, prompts)) + args.new_tokens + 8,
-                                               compile_decode=args.compile_decode, **args.engine_option))
+                                               compile_decode=args.compile_decode, true_on_policy=true_on_policy,
+                                               **args.engine_option))
     # the quant-aware parametrisation does not trace: those settings keep eager trainer layers
-    compiled = args.compile_trainer and qat is None
+    compiled = args.compile_trainer and qat is None and not true_on_policy
     trainer = Trainer(train_model.to(args.device), TrainConfig(dtype=args.dtype, quant_aware_forward=qat,
                                                                 use_rollout_routing_replay=replay,
                                                                 compile_backend="inductor" if compiled else None,
-                                                                max_tokens_per_gpu=16384))
+                                                                max_tokens_per_gpu=16384,
+                                                                true_on_policy=true_on_policy))
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, seed=5, ignore_eos=True,
                               return_routed_experts=replay)
     start = time.perf_counter()
     report = compare(engine, trainer, prompts, sampling)
     return {**report.as_dict(), "serving_format": fmt, "quant_aware_forward": qat, "batch_invariant": invariant,
-            "routing_replay": replay, "compiled_trainer": compiled, "engine_path": engine.serving_path,
+            "routing_replay": replay, "true_on_policy": true_on_policy, "compiled_trainer": compiled, "engine_path": engine.serving_path,
             "seconds": time.perf_counter() - start}
 
 
@@ -106,6 +115,8 @@ def main():
     ap.add_argument("--formats", nargs="*", default=["bf16", "fp8", "fp8-fp4"])
     ap.add_argument("--batch-invariant", nargs="*", type=int, default=[0, 1])
     ap.add_argument("--routing-replay", nargs="*", type=int, default=[0, 1])
+    ap.add_argument("--true-on-policy", nargs="*", type=int, default=[0],
+                    help="0: the default forward, 1: the true-on-policy forward (engine and trainer); both: 0 1")
     ap.add_argument("--compile-trainer", action="store_true",
                     help="the trainer's decoder layers compiled with inductor, as the engine's decode step is "
                          "(settings without the quant-aware forward)")
@@ -127,11 +138,13 @@ def main():
     model = make_model(args, 0)
     state, prompts = model.state_dict(), make_prompts(args, model.config.vocab_size)
     print(f"config {args.model + (' (reinit)' if args.reinit else '') if args.model else args.config}  device {args.device}  dtype {args.dtype}  batch {args.batch}")
-    print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'rr':3s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
-    for fmt, inv, rr in itertools.product(args.formats, args.batch_invariant, args.routing_replay):
-        for qat in ([None] if fmt == "bf16" else [None, fmt]):
-            r = run_setting(state, prompts, args, fmt, qat, bool(inv), bool(rr))
-            print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {rr:<3d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
+    print(f"{'serving':8s} {'qat':8s} {'inv':4s} {'rr':3s} {'top':3s} {'mean|d|':>10s} {'max|d|':>9s} {'exact':>6s} {'vs 0.09':>8s}")
+    for fmt, inv, rr, top in itertools.product(args.formats, args.batch_invariant, args.routing_replay,
+                                               args.true_on_policy):
+        # true on policy serves fp8 with the quantisation-aware forward only (that is its contract)
+        for qat in ([None] if fmt == "bf16" else [fmt] if top else [None, fmt]):
+            r = run_setting(state, prompts, args, fmt, qat, bool(inv), bool(rr), bool(top))
+            print(f"{fmt:8s} {str(qat):8s} {inv:<4d} {rr:<3d} {top:<3d} {r['mean_abs_diff']:10.3e} {r['max_abs_diff']:9.3e} "
                   f"{r['exact_fraction']:6.3f} {r['mean_abs_diff'] / BASELINE_MEAN_ABS_DIFF:8.4f}", flush=True)
             print("JSON " + json.dumps(r))
 

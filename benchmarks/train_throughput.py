@@ -3,6 +3,7 @@
     python benchmarks/train_throughput.py --config cpu-tiny                      # CPU smoke check, < 1 min
     python benchmarks/train_throughput.py --config 1b                            # one H200: 8 x 2048, bf16
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
+    python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
 
 What is timed (after --warmup untimed steps, CUDA synchronised around the --steps timed ones):
 - lockstep: `Trainer.train_step` on --batch synthetic samples of --seq-len tokens (the first
@@ -144,13 +145,14 @@ def timed(step, args) -> tuple[float, object]:
     return time.perf_counter() - t, first
 
 
-def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None) -> dict:
+def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
+                 true_on_policy: bool = False) -> dict:
     reset_peak(args.device)
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
     trainer = Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend,
-                                         max_tokens_per_gpu=args.batch * args.seq_len))
+                                         max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     out = {"seconds": seconds, "peak_bytes": peak_bytes(args.device), "grad_norm": first["train/grad_norm"]}
     torch._dynamo.reset()  # compiled layers' code holds the model: let it go with this frame
@@ -225,6 +227,8 @@ def parse_args(argv=None):
                     help="TrainConfig.compile_backend of the lockstep side (none, inductor, ...); "
                          "several: one row each")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--true-on-policy", action="store_true",
+                    help="one more lockstep row, TrainConfig.true_on_policy (eager), and its ratio to the first row")
     ap.add_argument("--gemm-size", type=int, default=None, help="peak-probe GEMM size (default 8192 CUDA, 1024 CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -262,6 +266,13 @@ def main(argv=None) -> None:
         run = run_lockstep(config, state, samples, args, None if backend == "none" else backend)
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
+    if args.true_on_policy:
+        run = run_lockstep(config, state, samples, args, None, true_on_policy=True)
+        result["lockstep"]["true_on_policy"] = f = figures(run, args, flops_per_token, peak_tflops)
+        print(line("lockstep train_step (true on policy)", f, args, peak_tflops), flush=True)
+        first = args.compile_backend[0]
+        print(f"ratio true on policy / compile {first}: "
+              f"{f['tokens_per_s'] / result['lockstep'][first]['tokens_per_s']:.2f}x tok/s")
     if not args.skip_transformers:
         run = run_transformers(config, state, ids, advantages, args)
         result["transformers"] = hf = figures(run, args, flops_per_token, peak_tflops)

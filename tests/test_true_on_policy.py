@@ -5,6 +5,7 @@ step and after every weight push, in bf16 and fp32, in bf16 serving and in fp8 s
 quantisation-aware forward. (models/deepseek_v4_rows.py is the forward both sides run.)"""
 
 import copy
+import os
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ from lockstep.train.trainer import Trainer
 from train.trainer_fixtures import tiny_model
 
 ABS_DIFF = "train/train_rollout_logprob_abs_diff"
+# LOCKSTEP_TEST_DEVICE=cuda: engine (CUDA graphs, multi-step decode) and trainer on a GPU
+DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 @pytest.fixture(autouse=True)
@@ -48,12 +51,13 @@ def test_rollout_and_training_logprobs_are_identical_across_weight_pushes(dtype,
     model = tiny_model(config=tiny_config(max_position_embeddings=64))
     engine = Engine(copy.deepcopy(model), EngineConfig(
         max_num_seqs=3, max_model_len=32, max_prefill_tokens=5, dtype=dtype, serving_format=serving_format,
-        true_on_policy=True))
+        device=DEVICE, true_on_policy=True))
     quant = None if serving_format == "bf16" else serving_format
-    trainer = Trainer(model, TrainConfig(dtype=dtype, quant_aware_forward=quant, true_on_policy=True, lr=1e-3))
+    trainer = Trainer(model.to(DEVICE), TrainConfig(dtype=dtype, quant_aware_forward=quant, true_on_policy=True, lr=1e-3))
     for step in range(2):
         samples = rollouts(engine, seed=step)
         for s, logp in zip(samples, trainer.logprobs(samples)):
+            logp = logp.cpu()
             assert torch.equal(logp, s.rollout_logprobs), (step, (logp - s.rollout_logprobs).abs().max())
         assert trainer.train_step(samples)[ABS_DIFF] == 0.0
         engine.update_weights(trainer.named_weights(), step + 1)  # the next step samples the new policy
