@@ -2,6 +2,8 @@
 
     python benchmarks/rollout_throughput.py --config tiny --device cpu            # quick check
     python benchmarks/rollout_throughput.py --config 1b --device cuda --dtype bfloat16 --batch 64 --new-tokens 256
+    python benchmarks/rollout_throughput.py --config 1b --device cuda --dtype bfloat16 \\
+        --serving-format bf16 fp8 fp8-fp4 --packed-experts              # the formats side by side
 
 Same DeepSeek-V4 config, same (served) weights, same prompts (random ids of --prompt-len),
 greedy, every sequence generating exactly --new-tokens tokens (eos ignored), after one warm-up
@@ -10,9 +12,21 @@ generate of the same batch with 2 new tokens on each side. Printed from one run:
 - transformers: output tokens / wall time of `DeepseekV4ForCausalLM.generate` (eager attention);
 - the decode roofline: per decode step the engine must at least read every weight it uses (all
   dense weights, the routed experts the batch touches: E * (1 - (1 - k/E)^B) of E per layer in
-  expectation) and every sequence's cache (window ring + compressed entries at the mean length),
-  at the device copy bandwidth measured here with a large tensor copy (bytes read + written).
-The ratios are lockstep / transformers and lockstep decode / roofline. On CUDA the engine decodes
+  expectation, one embedding / hash-routing row per sequence) and every sequence's cache (window
+  ring + compressed entries at the mean length), at the device copy bandwidth measured here with a
+  large tensor copy (bytes read + written). The weights' bytes are the engine's real storage, each
+  storage once (engine.weight_bytes()): packed fp8 at 1 byte + 128x128 scales, packed fp4 experts
+  at 0.5 byte + 1x32 scales, unpacked weights at their dtype's size.
+The ratios are lockstep / transformers and lockstep decode / roofline.
+
+--serving-format takes several formats: each gets its own engine, built from a fresh model of the
+same --seed (the engine casts and packs its model in place) and run on the same prompts, one after
+the other (the previous engine freed first, and CUDA's cached blocks released). Each format prints
+its engine start, weight bytes, lockstep and roofline lines; the copy bandwidth is measured once,
+transformers runs on the first format's engine only, and with bf16 among several formats the run
+ends with `ratio FORMAT / bf16 tokens/s: X.XXx (decode Y.YYx)` per other format. --true-on-policy
+runs every format a second time through the true-on-policy forward (fp8 dequantised, eager decode
+graphs) and prints `ratio true-on-policy / default (FORMAT) tokens/s`. On CUDA the engine decodes
 through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
 kernels and syncs of one decode step on a CPU. Each engine's start is printed as `engine start S s
 (compile cache: hit|miss|off)`; --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py).
@@ -27,6 +41,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import gc
 import time
 
 import torch
@@ -40,6 +55,7 @@ from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Conf
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+FORMATS = ["bf16", "fp8", "fp8-fp4"]
 
 
 def bench_config(name: str) -> DeepseekV4Config:
@@ -91,27 +107,51 @@ def copy_bandwidth(device: str, mib: int) -> float:
     return 2 * src.numel() * 4 * reps / (time.perf_counter() - t)
 
 
-def decode_bytes_per_step(model, batch: int, mean_len: float) -> float:
+def _storages(model):
+    """Each distinct storage behind the model's parameters and buffers once -> (nbytes, every name on
+    it, one tensor on it): a fused matrix and its linears' views, tied weights, counted once, as
+    engine.weight_bytes() counts them (packed fp8 / fp4 as their bytes + scale tables)."""
+    seen = {}
+    named = list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers(remove_duplicate=False))
+    for name, t in named:
+        storage = t.untyped_storage()
+        seen.setdefault(storage.data_ptr(), (storage.nbytes(), [], t))[1].append(name)
+    return seen.values()
+
+
+def _is_lookup(name: str) -> bool:
+    """Tables a decode step reads one row of per sequence (token embedding, hash routing)."""
+    return "embed_tokens" in name or name.endswith(".tid2eid")
+
+
+def weight_bytes_per_step(model, batch: int) -> float:
+    """Weight bytes one decode step reads, from the storage the engine holds, not from a bf16
+    assumption: an fp8 weight is 1 byte + its 128x128 scales, a packed fp4 expert 0.5 byte + its
+    1x32 scales; a weight kept unpacked (bf16 format, --emulated-fp8) is its dtype's bytes."""
     c = model.config
-    el = model.lm_head.weight.element_size()
+    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch
     total = 0.0
-    for name, p in model.state_dict().items():  # packed fp8 weights are buffers (1 byte each; scales left out)
-        nbytes = p.numel() * p.element_size()
-        if ".experts." in name:  # routed experts: only the ones the batch touches are read
-            e, k = c.n_routed_experts, c.num_experts_per_tok
-            nbytes *= 1 - (1 - k / e) ** batch
-        elif "embed_tokens" in name:  # one row per sequence
-            nbytes = batch * c.hidden_size * p.element_size()
+    for nbytes, names, t in _storages(model):
+        if all(".experts." in n for n in names):  # routed experts: only the ones the batch touches are read
+            nbytes *= touched
+        elif all(_is_lookup(n) for n in names):  # a tied lm_head is read whole: not all names are lookups
+            nbytes *= min(1.0, batch / t.shape[0])
         total += nbytes
+    return total
+
+
+def cache_bytes_per_step(c: DeepseekV4Config, batch: int, mean_len: float, itemsize: int) -> float:
+    """Cache bytes one decode step reads: every sequence's window ring + compressed entries (and the
+    indexer's keys on CSA layers) at the mean length, held in the engine's dtype."""
     per_seq = 0.0
     for t in c.layer_types:
-        per_seq += c.sliding_window * c.head_dim * el
+        per_seq += c.sliding_window * c.head_dim * itemsize
         if t != SLIDING:
             m = c.compress_rates[t]
-            per_seq += (mean_len // m) * c.head_dim * el
+            per_seq += (mean_len // m) * c.head_dim * itemsize
             if t == CSA:
-                per_seq += (mean_len // m) * c.index_head_dim * el
-    return total + batch * per_seq
+                per_seq += (mean_len // m) * c.index_head_dim * itemsize
+    return batch * per_seq
 
 
 def run_lockstep(engine: Engine, prompts, new_tokens: int, device: str, decode_steps: int | None = None):
@@ -178,7 +218,7 @@ def compile_option(text: str) -> tuple[str, object]:
         return key, value
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", choices=["tiny", "1b"], default="tiny")
     ap.add_argument("--batch", type=int, default=64)
@@ -186,8 +226,12 @@ def main(argv=None) -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=list(DTYPES), default="float32")
-    ap.add_argument("--serving-format", choices=["bf16", "fp8", "fp8-fp4"], default="bf16")
+    ap.add_argument("--serving-format", choices=FORMATS, nargs="+", default=["bf16"],
+                    help="one engine per format, one after the other, on the same weights and prompts")
     ap.add_argument("--batch-invariant", action="store_true")
+    ap.add_argument("--true-on-policy", action="store_true",
+                    help="each format also through the true-on-policy forward (EngineConfig.true_on_policy), "
+                         "with its tokens/s ratio to the default")
     ap.add_argument("--emulated-fp8", action="store_true",
                     help="fp8 linears as dequantised values (EngineConfig.packed_fp8=False), not packed")
     ap.add_argument("--packed-experts", action="store_true",
@@ -206,7 +250,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
     ap.add_argument("--step-trace", metavar="PATH",
-                    help="CUDA: write the kernels of one decode step, in launch order, to PATH")
+                    help="CUDA: write the kernels of one decode step, in launch order, to PATH "
+                         "(PATH.FORMAT when several formats run)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
     ap.add_argument("--seed", type=int, default=0)
@@ -214,17 +259,27 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if (args.profile or args.step_trace) and not args.device.startswith("cuda"):
         ap.error("--profile and --step-trace read CUDA kernel times: use --device cuda")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args.serving_format = list(dict.fromkeys(args.serving_format))  # a repeated format runs once
+    return args
 
+
+def engine_config(args, fmt: str, true_on_policy: bool = False) -> EngineConfig:
+    # the true-on-policy forward serves fp8 dequantised (its contract: EngineConfig.true_on_policy)
+    return EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
+                        max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
+                        device=args.device, serving_format=fmt, batch_invariant=args.batch_invariant,
+                        true_on_policy=true_on_policy, packed_fp8=not (args.emulated_fp8 or true_on_policy),
+                        packed_experts=args.packed_experts and not true_on_policy,
+                        cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
+                        compile_options=dict(args.compile_option), compile_cache_dir=args.compile_cache_dir)
+
+
+def start_engine(args, fmt: str, true_on_policy: bool = False) -> Engine:
+    """A fresh model per format: the engine casts and packs the model it is given in place. The
+    same --seed gives every format the same weights."""
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
-    cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.new_tokens + 1,
-                       max_prefill_tokens=max(args.batch * args.prompt_len, 1), dtype=args.dtype,
-                       device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-                       packed_fp8=not args.emulated_fp8, packed_experts=args.packed_experts,
-                       cuda_graph=not args.no_cuda_graph, compile_prefill=not args.eager_prefill,
-                       compile_options=dict(args.compile_option), compile_cache_dir=args.compile_cache_dir)
+    cfg = engine_config(args, fmt, true_on_policy)
     t = time.perf_counter()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
@@ -232,17 +287,18 @@ def main(argv=None) -> None:
     print(f"engine start {engine.start_seconds:.1f} s (compile cache: {status})")
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
-    print(f"weight bytes {args.serving_format} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")
+    print(f"weight bytes {fmt} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")
     graphs = getattr(engine.adapter, "graphs", None)
-    g = torch.Generator().manual_seed(args.seed + 1)
-    V = model.config.vocab_size
-    prompts = torch.randint(2, V, (args.batch, args.prompt_len), generator=g).tolist()
     print(f"config {args.config} ({n_params / 1e6:.1f}M params), batch {args.batch}, prompt {args.prompt_len}, "
-          f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {args.serving_format}, "
-          f"batch_invariant {args.batch_invariant}, cuda graphs "
+          f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {fmt}, "
+          f"batch_invariant {args.batch_invariant}, true_on_policy {true_on_policy}, cuda graphs "
           + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off")
           + (f", compile options {cfg.compile_options}" if cfg.compile_options else ""))
+    return engine
 
+
+def time_lockstep(args, engine: Engine, prompts) -> tuple[float, float, list]:
+    """Warm-up, the --decode-steps comparisons, then the headline run -> (tokens/s, decode tokens/s, samples)."""
     t, graphs_before = time.perf_counter(), compiled_graph_count()
     run_lockstep(engine, prompts, 2, args.device)  # warm-up: the timed run's prefill shapes, 2 tokens
     # the engine compiled its graphs at start: any here is a guard the start's shapes missed
@@ -259,24 +315,32 @@ def main(argv=None) -> None:
     ls_decode_tps = args.batch * (args.new_tokens - 1) / decode if decode > 0 else float("nan")
     print(f"lockstep:      {ls_tps:12.1f} tokens/s  (prefill {prefill:.3f} s, decode {ls_decode_tps:.1f} tokens/s, "
           f"decode_steps {args.decode_steps[0]})")
+    return ls_tps, ls_decode_tps, samples
 
-    bw = copy_bandwidth(args.device, args.copy_mib or (1024 if args.device.startswith("cuda") else 256))
-    step_bytes = decode_bytes_per_step(engine.model, args.batch, args.prompt_len + args.new_tokens / 2)
-    roof_tps = args.batch / (step_bytes / bw)
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); decode step reads {step_bytes / 1e6:.1f} MB "
-          f"-> roofline {roof_tps:.1f} tokens/s")
+
+def print_roofline(args, engine: Engine, bw: float, ls_decode_tps: float) -> None:
+    weights = weight_bytes_per_step(engine.model, args.batch)
+    cache = cache_bytes_per_step(engine.model.config, args.batch, args.prompt_len + args.new_tokens / 2,
+                                 engine.dtype.itemsize)
+    roof_tps = args.batch / ((weights + cache) / bw)
+    print(f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); decode step reads {(weights + cache) / 1e6:.1f} MB "
+          f"(weights {weights / 1e6:.3f}, cache {cache / 1e6:.3f}) -> roofline {roof_tps:.1f} tokens/s")
     print(f"ratio lockstep decode / roofline: {ls_decode_tps / roof_tps:.3f}")
 
-    if not args.skip_transformers:
-        hf_time, hf_out = run_transformers(engine.model, prompts, args.new_tokens, args.device)
-        hf_tps = out_tokens / hf_time
-        prefixes = sorted(common_prefix(s.response_ids.tolist(), o.tolist()) for s, o in zip(samples, hf_out.cpu()))
-        agree = sum(p == args.new_tokens for p in prefixes)
-        # bf16 greedy decoding of random weights: near-tied logits flip under rounding differences,
-        # so completions part after a while; how long they agree is the sanity check
-        print(f"transformers:  {hf_tps:12.1f} tokens/s  ({agree}/{args.batch} greedy completions identical, "
-              f"median common prefix {prefixes[len(prefixes) // 2]} of {args.new_tokens} tokens)")
-        print(f"ratio lockstep / transformers: {ls_tps / hf_tps:.2f}x")
+
+def compare_transformers(args, engine: Engine, prompts, samples, ls_tps: float) -> None:
+    hf_time, hf_out = run_transformers(engine.model, prompts, args.new_tokens, args.device)
+    hf_tps = args.batch * args.new_tokens / hf_time
+    prefixes = sorted(common_prefix(s.response_ids.tolist(), o.tolist()) for s, o in zip(samples, hf_out.cpu()))
+    agree = sum(p == args.new_tokens for p in prefixes)
+    # bf16 greedy decoding of random weights: near-tied logits flip under rounding differences,
+    # so completions part after a while; how long they agree is the sanity check
+    print(f"transformers:  {hf_tps:12.1f} tokens/s  ({agree}/{args.batch} greedy completions identical, "
+          f"median common prefix {prefixes[len(prefixes) // 2]} of {args.new_tokens} tokens)")
+    print(f"ratio lockstep / transformers: {ls_tps / hf_tps:.2f}x")
+
+
+def kernel_reports(args, engine: Engine, fmt: str, prompts) -> None:
     if args.profile:
         from kernel_profile import profile_generate
 
@@ -286,8 +350,62 @@ def main(argv=None) -> None:
         from kernel_profile import decode_step_trace
 
         sp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        with open(args.step_trace, "w") as f:
+        path = args.step_trace if len(args.serving_format) == 1 else f"{args.step_trace}.{fmt}"
+        with open(path, "w") as f:
             f.write(decode_step_trace(engine, [GenerateRequest(p, sp) for p in prompts]) + "\n")
+
+
+def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
+                 true_on_policy: bool = False) -> tuple[float, float, float]:
+    """One format's engine, timed and measured -> (tokens/s, decode tokens/s, copy bandwidth). The
+    bandwidth is measured once, where the single-format run always measured it (after the first
+    timed run); transformers runs once, on the first engine, so several formats cost no more of it."""
+    engine = start_engine(args, fmt, true_on_policy)
+    ls_tps, ls_decode_tps, samples = time_lockstep(args, engine, prompts)
+    if bw is None:
+        bw = copy_bandwidth(args.device, args.copy_mib or (1024 if args.device.startswith("cuda") else 256))
+    print_roofline(args, engine, bw, ls_decode_tps)
+    if first and not args.skip_transformers:
+        compare_transformers(args, engine, prompts, samples, ls_tps)
+    kernel_reports(args, engine, fmt, prompts)
+    return ls_tps, ls_decode_tps, bw
+
+
+def free_device_memory(device: str) -> None:
+    """The last engine's model, cache and graphs are unreferenced once bench_format returns; collect
+    them (they may sit in reference cycles) and give their CUDA blocks back, so the next engine
+    starts on the memory a single-format run would have."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def print_ratios(results: dict[tuple[str, bool], tuple[float, float]]) -> None:
+    """Each format against bf16 (default forward), and each true-on-policy row against its format's default."""
+    def ratio(a, b):
+        return f"{a[0] / b[0]:.2f}x (decode {a[1] / b[1]:.2f}x)"
+    for (fmt, top), figures in results.items():
+        if not top and fmt != "bf16" and ("bf16", False) in results:
+            print(f"ratio {fmt} / bf16 tokens/s: {ratio(figures, results[('bf16', False)])}")
+        if top and (fmt, False) in results:
+            print(f"ratio true-on-policy / default ({fmt}) tokens/s: {ratio(figures, results[(fmt, False)])}")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    V = bench_config(args.config).vocab_size
+    prompts = torch.randint(2, V, (args.batch, args.prompt_len), generator=g).tolist()
+    results, bw = {}, None
+    runs = [(fmt, top) for fmt in args.serving_format for top in ([False, True] if args.true_on_policy else [False])]
+    for i, (fmt, top) in enumerate(runs):
+        if i:
+            free_device_memory(args.device)
+        tps, decode_tps, bw = bench_format(args, fmt, prompts, bw, first=i == 0, true_on_policy=top)
+        results[(fmt, top)] = (tps, decode_tps)
+    print_ratios(results)
 
 
 if __name__ == "__main__":
