@@ -29,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the trainer uses the experts the engine chose for each token (default: off)")
     parser.add_argument("--batch-invariant", action="store_true",
                         help="the engine's logprobs do not depend on the batch (default: off)")
+    parser.add_argument("--true-on-policy", action="store_true",
+                        help="engine and trainer both run the true-on-policy forward: the gap must be 0 (default: off)")
     parser.add_argument("--num-prompts", type=int, default=32, help="arithmetic prompts sampled (default: 32)")
     parser.add_argument("--max-new-tokens", type=int, default=16, help="tokens sampled per prompt (default: 16)")
     parser.add_argument("--temperature", type=float, default=1.0,
@@ -57,10 +59,10 @@ def run(args) -> int:
     path = model_path(RunConfig(model=args.model))
     engine = Engine.from_pretrained(path, EngineConfig(
         dtype=args.dtype, device=args.device, serving_format=args.serving_format, batch_invariant=args.batch_invariant,
-        max_num_seqs=max(args.num_prompts, 1), max_model_len=512))
+        true_on_policy=args.true_on_policy, max_num_seqs=max(args.num_prompts, 1), max_model_len=512))
     trainer = Trainer(load_pretrained(path, dtype=getattr(torch, args.dtype), device=args.device), TrainConfig(
         dtype=args.dtype, temperature=args.temperature, quant_aware_forward=args.quant_aware_forward,
-        use_rollout_routing_replay=args.routing_replay))
+        use_rollout_routing_replay=args.routing_replay, true_on_policy=args.true_on_policy))
     prompts = [encode_prompt(engine.tokenizer, p.prompt, True) for p in arithmetic_prompts(args.num_prompts, seed=7)]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens, seed=args.seed,
                               return_routed_experts=args.routing_replay)
