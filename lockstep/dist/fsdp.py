@@ -171,10 +171,12 @@ def _stage_through_host(model: nn.Module) -> None:
 
 
 def _register_forward_methods(module: nn.Module) -> None:
-    # DeepSeek-V4's decoder layer calls self_attn.forward_full, not self_attn(...): without this the
-    # attention unit's hooks (gather before, reshard after, reduce-scatter in backward) never fire
-    if hasattr(module, "forward_full"):
-        register_fsdp_forward_method(module, "forward_full")
+    # DeepSeek-V4's decoder layer calls self_attn.forward_full (forward_rows in the true-on-policy
+    # forward), not self_attn(...): without this the attention unit's hooks (gather before, reshard
+    # after, reduce-scatter in backward) never fire
+    for method in ("forward_full", "forward_rows"):
+        if hasattr(module, method):
+            register_fsdp_forward_method(module, method)
 
 
 def fsdp_modules(model: nn.Module) -> Iterable[FSDPModule]:

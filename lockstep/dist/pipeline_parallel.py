@@ -107,6 +107,8 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.models.deepseek_v4_rows import final_rows, runs_true_on_policy
+from lockstep.models.layers.attention_rows import FullSequences
 
 Collective = Callable[[str], ContextManager]
 
@@ -176,13 +178,16 @@ class PipelineStageModule(nn.Module):
             streams, ids, *rest = tensors
         routing = Routing(forced=rest[0]) if rest else (Routing() if self.recorded is not None else None)
         call_layer = self.model.call_layer or (lambda layer, *args: layer(*args))
+        # the true-on-policy forward: layers given where their keys come from (models/deepseek_v4_rows.py)
+        rows = runs_true_on_policy(self.model.layers[self.layer_ids[0]])
+        keys = FullSequences(*ids.shape, ids.device) if rows else None
         for i in self.layer_ids:
             layer = self.model.layers[i]
-            streams = call_layer(layer, streams, ids, routing, layer.self_attn.forward_full)
+            streams = call_layer(layer, streams, ids, routing, keys or layer.self_attn.forward_full)
         if self.recorded is not None:
             self.recorded.append(routing.stacked())
         if self.is_last:
-            return self._compute_logits(self.model.final_hidden(streams))
+            return self._compute_logits(final_rows(self.model, streams) if rows else self.model.final_hidden(streams))
         if self.streams_dtype is not None and streams.dtype != self.streams_dtype:
             # the next stage receives into a buffer of the announced dtype: fail here, not with garbage there
             raise ValueError(f"pipeline stage {self.stage_index}: the streams are {streams.dtype}, the pipeline was "

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
-from .deepseek_v4_rows import FullSequences, StepKeys, hidden_rows, logits_rows
+from .deepseek_v4_rows import KEY_SOURCES, FullSequences, StepKeys, hidden_rows, layer_rows, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
@@ -92,6 +92,10 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(*hc)
 
     def forward(self, streams, token_ids, routing: Routing | None, attend) -> torch.Tensor:
+        """attend: the attention for these streams (forward_full, or a step's forward_step), or a key
+        source (FullSequences / StepKeys): then the true-on-policy forward (deepseek_v4_rows.py)."""
+        if isinstance(attend, KEY_SOURCES):
+            return layer_rows(self, streams, token_ids, attend, routing)
         collapsed, post, comb = self.attn_hc(streams)
         streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
         collapsed, post, comb = self.ffn_hc(streams)

@@ -82,16 +82,18 @@ def _run(trainer: Trainer, samples) -> dict:
 EVEN, UNEVEN = [[0, 1], [2, 3]], [[0, 1], [2], [3]]
 SCENARIOS = {"fp32": ("float32", (2, 2), EVEN), "fp32-uneven": ("float32", (3, 1), UNEVEN),
              "bf16": ("bfloat16", (2, 2), EVEN), "fp32-offload": ("float32", (2, 2), EVEN),
-             "bf16-host-staged": ("bfloat16", (2, 2), EVEN)}
+             "bf16-host-staged": ("bfloat16", (2, 2), EVEN), "fp32-true-on-policy": ("float32", (2, 2), EVEN)}
 
 
-def _fsdp_trainer(ctx, dtype: str, groups, offload: bool = False, host_staged: bool | None = None) -> Trainer:
+def _fsdp_trainer(ctx, dtype: str, groups, offload: bool = False, host_staged: bool | None = None,
+                  true_on_policy: bool = False) -> Trainer:
     from lockstep.dist.fsdp import apply_fsdp, dp_mesh
 
     model = apply_fsdp(_model(ctx.device), dp_mesh(ctx.trainer_group, ctx.device.type),
                        param_dtype=getattr(torch, dtype), offload=offload, host_staged=host_staged)
     dp = DataParallel(ctx.trainer_group, device=ctx.device, collective=ctx.collective)
-    config = _config(dtype, _budget(_samples(), groups)).replace(optimizer_offload=offload)
+    config = _config(dtype, _budget(_samples(), groups)).replace(optimizer_offload=offload,
+                                                                 true_on_policy=true_on_policy)
     return Trainer(model, config, data_parallel=dp)
 
 
@@ -117,7 +119,8 @@ def _fsdp_rank(rank: int, names: tuple[str, ...], tmp: str | None = None) -> dic
         counts = split if ctx.world_size > 1 else (sum(split),)
         mine = samples[sum(counts[:rank]):sum(counts[:rank + 1])]
         trainer = _fsdp_trainer(ctx, dtype, groups, offload=name.endswith("offload"),
-                                host_staged=True if name.endswith("host-staged") else None)
+                                host_staged=True if name.endswith("host-staged") else None,
+                                true_on_policy=name.endswith("true-on-policy"))
         out[name] = _run(trainer, mine)
     for dtype in ("float32", "bfloat16") if tmp else ():
         out[f"resume-{dtype}"] = _resume(ctx, dtype, samples[2 * rank:2 * rank + 2], f"{tmp}/{dtype}")
@@ -239,6 +242,18 @@ def test_two_ranks_equal_one_rank_bf16(two_ranks, device):
                                   if one["bf16"]["metrics"][0][k] != today[k]})
     assert {k: one["bf16"]["metrics"][0][k] for k in forward} == {k: today[k] for k in forward}
     assert one["bf16"]["metrics"][0]["train/grad_norm"] != today["train/grad_norm"]
+
+
+@cpu_world_only
+def test_true_on_policy_two_ranks_equal_one_process(two_ranks, device):
+    # the true-on-policy forward under FSDP2 (its attention method gathered like forward_full): the
+    # same bits as one process running it, so an engine's rollout logprobs stay exact in data parallel
+    samples = _samples()
+    config = _config("float32", _budget(samples, EVEN)).replace(true_on_policy=True)
+    reference = to_cpu(_run(Trainer(_model(device), config), samples))
+    assert reference["metrics"][0] != two_ranks[0]["fp32"]["metrics"][0]  # another forward than the default
+    for rank, result in enumerate(two_ranks):
+        _assert_same(result["fp32-true-on-policy"], reference, f"fsdp fp32 true on policy, rank {rank}", device)
 
 
 @cpu_world_only

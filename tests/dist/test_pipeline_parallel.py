@@ -26,6 +26,7 @@ from dist_world import rank_values, run_world
 from lockstep.dist.pipeline_parallel import stage_layers
 from lockstep.models import load_pretrained
 from lockstep.models.deepseek_v4 import Routing
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.precision import cast_model
 
 ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
@@ -35,14 +36,15 @@ B, S = 2, 12  # rows per micro-batch, padded length
 # name: (micro-batches, last stage's layers (None: even split), routing replay, dtype)
 SCENARIOS = {"2+2": (3, None, False, "float32"), "2+2-replay": (3, None, True, "float32"),
              "3+1": (3, 1, False, "float32"), "2+2-gpipe-one-microbatch": (1, None, False, "float32"),
-             "2+2-bf16": (3, None, False, "bfloat16")}
+             "2+2-bf16": (3, None, False, "bfloat16"), "2+2-true-on-policy": (3, None, True, "bfloat16")}
 
 
-def _model(dtype: str, device="cpu"):
+def _model(dtype: str, device="cpu", name: str = ""):
     model = load_pretrained(ASSET, device=device)
     if dtype == "bfloat16":  # what the single-process bf16 Trainer computes in (precision.cast_model)
         cast_model(model, torch.bfloat16)
-    return model
+    # the true-on-policy forward (models/deepseek_v4_rows.py) through the stages
+    return set_kernel_switches(model, KernelSwitches(true_on_policy=name.endswith("true-on-policy")))
 
 
 def _batch(n_mb: int):
@@ -68,7 +70,7 @@ def _loss_fn(ids: torch.Tensor, weights: torch.Tensor):
 def _reference(name: str) -> dict:
     n_mb, _, replay, dtype = SCENARIOS[name]
     ids, forced, weights = _batch(n_mb)
-    model, loss_fn = _model(dtype), _loss_fn(ids, weights)
+    model, loss_fn = _model(dtype, name=name), _loss_fn(ids, weights)
     losses, logits = [], []
     for i in range(n_mb):
         rows = torch.arange(i * B, (i + 1) * B)
@@ -91,7 +93,7 @@ def _pp_rank(rank: int) -> dict:
     out = {}
     for name, (n_mb, last, replay, dtype) in SCENARIOS.items():
         ids, forced, weights = _batch(n_mb)
-        stage = split_model(_model(dtype, ctx.device), rank, 2, last)
+        stage = split_model(_model(dtype, ctx.device, name), rank, 2, last)
         pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, streams_dtype=getattr(torch, dtype),
                                 collective=ctx.collective)
         first = {"microbatch_shape": (B, S), "forced": forced if replay and rank == 0 else None, "replay": replay}

@@ -7,7 +7,8 @@
     out = W_ob · grouped(W_oa, o)                   (o_groups independent low-rank blocks)
 Window-only layers rotate with the plain `main` frequencies, compressed layers with the
 (YaRN) `compress` ones. `forward_full` serves training (whole sequences from position 0),
-`forward_step` the rollout engine (new tokens appended to per-slot caches).
+`forward_step` the rollout engine (new tokens appended to per-slot caches), `forward_rows` both in
+the true-on-policy forward (attention_rows.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
+from .attention_rows import attention_rows
 from .compressor import Compressor, CompressorState
 from .fused_linear import project
 from .indexer import Indexer
@@ -98,8 +100,11 @@ class InputProjections:
 
 
 class DeepseekV4Attention(nn.Module):
+    projections_type = InputProjections  # for attention_rows.py, which cannot import this module
+
     def __init__(self, c, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx  # which of a step's layer caches is this layer's
         self.layer_type = c.layer_types[layer_idx]
         self.n_heads, self.head_dim, self.window = c.num_attention_heads, c.head_dim, c.sliding_window
         self.o_groups = c.o_groups
@@ -189,6 +194,12 @@ class DeepseekV4Attention(nn.Module):
             comp_bias = self._compressed_bias(x, q_res, positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([kv, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
+
+    # ---- the true-on-policy forward: rows, keys from `keys` --------------------------
+
+    def forward_rows(self, h: torch.Tensor, keys) -> torch.Tensor:
+        """h [T, hidden] rows -> [T, hidden]; keys: FullSequences or StepKeys (attention_rows.py)."""
+        return attention_rows(self, h, keys)
 
     # ---- rollout: new tokens appended to per-slot caches -------------------------------
 

@@ -7,10 +7,14 @@ not environment: `EngineConfig` carries one field each (triton_moe, triton_hc, c
 `TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
 never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
 construction (the model imports neither config: DESIGN principle 3). A model nobody configured
-runs the defaults (all on).
+runs the defaults (the kernels on, true_on_policy off).
+
+`true_on_policy` (EngineConfig / TrainConfig.true_on_policy) selects the true-on-policy forward
+(deepseek_v4_rows.py), which engine and trainer must run alike: it switches the three side-specific
+kernels off, whatever their setting or environment.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
-LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE ("0" off, anything else on;
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY ("0" off, anything else on;
 LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
 line says which kernels are on.
 

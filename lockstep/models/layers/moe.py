@@ -23,6 +23,7 @@ from . import grouped_gemm_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
+from .row_blocks import row_blocks
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -234,7 +235,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [..., H] -> (output [..., H], experts chosen [..., k])."""
+        """x [..., H] -> (output [..., H], experts chosen [..., k]). In the true-on-policy forward
+        (deepseek_v4_rows.py) the rows go through in row blocks, every expert dense."""
+        if self.experts.kernels.on("true_on_policy"):
+            flat = x.reshape(-1, x.shape[-1])
+            ids = None if token_ids is None else token_ids.reshape(-1)
+            fixed = None if forced is None else forced.reshape(-1, forced.shape[-1])
+            out, experts = row_blocks(self._route_and_compute, flat, ids, fixed)
+            return out.view(x.shape), experts.view(*x.shape[:-1], -1)
+        return self._route_and_compute(x, token_ids, forced)
+
+    def _route_and_compute(self, x: torch.Tensor, token_ids: torch.Tensor | None,
+                      forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None

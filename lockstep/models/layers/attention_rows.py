@@ -1,0 +1,137 @@
+"""The true-on-policy attention of DeepSeek-V4 (deepseek_v4_rows.py says what "true on policy" is).
+
+`attention_rows(attn, h, keys)` is DeepseekV4Attention.forward_rows: the layer input rows h [T, D]
+-> the attention's output rows [T, D], in three steps, each in row blocks (row_blocks.py):
+    projections (rows): q, kv, the compressors' projections, the indexer's query and head weights
+    core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o
+    output (rows): RoPE undone, grouped low-rank output projection
+One method, so that data-parallel sharding (FSDP2) gathers the attention's weights once per layer
+(lockstep/dist/fsdp.py registers it as a forward method).
+
+Where keys come from is the caller's `keys` object: `FullSequences` (training: each row's sequence,
+from position 0) or `StepKeys` (the engine: window ring + new tokens, the caches' entries, and the
+cache writes a step makes). Rows are flat: b * S + p, or n * S + t for a step's N x S new tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..deepseek_v4_config import CSA
+from .key_tiles import gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
+from .rope import rope_cos_sin
+from .row_blocks import row_blocks
+
+
+class FullSequences:
+    """Keys of a training forward: B sequences of S tokens from position 0, rows b * S + p."""
+
+    def __init__(self, B: int, S: int, device):
+        self.B, self.S = B, S
+        self.positions = torch.arange(S, device=device).repeat(B)
+        self.sequence = torch.arange(B, device=device).repeat_interleave(S)
+
+    def window(self, attn, kv: torch.Tensor):
+        """kv [T, D] -> (key rows [T, D], index [T, W], valid [T, W]): slot j = position p - W + 1 + j."""
+        key_pos = self.positions.unsqueeze(1) - attn.window + 1 + torch.arange(attn.window, device=kv.device)
+        return kv, (self.sequence * self.S).unsqueeze(1) + key_pos, key_pos >= 0
+
+    def compressed(self, attn, x):
+        """x: the projections (InputProjections, rows) -> (entries [B, E, D], index keys [B, E, D_I] or
+        None) of every closed block."""
+        def seqs(t):
+            return None if t is None else t.view(self.B, self.S, -1)
+        comp = attn.compressor
+        entries = comp.forward_full(seqs(x.comp_kv), seqs(x.comp_gate), attn.inv_freq)
+        index_keys = (comp.indexer.forward_full(seqs(x.index_kv), seqs(x.index_gate), attn.inv_freq)
+                      if attn.layer_type == CSA else None)
+        return entries, index_keys
+
+
+class StepKeys:
+    """Keys of an engine step (StepBatch: N sequences, S new tokens each, rows n * S + t), read from
+    and written to the per-slot caches as DeepseekV4Attention.forward_step does."""
+
+    def __init__(self, batch, cache):
+        self.batch, self.cache = batch, cache
+        N, S = batch.positions.shape
+        self.N, self.S = N, S
+        self.positions = batch.positions.reshape(-1)
+        self.sequence = torch.arange(N, device=batch.positions.device).repeat_interleave(S)
+
+    def window(self, attn, kv: torch.Tensor):
+        """Rows of [ring (W) ; new tokens (S)] per sequence; positions before the step's first new token
+        come from the ring (position q at ring index q mod W), the others from the new tokens. Writes
+        the new tokens into the ring, as DeepseekV4Attention.forward_step does."""
+        W, layer_cache = attn.window, self.cache.layers[attn.layer_idx]
+        new = kv.view(self.N, self.S, -1)
+        source = torch.cat([layer_cache.window[self.batch.slots].to(kv.dtype), new], dim=1).flatten(0, 1)
+        attn._write_window(layer_cache, self.batch, new)
+        key_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=kv.device)
+        start = self.batch.start_pos[self.sequence].unsqueeze(1)
+        within = torch.where(key_pos < start, torch.remainder(key_pos, W), W + key_pos - start)
+        return source, (self.sequence * (W + self.S)).unsqueeze(1) + within, key_pos >= 0
+
+    def compressed(self, attn, x):
+        """Feeds the step's tokens to the compressors (closing blocks write entries) -> (entries
+        [N, E, D], index keys or None) of the slots' caches."""
+        def seqs(t):
+            return None if t is None else t.view(self.N, self.S, -1)
+        step_x = dataclasses.replace(x, **{f.name: seqs(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        return attn._step_compressors(step_x, self.batch, self.cache.layers[attn.layer_idx])
+
+
+def _projections(attn, h: torch.Tensor, positions: torch.Tensor):
+    """Rows of the layer input -> (q, kv, the compressors' projections, indexer head weights / query)."""
+    x = attn._input_projections(h)
+    q_res, q, kv, _, _ = attn._project(x, positions)
+    index_q = index_w = None
+    if attn.layer_type == CSA:
+        indexer = attn.compressor.indexer
+        index_q = indexer.query(q_res, positions, attn.inv_freq)
+        index_w = indexer.scaled_head_weights(x.index_weights)
+    return q, kv, x.comp_kv, x.comp_gate, x.index_kv, x.index_gate, index_w, index_q
+
+
+def _entry_tiles(attn, entries, index_keys, positions, entry_base, index_q, index_w):
+    """(keys, valid) tiles over the compressed entries of each row's sequence, in entry order."""
+    E, dev = entries.shape[1], positions.device
+    spans = tile_spans(E)
+    if not spans:  # no block has closed in any sequence yet
+        return []
+    flat, flat_index = entries.flatten(0, 1), None if index_keys is None else index_keys.flatten(0, 1)
+    columns = [torch.arange(a, b, device=dev) for a, b in spans]
+    exists = [c < E for c in columns]
+    index = [entry_base.unsqueeze(1) + c for c in columns]
+    visible = torch.cat(columns).unsqueeze(0) < ((positions + 1) // attn.compressor.m).unsqueeze(1)
+    if attn.layer_type == CSA:
+        scores = torch.cat([tiled_index_scores(index_q, index_w, gather_tile(flat_index, i, ok.expand_as(i)))
+                            for i, ok in zip(index, exists)], dim=1)
+        visible = attn.compressor.indexer.picked(scores, visible & torch.cat(exists))
+    chosen = visible.split([b - a for a, b in spans], dim=1)
+    return [(gather_tile(flat, i, ok & c), ok & c) for i, ok, c in zip(index, exists, chosen)]
+
+
+def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    cos, sin = rope_cos_sin(attn.inv_freq, positions)
+    return attn._output(o, cos, sin)
+
+
+def attention_rows(attn, h: torch.Tensor, keys) -> torch.Tensor:
+    """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D]."""
+    q, kv, *projections, index_w, index_q = row_blocks(lambda x, p: _projections(attn, x, p), h, keys.positions)
+    source, window_index, window_valid = keys.window(attn, kv)
+    entries = index_keys = None
+    if attn.compressor is not None:
+        entries, index_keys = keys.compressed(attn, attn.projections_type(None, kv, *projections))
+
+    def core(q, window_index, window_valid, positions, sequence, index_q, index_w):
+        tiles = [(gather_tile(source, window_index, window_valid), window_valid)]
+        if entries is not None:
+            tiles += _entry_tiles(attn, entries, index_keys, positions, sequence * entries.shape[1], index_q, index_w)
+        return tiled_sink_attention(q, tiles, attn.sinks, attn.scale)
+
+    o = row_blocks(core, q, window_index, window_valid, keys.positions, keys.sequence, index_q, index_w)
+    return row_blocks(lambda o, p: _output(attn, o, p), o, keys.positions)
