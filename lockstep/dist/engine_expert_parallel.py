@@ -84,6 +84,10 @@ class EngineExpertShard(ExpertParallelExperts):
 
 def _serving_config(config: EngineConfig) -> EngineConfig:
     """CUDA graphs and decode windows off (module docstring), said once when they were asked for."""
+    if config.true_on_policy:
+        raise ValueError("rollout_expert_parallel_size > 1 with true_on_policy: the true-on-policy forward "
+                         "computes every routed expert on each rank (dense, models/deepseek_v4_rows.py); the "
+                         "expert-parallel engine holds a shard of them")
     on_cuda = torch.device(config.device).type == "cuda"
     if on_cuda and (config.cuda_graph or config.decode_steps > 1):
         print("lockstep engine: expert parallel: CUDA graphs and multi-step decode windows are off (the "

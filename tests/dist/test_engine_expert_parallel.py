@@ -306,6 +306,13 @@ def test_experts_that_do_not_split_over_the_ep_ranks_are_refused_naming_the_fiel
         expert_window(8, 3, 0)
 
 
+def test_the_ep_engine_refuses_true_on_policy_naming_why():
+    from lockstep.dist.engine_expert_parallel import _serving_config
+
+    with pytest.raises(ValueError, match="rollout_expert_parallel_size > 1 with true_on_policy"):
+        _serving_config(EngineConfig(true_on_policy=True))
+
+
 def _wrong_window_rank(rank: int) -> None:
     from lockstep.dist.engine_expert_parallel import expert_parallel_engine
     from lockstep.dist.groups import init_distributed
