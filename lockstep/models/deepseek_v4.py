@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
-from .deepseek_v4_rows import KEY_SOURCES, FullSequences, StepKeys, hidden_rows, layer_rows, logits_rows
+from .deepseek_v4_rows import KEY_SOURCES, ExactValues, FullSequences, StepKeys, hidden_rows, layer_rows, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
@@ -168,10 +168,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         if cu_seqlens is not None:
             return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
         if self.true_on_policy:
-            hidden = hidden_rows(self.model, input_ids, FullSequences(*input_ids.shape, input_ids.device), routing)
-        else:
-            hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
-        return self.compute_logits(hidden)
+            return self._true_on_policy_logits(input_ids, routing)
+        return self._default_logits(input_ids, routing)
+
+    def _default_logits(self, input_ids: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
+        return self._head(hidden)
+
+    def _true_on_policy_logits(self, input_ids: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+        """The true-on-policy forward (deepseek_v4_rows.py). With a gradient wanted (training), its
+        values carry the default forward's gradient (issue 16: "the backward may use anything"): the
+        row-block forward runs without autograd, the default one, with the experts the first chose
+        forced, builds the graph. Backpropagating through the row blocks cost ~2x the whole step."""
+        keys = FullSequences(*input_ids.shape, input_ids.device)
+        if not torch.is_grad_enabled():
+            return logits_rows(self.lm_head.weight, hidden_rows(self.model, input_ids, keys, routing))
+        chosen = Routing(forced=routing.forced if routing is not None else None)
+        with torch.no_grad():
+            exact = logits_rows(self.lm_head.weight, hidden_rows(self.model, input_ids, keys, chosen))
+        fast = self._default_logits(input_ids, Routing(forced=chosen.stacked()))
+        if routing is not None:
+            routing.chosen = chosen.chosen
+        return ExactValues.apply(fast, exact)
 
     @property
     def true_on_policy(self) -> bool:
@@ -179,6 +197,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.model.hc_head.kernels.on("true_on_policy")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] -> logits [..., V] fp32: `_head`, in row blocks in the true-on-policy forward."""
+        if self.true_on_policy:
+            return logits_rows(self.lm_head.weight, hidden)
+        return self._head(hidden)
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head in fp32 whatever the model dtype: bf16 logits would be rounded to ~1/128 of
         their size, and GEMMs of different row counts (a decode step vs a training batch) round
         differently, which alone moved logprobs by ~0.01 per token on a 1B config.
@@ -189,8 +213,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         skipping the weight's fp32 copy (on a 1B config: ~150 us of each ~3 ms decode step).
         No backward exists for it (torch 2.11-2.13), so training takes the fp32 GEMM."""
         w = self.lm_head.weight
-        if self.true_on_policy:
-            return logits_rows(w, hidden)
         if _bf16_gemm_fp32_out(hidden, w):
             flat = hidden.reshape(-1, hidden.shape[-1])
             return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], w.shape[0])

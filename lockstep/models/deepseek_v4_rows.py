@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from .layers.attention_rows import FullSequences, StepKeys
 from .layers.hyper_connection import hc_combine
-from .layers.row_blocks import row_blocks
+from .layers.row_blocks import row_blocks, rows_forward
 
 KEY_SOURCES = (FullSequences, StepKeys)
 
@@ -57,11 +57,12 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     sharded unit gathers its weights once."""
     shape = streams.shape
     streams, ids = streams.reshape(-1, *shape[-2:]), token_ids.reshape(-1)
-    h, post, comb = row_blocks(lambda s: _before_attention(layer, s), streams)
-    attn_out = layer.self_attn.forward_rows(h, keys)
-    streams, x, post, comb = row_blocks(lambda *a: _before_moe(layer, *a), streams, attn_out, post, comb)
-    forced = routing.forced_for(layer.layer_idx) if routing is not None else None
-    out, experts = layer.mlp(x, ids, None if forced is None else forced.reshape(-1, forced.shape[-1]))
+    with rows_forward():  # the MoE, its experts and the compressors take their row-block paths
+        h, post, comb = row_blocks(lambda s: _before_attention(layer, s), streams)
+        attn_out = layer.self_attn.forward_rows(h, keys)
+        streams, x, post, comb = row_blocks(lambda *a: _before_moe(layer, *a), streams, attn_out, post, comb)
+        forced = routing.forced_for(layer.layer_idx) if routing is not None else None
+        out, experts = layer.mlp(x, ids, None if forced is None else forced.reshape(-1, forced.shape[-1]))
     if routing is not None:
         routing.chosen.append(experts.view(*shape[:2], -1))
     return row_blocks(hc_combine, streams, out, post, comb).view(shape)
@@ -80,6 +81,19 @@ def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     """The last layer's streams [N, S, n, D] -> final hidden [N, S, D] (mHC head, norm) in row blocks."""
     flat = streams.reshape(-1, *streams.shape[-2:])
     return row_blocks(model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
+
+
+class ExactValues(torch.autograd.Function):
+    """`exact`'s values with `fast`'s gradient: the trainer's loss reads the true-on-policy logits, its
+    backward runs through the default forward's graph (same weights, the same experts forced)."""
+
+    @staticmethod
+    def forward(ctx, fast: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+        return exact
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 def runs_true_on_policy(layer) -> bool:

@@ -120,8 +120,9 @@ class TrainConfig:
     true_on_policy: bool = False
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so
-    train/train_rollout_logprob_abs_diff is 0. Slower (row blocks, dense experts). Data and pipeline
-    parallel keep it exact; not with compile_backend or expert parallel."""
+    train/train_rollout_logprob_abs_diff is 0. The loss reads its values; the gradient comes from the
+    default forward (compiled with compile_backend, when set) run with the same experts. Slower (row
+    blocks, dense experts). Data and pipeline parallel keep it exact; not with expert parallel."""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and AdamW states in host memory."""
     expert_model_parallel_size: int = 1
@@ -203,9 +204,9 @@ class TrainConfig:
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
-        if self.true_on_policy and (self.compile_backend or self.expert_model_parallel_size > 1):
-            _fail("true_on_policy", "the true-on-policy forward runs eager layers with every expert on the "
-                  "rank (dense): not with compile_backend or expert_model_parallel_size > 1")
+        if self.true_on_policy and self.expert_model_parallel_size > 1:
+            _fail("true_on_policy", "the true-on-policy forward runs every routed expert on each rank (dense): "
+                  "not with expert_model_parallel_size > 1")
         if not self.temperature > 0:
             _fail("temperature", f"must be > 0 (the rollout's sampling temperature), got {self.temperature}")
 

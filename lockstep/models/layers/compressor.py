@@ -21,13 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel_switch import Switched
 from .norm import RMSNorm
-from .row_blocks import row_blocks
+from .row_blocks import in_rows_forward, row_blocks
 from .rope import apply_rope, rope_cos_sin
 
 
-class Compressor(Switched, nn.Module):
+class Compressor(nn.Module):
     def __init__(self, hidden_size: int, head_dim: int, compress_rate: int, overlap: bool, norm_eps: float):
         super().__init__()
         self.m, self.head_dim, self.overlap = compress_rate, head_dim, overlap
@@ -72,7 +71,7 @@ class Compressor(Switched, nn.Module):
         so an entry has the same bits whether training pooled a whole sequence or a decode step
         closed its block."""
         kv, gate = self.block_slots(kv, gate, prev_kv, prev_gate)
-        if not self.kernels.on("true_on_policy"):
+        if not in_rows_forward():
             return self.finish(self.pool_slots(kv, gate), block_starts, inv_freq)
         N, nb = kv.shape[:2]
         entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), s, inv_freq),

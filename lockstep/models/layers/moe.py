@@ -23,7 +23,7 @@ from . import grouped_gemm_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
-from .row_blocks import row_blocks
+from .row_blocks import in_rows_forward, row_blocks
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -149,7 +149,7 @@ class Experts(Switched, nn.Module):
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                 decode: bool = False) -> torch.Tensor:
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
-        if self.kernels.on("true_on_policy"):
+        if in_rows_forward():
             return self.dense_rows(x, experts, weights)
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
@@ -237,7 +237,7 @@ class MoE(nn.Module):
                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] -> (output [..., H], experts chosen [..., k]). In the true-on-policy forward
         (deepseek_v4_rows.py) the rows go through in row blocks, every expert dense."""
-        if self.experts.kernels.on("true_on_policy"):
+        if in_rows_forward():
             flat = x.reshape(-1, x.shape[-1])
             ids = None if token_ids is None else token_ids.reshape(-1)
             fixed = None if forced is None else forced.reshape(-1, forced.shape[-1])

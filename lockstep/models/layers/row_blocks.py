@@ -16,11 +16,31 @@ training batch's loop at T / 64 calls.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Callable
 
 import torch
 
 ROWS = 64
+
+_IN_ROWS_FORWARD: ContextVar[bool] = ContextVar("in_rows_forward", default=False)
+
+
+@contextmanager
+def rows_forward():
+    """Marks a decoder layer's true-on-policy forward (deepseek_v4_rows.layer_rows): the modules it calls
+    (the MoE, its experts, the compressors) then take their row-block paths. A property of the call, not
+    of the module: the trainer runs the same modules through the default forward for its gradient."""
+    token = _IN_ROWS_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_ROWS_FORWARD.reset(token)
+
+
+def in_rows_forward() -> bool:
+    return _IN_ROWS_FORWARD.get()
 
 
 def _pad_rows(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
