@@ -2,6 +2,8 @@
 in a training forward, in prefill chunks of any size, in decode steps of any batch, alone or among
 other sequences, in fp32 and in bf16 (every layer kind: window, C4 + indexer, C128, hash / top-k MoE)."""
 
+import contextlib
+
 import pytest
 import torch
 from test_deepseek_v4 import CONFIGS, run_incremental
@@ -74,3 +76,54 @@ def test_long_sequences_span_several_entry_tiles():
         full = model(ids)
         steps, _ = run_incremental(model, ids, [[S - 40] + [1] * 40], num_slots=2)
     assert torch.equal(steps, full)
+
+
+def test_triton_grouped_experts_keep_rows_independent(monkeypatch):
+    """On CUDA in bf16 the routed experts run the Triton grouped kernels (their launch config depends
+    on N and K only); here under the interpreter: steps still equal the training forward bitwise, and
+    the gradient (the default path's, recomputed) reaches the experts."""
+    from lockstep.models.layers import grouped_gemm_triton, moe
+
+    if grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted():
+        pytest.skip("needs triton with TRITON_INTERPRET=1 (the CPU tests' setting)")
+    calls = []
+
+    def kernels_on_cpu(x, gate_up, down):
+        calls.append(x.shape[0])
+        return grouped_gemm_triton.available(x, gate_up)
+
+    monkeypatch.setattr(moe, "_row_invariant_kernels", kernels_on_cpu)
+    model = true_on_policy_model("mixed", torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        full = model(ids)
+        steps, _ = run_incremental(model, ids, [[10, 1, 1, 1, 1], [4, 6, 1, 1, 1, 1]])
+    assert calls and torch.equal(steps, full)
+    model(ids).float().logsumexp(-1).mean().backward()
+    assert model.model.layers[1].mlp.experts.gate_up_proj.grad.abs().sum() > 0
+
+
+def test_kernel_experts_backward_is_the_default_paths(monkeypatch):
+    """Where the true-on-policy forward keeps autograd (pipeline stages), the Triton experts'
+    backward recomputes and differentiates the default grouped path: the default path's gradients
+    (up to the loss's own gradient, which reads forward values 1 bf16 ulp apart)."""
+    from lockstep.models.layers import grouped_gemm_triton, moe
+    from lockstep.models.layers.row_blocks import rows_forward
+
+    if grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted():
+        pytest.skip("needs triton with TRITON_INTERPRET=1 (the CPU tests' setting)")
+    monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: True)
+    experts = true_on_policy_model("mixed", torch.bfloat16).model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(12, experts.gate_up_proj.shape[-1], generator=g).bfloat16().requires_grad_()
+    chosen = torch.rand(12, experts.n_experts, generator=g).argsort(-1)[:, :2].sort(-1).values
+    weights = torch.rand(12, 2, generator=g)
+    grads = []
+    for rows in (True, False):
+        with rows_forward() if rows else contextlib.nullcontext():
+            experts(x, chosen, weights).float().square().sum().backward()
+        grads.append([t.grad.clone() for t in (x, experts.gate_up_proj, experts.down_proj)])
+        for t in (x, experts.gate_up_proj, experts.down_proj):
+            t.grad = None
+    for kernel_grad, default_grad in zip(*grads):
+        torch.testing.assert_close(kernel_grad, default_grad, rtol=2e-2, atol=1e-2)

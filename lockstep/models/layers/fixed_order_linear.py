@@ -27,8 +27,6 @@ per 16 rows and uses mma.sync, not wgmma) nor bitwise invariance on a GPU has be
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import grouped_gemm_triton as _gt
@@ -40,8 +38,7 @@ if triton is not None:
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+interpreted = _gt.interpreted
 
 
 def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,11 @@ BLOCK_M = 16  # rows per tile: tl.dot's minimum; a decode step has ~6 rows per e
 # (prefill) CUTLASS's large tiles win: Experts takes these kernels at decode steps only (moe.py).
 
 
+def interpreted() -> bool:
+    """TRITON_INTERPRET is set: kernels run on the CPU (the tests), with the numeric bridges below."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+
+
 def available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The kernels can compute x [M, K] @ w[g]^T, w [G, N, K]: Triton present, bf16, K matching."""
     return (triton is not None and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
@@ -73,10 +78,9 @@ def _launch(x, w, offs, limit, N, fused, overrides):
     cfg.update({key: value for key, value in zip(cfg, overrides) if value})
     out = x.new_empty(x.shape[0], N)
     grid = (w.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
-    interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
     torch.library.wrap_triton(_grouped_kernel)[grid](
         x, w, out, offs, limit, N, K, *x.stride(), *w.stride(), *out.stride(), SWIGLU=fused,
-        INTERPRETED=interpreted, BLOCK_M=BLOCK_M, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+        INTERPRETED=interpreted(), BLOCK_M=BLOCK_M, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     return out
 
 

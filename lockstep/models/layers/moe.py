@@ -136,6 +136,45 @@ def _held_rows(n_experts: int) -> range:
     return rows
 
 
+def _combine(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """per_slot [T, k, H] (slot j: the j-th chosen expert's output) -> [T, H]: each token's k outputs
+    added one at a time in ascending expert order, so the sum does not depend on the batch."""
+    out = torch.zeros(per_slot.shape[0], per_slot.shape[2], dtype=dtype, device=per_slot.device)
+    for j in range(per_slot.shape[1]):
+        out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(dtype)
+    return out
+
+
+def _row_invariant_kernels(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """The Triton grouped kernels can serve the true-on-policy experts: on CUDA, bf16, shapes the
+    kernels take (the CPU tests run them under the interpreter by patching this)."""
+    return (x.is_cuda and grouped_gemm_triton.available(x, gate_up) and down.dtype == torch.bfloat16
+            and gate_up.shape[1] == 2 * down.shape[2])
+
+
+class _KernelExperts(torch.autograd.Function):
+    """Rows sorted by expert through the Triton grouped kernels (SwiGLU fused); the backward
+    recomputes the default path (grouped_mm) and differentiates it (the kernels have none)."""
+
+    @staticmethod
+    def forward(ctx, xs, gate_up, down, counts, limit: float):
+        ctx.save_for_backward(xs, gate_up, down, counts)
+        ctx.limit = limit
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return grouped_gemm_triton.grouped_mm(grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, limit), down, offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs, gate_up, down, counts = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((xs, gate_up, down), ctx.needs_input_grad)]
+        with torch.enable_grad():
+            gate, up = grouped_mm(inputs[0], inputs[1], counts).chunk(2, dim=-1)
+            ys = grouped_mm(swiglu_clamped(gate, up, ctx.limit), inputs[2], counts)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(ys, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None, None)
+
+
 class Experts(Switched, nn.Module):
     """Routed experts stored stacked: gate_up_proj [E, 2F, H] (gate rows, then up), down_proj [E, H, F];
     built inside `expert_window`, only experts `rows` ([E', ...]) of the n_experts the router picks."""
@@ -150,34 +189,31 @@ class Experts(Switched, nn.Module):
                 decode: bool = False) -> torch.Tensor:
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
         if in_rows_forward():
-            return self.dense_rows(x, experts, weights)
+            return self.rows_mlp(x, experts, weights)
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         ys = self.sorted_mlp(x[order // k], counts, decode)
-        per_slot = torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1)
-        out = torch.zeros_like(x)
-        for j in range(k):  # fixed order: ascending expert id
-            out = out + (per_slot[:, j].float() * weights[:, j:j + 1]).to(x.dtype)
-        return out
+        return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
 
-    def dense_rows(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The true-on-policy experts (deepseek_v4_rows.py): every held expert computes every row, so
-        the GEMMs' shapes are [E, rows, ...] whichever experts the rows picked (grouping rows by
-        expert makes a row's GEMM size depend on its neighbours' choices); then each row keeps its
-        own k outputs, added in ascending expert order like `forward`. Costs E / k times the
-        experts' FLOPs, run in row blocks of a few dozen rows where the weights' reads dominate."""
+    def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The true-on-policy experts (deepseek_v4_rows.py): a row's output must not depend on which
+        experts its neighbours picked, and a GEMM over the rows grouped by expert has group sizes that
+        do. So: the Triton grouped kernels where they run (bf16 on CUDA), whose launch
+        config depends on N and K only (grouped_gemm_triton.py), with the default path's gradient;
+        elsewhere every held expert computes every row ([E, rows, ...] GEMMs: E / k times the FLOPs)."""
         if len(self.rows) != self.n_experts:
             raise RuntimeError(f"the true-on-policy forward computes all {self.n_experts} routed experts on one "
                                f"device; these hold {self.rows} only (expert parallel is not supported there)")
         gate_up, down = self.expert_weights()
+        T, k = experts.shape
+        if _row_invariant_kernels(x, gate_up, down):
+            order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=True)
+            ys = _KernelExperts.apply(x[order // k], gate_up, down, counts, self.limit)
+            return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
         E, F2, H = gate_up.shape
         gate, up = F.linear(x, gate_up.reshape(E * F2, H)).view(-1, E, F2).transpose(0, 1).chunk(2, dim=-1)
         ys = torch.bmm(swiglu_clamped(gate, up, self.limit), down.transpose(1, 2))  # [E, T, H]
-        rows = torch.arange(x.shape[0], device=x.device)
-        out = torch.zeros_like(x)
-        for j in range(experts.shape[1]):  # fixed order: ascending expert id
-            out = out + (ys[experts[:, j], rows].float() * weights[:, j:j + 1]).to(x.dtype)
-        return out
+        return _combine(ys[experts, torch.arange(T, device=x.device).unsqueeze(1)], weights, x.dtype)
 
     def sorted_mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         """Rows sorted by expert, counts [E] over all E experts -> each row's expert output, rows in
