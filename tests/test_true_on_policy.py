@@ -23,14 +23,6 @@ ABS_DIFF = "train/train_rollout_logprob_abs_diff"
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def rollouts(engine: Engine, seed: int):
     """5 requests on 3 slots, prompts of 3-13 tokens, 4-11 new tokens: sequences finish at different
     steps and waiting ones join the running decode."""
