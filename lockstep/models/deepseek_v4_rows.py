@@ -6,8 +6,9 @@ Two rules make it so, on any device and in any dtype:
 1. Everything a token computes on its own (mHC, norms, projections, RoPE, the MoE, the head) runs
    in row blocks of a fixed size (layers/row_blocks.py): every GEMM and reduction is called with
    the same shapes on every side, so a token's result cannot depend on how many others share its
-   call. The routed experts run dense (Experts.dense_rows): grouping rows by expert would make a
-   row's GEMM size depend on its neighbours' choices.
+   call. The routed experts (Experts.rows_mlp) run the Triton grouped kernels on CUDA in bf16
+   (their launch config depends on N and K only), elsewhere dense: a GEMM over rows grouped by
+   expert would have a size that depends on the neighbours' choices.
 2. What a token reads from other tokens comes in a fixed layout (layers/key_tiles.py): its
    window in position order, then the compressed entries in fixed tiles, walked by one online
    softmax; compressed entries themselves are pooled in row blocks (Compressor.entries_from_blocks),
@@ -24,8 +25,14 @@ The two callers differ only in where keys come from: `FullSequences` (training: 
 sequence, from position 0) and `StepKeys` (the engine: window ring + new tokens, the caches'
 entries, and the cache writes a step makes).
 
-Cost: the dense experts (E / k times the routed FLOPs) and the per-block loop; the GPU kernels of
-the issue's item 2 are to replace the row blocks where they are measured faster.
+Training (DeepseekV4ForCausalLM._true_on_policy_logits): the loss reads this forward's values,
+computed without autograd, and takes the gradient of the default forward run with the same experts
+forced (`ExactValues`): the issue lets the backward use anything, and backpropagating through the
+row blocks cost 2x the whole step. Pipeline stages call the layers themselves and still do.
+
+Cost: the per-block loop (launch-bound on a GPU), the dense experts off CUDA (E / k times the
+routed FLOPs), eager decode graphs; the fixed-order kernels of the issue's item 2 are to replace
+the row blocks where they are measured faster.
 """
 
 from __future__ import annotations
