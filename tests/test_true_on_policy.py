@@ -14,6 +14,8 @@ from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine.engine import Engine
 from lockstep.engine.request import GenerateRequest
 from lockstep.models.deepseek_v4_init import tiny_config
+from lockstep.models.llama import LlamaForCausalLM
+from lockstep.models.llama_config import LlamaConfig
 from lockstep.train.config import TrainConfig
 from lockstep.train.trainer import Trainer
 from train.trainer_fixtures import tiny_model
@@ -71,3 +73,9 @@ def test_true_on_policy_refuses_what_it_cannot_serve():
         EngineConfig(serving_format="fp8", packed_fp8=True, true_on_policy=True)
     with pytest.raises(ValueError, match="true_on_policy"):
         TrainConfig(true_on_policy=True, expert_model_parallel_size=2)
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no true-on-policy forward"):
+        Trainer(llama, TrainConfig(true_on_policy=True))
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no true-on-policy forward"):
+        Engine(copy.deepcopy(llama), EngineConfig(true_on_policy=True))

@@ -122,7 +122,7 @@ class TrainConfig:
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so
     train/train_rollout_logprob_abs_diff is 0. The loss reads its values; the gradient comes from the
     default forward (compiled with compile_backend, when set) run with the same experts. Slower (row
-    blocks, dense experts). Data and pipeline parallel keep it exact; not with expert parallel."""
+    blocks; dense experts off CUDA). Data and pipeline parallel keep it exact; not with expert parallel."""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and AdamW states in host memory."""
     expert_model_parallel_size: int = 1
@@ -205,7 +205,7 @@ class TrainConfig:
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
         if self.true_on_policy and self.expert_model_parallel_size > 1:
-            _fail("true_on_policy", "the true-on-policy forward runs every routed expert on each rank (dense): "
+            _fail("true_on_policy", "the true-on-policy forward runs every routed expert on each rank: "
                   "not with expert_model_parallel_size > 1")
         if not self.temperature > 0:
             _fail("temperature", f"must be > 0 (the rollout's sampling temperature), got {self.temperature}")

@@ -90,6 +90,9 @@ class Trainer:
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy))
+        if config.true_on_policy and not hasattr(model, "true_on_policy"):
+            raise ValueError(f"TrainConfig.true_on_policy: {type(model).__name__} has no true-on-policy forward "
+                             "(DeepSeek-V4 has)")
         masters = self._prepare_dtype()
         if config.quant_aware_forward:
             apply_quant_aware(model, config.quant_aware_forward)
