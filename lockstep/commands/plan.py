@@ -10,7 +10,9 @@ Example (DeepSeek-V4-Flash, 2 actor + 2 rollout nodes of 8 x 288 GB GPUs):
 Every flag maps to one field of ModelSpec / ClusterSpec / TrainSpec / RolloutSpec
 (lockstep/plan/); the formulas are in the docstrings of lockstep/plan/{memory,rollout,comm,compute}.py.
 The table fits the terminal (the seconds of each communication term need --wide or a terminal of
-200 columns); what the plan assumed (uneven last pipeline stages, the host memory) is said below it.
+200 columns); below the best layout's terms, one copy of the model's weights in each rollout weight
+format (bf16, fp8, native fp8-fp4) with its ratio to bf16 (`rollout_weight_formats` in --json); what
+the plan assumed (uneven last pipeline stages, the host memory) is said last.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ DTYPES = ["fp32", "bf16", "fp16", "fp8"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from lockstep.plan.cluster import HOST_MEMORY_GB
+    from lockstep.plan.cluster import HOST_MEMORY_GB, WEIGHT_FORMATS
     from lockstep.plan.model import PRESETS
 
     m = parser.add_argument_group("model")
@@ -67,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--rollout-gpus-per-engine", type=int, default=None, help="default: gpus per node")
     r.add_argument("--rollout-attention", choices=["dp", "tp"], default="dp",
                    help="rollout attention: data-parallel (each GPU whole sequences) or tensor-parallel (default: dp)")
-    r.add_argument("--rollout-weight-format", choices=["native", "bf16"], default="native",
-                   help="rollout weights as released (fp8 / fp4) or bf16 (default: native)")
+    r.add_argument("--rollout-weight-format", choices=WEIGHT_FORMATS, default="native",
+                   help="rollout weights as released (native: fp8 attention and shared experts, fp4 routed experts), "
+                        "every fp8 / fp4 group in fp8 (128x128 block scales), or bf16 (default: native)")
     r.add_argument("--kv-cache-dtype", choices=DTYPES, default="bf16", help="rollout cache dtype (default: bf16)")
     r.add_argument("--rollout-chunk-tokens", type=int, default=8192,
                    help="chunked-prefill tokens per step, sizes the workspace (default: 8192)")
@@ -132,7 +135,7 @@ def run(args) -> int:
     plans = plan(model, cluster, train, roll, tp=args.tp, pp=args.pp, ep=args.ep, cp=args.cp)
     shown = [p for p in plans if p.feasible] if args.feasible_only else plans
     if args.json:
-        print(to_json(shown[: args.top] if args.top else shown, cluster, train))
+        print(to_json(shown[: args.top] if args.top else shown, cluster, train, model))
     else:
         console, wide = _console(args.wide)
         render(shown or plans, model, console, limit=args.top, activations=args.show_activations, wide=wide,

@@ -124,7 +124,11 @@ class TrainSpec:
 
 
 ATTENTION_MODES = ("dp", "tp")
-WEIGHT_FORMATS = ("native", "bf16")
+# --rollout-weight-format: what each serves a group released in fp8 / fp4 as (others stay as released).
+# "native" is lockstep's "fp8-fp4" serving format (fp8 attention and shared experts, fp4 routed
+# experts); "fp8" its "fp8" format (e4m3 with 128x128 block scales everywhere). rollout.serve_bytes.
+SERVED_AS = {"native": {}, "fp8": {"fp4": "fp8"}, "bf16": {"fp8": "bf16", "fp4": "bf16"}}
+WEIGHT_FORMATS = tuple(SERVED_AS)
 PUSH_FORMATS = ("bf16", "serving")
 
 

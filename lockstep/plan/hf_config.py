@@ -62,6 +62,8 @@ def _v4_schedule(cfg: dict, num_layers: int) -> tuple[int, ...]:
             if t not in V4_LAYER_TYPES:
                 raise FieldError("config", "layer_types", f"entry {t!r} is not one of {V4_LAYER_TYPES}")
             out.append(0 if t == "sliding_attention" else int(rates[t]))
+        if int(rates["compressed_sparse_attention"]) != 4:  # a layer's kind is read from its ratio (C4 = 4)
+            raise FieldError("config", "compress_rates", "compressed_sparse_attention must be 4")
         return tuple(out)
     if cfg.get("compress_ratios"):
         return tuple(int(r) for r in cfg["compress_ratios"][:num_layers])

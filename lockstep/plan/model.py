@@ -5,7 +5,8 @@ per-layer attention kind, MoE shape, the DeepSeek-V4 extras (low-rank q, grouped
 compressors, indexer, mHC streams). Two families are covered:
 
 - ``deepseek_v4``: every layer MoE; `compress_ratios[i]` is 0 (sliding window only),
-  4 (C4: compressed 4:1 + indexer) or 128 (C128: compressed 128:1, dense).
+  4 (C4: compressed 4:1 + indexer) or 128 (C128: compressed 128:1, dense); any heavy ratio
+  above 4 is a C128-kind layer (lockstep's tiny-dsv4 asset compresses 8:1), the formulas take m.
 - ``llama``: dense Llama / Qwen / SmolLM style (grouped-query attention, SwiGLU MLP);
   an optional MoE MLP (Mixtral / Qwen-MoE style) when `n_routed_experts > 0`.
 
@@ -90,9 +91,10 @@ class ModelSpec:
                 f"ModelSpec.compress_ratios has {len(self.compress_ratios)} entries, "
                 f"num_layers is {self.num_layers}"
             )
-        bad = sorted({r for r in self.compress_ratios if r not in COMPRESS_KINDS})
+        bad = sorted({r for r in self.compress_ratios if r not in COMPRESS_KINDS and r <= 4})
         if bad:
-            raise ValueError(f"ModelSpec.compress_ratios entries must be in {COMPRESS_KINDS}, got {bad}")
+            raise ValueError(f"ModelSpec.compress_ratios entries must be in {COMPRESS_KINDS} "
+                             f"(or another heavy ratio > 4), got {bad}")
         for name in ("q_lora_rank", "o_groups", "o_lora_rank", "sliding_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelSpec.{name} must be >= 1 for deepseek_v4, got {getattr(self, name)}")

@@ -3,8 +3,11 @@
 JSON (`to_json`): a list, one object per layout in rank order, with tp, pp, ep, cp, dp, edp,
 feasible, train_flags (the `lockstep train` flags that realise the layout, null when lockstep cannot
 run it) and not_runnable (why not, else empty; lockstep/plan/train_flags.py), actor_gb_per_gpu (worst pipeline stage), rollout_gb_per_gpu, host_gb_per_node, reason
-(empty when feasible), step_seconds and its parts, the weight push, and every memory and
-communication term so the numbers can be checked by hand.
+(empty when feasible), step_seconds and its parts, the weight push, every memory and
+communication term so the numbers can be checked by hand, and (given the model)
+rollout_weight_formats: one copy of the model's weights per --rollout-weight-format,
+{"bf16" | "fp8" | "native": {"label", "bytes", "ratio" (of bf16)}}, the same in every object (the
+list is what `lockstep train --layout` reads, so the model-level table rides on each layout).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from lockstep.plan.cluster import GB, HOST_MEMORY_GB, ClusterSpec, TrainSpec
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import active_params, total_params
 from lockstep.plan.planner import LayoutPlan
+from lockstep.plan.rollout import weight_formats
 from lockstep.plan.train_flags import train_flags
 
 
@@ -52,8 +56,27 @@ def plan_dict(p: LayoutPlan, cluster: ClusterSpec | None = None, train: TrainSpe
     }
 
 
-def to_json(plans: list[LayoutPlan], cluster: ClusterSpec | None = None, train: TrainSpec | None = None) -> str:
-    return json.dumps([plan_dict(p, cluster, train) for p in plans], indent=2)
+def formats_dict(model: ModelSpec) -> dict:
+    """The JSON of `weight_formats`: {format: {"label", "bytes", "ratio"}}."""
+    return {f.format: {"label": f.label, "bytes": int(f.bytes), "ratio": _r(f.ratio, 4)} for f in weight_formats(model)}
+
+
+def to_json(plans: list[LayoutPlan], cluster: ClusterSpec | None = None, train: TrainSpec | None = None,
+            model: ModelSpec | None = None) -> str:
+    """The layouts (module docstring); with `model`, each carries rollout_weight_formats."""
+    extra = {"rollout_weight_formats": formats_dict(model)} if model else {}
+    return json.dumps([{**plan_dict(p, cluster, train), **extra} for p in plans], indent=2)
+
+
+def formats_table(model: ModelSpec) -> Table:
+    """One copy of the whole model's weights in each rollout weight format, against bf16."""
+    t = Table(title="Rollout weights per format", caption="one copy of the whole model", box=BOX)
+    t.add_column("format")
+    for col in ("GB", "bytes", "x bf16"):
+        t.add_column(col, justify="right", no_wrap=True)
+    for f in weight_formats(model):
+        t.add_row(f.label, f"{f.bytes / GB:.2f}", f"{f.bytes:,.0f}", f"{f.ratio:.3f}")
+    return t
 
 
 def flags_line(p: LayoutPlan, cluster: ClusterSpec, train: TrainSpec) -> str:
@@ -168,15 +191,16 @@ def render(plans: list[LayoutPlan], model: ModelSpec, console: Console, limit: i
            notes: list[str] | tuple[str, ...] = (), cluster: ClusterSpec | None = None,
            train: TrainSpec | None = None) -> None:
     """Header, ranked table (`wide`: with every communication term), the itemised terms of `detail`
-    (default: the best layout), on request the per-token activation breakdown for that layout's TP,
-    the `lockstep train` flags of the best feasible layout (given `cluster` and `train`) and `notes`
-    (what was assumed, see `assumptions`)."""
+    (default: the best layout), the model's rollout weights per format (`formats_table`), on request
+    the per-token activation breakdown for that layout's TP, the `lockstep train` flags of the best
+    feasible layout (given `cluster` and `train`) and `notes` (what was assumed, see `assumptions`)."""
     console.print(f"[bold]{model.name}[/bold]: {total_params(model) / 1e9:.2f}B parameters, "
                   f"{active_params(model) / 1e9:.2f}B active per token, {model.num_layers} layers")
     console.print(table(plans, limit, wide))
     feasible = [p for p in plans if p.feasible]
     chosen = detail or (feasible[0] if feasible else plans[0])
     console.print(terms_table(chosen))
+    console.print(formats_table(model))
     if activations and train:  # the attention terms grow with the sequence length
         console.print(activation_table(model, chosen.layout.tp, train.seq_len))
     console.print(recommendation(plans))

@@ -3,7 +3,9 @@
 An engine spans G = gpus_per_engine GPUs with expert parallelism G. Weight bytes per parameter
 in the released formats (DSV4_SPEC.md): FP8 e4m3 1 B + one scale per 128x128 block (counted as
 fp32, 4/16384 B), FP4 e2m1 0.5 B + one e8m0 scale per 32 (1/32 B), BF16 2 B, FP32 4 B.
-`weight_format="bf16"` serves every fp8 / fp4 group in bf16 instead. Per GPU:
+`weight_format` (cluster.SERVED_AS): "native" serves each group as released (fp8 / fp4: lockstep's
+"fp8-fp4"), "fp8" serves the fp4 groups in fp8 too, "bf16" every fp8 / fp4 group in bf16; bf16 and
+fp32 groups stay as they are. `weight_formats` totals one copy of the model in each. Per GPU:
   routed experts        sum(expert groups) / G
   dense (attention "dp")   tp + replicated groups in full;   (attention "tp")  tp groups / G
   embedding and head    / G (vocab-parallel)
@@ -32,7 +34,7 @@ import math
 from dataclasses import dataclass
 
 from lockstep.plan import activations as act
-from lockstep.plan.cluster import DTYPE_BYTES, ClusterSpec, RolloutSpec
+from lockstep.plan.cluster import DTYPE_BYTES, SERVED_AS, ClusterSpec, RolloutSpec
 from lockstep.plan.layout import PlanError
 from lockstep.plan.memory import MemoryTerm, peak_gpu_bytes
 from lockstep.plan.model import ModelSpec
@@ -57,10 +59,31 @@ class RolloutMemory:
 
 
 def serve_bytes(g: ParamGroup, weight_format: str) -> float:
-    """Bytes per parameter of a group in the serving format."""
-    if weight_format == "bf16" and g.serve in ("fp8", "fp4"):
-        return SERVE_BYTES["bf16"]
-    return SERVE_BYTES[g.serve]
+    """Bytes per parameter of a group in the serving format (cluster.SERVED_AS)."""
+    return SERVE_BYTES[SERVED_AS[weight_format].get(g.serve, g.serve)]
+
+
+@dataclass(frozen=True)
+class FormatBytes:
+    """One copy of the whole model's weights in one serving format, against bf16."""
+
+    format: str  # a --rollout-weight-format value
+    label: str  # lockstep's name of the serving format
+    bytes: float
+    ratio: float  # of the bf16 bytes
+
+
+FORMAT_LABELS = {"bf16": "bf16", "fp8": "fp8", "native": "fp8-fp4 (native)"}  # the table's order
+
+
+def weight_formats(model: ModelSpec) -> list[FormatBytes]:
+    """Whole-model weight bytes (one copy, the tied head once, no buffers) in bf16, fp8 and native.
+
+    A model released without fp8 / fp4 groups (the llama family) gets 1.0 everywhere: the planner
+    serves it as released."""
+    groups = all_groups(model)
+    total = {f: sum(g.count * serve_bytes(g, f) for g in groups) for f in FORMAT_LABELS}
+    return [FormatBytes(f, label, total[f], total[f] / total["bf16"]) for f, label in FORMAT_LABELS.items()]
 
 
 def weight_bytes_per_gpu(model: ModelSpec, rollout: RolloutSpec) -> dict[str, float]:
