@@ -59,12 +59,14 @@ def test_training_forward_has_gradients_and_routing():
         assert torch.equal(model(ids, routing=replay), model(ids))
 
 
-def test_row_blocks_pad_and_concatenate():
+@pytest.mark.parametrize("grad", [True, False])  # concatenated with autograd, streamed into one output without
+def test_row_blocks_pad_and_concatenate(grad):
     x = torch.arange(ROWS * 2 + 3, dtype=torch.float32).unsqueeze(1)
     seen = []
-    out, none = row_blocks(lambda a, b: (seen.append(a.shape[0]) or a * 2, b), x, None)
-    assert torch.equal(out, x * 2) and none is None and seen == [ROWS] * 3
-    assert row_blocks(lambda a: a + 1, x[:0]).shape == (0, 1)
+    with torch.set_grad_enabled(grad):
+        out, none = row_blocks(lambda a, b: (seen.append(a.shape[0]) or a * 2, b), x, None)
+        assert torch.equal(out, x * 2) and none is None and seen == [ROWS] * 3
+        assert row_blocks(lambda a: a + 1, x[:0]).shape == (0, 1)
 
 
 def test_long_sequences_span_several_entry_tiles():

@@ -43,10 +43,14 @@ def in_rows_forward() -> bool:
     return _IN_ROWS_FORWARD.get()
 
 
-def _pad_rows(x: torch.Tensor | None, pad: int) -> torch.Tensor | None:
-    if x is None or not pad:
-        return x
-    return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+def _block(x: torch.Tensor | None, start: int, rows: int) -> torch.Tensor | None:
+    """Rows [start, start + rows) of x, zero-padded past its end (only the last block is copied)."""
+    if x is None:
+        return None
+    block = x[start:start + rows]
+    if block.shape[0] == rows:
+        return block
+    return torch.cat([block, block.new_zeros(rows - block.shape[0], *block.shape[1:])])
 
 
 def _concat(outs: list, total: int):
@@ -58,11 +62,28 @@ def _concat(outs: list, total: int):
     return type(first)(_concat([o[i] for o in outs], total) for i in range(len(first)))
 
 
+def _store(out, y, start: int, n: int, total: int):
+    """Write block result y's first n rows at `start` of out (allocated [total, ...] from y at the first
+    block): without autograd the blocks stream into one output, never all held besides it."""
+    if y is None:
+        return None
+    if isinstance(y, torch.Tensor):
+        if out is None:
+            out = y.new_empty(total, *y.shape[1:])
+        out[start:start + n] = y[:n]
+        return out
+    out = out if out is not None else [None] * len(y)
+    return type(y)(_store(o, part, start, n, total) for o, part in zip(out, y))
+
+
 def row_blocks(fn: Callable, *xs: torch.Tensor, rows: int = ROWS):
     """fn(*blocks) over ROWS-row blocks of xs (all with the same dim 0; a None passes as None),
     results (a tensor, or a tuple of tensors / None) concatenated back to xs' row count."""
     total = xs[0].shape[0]
-    pad = -total % rows if total else rows  # an empty input still runs one block: shapes to return
-    xs = [_pad_rows(x, pad) for x in xs]
-    outs = [fn(*(None if x is None else x[i:i + rows] for x in xs)) for i in range(0, total + pad, rows)]
-    return _concat(outs, total)
+    starts = range(0, max(total, 1), rows)  # an empty input still runs one block: shapes to return
+    if torch.is_grad_enabled():  # autograd: concatenate (a write into slices would copy the gradient per block)
+        return _concat([fn(*(_block(x, i, rows) for x in xs)) for i in starts], total)
+    out = None
+    for i in starts:
+        out = _store(out, fn(*(_block(x, i, rows) for x in xs)), i, max(min(rows, total - i), 0), total)
+    return out
