@@ -1,8 +1,8 @@
 """--true-on-policy end to end (issue 16): the engine samples with continuous batching (requests of
 different lengths joining and leaving mid-decode, chunked prefill), the trainer re-scores the same
 tokens, and every logprob has the same bits; train_rollout_logprob_abs_diff is exactly 0 at every
-step and after every weight push, in bf16 and fp32, in bf16 serving and in fp8 serving with the
-quantisation-aware forward. (models/deepseek_v4_rows.py is the forward both sides run.)"""
+step and after every weight push, in bf16 and fp32, in bf16 serving and in fp8 / fp8-fp4 serving with
+the quantisation-aware forward. (models/deepseek_v4_rows.py is the forward both sides run.)"""
 
 import copy
 import os
@@ -40,7 +40,8 @@ def rollouts(engine: Engine, seed: int):
     return samples
 
 
-@pytest.mark.parametrize("dtype,serving_format", [("float32", "bf16"), ("bfloat16", "bf16"), ("bfloat16", "fp8")])
+@pytest.mark.parametrize("dtype,serving_format", [("float32", "bf16"), ("bfloat16", "bf16"), ("bfloat16", "fp8"),
+                                                  ("bfloat16", "fp8-fp4")])
 def test_rollout_and_training_logprobs_are_identical_across_weight_pushes(dtype, serving_format):
     model = tiny_model(config=tiny_config(max_position_embeddings=64))
     engine = Engine(copy.deepcopy(model), EngineConfig(
