@@ -198,9 +198,9 @@ class Experts(Switched, nn.Module):
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The true-on-policy experts (deepseek_v4_rows.py): a row's output must not depend on which
         experts its neighbours picked, and a GEMM over the rows grouped by expert has group sizes that
-        do. So: the Triton grouped kernels where they run (bf16 on CUDA), whose launch
-        config depends on N and K only (grouped_gemm_triton.py), with the default path's gradient;
-        elsewhere every held expert computes every row ([E, rows, ...] GEMMs: E / k times the FLOPs)."""
+        do. So: the Triton grouped kernels where they run (bf16 on CUDA), whose launch config depends
+        on N and K only (grouped_gemm_triton.py), with the default path's gradient; elsewhere every
+        held expert computes every row ([E, rows, ...] GEMMs: E / k times the FLOPs)."""
         if len(self.rows) != self.n_experts:
             raise RuntimeError(f"the true-on-policy forward computes all {self.n_experts} routed experts on one "
                                f"device; these hold {self.rows} only (expert parallel is not supported there)")
@@ -272,7 +272,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
                 forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] -> (output [..., H], experts chosen [..., k]). In the true-on-policy forward
-        (deepseek_v4_rows.py) the rows go through in row blocks, every expert dense."""
+        (deepseek_v4_rows.py) the rows go through in row blocks, the experts as Experts.rows_mlp says."""
         if in_rows_forward():
             flat = x.reshape(-1, x.shape[-1])
             ids = None if token_ids is None else token_ids.reshape(-1)
@@ -282,7 +282,7 @@ class MoE(nn.Module):
         return self._route_and_compute(x, token_ids, forced)
 
     def _route_and_compute(self, x: torch.Tensor, token_ids: torch.Tensor | None,
-                      forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
