@@ -13,6 +13,7 @@ import torch
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine.engine import Engine
 from lockstep.engine.request import GenerateRequest
+from lockstep.models.deepseek_v4_config import CSA, SLIDING
 from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.llama_config import LlamaConfig
@@ -60,7 +61,9 @@ def test_rollout_and_training_logprobs_are_identical_across_weight_pushes(dtype,
 
 def test_compiled_trainer_layers_keep_the_values_exact():
     # the compiled layers serve the gradient's forward only; the loss reads the row-block values
-    model = tiny_model(config=tiny_config(max_position_embeddings=64))
+    # (two layers, two kinds: each kind compiles once)
+    model = tiny_model(config=tiny_config(max_position_embeddings=64, num_hidden_layers=2, layer_types=(SLIDING, CSA),
+                                          mlp_layer_types=("hash_moe", "moe")))
     engine = Engine(copy.deepcopy(model), EngineConfig(max_num_seqs=3, max_model_len=32, device=DEVICE,
                                                        true_on_policy=True))
     trainer = Trainer(model.to(DEVICE), TrainConfig(true_on_policy=True, compile_backend="eager"))
