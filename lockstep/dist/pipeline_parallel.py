@@ -107,7 +107,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.models.deepseek_v4_rows import final_rows, runs_true_on_policy
+from lockstep.models.deepseek_v4_rows import ExactValues, final_rows, runs_true_on_policy
 from lockstep.models.layers.attention_rows import FullSequences
 
 Collective = Callable[[str], ContextManager]
@@ -163,23 +163,39 @@ class PipelineStageModule(nn.Module):
         for attr in ("_keep_in_fp32_modules_strict", "_keep_in_fp32_modules"):
             setattr(self, attr, getattr(model, attr, None))
         self._compute_logits = model.compute_logits
+        self._head = getattr(model, "_head", None)  # DeepSeek-V4's default LM head (true-on-policy training)
         self.streams_dtype: torch.dtype | None = None  # what the next stage expects (PipelineParallel sets it)
         self.layer_ranges: list[range] = [layers]  # every stage's layers (split_model sets them)
         # a list: each forward appends its micro-batch's chosen experts [b, S, L_stage, k] (prompt routing)
         self.recorded: list[torch.Tensor] | None = None
 
+    @property
+    def true_on_policy(self) -> bool:
+        """The layers run the true-on-policy forward (models/deepseek_v4_rows.py)."""
+        return runs_true_on_policy(self.model.layers[self.layer_ids[0]])
+
+    def carries_exact_streams(self) -> bool:
+        """A true-on-policy training step sends two streams between stages: the row-block forward's
+        (the loss's values, no autograd) and the default forward's (the gradient's), as one process's
+        DeepseekV4ForCausalLM._true_on_policy_logits computes them."""
+        return self.true_on_policy and torch.is_grad_enabled()
+
     def forward(self, *tensors: torch.Tensor):
-        """First stage: (ids[, forced]); others: (streams, ids[, forced]). Returns (streams, ids[, forced]),
-        or the last stage's fp32 logits [b, S, V]."""
+        """First stage: (ids[, forced]); others: (streams[, exact streams], ids[, forced]). Returns
+        (streams[, exact streams], ids[, forced]), or the last stage's fp32 logits [b, S, V]."""
         if self.is_first:
             ids, *rest = tensors
-            streams = self.model.embed_streams(ids)
+            streams = exact = self.model.embed_streams(ids)
+        elif self.carries_exact_streams():
+            streams, exact, ids, *rest = tensors
         else:
             streams, ids, *rest = tensors
+        if self.carries_exact_streams():
+            return self._exact_values_step(streams, exact, ids, rest)
         routing = Routing(forced=rest[0]) if rest else (Routing() if self.recorded is not None else None)
         call_layer = self.model.call_layer or (lambda layer, *args: layer(*args))
         # the true-on-policy forward: layers given where their keys come from (models/deepseek_v4_rows.py)
-        rows = runs_true_on_policy(self.model.layers[self.layer_ids[0]])
+        rows = self.true_on_policy
         keys = FullSequences(*ids.shape, ids.device) if rows else None
         for i in self.layer_ids:
             layer = self.model.layers[i]
@@ -188,12 +204,45 @@ class PipelineStageModule(nn.Module):
             self.recorded.append(routing.stacked())
         if self.is_last:
             return self._compute_logits(final_rows(self.model, streams) if rows else self.model.final_hidden(streams))
+        return self._send(streams, ids, *rest)
+
+    def _exact_values_step(self, streams, exact, ids, rest):
+        """This stage of a true-on-policy training step: the row-block layers without autograd, then the
+        default layers with the experts they chose forced; the last stage returns the first's logits
+        with the second's gradient (deepseek_v4_rows.ExactValues)."""
+        chosen = Routing(forced=rest[0] if rest else None)
+        with torch.no_grad():
+            keys = FullSequences(*ids.shape, ids.device)
+            for i in self.layer_ids:
+                exact = self.model.layers[i](exact, ids, chosen, keys)
+        if self.recorded is not None:
+            self.recorded.append(chosen.stacked())
+        forced = rest[0] if rest else self._forced_from(chosen, ids.shape)
+        routing, call_layer = Routing(forced=forced), self.model.call_layer or (lambda layer, *args: layer(*args))
+        for i in self.layer_ids:
+            layer = self.model.layers[i]
+            streams = call_layer(layer, streams, ids, routing, layer.self_attn.forward_full)
+        if self.is_last:
+            with torch.no_grad():
+                exact_logits = self._compute_logits(final_rows(self.model, exact))
+            return ExactValues.apply(self._head(self.model.final_hidden(streams)), exact_logits)
+        return self._send(streams, exact, ids, *rest)
+
+    def _forced_from(self, chosen: Routing, shape) -> torch.Tensor:
+        """[b, S, L, k] experts with this stage's layers' choices (Routing reads layer i's slice only)."""
+        c = self.config
+        forced = chosen.chosen[0].new_zeros(*shape, c.num_hidden_layers, c.num_experts_per_tok)
+        for i, experts in zip(self.layer_ids, chosen.chosen):
+            forced[..., i, :] = experts
+        return forced
+
+    def _send(self, streams: torch.Tensor, *rest: torch.Tensor):
         if self.streams_dtype is not None and streams.dtype != self.streams_dtype:
             # the next stage receives into a buffer of the announced dtype: fail here, not with garbage there
             raise ValueError(f"pipeline stage {self.stage_index}: the streams are {streams.dtype}, the pipeline was "
                              f"set up for {self.streams_dtype} (PipelineParallel streams_dtype: the compute dtype)")
         # sent as they are: point-to-point sends take contiguous tensors (mHC's combine may return a view)
-        return tuple(t.contiguous() for t in (streams, ids, *rest))
+        return tuple(t.contiguous() for t in (streams, *rest))
 
 
 def split_model(model: nn.Module, stage_index: int, num_stages: int,
@@ -230,10 +279,12 @@ class PipelineParallel:
         """Static input / output metadata of this stage for [b, S] micro-batches."""
         c = self.stage.config
         passed = [_meta((b, S), torch.int64)] + ([_meta(forced_shape, torch.int64)] if forced_shape else [])
-        streams = _meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype, requires_grad=grad)
-        inputs = tuple(passed) if self.stage.is_first else (streams, *passed)
+        streams = [_meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype, requires_grad=grad)]
+        if grad and self.stage.true_on_policy:  # the row-block forward's streams travel too, without gradient
+            streams.append(_meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype))
+        inputs = tuple(passed) if self.stage.is_first else (*streams, *passed)
         outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=grad) if self.stage.is_last \
-            else (streams, *passed)
+            else (*streams, *passed)
         return inputs, outputs
 
     def _run(self, input_ids, n_microbatches: int, microbatch_shape, forced, replay: bool, loss_fn):
