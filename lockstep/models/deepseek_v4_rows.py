@@ -28,7 +28,8 @@ entries, and the cache writes a step makes).
 Training (DeepseekV4ForCausalLM._true_on_policy_logits): the loss reads this forward's values,
 computed without autograd, and takes the gradient of the default forward run with the same experts
 forced (`ExactValues`): the issue lets the backward use anything, and backpropagating through the
-row blocks cost 2x the whole step. Pipeline stages call the layers themselves and still do.
+row blocks cost 2x the whole step. Pipeline stages do the same per stage (the row-block streams
+travel beside the default ones, lockstep/dist/pipeline_parallel.py).
 
 Cost: the per-block loop (launch-bound on a GPU), the dense experts off CUDA (E / k times the
 routed FLOPs), eager decode graphs; the fixed-order kernels of the issue's item 2 are to replace

@@ -106,9 +106,9 @@ def test_triton_grouped_experts_keep_rows_independent(monkeypatch):
 
 
 def test_kernel_experts_backward_is_the_default_paths(monkeypatch):
-    """Where the true-on-policy forward keeps autograd (pipeline stages), the Triton experts'
-    backward recomputes and differentiates the default grouped path: the default path's gradients
-    (up to the loss's own gradient, which reads forward values 1 bf16 ulp apart)."""
+    """A gradient through the true-on-policy forward's Triton experts recomputes and differentiates
+    the default grouped path: the default path's gradients (up to the loss's own gradient, which
+    reads forward values 1 bf16 ulp apart)."""
     from lockstep.models.layers import grouped_gemm_triton, moe
     from lockstep.models.layers.row_blocks import rows_forward
 

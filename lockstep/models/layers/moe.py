@@ -154,7 +154,9 @@ def _row_invariant_kernels(x: torch.Tensor, gate_up: torch.Tensor, down: torch.T
 
 class _KernelExperts(torch.autograd.Function):
     """Rows sorted by expert through the Triton grouped kernels (SwiGLU fused); the backward
-    recomputes the default path (grouped_mm) and differentiates it (the kernels have none)."""
+    recomputes the default path (grouped_mm) and differentiates it (the kernels have none). The
+    trainer and pipeline stages run the true-on-policy forward without autograd (their gradient
+    comes from the default forward), so this backward serves a caller who asks for one there."""
 
     @staticmethod
     def forward(ctx, xs, gate_up, down, counts, limit: float):
