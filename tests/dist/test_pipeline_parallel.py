@@ -36,7 +36,8 @@ B, S = 2, 12  # rows per micro-batch, padded length
 # name: (micro-batches, last stage's layers (None: even split), routing replay, dtype)
 SCENARIOS = {"2+2": (3, None, False, "float32"), "2+2-replay": (3, None, True, "float32"),
              "3+1": (3, 1, False, "float32"), "2+2-gpipe-one-microbatch": (1, None, False, "float32"),
-             "2+2-bf16": (3, None, False, "bfloat16"), "2+2-true-on-policy": (3, None, True, "float32")}
+             "2+2-bf16": (3, None, False, "bfloat16"), "2+2-true-on-policy": (3, None, True, "float32"),
+             "2+2-bf16-true-on-policy": (3, None, False, "bfloat16")}
 
 
 def _model(dtype: str, device="cpu", name: str = ""):
