@@ -7,6 +7,10 @@
                                          the samples per eval prompt), and eval/<set>/truncated_ratio
                                          (dashed: answers cut at the length limit, scored as wrong)
 
+`compare` (`lockstep plot RUN_DIR --compare OTHER_DIR ...`) draws other runs' mismatch and reward
+moving average into the same two figures, each labelled by its directory name: e.g. a run with
+`--true-on-policy` (0 at every step) beside the same run without it (the gap it closes).
+
 The moving average at step i is the mean of the last min(W, i + 1) points. The least-squares slope
 is b = sum((x - mean x)(y - mean y)) / sum((x - mean x)^2) (reward gained per step). A metric
 absent from the file simply gets no plot; a missing / malformed file raises MetricsFileError.
@@ -93,10 +97,12 @@ def _save(plt, fig, ax, path: Path) -> Path:
     return path
 
 
-def plot_run(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
-    """Write the plots; returns {"files": [paths], "reward_slope": float | None}."""
+def plot_run(run_dir: str | Path, window: int = 10, compare: Sequence[str | Path] = ()) -> dict[str, Any]:
+    """Write the plots; returns {"files": [paths], "reward_slope": float | None}. `compare`: other
+    run directories drawn beside this one (module docstring)."""
     run_dir = Path(run_dir)
     records = read_metrics(run_dir / METRICS_FILE)
+    others = [(Path(d).name, read_metrics(Path(d) / METRICS_FILE)) for d in compare]
     out_dir = run_dir / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     files: list[Path] = []
@@ -105,7 +111,9 @@ def plot_run(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
     steps, values = series(records, ABS_DIFF_KEY)
     if len(steps):
         plt, fig, ax = _figure("train/rollout log-prob mismatch", "mean |logp_train - logp_rollout|")
-        ax.plot(steps, values, marker=".", label=ABS_DIFF_KEY)
+        ax.plot(steps, values, marker=".", label=run_dir.name if others else ABS_DIFF_KEY)
+        for name, other in others:
+            ax.plot(*series(other, ABS_DIFF_KEY), marker=".", label=name)
         files.append(_save(plt, fig, ax, out_dir / "train_rollout_logprob_abs_diff.png"))
 
     steps, values = series(records, REWARD_KEY)
@@ -115,6 +123,9 @@ def plot_run(run_dir: str | Path, window: int = 10) -> dict[str, Any]:
         ax.plot(steps, values, marker=".", alpha=0.5, label=REWARD_KEY)
         ax.plot(steps, moving_average(values, window), label=f"moving average ({window})")
         ax.plot(steps, intercept + slope * steps, linestyle="--", label=f"least squares, slope {slope:.3g}/step")
+        for name, other in others:
+            s, v = series(other, REWARD_KEY)
+            ax.plot(s, moving_average(v, window), linestyle=":", label=f"{name}: moving average ({window})")
         files.append(_save(plt, fig, ax, out_dir / "raw_reward.png"))
 
     for set_name, curves in eval_curves(records).items():

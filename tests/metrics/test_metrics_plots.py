@@ -57,3 +57,25 @@ def test_eval_plot_has_every_k_and_the_truncated_ratio():
     assert list(curves["aime"]) == [f"pass@{k}" for k in range(1, 11)] + ["truncated ratio"]  # k in numeric order
     steps, values = curves["aime"]["truncated ratio"]
     assert steps.tolist() == [0.0, 2.0] and values.tolist() == [0.5, 0.25]
+
+
+def test_compare_draws_other_runs_into_the_same_figures(tmp_path, monkeypatch):
+    from lockstep.metrics import plots
+
+    exact, default = tmp_path / "true-on-policy", tmp_path / "default"
+    with JsonlSink(exact) as a, JsonlSink(default) as b:
+        for i in range(5):
+            a.log({"rollout/raw_reward": 0.3, "train/train_rollout_logprob_abs_diff": 0.0}, step=i)
+            b.log({"rollout/raw_reward": 0.3, "train/train_rollout_logprob_abs_diff": 2e-7}, step=i)
+    drawn = {}
+    save = plots._save
+
+    def recording_save(plt, fig, ax, path):
+        drawn[path.name] = [(line.get_label(), list(line.get_ydata())) for line in ax.get_lines()]
+        return save(plt, fig, ax, path)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    assert main(["plot", str(exact), "--compare", str(default)]) == 0
+    assert drawn["train_rollout_logprob_abs_diff.png"] == [("true-on-policy", [0.0] * 5), ("default", [2e-7] * 5)]
+    assert drawn["raw_reward.png"][-1][0] == "default: moving average (10)"
+    assert main(["plot", str(exact), "--compare", str(tmp_path / "missing")]) == 1  # the missing file is named
