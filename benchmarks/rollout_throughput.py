@@ -251,7 +251,7 @@ def parse_args(argv=None):
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
     ap.add_argument("--step-trace", metavar="PATH",
                     help="CUDA: write the kernels of one decode step, in launch order, to PATH "
-                         "(PATH.FORMAT when several formats run)")
+                         "(PATH.FORMAT when several engines run; PATH.FORMAT-true-on-policy for those rows)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
     ap.add_argument("--seed", type=int, default=0)
@@ -340,7 +340,7 @@ def compare_transformers(args, engine: Engine, prompts, samples, ls_tps: float) 
     print(f"ratio lockstep / transformers: {ls_tps / hf_tps:.2f}x")
 
 
-def kernel_reports(args, engine: Engine, fmt: str, prompts) -> None:
+def kernel_reports(args, engine: Engine, label: str, prompts, several: bool) -> None:
     if args.profile:
         from kernel_profile import profile_generate
 
@@ -350,7 +350,7 @@ def kernel_reports(args, engine: Engine, fmt: str, prompts) -> None:
         from kernel_profile import decode_step_trace
 
         sp = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
-        path = args.step_trace if len(args.serving_format) == 1 else f"{args.step_trace}.{fmt}"
+        path = f"{args.step_trace}.{label}" if several else args.step_trace
         with open(path, "w") as f:
             f.write(decode_step_trace(engine, [GenerateRequest(p, sp) for p in prompts]) + "\n")
 
@@ -367,7 +367,8 @@ def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
     print_roofline(args, engine, bw, ls_decode_tps)
     if first and not args.skip_transformers:
         compare_transformers(args, engine, prompts, samples, ls_tps)
-    kernel_reports(args, engine, fmt, prompts)
+    label = f"{fmt}-true-on-policy" if true_on_policy else fmt
+    kernel_reports(args, engine, label, prompts, several=len(args.serving_format) > 1 or args.true_on_policy)
     return ls_tps, ls_decode_tps, bw
 
 

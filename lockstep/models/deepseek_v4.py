@@ -21,8 +21,9 @@ import torch
 from torch import nn
 
 from .deepseek_v4_config import DeepseekV4Config
-from .deepseek_v4_rows import KEY_SOURCES, ExactValues, FullSequences, StepKeys, hidden_rows, layer_rows, logits_rows
+from .deepseek_v4_rows import ExactValues, hidden_rows, layer_rows, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
+from .layers.attention_rows import FullSequences, KeySource, StepKeys
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
 from .layers.moe import MoE
@@ -94,7 +95,7 @@ class DeepseekV4DecoderLayer(nn.Module):
     def forward(self, streams, token_ids, routing: Routing | None, attend) -> torch.Tensor:
         """attend: the attention for these streams (forward_full, or a step's forward_step), or a key
         source (FullSequences / StepKeys): then the true-on-policy forward (deepseek_v4_rows.py)."""
-        if isinstance(attend, KEY_SOURCES):
+        if isinstance(attend, KeySource):
             return layer_rows(self, streams, token_ids, attend, routing)
         collapsed, post, comb = self.attn_hc(streams)
         streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
@@ -194,6 +195,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     @property
     def true_on_policy(self) -> bool:
         """The true-on-policy forward is switched on (KernelSwitches; deepseek_v4_rows.py)."""
+        # the head's switch, not a layer's: a pipeline's last stage holds the head, not layer 0
         return self.model.hc_head.kernels.on("true_on_policy")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

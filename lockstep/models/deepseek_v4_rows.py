@@ -41,12 +41,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers.attention_rows import FullSequences, StepKeys
 from .layers.hyper_connection import hc_combine
 from .layers.row_blocks import row_blocks, rows_forward
-
-KEY_SOURCES = (FullSequences, StepKeys)
-
 
 def _before_attention(layer, streams: torch.Tensor):
     collapsed, post, comb = layer.attn_hc(streams)

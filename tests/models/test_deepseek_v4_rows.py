@@ -10,12 +10,16 @@ from test_deepseek_v4 import CONFIGS, run_incremental
 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_
+from lockstep.models.layers import grouped_gemm_triton
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.key_tiles import ENTRY_TILE
 from lockstep.models.layers.row_blocks import ROWS, row_blocks
 from lockstep.models.precision import cast_model
 
 ON = KernelSwitches(true_on_policy=True)
+# the Triton kernels on CPU tensors: the interpreter, set by tests/conftest.py except on GPU runs
+interpreted_triton = pytest.mark.skipif(grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted(),
+                                        reason="needs triton with TRITON_INTERPRET=1 (every CPU run sets it)")
 
 
 def true_on_policy_model(name: str, dtype: torch.dtype, seed: int = 3) -> DeepseekV4ForCausalLM:
@@ -80,14 +84,13 @@ def test_long_sequences_span_several_entry_tiles():
     assert torch.equal(steps, full)
 
 
+@interpreted_triton
 def test_triton_grouped_experts_keep_rows_independent(monkeypatch):
     """On CUDA in bf16 the routed experts run the Triton grouped kernels (their launch config depends
     on N and K only); here under the interpreter: steps still equal the training forward bitwise, and
-    the gradient (the default path's, recomputed) reaches the experts."""
-    from lockstep.models.layers import grouped_gemm_triton, moe
+    a training forward still gives the experts a gradient (the default forward's, ExactValues)."""
+    from lockstep.models.layers import moe
 
-    if grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted():
-        pytest.skip("needs triton with TRITON_INTERPRET=1 (the CPU tests' setting)")
     calls = []
 
     def kernels_on_cpu(x, gate_up, down):
@@ -105,15 +108,14 @@ def test_triton_grouped_experts_keep_rows_independent(monkeypatch):
     assert model.model.layers[1].mlp.experts.gate_up_proj.grad.abs().sum() > 0
 
 
+@interpreted_triton
 def test_kernel_experts_backward_is_the_default_paths(monkeypatch):
     """A gradient through the true-on-policy forward's Triton experts recomputes and differentiates
     the default grouped path: the default path's gradients (up to the loss's own gradient, which
     reads forward values 1 bf16 ulp apart)."""
-    from lockstep.models.layers import grouped_gemm_triton, moe
+    from lockstep.models.layers import moe
     from lockstep.models.layers.row_blocks import rows_forward
 
-    if grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted():
-        pytest.skip("needs triton with TRITON_INTERPRET=1 (the CPU tests' setting)")
     monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: True)
     experts = true_on_policy_model("mixed", torch.bfloat16).model.layers[1].mlp.experts
     g = torch.Generator().manual_seed(8)

@@ -8,9 +8,10 @@
 One method, so that data-parallel sharding (FSDP2) gathers the attention's weights once per layer
 (lockstep/dist/fsdp.py registers it as a forward method).
 
-Where keys come from is the caller's `keys` object: `FullSequences` (training: each row's sequence,
-from position 0) or `StepKeys` (the engine: window ring + new tokens, the caches' entries, and the
-cache writes a step makes). Rows are flat: b * S + p, or n * S + t for a step's N x S new tokens.
+Where keys come from is the caller's `keys` object, a `KeySource`: `FullSequences` (training: each
+row's sequence, from position 0) or `StepKeys` (the engine: window ring + new tokens, the caches'
+entries, and the cache writes a step makes). Rows are flat: b * S + p, or n * S + t for a step's
+N x S new tokens.
 """
 
 from __future__ import annotations
@@ -25,51 +26,67 @@ from .rope import rope_cos_sin
 from .row_blocks import row_blocks
 
 
-class FullSequences:
+class KeySource:
+    """N sequences of S rows each (row n * S + t): where a row's keys come from. Subclasses say where
+    the window's keys and the compressed entries live; the row layout and the window's slot
+    positions (the same for every layer of one window size: computed once) are shared."""
+
+    def __init__(self, positions: torch.Tensor):
+        self.N, self.S = positions.shape
+        self.positions = positions.reshape(-1)
+        self.sequence = torch.arange(self.N, device=positions.device).repeat_interleave(self.S)
+        self._slots: dict[int, torch.Tensor] = {}
+
+    def per_sequence(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """Rows [T, ...] -> [N, S, ...]."""
+        return None if t is None else t.view(self.N, self.S, *t.shape[1:])
+
+    def slot_positions(self, window: int) -> torch.Tensor:
+        """[T, W]: window slot j of row p holds position p - W + 1 + j (< 0: no key)."""
+        if window not in self._slots:
+            offsets = torch.arange(window, device=self.positions.device)
+            self._slots[window] = self.positions.unsqueeze(1) - window + 1 + offsets
+        return self._slots[window]
+
+
+class FullSequences(KeySource):
     """Keys of a training forward: B sequences of S tokens from position 0, rows b * S + p."""
 
     def __init__(self, B: int, S: int, device):
-        self.B, self.S = B, S
-        self.positions = torch.arange(S, device=device).repeat(B)
-        self.sequence = torch.arange(B, device=device).repeat_interleave(S)
+        super().__init__(torch.arange(S, device=device).expand(B, S))
 
     def window(self, attn, kv: torch.Tensor):
         """kv [T, D] -> (key rows [T, D], index [T, W], valid [T, W]): slot j = position p - W + 1 + j."""
-        key_pos = self.positions.unsqueeze(1) - attn.window + 1 + torch.arange(attn.window, device=kv.device)
+        key_pos = self.slot_positions(attn.window)
         return kv, (self.sequence * self.S).unsqueeze(1) + key_pos, key_pos >= 0
 
     def compressed(self, attn, x):
         """x: the projections (InputProjections, rows) -> (entries [B, E, D], index keys [B, E, D_I] or
         None) of every closed block."""
-        def seqs(t):
-            return None if t is None else t.view(self.B, self.S, -1)
-        comp = attn.compressor
+        comp, seqs = attn.compressor, self.per_sequence
         entries = comp.forward_full(seqs(x.comp_kv), seqs(x.comp_gate), attn.inv_freq)
         index_keys = (comp.indexer.forward_full(seqs(x.index_kv), seqs(x.index_gate), attn.inv_freq)
                       if attn.layer_type == CSA else None)
         return entries, index_keys
 
 
-class StepKeys:
+class StepKeys(KeySource):
     """Keys of an engine step (StepBatch: N sequences, S new tokens each, rows n * S + t), read from
     and written to the per-slot caches as DeepseekV4Attention.forward_step does."""
 
     def __init__(self, batch, cache):
+        super().__init__(batch.positions)
         self.batch, self.cache = batch, cache
-        N, S = batch.positions.shape
-        self.N, self.S = N, S
-        self.positions = batch.positions.reshape(-1)
-        self.sequence = torch.arange(N, device=batch.positions.device).repeat_interleave(S)
 
     def window(self, attn, kv: torch.Tensor):
         """Rows of [ring (W) ; new tokens (S)] per sequence; positions before the step's first new token
         come from the ring (position q at ring index q mod W), the others from the new tokens. Writes
         the new tokens into the ring, as DeepseekV4Attention.forward_step does."""
         W, layer_cache = attn.window, self.cache.layers[attn.layer_idx]
-        new = kv.view(self.N, self.S, -1)
+        new = self.per_sequence(kv)
         source = torch.cat([layer_cache.window[self.batch.slots].to(kv.dtype), new], dim=1).flatten(0, 1)
         attn._write_window(layer_cache, self.batch, new)
-        key_pos = self.positions.unsqueeze(1) - W + 1 + torch.arange(W, device=kv.device)
+        key_pos = self.slot_positions(W)
         start = self.batch.start_pos[self.sequence].unsqueeze(1)
         within = torch.where(key_pos < start, torch.remainder(key_pos, W), W + key_pos - start)
         return source, (self.sequence * (W + self.S)).unsqueeze(1) + within, key_pos >= 0
@@ -77,9 +94,8 @@ class StepKeys:
     def compressed(self, attn, x):
         """Feeds the step's tokens to the compressors (closing blocks write entries) -> (entries
         [N, E, D], index keys or None) of the slots' caches."""
-        def seqs(t):
-            return None if t is None else t.view(self.N, self.S, -1)
-        step_x = dataclasses.replace(x, **{f.name: seqs(getattr(x, f.name)) for f in dataclasses.fields(x)})
+        fields = {f.name: self.per_sequence(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        step_x = dataclasses.replace(x, **fields)
         return attn._step_compressors(step_x, self.batch, self.cache.layers[attn.layer_idx])
 
 
