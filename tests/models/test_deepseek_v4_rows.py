@@ -3,6 +3,7 @@ in a training forward, in prefill chunks of any size, in decode steps of any bat
 other sequences, in fp32 and in bf16 (every layer kind: window, C4 + indexer, C128, hash / top-k MoE)."""
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from test_deepseek_v4 import CONFIGS, run_incremental
 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_
-from lockstep.models.layers import grouped_gemm_triton
+from lockstep.models.layers import grouped_gemm_triton, row_blocks as row_blocks_module
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.key_tiles import ENTRY_TILE
 from lockstep.models.layers.row_blocks import ROWS, row_blocks
@@ -71,6 +72,22 @@ def test_row_blocks_pad_and_concatenate(grad):
         out, none = row_blocks(lambda a, b: (seen.append(a.shape[0]) or a * 2, b), x, None)
         assert torch.equal(out, x * 2) and none is None and seen == [ROWS] * 3
         assert row_blocks(lambda a: a + 1, x[:0]).shape == (0, 1)
+
+
+@pytest.mark.skipif(not os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda"),
+                    reason="CUDA graphs: LOCKSTEP_TEST_DEVICE=cuda (CPU runs test the eager loop, the reference)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_block_graphs_equal_the_eager_loop(monkeypatch, dtype):
+    model = true_on_policy_model("mixed", dtype).cuda()
+    ids = torch.randint(0, model.config.vocab_size, (2, 4 * ROWS + 9), generator=torch.Generator().manual_seed(6))
+    captured = []
+    capture = row_blocks_module._capture
+    monkeypatch.setattr(row_blocks_module, "_capture", lambda *a: captured.append(1) or capture(*a))
+    with torch.no_grad():
+        graphs = model(ids.cuda())
+        monkeypatch.setenv("LOCKSTEP_ROW_GRAPHS", "0")
+        eager = model(ids.cuda())
+    assert captured and torch.equal(graphs, eager)
 
 
 def test_long_sequences_span_several_entry_tiles():

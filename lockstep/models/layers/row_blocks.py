@@ -12,10 +12,19 @@ the token gets the same bits. The padding rows compute garbage that no real row 
 ROWS is one number for the engine and the trainer (a block size is part of the numerics: two
 sides with different ROWS disagree). 64 rows fill a decode batch of 64 exactly and keep a
 training batch's loop at T / 64 calls.
+
+On CUDA that loop is launch-bound: a decoder layer's blocks are ~500 small ops each (1b config),
+~7 ms of host time per layer and block on an H200 against well under a millisecond of kernels.
+So without autograd, from GRAPH_MIN_BLOCKS blocks on, the first block runs eagerly (it warms up
+cuBLAS and compiles Triton kernels), `fn` is captured once as a CUDA graph over static input
+buffers, and every further block is a copy into those buffers and a replay. The captured kernels
+are the eager ones with the same shapes, so the bits do not change (the engine's decode graphs
+rely on the same fact). LOCKSTEP_ROW_GRAPHS=0 keeps the eager loop (to compare).
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Callable
@@ -23,6 +32,7 @@ from typing import Callable
 import torch
 
 ROWS = 64
+GRAPH_MIN_BLOCKS = 4  # the first block and the capture cost about two eager blocks
 
 _IN_ROWS_FORWARD: ContextVar[bool] = ContextVar("in_rows_forward", default=False)
 
@@ -85,7 +95,57 @@ def row_blocks(fn: Callable, *xs: torch.Tensor, rows: int = ROWS):
     starts = range(0, max(total, 1), rows)  # an empty input still runs one block: shapes to return
     if torch.is_grad_enabled():  # autograd: concatenate (a write into slices would copy the gradient per block)
         return _concat([fn(*(_block(x, i, rows) for x in xs)) for i in starts], total)
+    if _replays(xs[0], len(starts)):
+        return _graph_blocks(fn, xs, starts, rows, total)
     out = None
     for i in starts:
         out = _store(out, fn(*(_block(x, i, rows) for x in xs)), i, max(min(rows, total - i), 0), total)
     return out
+
+
+def _replays(x: torch.Tensor, blocks: int) -> bool:
+    """Whether the blocks go through one captured CUDA graph: CUDA, enough blocks, not already inside a
+    capture (the engine's decode graphs call the row blocks too), not switched off."""
+    return (x.is_cuda and blocks >= GRAPH_MIN_BLOCKS and not torch.cuda.is_current_stream_capturing()
+            and os.environ.get("LOCKSTEP_ROW_GRAPHS", "1") != "0")
+
+
+def _fill(static: torch.Tensor | None, x: torch.Tensor | None, start: int, rows: int) -> None:
+    """Copy rows [start, start + rows) of x into the static buffer, zeros past x's end (as _block pads)."""
+    if static is None:
+        return
+    n = max(min(rows, x.shape[0] - start), 0)
+    static[:n].copy_(x[start:start + n])
+    static[n:].zero_()
+
+
+def _graph_blocks(fn: Callable, xs, starts: range, rows: int, total: int):
+    """The eager loop's results, blocks after the first replayed from one CUDA graph of `fn`."""
+    # empty_like keeps a block's strides: the captured kernels see the layouts the eager ones do
+    static = [None if x is None else torch.empty_like(_block(x, 0, rows)) for x in xs]
+    for s, x in zip(static, xs):
+        _fill(s, x, 0, rows)
+    out = _store(None, fn(*static), 0, min(rows, total), total)  # eager: lazy initialisation before capture
+    graph, ys = _capture(fn, static)
+    for i in starts[1:]:
+        for s, x in zip(static, xs):
+            _fill(s, x, i, rows)
+        graph.replay()
+        out = _store(out, ys, i, min(rows, total - i), total)
+    return out
+
+
+def _capture(fn: Callable, static: list):
+    """fn(*static) captured as a CUDA graph -> (graph, its outputs). Not `torch.cuda.graph`: that
+    synchronises and empties the allocator's cache on entry, per call here (several per layer)."""
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())  # the static inputs' copies
+    with torch.cuda.stream(stream):
+        # thread_local: the engine's other threads may use CUDA meanwhile
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            ys = fn(*static)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, ys
