@@ -13,6 +13,7 @@ from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_
 from lockstep.models.layers import grouped_gemm_triton, row_blocks as row_blocks_module
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+from lockstep.models.layers.attention_rows import FullSequences
 from lockstep.models.layers.key_tiles import ENTRY_TILE
 from lockstep.models.layers.row_blocks import ROWS, row_blocks
 from lockstep.models.precision import cast_model
@@ -99,6 +100,25 @@ def test_long_sequences_span_several_entry_tiles():
         full = model(ids)
         steps, _ = run_incremental(model, ids, [[S - 40] + [1] * 40], num_slots=2)
     assert torch.equal(steps, full)
+
+
+def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
+    # rows grouped by how many entry tiles their position can see: the same bits as walking every tile
+    model = true_on_policy_model("mixed", torch.float32)
+    S = 3 * ENTRY_TILE * 4 + 5  # C4 (rate 4 here: the HCA layers) entries span 3 tiles and a bit
+    ids = torch.randint(0, model.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(7))
+    keys = FullSequences(2, S, "cpu")
+    groups = keys.reach_groups(4)
+    rows = torch.cat([index for index, _ in groups])
+    assert torch.equal(rows.sort().values, torch.arange(2 * S))  # every row once
+    assert [reach for _, reach in groups] == [0, ENTRY_TILE, 2 * ENTRY_TILE, 3 * ENTRY_TILE, 4 * ENTRY_TILE]
+    for index, reach in groups:  # no row sees past its group's reach
+        assert ((keys.positions[index] + 1) // 4).max() <= reach
+    with torch.no_grad():
+        grouped = model(ids)
+        monkeypatch.setattr(FullSequences, "reach_groups", lambda self, m: [(None, None)])
+        every_tile = model(ids)
+    assert torch.equal(grouped, every_tile)
 
 
 @interpreted_triton

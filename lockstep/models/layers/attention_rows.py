@@ -17,11 +17,12 @@ N x S new tokens.
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import torch
 
 from ..deepseek_v4_config import CSA
-from .key_tiles import gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
+from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
 
@@ -48,12 +49,36 @@ class KeySource:
             self._slots[window] = self.positions.unsqueeze(1) - window + 1 + offsets
         return self._slots[window]
 
+    def reach_groups(self, m: int) -> list[tuple[torch.Tensor | None, int | None]]:
+        """(rows, reach): groups of rows that see at most `reach` compressed entries of rate m, so that
+        the entry tiles past it (all masked for these rows: exact no-ops, key_tiles.py) are skipped.
+        Here one group, every row, every entry: an engine step's positions live on the device."""
+        return [(None, None)]
+
 
 class FullSequences(KeySource):
     """Keys of a training forward: B sequences of S tokens from position 0, rows b * S + p."""
 
     def __init__(self, B: int, S: int, device):
         super().__init__(torch.arange(S, device=device).expand(B, S))
+        self._groups: dict[int, list] = {}
+
+    def reach_groups(self, m: int) -> list[tuple[torch.Tensor | None, int | None]]:
+        """Position p sees (p + 1) // m entries: rows grouped by how many entry tiles that takes (the
+        positions are 0..S-1 in every sequence, known here without reading the device). A causal
+        forward then walks half the entry tiles on average instead of all S / m of them."""
+        if m not in self._groups:
+            tiles = [-(-((p + 1) // m) // ENTRY_TILE) for p in range(self.S)]
+            groups, start = [], 0
+            for p in range(1, self.S + 1):
+                if p == self.S or tiles[p] != tiles[start]:
+                    groups.append((start, p, tiles[start] * ENTRY_TILE))
+                    start = p
+            dev = self.positions.device
+            starts = (torch.arange(self.N, device=dev) * self.S).unsqueeze(1)
+            self._groups[m] = [(None, None)] if len(groups) == 1 else [
+                ((starts + torch.arange(a, b, device=dev)).flatten(), reach) for a, b, reach in groups]
+        return self._groups[m]
 
     def window(self, attn, kv: torch.Tensor):
         """kv [T, D] -> (key rows [T, D], index [T, W], valid [T, W]): slot j = position p - W + 1 + j."""
@@ -111,10 +136,11 @@ def _projections(attn, h: torch.Tensor, positions: torch.Tensor):
     return q, kv, x.comp_kv, x.comp_gate, x.index_kv, x.index_gate, index_w, index_q
 
 
-def _entry_tiles(attn, entries, index_keys, positions, entry_base, index_q, index_w):
-    """(keys, valid) tiles over the compressed entries of each row's sequence, in entry order."""
+def _entry_tiles(attn, entries, index_keys, positions, entry_base, index_q, index_w, reach):
+    """(keys, valid) tiles over the compressed entries of each row's sequence, in entry order, up to
+    `reach` entries (None: all)."""
     E, dev = entries.shape[1], positions.device
-    spans = tile_spans(E)
+    spans = tile_spans(E if reach is None else min(E, reach))
     if not spans:  # no block has closed in any sequence yet
         return []
     flat, flat_index = entries.flatten(0, 1), None if index_keys is None else index_keys.flatten(0, 1)
@@ -143,11 +169,19 @@ def attention_rows(attn, h: torch.Tensor, keys) -> torch.Tensor:
     if attn.compressor is not None:
         entries, index_keys = keys.compressed(attn, attn.projections_type(None, kv, *projections))
 
-    def core(q, window_index, window_valid, positions, sequence, index_q, index_w):
+    def core(q, window_index, window_valid, positions, sequence, index_q, index_w, reach=None):
         tiles = [(gather_tile(source, window_index, window_valid), window_valid)]
         if entries is not None:
-            tiles += _entry_tiles(attn, entries, index_keys, positions, sequence * entries.shape[1], index_q, index_w)
+            tiles += _entry_tiles(attn, entries, index_keys, positions, sequence * entries.shape[1], index_q, index_w,
+                                  reach)
         return tiled_sink_attention(q, tiles, attn.sinks, attn.scale)
 
-    o = row_blocks(core, q, window_index, window_valid, keys.positions, keys.sequence, index_q, index_w)
+    rows = (q, window_index, window_valid, keys.positions, keys.sequence, index_q, index_w)
+    groups = keys.reach_groups(attn.compressor.m) if entries is not None else [(None, None)]
+    if len(groups) == 1:
+        o = row_blocks(core, *rows)
+    else:  # a row's result does not depend on the rows beside it: any grouping gives the same bits
+        o = torch.empty_like(q)
+        for index, reach in groups:
+            o[index] = row_blocks(partial(core, reach=reach), *(None if x is None else x[index] for x in rows))
     return row_blocks(lambda o, p: _output(attn, o, p), o, keys.positions)
