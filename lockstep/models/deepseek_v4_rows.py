@@ -31,9 +31,12 @@ forced (`ExactValues`): the issue lets the backward use anything, and backpropag
 row blocks cost 2x the whole step. Pipeline stages do the same per stage (the row-block streams
 travel beside the default ones, lockstep/dist/pipeline_parallel.py).
 
-Cost: the per-block loop (launch-bound on a GPU), the dense experts off CUDA (E / k times the
-routed FLOPs), eager decode graphs; the fixed-order kernels of the issue's item 2 are to replace
-the row blocks where they are measured faster.
+Cost: the per-block loop (on CUDA replayed from one captured graph per call, row_blocks.py: what
+is left is ~500 small kernels per layer and block), the dense experts off CUDA (E / k times the
+routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
+training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
+The fixed-order kernels of the issue's item 2 are to replace the row blocks where they are
+measured faster.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def test_long_sequences_span_several_entry_tiles():
 def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
     # rows grouped by how many entry tiles their position can see: the same bits as walking every tile
     model = true_on_policy_model("mixed", torch.float32)
-    S = 3 * ENTRY_TILE * 4 + 5  # C4 (rate 4 here: the HCA layers) entries span 3 tiles and a bit
+    S = 3 * ENTRY_TILE * 4 + 5  # rate-4 entries (this config's HCA layers) span 3 tiles and a bit
     ids = torch.randint(0, model.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(7))
     keys = FullSequences(2, S, "cpu")
     groups = keys.reach_groups(4)
