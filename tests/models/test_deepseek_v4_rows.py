@@ -103,7 +103,8 @@ def test_long_sequences_span_several_entry_tiles():
 
 
 def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
-    # rows grouped by how many entry tiles their position can see: the same bits as walking every tile
+    # rows grouped by position, each group walking the entry tiles its last position can see: the same
+    # bits as walking every tile
     model = true_on_policy_model("mixed", torch.float32)
     S = 3 * ENTRY_TILE * 4 + 5  # rate-4 entries (this config's HCA layers) span 3 tiles and a bit
     ids = torch.randint(0, model.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(7))
@@ -111,7 +112,7 @@ def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
     groups = keys.reach_groups(4)
     rows = torch.cat([index for index, _ in groups])
     assert torch.equal(rows.sort().values, torch.arange(2 * S))  # every row once
-    assert [reach for _, reach in groups] == [0, ENTRY_TILE, 2 * ENTRY_TILE, 3 * ENTRY_TILE, 4 * ENTRY_TILE]
+    assert [reach for _, reach in groups] == [ENTRY_TILE, 2 * ENTRY_TILE, 3 * ENTRY_TILE, 4 * ENTRY_TILE]
     for index, reach in groups:  # no row sees past its group's reach
         assert ((keys.positions[index] + 1) // 4).max() <= reach
     with torch.no_grad():
