@@ -73,8 +73,8 @@ def test_cpu_gemm_rows_depend_on_the_batch():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 64, generator=g), torch.randn(64, 64, generator=g)
     full = x @ w.T
+    # one row alone takes another kernel than 8 (which row counts agree with 8 depends on the CPU's ISA)
     assert not torch.equal((x[:1] @ w.T)[0], full[0])
-    assert all(torch.equal((x[:m] @ w.T)[0], full[0]) for m in range(3, 8))
 
 
 def _same(got: list, want: list, what: str, logprob_atol: float = 0.0) -> None:

@@ -142,7 +142,10 @@ def test_fused_packed_and_plain_projections():
     assert owner.fused_fp8_scale_row.tolist() == [0] * 40 + [1] * 72
     fused = project(owner, lins, x)
     assert [y.shape[-1] for y in fused] == rows
-    assert all(torch.equal(a, b) for a, b in zip(fused, unfused))
+    # the fp8 ones bitwise (the kernel's tiles follow each weight's own blocks); the plain ones up to
+    # rounding: a CPU GEMM's blocking of N may change the sums' order (AVX2 machines: N = 8 vs 32)
+    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[2], unfused[2])
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(fused, unfused))
     new = torch.randn(72, 96)
     lins[2].load_(new)
     assert is_fused(owner, lins)  # written in place: still the fused matrix's views

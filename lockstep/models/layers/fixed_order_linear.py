@@ -92,7 +92,7 @@ if triton is not None:
             k_ok = k0 + rk < K
             a = tl.load(x_tile + k0 * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            if BF16:
+            if BF16 or INTERPRETED:
                 acc = _dot(a, b, acc, INTERPRETED)
             else:
                 acc = tl.dot(a, b, acc, input_precision="ieee")

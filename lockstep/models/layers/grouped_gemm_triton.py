@@ -97,8 +97,11 @@ if triton is not None:
 
     @triton.jit
     def _dot(a, b, acc, INTERPRETED: tl.constexpr):
-        if INTERPRETED:  # its dot multiplies bf16 tiles as the integers of their bits
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        if INTERPRETED:
+            # not its tl.dot: that multiplies bf16 tiles as the integers of their bits, and is numpy's
+            # matmul, whose BLAS sums an output in an order that depends on its place in the tile
+            # (on AVX2 machines): products summed over k in index order, as each MMA lane's are
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         else:
             acc = tl.dot(a, b, acc)
         return acc

@@ -37,11 +37,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
+from . import grouped_gemm_triton as _gt
+
+triton = _gt.triton  # None without Triton: hyper_connection.py's torch expression is always there
+if triton is not None:
     import triton.language as tl
-except ImportError:  # hyper_connection.py's torch expression is always there
-    triton = None
 
 MAX_J = 128  # output columns held by one program (padded to a power of two, at least 16)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,12 +70,13 @@ def launch_config(J: int, K: int, split: int) -> dict:
 
 
 if triton is not None:
+    _dot = _gt._dot  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
     def _partials_kernel(x_ptr, fn_ptr, out_ptr, T, J, K, k_per_split,
                          stride_xt, stride_xk, stride_fj, stride_fk, stride_os, stride_ot,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr):
+                         EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
         K is one too and no tile crosses K."""
@@ -105,7 +106,10 @@ if triton is not None:
             # read as [K, J] directly, neighbouring lanes were K * 4 bytes apart
             a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
             b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
-            acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+            if INTERPRETED:  # grouped_gemm_triton._dot says why
+                acc = _dot(a, tl.trans(b), acc, INTERPRETED)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             ss += tl.sum(a * a, axis=1)
         out_rows = out_ptr + s * stride_os + rt.to(tl.int64) * stride_ot
         tl.store(out_rows[:, None] + rj[None, :], acc, mask=t_ok[:, None] & j_ok[None, :])
@@ -126,7 +130,8 @@ if triton is not None:
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), split)
         torch.library.wrap_triton(_partials_kernel)[grid](
             x, fn, out, T, J, K, k_per_split, *x.stride(), *fn.stride(), out.stride(0), out.stride(1),
-            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
+            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            INTERPRETED=_gt.interpreted(), **cfg)
         return out
 
     # Shapes for torch.compile's tracing, written out: the default (the body run on fake tensors)
