@@ -46,6 +46,17 @@ import torch.nn.functional as F
 
 from .layers.hyper_connection import hc_combine
 from .layers.row_blocks import row_blocks, rows_forward
+from .layers.whole_rows import kernels_run, whole_rows
+
+
+def _row_local(switched, fn, *xs):
+    """fn over rows of xs: in one call under the fixed-order kernels where they run and `switched`'s
+    fixed_order switch is on (whole_rows.py), else in row blocks."""
+    if switched.kernels.on("fixed_order") and kernels_run(xs[0]):
+        with whole_rows():
+            return fn(*xs)
+    return row_blocks(fn, *xs)
+
 
 def _before_attention(layer, streams: torch.Tensor):
     collapsed, post, comb = layer.attn_hc(streams)
@@ -65,14 +76,15 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     shape = streams.shape
     streams, ids = streams.reshape(-1, *shape[-2:]), token_ids.reshape(-1)
     with rows_forward():  # the MoE, its experts and the compressors take their row-block paths
-        h, post, comb = row_blocks(lambda s: _before_attention(layer, s), streams)
+        h, post, comb = _row_local(layer.ffn_hc, lambda s: _before_attention(layer, s), streams)
         attn_out = layer.self_attn.forward_rows(h, keys)
-        streams, x, post, comb = row_blocks(lambda *a: _before_moe(layer, *a), streams, attn_out, post, comb)
+        streams, x, post, comb = _row_local(layer.ffn_hc, lambda *a: _before_moe(layer, *a), streams, attn_out, post,
+                                            comb)
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
         out, experts = layer.mlp(x, ids, None if forced is None else forced.reshape(-1, forced.shape[-1]))
     if routing is not None:
         routing.chosen.append(experts.view(*shape[:2], -1))
-    return row_blocks(hc_combine, streams, out, post, comb).view(shape)
+    return _row_local(layer.ffn_hc, hc_combine, streams, out, post, comb).view(shape)
 
 
 def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
@@ -87,7 +99,7 @@ def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
 def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     """The last layer's streams [N, S, n, D] -> final hidden [N, S, D] (mHC head, norm) in row blocks."""
     flat = streams.reshape(-1, *streams.shape[-2:])
-    return row_blocks(model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
+    return _row_local(model.hc_head, model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
 
 
 class ExactValues(torch.autograd.Function):

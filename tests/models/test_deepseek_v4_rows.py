@@ -123,6 +123,30 @@ def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
 
 
 @interpreted_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype):
+    """KernelSwitches.fixed_order: the mHC and norm steps over all rows at once through the fixed-order
+    kernels (here interpreted): steps still equal the training forward bitwise, and the logits are the
+    row-block forward's up to summation order."""
+    from lockstep.models.layers import norm
+
+    model = true_on_policy_model("mixed", dtype)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        blocks = model(ids)
+    set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
+    calls = []
+    kernel = norm.fixed_order_rms_norm
+    monkeypatch.setattr(norm, "fixed_order_rms_norm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    with torch.no_grad():
+        full = model(ids)
+        steps, _ = run_incremental(model, ids, [[5, 1, 3, 7], [16]], slots=[5, 0])
+    assert torch.equal(steps, full)
+    assert 2 * 16 in calls  # the training forward's norms took all 32 rows in one call
+    assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+@interpreted_triton
 def test_triton_grouped_experts_keep_rows_independent(monkeypatch):
     """On CUDA in bf16 the routed experts run the Triton grouped kernels (their launch config depends
     on N and K only); here under the interpreter: steps still equal the training forward bitwise, and

@@ -19,9 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hc_projection_triton
+from .fixed_order_linear import fixed_order_linear
 from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
+from . import whole_rows
+from .whole_rows import in_whole_rows, softmax_in_order, sum_in_order
 
 
 def _triton_mixes(streams: torch.Tensor, fn: torch.Tensor, enabled: bool) -> bool:
@@ -41,7 +44,8 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) ->
     x = streams.flatten(-2)
     if _triton_mixes(streams, fn, triton):
         return hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
-    return F.linear(rms_norm(x.float(), eps), fn.float())
+    linear = fixed_order_linear if in_whole_rows() else F.linear  # whole_rows.py
+    return linear(rms_norm(x.float(), eps), fn.float())
 
 
 class HyperConnection(Switched, nn.Module):
@@ -58,8 +62,14 @@ class HyperConnection(Switched, nn.Module):
         mixes = _mixes(streams, self.fn, self.norm_eps, self.kernels.on("triton_hc"))
         pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
                                           compiled=self.kernels.on("compile_hc"))
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
-        return collapsed, post, comb
+        return _collapse(pre, streams), post, comb
+
+
+def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """sum_i pre_i X_i in fp32, rounded once: pre [..., n] fp32, streams [..., n, D] -> [..., D]."""
+    weighted = pre.unsqueeze(-1) * streams
+    summed = sum_in_order(weighted, -2) if in_whole_rows() else weighted.sum(dim=-2)
+    return summed.to(streams.dtype)
 
 
 def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
@@ -67,9 +77,11 @@ def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
     m_pre, m_post, m_comb = mixes.split([n, n, n * n], dim=-1)
     b_pre, b_post, b_comb = base.float().split([n, n, n * n])
     s_pre, s_post, s_comb = scale.float().unbind(0)
-    pre = torch.sigmoid(m_pre * s_pre + b_pre) + eps
-    post = 2 * torch.sigmoid(m_post * s_post + b_post)
-    comb = torch.softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + eps
+    whole = in_whole_rows()
+    sigmoid, softmax = (whole_rows.sigmoid, softmax_in_order) if whole else (torch.sigmoid, torch.softmax)
+    pre = sigmoid(m_pre * s_pre + b_pre) + eps
+    post = 2 * sigmoid(m_post * s_post + b_post)
+    comb = softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + eps
     return pre, post, sinkhorn(comb, iters, eps)
 
 
@@ -95,13 +107,14 @@ def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
     """X'_k = post_k * y + sum_j comb[j, k] X_j   (streams [..., n, D], block_out [..., D])."""
     dtype = streams.dtype
     comb = comb.to(dtype)
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or in_whole_rows():
         # the same sums written element-wise (bf16 values, fp32 sums, one rounding: what the bf16
         # GEMM computes), so inductor fuses them with the rest; as a GEMM it was a cuBLAS batched
         # call of 4 x 4 x D products per token, ~9 us twice per layer in a decode step. Eager keeps
-        # the GEMM: this form's [..., n, n, D] fp32 product would be materialised.
+        # the GEMM: this form's [..., n, n, D] fp32 product would be materialised. Over whole rows
+        # (whole_rows.py) the sum over j is added left to right, whatever the row count.
         prods = comb.float().unsqueeze(-1) * streams.float().unsqueeze(-2)  # [..., j, k, D]
-        mixed = prods.sum(dim=-3).to(dtype)
+        mixed = (sum_in_order(prods, -3) if in_whole_rows() else prods.sum(dim=-3)).to(dtype)
     else:
         mixed = torch.matmul(comb.transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
@@ -119,5 +132,6 @@ class HyperHead(Switched, nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = _mixes(streams, self.hc_fn, self.norm_eps, self.kernels.on("triton_hc"))
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=-2).to(streams.dtype)
+        sigmoid = whole_rows.sigmoid if in_whole_rows() else torch.sigmoid
+        pre = sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
+        return _collapse(pre, streams)

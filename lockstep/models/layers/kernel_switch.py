@@ -14,7 +14,7 @@ runs the defaults (the kernels on, true_on_policy off).
 kernels off, whatever their setting or environment.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
-LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY ("0" off, anything else on;
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER ("0" off, anything else on;
 LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
 line says which kernels are on.
 
@@ -34,7 +34,7 @@ from torch import nn
 
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
-       "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY"}
+       "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
@@ -56,6 +56,10 @@ class KernelSwitches:
     true_on_policy: bool = False
     """The true-on-policy forward (deepseek_v4_rows.py): a token's logprob has the same bits in the
     engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the three above off."""
+    fixed_order: bool = False
+    """In the true-on-policy forward, the mHC and norm steps run over all rows at once with the
+    fixed-order kernels where they run (whole_rows.py) instead of in row blocks. Off until measured
+    on a GPU; engine and trainer must agree on it (LOCKSTEP_FIXED_ORDER sets both in one process)."""
 
     def on(self, name: str) -> bool:
         """Whether switch `name` is on: the setting, or its environment variable when set."""

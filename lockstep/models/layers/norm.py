@@ -10,9 +10,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .fixed_order_rmsnorm import fixed_order_rms_norm
+from .whole_rows import in_whole_rows
+
 
 def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """Unweighted RMSNorm over the last dim, computed in fp32, returned in x's dtype."""
+    if in_whole_rows():  # the same formula with the sum of squares in a fixed order (whole_rows.py)
+        return fixed_order_rms_norm(x, None, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
 
@@ -24,6 +29,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if in_whole_rows():
+            return fixed_order_rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * y).to(x.dtype)

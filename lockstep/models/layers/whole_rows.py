@@ -1,0 +1,77 @@
+"""Whole rows: the true-on-policy forward's row-local steps over every row in one call, with
+kernels whose per-row result cannot depend on the row count (KernelSwitches.fixed_order; issue 16
+item 2).
+
+The row blocks (row_blocks.py) make a token's bits independent of its batch by calling library
+kernels with one shape, 64 rows at a time: on a GPU ~500 small kernels per decoder layer and
+block. The same guarantee holds for one call over all rows when every op in it is either
+element-wise, a max (exact in any order), or a sum whose order is fixed by construction:
+- RMSNorm: fixed_order_rmsnorm.py (one program per row, tiles walked in index order);
+- GEMMs: fixed_order_linear.py (launch config by N and K only, no split-K);
+- sums over a handful of terms (mHC's n = 4 streams, its 4 x 4 softmax and Sinkhorn): written
+  out left to right (`sum_in_order`), element-wise ops, so any row count adds in the same order;
+  Sinkhorn on CUDA is already one Triton kernel per row (sinkhorn_triton.py, that order);
+- element-wise ops: the same bits at any size, except torch's CPU sigmoid (`sigmoid` here).
+Inside `whole_rows()` the shared modules (norm.py, hyper_connection.py, sinkhorn.py) take these
+forms; deepseek_v4_rows.py enters it for the mHC + norm steps of a layer and the head's mHC,
+where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention and the MoE
+keep their row blocks.
+
+Off by default: the kernels are tested against their references under the interpreter and the
+engine / trainer equality on the CPU, not yet on a GPU (speed and bits).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from . import fixed_order_linear
+
+_IN_WHOLE_ROWS: ContextVar[bool] = ContextVar("in_whole_rows", default=False)
+
+
+@contextmanager
+def whole_rows():
+    """Marks a call over every row at once: the modules it reaches take their fixed-order forms."""
+    token = _IN_WHOLE_ROWS.set(True)
+    try:
+        yield
+    finally:
+        _IN_WHOLE_ROWS.reset(token)
+
+
+def in_whole_rows() -> bool:
+    # never inside a compiled region (the default forward's compiled layers): asked first, as
+    # row_blocks.in_rows_forward does, so that dynamo does not trace the ContextVar
+    return not torch.compiler.is_compiling() and _IN_WHOLE_ROWS.get()
+
+
+def kernels_run(x: torch.Tensor) -> bool:
+    """Whether the fixed-order kernels run for activations like x (CUDA or the interpreter, no
+    gradient): elsewhere their references are plain torch ops, whose order follows the row count."""
+    return (fixed_order_linear.triton is not None and not torch.is_grad_enabled()
+            and (x.is_cuda or fixed_order_linear.interpreted()))
+
+
+def sum_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x summed over `dim` (a few terms) left to right, as element-wise adds."""
+    terms = x.unbind(dim)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
+
+
+def softmax_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """softmax over a short `dim`: the max is exact in any order, the sum is sum_in_order."""
+    e = torch.exp(x - x.amax(dim=dim, keepdim=True))
+    return e / sum_in_order(e, dim).unsqueeze(dim)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)): torch's CPU sigmoid takes another code path for small tensors (other last
+    bits for a decode step's few rows); exp and the division round the same at any size."""
+    return 1 / (1 + torch.exp(-x))
