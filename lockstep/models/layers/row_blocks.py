@@ -34,25 +34,31 @@ import torch
 ROWS = 64
 GRAPH_MIN_BLOCKS = 4  # the first block and the capture cost about two eager blocks
 
-_IN_ROWS_FORWARD: ContextVar[bool] = ContextVar("in_rows_forward", default=False)
+class CallMode:
+    """A flag that is a property of a call, not of a module (`with mode():` sets it for the calls
+    made inside): the trainer runs the same modules through the default forward for its gradient.
+    Never on inside a compiled region: asked first, so that a compiled default layer does not trace
+    the ContextVar (dynamo breaks the graph there: 28 graphs instead of 4 for the tiny model)."""
+
+    def __init__(self, name: str):
+        self._var: ContextVar[bool] = ContextVar(name, default=False)
+
+    @contextmanager
+    def __call__(self):
+        token = self._var.set(True)
+        try:
+            yield
+        finally:
+            self._var.reset(token)
+
+    def on(self) -> bool:
+        return not torch.compiler.is_compiling() and self._var.get()
 
 
-@contextmanager
-def rows_forward():
-    """Marks a decoder layer's true-on-policy forward (deepseek_v4_rows.layer_rows): the modules it calls
-    (the MoE, its experts, the compressors) then take their row-block paths. A property of the call, not
-    of the module: the trainer runs the same modules through the default forward for its gradient."""
-    token = _IN_ROWS_FORWARD.set(True)
-    try:
-        yield
-    finally:
-        _IN_ROWS_FORWARD.reset(token)
-
-
-def in_rows_forward() -> bool:
-    # the row-block forward never runs compiled; asked first, so that a compiled default layer does not
-    # trace the ContextVar (dynamo breaks the graph there: 28 graphs instead of 4 for the tiny model)
-    return not torch.compiler.is_compiling() and _IN_ROWS_FORWARD.get()
+# A decoder layer's true-on-policy forward (deepseek_v4_rows.layer_rows): the modules it calls (the
+# MoE, its experts, the compressors) then take their row-block paths.
+_ROWS_FORWARD = CallMode("rows_forward")
+rows_forward, in_rows_forward = _ROWS_FORWARD, _ROWS_FORWARD.on
 
 
 def _block(x: torch.Tensor | None, start: int, rows: int) -> torch.Tensor | None:

@@ -23,30 +23,14 @@ engine / trainer equality on the CPU, not yet on a GPU (speed and bits).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from contextvars import ContextVar
-
 import torch
 
 from . import fixed_order_linear
+from .row_blocks import CallMode
 
-_IN_WHOLE_ROWS: ContextVar[bool] = ContextVar("in_whole_rows", default=False)
-
-
-@contextmanager
-def whole_rows():
-    """Marks a call over every row at once: the modules it reaches take their fixed-order forms."""
-    token = _IN_WHOLE_ROWS.set(True)
-    try:
-        yield
-    finally:
-        _IN_WHOLE_ROWS.reset(token)
-
-
-def in_whole_rows() -> bool:
-    # never inside a compiled region (the default forward's compiled layers): asked first, as
-    # row_blocks.in_rows_forward does, so that dynamo does not trace the ContextVar
-    return not torch.compiler.is_compiling() and _IN_WHOLE_ROWS.get()
+# A call over every row at once: the modules it reaches take their fixed-order forms.
+_WHOLE_ROWS = CallMode("whole_rows")
+whole_rows, in_whole_rows = _WHOLE_ROWS, _WHOLE_ROWS.on
 
 
 def kernels_run(x: torch.Tensor) -> bool:
