@@ -46,13 +46,18 @@ def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tens
     return (x.float() @ w.float().T).to(x.dtype)
 
 
+def runs_on(x: torch.Tensor) -> bool:
+    """Where the fixed-order kernels run: Triton present and x on CUDA (or the interpreter)."""
+    return triton is not None and (x.is_cuda or interpreted())
+
+
 def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Triton present, CUDA (or the interpreter), bf16 or fp32 x and w alike, no gradient wanted."""
-    if triton is None or x.dtype not in DTYPES or w.dtype != x.dtype or w.dim() != 2:
+    if x.dtype not in DTYPES or w.dtype != x.dtype or w.dim() != 2:
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
-    return x.is_cuda or interpreted()
+    return runs_on(x)
 
 
 def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ from .fixed_order_linear import fixed_order_linear
 from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
-from . import whole_rows
-from .whole_rows import in_whole_rows, softmax_in_order, sum_in_order
+from .whole_rows import in_whole_rows, sigmoid_any_size, softmax_in_order, sum_in_order
 
 
 def _triton_mixes(streams: torch.Tensor, fn: torch.Tensor, enabled: bool) -> bool:
@@ -77,8 +76,7 @@ def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):
     m_pre, m_post, m_comb = mixes.split([n, n, n * n], dim=-1)
     b_pre, b_post, b_comb = base.float().split([n, n, n * n])
     s_pre, s_post, s_comb = scale.float().unbind(0)
-    whole = in_whole_rows()
-    sigmoid, softmax = (whole_rows.sigmoid, softmax_in_order) if whole else (torch.sigmoid, torch.softmax)
+    sigmoid, softmax = (sigmoid_any_size, softmax_in_order) if in_whole_rows() else (torch.sigmoid, torch.softmax)
     pre = sigmoid(m_pre * s_pre + b_pre) + eps
     post = 2 * sigmoid(m_post * s_post + b_post)
     comb = softmax(m_comb.unflatten(-1, (n, n)) * s_comb + b_comb.view(n, n), dim=-1) + eps
@@ -132,6 +130,6 @@ class HyperHead(Switched, nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         mixes = _mixes(streams, self.hc_fn, self.norm_eps, self.kernels.on("triton_hc"))
-        sigmoid = whole_rows.sigmoid if in_whole_rows() else torch.sigmoid
+        sigmoid = sigmoid_any_size if in_whole_rows() else torch.sigmoid
         pre = sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
         return _collapse(pre, streams)

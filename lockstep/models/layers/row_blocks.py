@@ -34,6 +34,7 @@ import torch
 ROWS = 64
 GRAPH_MIN_BLOCKS = 4  # the first block and the capture cost about two eager blocks
 
+
 class CallMode:
     """A flag that is a property of a call, not of a module (`with mode():` sets it for the calls
     made inside): the trainer runs the same modules through the default forward for its gradient.

@@ -11,7 +11,7 @@ element-wise, a max (exact in any order), or a sum whose order is fixed by const
 - sums over a handful of terms (mHC's n = 4 streams, its 4 x 4 softmax and Sinkhorn): written
   out left to right (`sum_in_order`), element-wise ops, so any row count adds in the same order;
   Sinkhorn on CUDA is already one Triton kernel per row (sinkhorn_triton.py, that order);
-- element-wise ops: the same bits at any size, except torch's CPU sigmoid (`sigmoid` here).
+- element-wise ops: the same bits at any size, except torch's CPU sigmoid (`sigmoid_any_size` here).
 Inside `whole_rows()` the shared modules (norm.py, hyper_connection.py, sinkhorn.py) take these
 forms; deepseek_v4_rows.py enters it for the mHC + norm steps of a layer and the head's mHC,
 where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention and the MoE
@@ -36,8 +36,7 @@ whole_rows, in_whole_rows = _WHOLE_ROWS, _WHOLE_ROWS.on
 def kernels_run(x: torch.Tensor) -> bool:
     """Whether the fixed-order kernels run for activations like x (CUDA or the interpreter, no
     gradient): elsewhere their references are plain torch ops, whose order follows the row count."""
-    return (fixed_order_linear.triton is not None and not torch.is_grad_enabled()
-            and (x.is_cuda or fixed_order_linear.interpreted()))
+    return fixed_order_linear.runs_on(x) and not torch.is_grad_enabled()
 
 
 def sum_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -55,7 +54,7 @@ def softmax_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
     return e / sum_in_order(e, dim).unsqueeze(dim)
 
 
-def sigmoid(x: torch.Tensor) -> torch.Tensor:
+def sigmoid_any_size(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)): torch's CPU sigmoid takes another code path for small tensors (other last
     bits for a decode step's few rows); exp and the division round the same at any size."""
     return 1 / (1 + torch.exp(-x))
