@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hc_projection_triton
-from .fixed_order_linear import fixed_order_linear
 from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
@@ -41,10 +40,12 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) ->
     On the Triton path, one kernel (products and sums of squares, split over K) plus a few
     element-wise ops that a compiled caller fuses; equal up to fp32 rounding."""
     x = streams.flatten(-2)
-    if _triton_mixes(streams, fn, triton):
-        return hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps).view(*x.shape[:-1], fn.shape[0])
-    linear = fixed_order_linear if in_whole_rows() else F.linear  # whole_rows.py
-    return linear(rms_norm(x.float(), eps), fn.float())
+    # whole rows (whole_rows.py): the same kernel, its splits of K added in a fixed order
+    in_order = in_whole_rows() and hc_projection_triton.available(x, fn)
+    if in_order or _triton_mixes(streams, fn, triton):
+        mixes = hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps, in_order=in_order)
+        return mixes.view(*x.shape[:-1], fn.shape[0])
+    return F.linear(rms_norm(x.float(), eps), fn.float())
 
 
 class HyperConnection(Switched, nn.Module):

@@ -89,7 +89,7 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     """flat [M] expert ids -> (order [M]: the slots sorted by expert, stably; counts [E]).
 
     Small batches (a decode step) count instead of sorting: a slot's place is the number of slots
-    of lower experts plus the earlier slots of its own, from one [M, E] one-hot cumulative sum.
+    of lower experts plus the earlier slots of its own, from one [E, M] one-hot cumulative sum.
     On GPUs the stable argsort was a 27 us single-block radix sort per layer; the counting is a
     few fused element-wise kernels. Both give the same permutation. Counts are never read on the
     host (bincount would read the max id back to size its output: a device sync).
@@ -103,9 +103,11 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
         counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         return order, counts
-    one_hot = (flat.unsqueeze(1) == torch.arange(n_experts, device=flat.device)).long()  # [M, E]
-    counts = one_hot.sum(0)
-    rank = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # earlier slots with the same expert
+    # [E, M], the scan along the last dim: a cumulative sum over dim 0 of [M, E] was CUDA's
+    # outer-dim scan, 63 us per layer in an eager decode step (H200), ~7% of the step
+    one_hot = (torch.arange(n_experts, device=flat.device).unsqueeze(1) == flat).long()
+    counts = one_hot.sum(1)
+    rank = (one_hot.cumsum(1) * one_hot).sum(0) - 1  # earlier slots with the same expert
     dest = (counts.cumsum(0) - counts)[flat] + rank
     order = torch.empty_like(flat).scatter_(0, dest, torch.arange(flat.numel(), device=flat.device))
     return order, counts
