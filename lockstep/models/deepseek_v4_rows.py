@@ -35,8 +35,9 @@ Cost: the per-block loop (on CUDA replayed from one captured graph per call, row
 is left is ~500 small kernels per layer and block), the dense experts off CUDA (E / k times the
 routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
 training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
-The fixed-order kernels of the issue's item 2 are to replace the row blocks where they are
-measured faster.
+On CUDA the mHC and norm steps run over whole rows with fixed-order kernels instead
+(KernelSwitches.fixed_order, whole_rows.py); the projections, the attention core and the MoE keep
+their row blocks.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from .layers.whole_rows import kernels_run, whole_rows
 def _row_local(switched, fn, *xs):
     """fn over rows of xs: in one call under the fixed-order kernels where they run and `switched`'s
     fixed_order switch is on (whole_rows.py), else in row blocks."""
-    if switched.kernels.on("fixed_order") and kernels_run(xs[0]):
+    if switched.kernels.fixed_order_on(xs[0]) and kernels_run(xs[0]):
         with whole_rows():
             return fn(*xs)
     return row_blocks(fn, *xs)

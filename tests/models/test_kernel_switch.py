@@ -3,6 +3,8 @@ the environment overriding them when set, and the layers asking them at every de
 Triton kernels themselves run only on CUDA (or under the interpreter in their own tests), so
 here the decisions are checked: what each layer asks, and the gate's answer."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -29,7 +31,7 @@ def test_the_environment_wins_when_set(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
-                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order off")
+                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA")
 
 
 def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
@@ -91,3 +93,17 @@ def test_the_switches_set_from_outside_reach_every_layer(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")
     assert _decode_step_asks(model, monkeypatch)["triton_moe"] == {True}
 
+
+
+def test_fixed_order_defaults_to_cuda_only(monkeypatch):
+    # whole rows (whole_rows.py) where the fixed-order kernels run compiled; the interpreter only on request
+    monkeypatch.delenv("LOCKSTEP_FIXED_ORDER", raising=False)
+    cpu, cuda = torch.zeros(1), SimpleNamespace(is_cuda=True)
+    assert KernelSwitches().fixed_order_on(cuda) and not KernelSwitches().fixed_order_on(cpu)
+    assert KernelSwitches(fixed_order=True).fixed_order_on(cpu)
+    assert not KernelSwitches(fixed_order=False).fixed_order_on(cuda)
+    monkeypatch.setenv("LOCKSTEP_FIXED_ORDER", "0")
+    assert not KernelSwitches().fixed_order_on(cuda)
+    monkeypatch.setenv("LOCKSTEP_FIXED_ORDER", "1")
+    assert KernelSwitches().fixed_order_on(cpu)
+    assert KernelSwitches().describe().endswith("fixed_order on (LOCKSTEP_FIXED_ORDER=1)")

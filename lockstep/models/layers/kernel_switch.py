@@ -39,7 +39,7 @@ ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
 
-def env_override(variable: str, configured: bool) -> bool:
+def env_override(variable: str, configured: bool | None) -> bool | None:
     """`configured`, unless the environment variable is set: then whether it is not "0"."""
     value = os.environ.get(variable)
     return configured if value is None else value != "0"
@@ -56,23 +56,32 @@ class KernelSwitches:
     true_on_policy: bool = False
     """The true-on-policy forward (deepseek_v4_rows.py): a token's logprob has the same bits in the
     engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the three above off."""
-    fixed_order: bool = False
+    fixed_order: bool | None = None
     """In the true-on-policy forward, the mHC and norm steps run over all rows at once with the
-    fixed-order kernels where they run (whole_rows.py) instead of in row blocks. Off until measured
-    on a GPU; engine and trainer must agree on it (LOCKSTEP_FIXED_ORDER sets both in one process)."""
+    fixed-order kernels (whole_rows.py) instead of in row blocks. None: on CUDA (measured on an H200:
+    the same bits as the row blocks' guarantee, decode as fast, prefill and training faster); True:
+    also under Triton's interpreter (the CPU tests; slow); False: row blocks. Engine and trainer
+    must agree on it (LOCKSTEP_FIXED_ORDER, "0" or "1", sets both in one process)."""
 
-    def on(self, name: str) -> bool:
-        """Whether switch `name` is on: the setting, or its environment variable when set."""
+    def on(self, name: str) -> bool | None:
+        """Whether switch `name` is on: the setting, or its environment variable when set (None:
+        fixed_order's device-dependent default, `fixed_order_on`)."""
         if name in _SIDE_SPECIFIC and self.on("true_on_policy"):
             return False
         return env_override(ENV[name], getattr(self, name))
+
+    def fixed_order_on(self, x: torch.Tensor) -> bool:
+        """Whether the fixed_order switch holds for activations like x (None: on CUDA only)."""
+        setting = self.on("fixed_order")
+        return x.is_cuda if setting is None else setting
 
     def describe(self) -> str:
         """e.g. "triton_moe on, triton_hc off (LOCKSTEP_TRITON_HC), compile_hc on"."""
         parts = []
         for f in dataclasses.fields(self):
             on, env = self.on(f.name), os.environ.get(ENV[f.name])
-            parts.append(f"{f.name} {'on' if on else 'off'}" + (f" ({ENV[f.name]}={env})" if env is not None else ""))
+            state = "on CUDA" if on is None else "on" if on else "off"
+            parts.append(f"{f.name} {state}" + (f" ({ENV[f.name]}={env})" if env is not None else ""))
         return ", ".join(parts)
 
 

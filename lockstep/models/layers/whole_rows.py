@@ -20,8 +20,10 @@ forms; deepseek_v4_rows.py enters it for the mHC + norm steps of a layer and the
 where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention and the MoE
 keep their row blocks.
 
-Off by default: the kernels are tested against their references under the interpreter and the
-engine / trainer equality on the CPU, not yet on a GPU (speed and bits).
+On by default on CUDA (KernelSwitches.fixed_order). Measured on an H200 (1b config, both sides
+eager): the CUDA equality tests pass with it; decode as fast as the row blocks (0.80x vs 0.81x of
+the default), a 4,096-token prefill 0.44 s vs 0.46-0.70 s. On the CPU the row blocks stay (the
+kernels would run interpreted); the tests switch it on there explicitly.
 """
 
 from __future__ import annotations
