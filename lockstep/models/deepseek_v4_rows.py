@@ -50,10 +50,15 @@ from .layers.row_blocks import row_blocks, rows_forward
 from .layers.whole_rows import kernels_run, whole_rows
 
 
+def _in_whole_rows(switched, x: torch.Tensor) -> bool:
+    """Whether rows like x take the whole-rows forms: `switched`'s fixed_order switch is on and the
+    fixed-order kernels run (whole_rows.py)."""
+    return switched.kernels.fixed_order_on(x) and kernels_run(x)
+
+
 def _row_local(switched, fn, *xs):
-    """fn over rows of xs: in one call under the fixed-order kernels where they run and `switched`'s
-    fixed_order switch is on (whole_rows.py), else in row blocks."""
-    if switched.kernels.fixed_order_on(xs[0]) and kernels_run(xs[0]):
+    """fn over rows of xs: in one call under the fixed-order kernels (_in_whole_rows), else in row blocks."""
+    if _in_whole_rows(switched, xs[0]):
         with whole_rows():
             return fn(*xs)
     return row_blocks(fn, *xs)
@@ -78,7 +83,7 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     streams, ids = streams.reshape(-1, *shape[-2:]), token_ids.reshape(-1)
     with rows_forward():  # the MoE, its experts and the compressors take their row-block paths
         h, post, comb = _row_local(layer.ffn_hc, lambda s: _before_attention(layer, s), streams)
-        attn_out = layer.self_attn.forward_rows(h, keys)
+        attn_out = layer.self_attn.forward_rows(h, keys, _in_whole_rows(layer.ffn_hc, h))
         streams, x, post, comb = _row_local(layer.ffn_hc, lambda *a: _before_moe(layer, *a), streams, attn_out, post,
                                             comb)
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None

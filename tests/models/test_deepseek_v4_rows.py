@@ -125,24 +125,27 @@ def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
 @interpreted_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype):
-    """KernelSwitches.fixed_order: the mHC and norm steps over all rows at once through the fixed-order
-    kernels (here interpreted): steps still equal the training forward bitwise, and the logits are the
-    row-block forward's up to summation order."""
-    from lockstep.models.layers import norm
+    """KernelSwitches.fixed_order: the mHC and norm steps and the attention core over all rows at once
+    through the fixed-order kernels (here interpreted): steps still equal the training forward bitwise,
+    and the logits are the row-block forward's up to summation order."""
+    from lockstep.models.layers import norm, tiled_attention_triton
 
     model = true_on_policy_model("mixed", dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         blocks = model(ids)
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
-    calls = []
-    kernel = norm.fixed_order_rms_norm
+    calls, attention = [], []
+    kernel, attention_kernel = norm.fixed_order_rms_norm, tiled_attention_triton.tiled_sink_attention
     monkeypatch.setattr(norm, "fixed_order_rms_norm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    monkeypatch.setattr(tiled_attention_triton, "tiled_sink_attention",
+                        lambda q, *a: attention.append((q.shape[0], a[3] is not None)) or attention_kernel(q, *a))
     with torch.no_grad():
         full = model(ids)
         steps, _ = run_incremental(model, ids, [[5, 1, 3, 7], [16]], slots=[5, 0])
     assert torch.equal(steps, full)
     assert 2 * 16 in calls  # the training forward's norms took all 32 rows in one call
+    assert (2 * 16, True) in attention and (2 * 16, False) in attention  # cores with and without entries
     assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 

@@ -197,9 +197,9 @@ class DeepseekV4Attention(nn.Module):
 
     # ---- the true-on-policy forward: rows, keys from `keys` --------------------------
 
-    def forward_rows(self, h: torch.Tensor, keys) -> torch.Tensor:
+    def forward_rows(self, h: torch.Tensor, keys, whole_rows: bool = False) -> torch.Tensor:
         """h [T, hidden] rows -> [T, hidden]; keys: FullSequences or StepKeys (attention_rows.py)."""
-        return attention_rows(self, h, keys)
+        return attention_rows(self, h, keys, whole_rows)
 
     # ---- rollout: new tokens appended to per-slot caches -------------------------------
 

@@ -22,6 +22,7 @@ from functools import partial
 import torch
 
 from ..deepseek_v4_config import CSA
+from . import tiled_attention_triton
 from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
@@ -136,24 +137,47 @@ def _projections(attn, h: torch.Tensor, positions: torch.Tensor):
     return q, kv, x.comp_kv, x.comp_gate, x.index_kv, x.index_gate, index_w, index_q
 
 
+def _entry_mask(attn, index_keys, positions, E: int, entry_base, index_q, index_w, reach):
+    """(index, valid) [R, L] over the compressed entries 0 .. L - 1 of each row's sequence (L: whole
+    tiles up to `reach` entries, None: all E): where to read entry j, and whether the row attends to
+    it (closed before the row's position, below E, and in C4 layers picked by the indexer)."""
+    spans = tile_spans(E if reach is None else min(E, reach))
+    columns = torch.arange(spans[-1][1], device=positions.device)
+    exists = columns < E
+    index = entry_base.unsqueeze(1) + columns
+    visible = (columns.unsqueeze(0) < ((positions + 1) // attn.compressor.m).unsqueeze(1)) & exists
+    if attn.layer_type == CSA:
+        flat_index, ok = index_keys.flatten(0, 1), exists.expand_as(index)
+        scores = torch.cat([tiled_index_scores(index_q, index_w, gather_tile(flat_index, index[:, a:b], ok[:, a:b]))
+                            for a, b in spans], dim=1)
+        visible = attn.compressor.indexer.picked(scores, visible)
+    return index, visible
+
+
 def _entry_tiles(attn, entries, index_keys, positions, entry_base, index_q, index_w, reach):
     """(keys, valid) tiles over the compressed entries of each row's sequence, in entry order, up to
     `reach` entries (None: all)."""
-    E, dev = entries.shape[1], positions.device
-    spans = tile_spans(E if reach is None else min(E, reach))
-    if not spans:  # no block has closed in any sequence yet
+    E = entries.shape[1]
+    if E == 0 or reach == 0:  # no block has closed in any sequence yet
         return []
-    flat, flat_index = entries.flatten(0, 1), None if index_keys is None else index_keys.flatten(0, 1)
-    columns = [torch.arange(a, b, device=dev) for a, b in spans]
-    exists = [c < E for c in columns]
-    index = [entry_base.unsqueeze(1) + c for c in columns]
-    visible = torch.cat(columns).unsqueeze(0) < ((positions + 1) // attn.compressor.m).unsqueeze(1)
-    if attn.layer_type == CSA:
-        scores = torch.cat([tiled_index_scores(index_q, index_w, gather_tile(flat_index, i, ok.expand_as(i)))
-                            for i, ok in zip(index, exists)], dim=1)
-        visible = attn.compressor.indexer.picked(scores, visible & torch.cat(exists))
-    chosen = visible.split([b - a for a, b in spans], dim=1)
-    return [(gather_tile(flat, i, ok & c), ok & c) for i, ok, c in zip(index, exists, chosen)]
+    index, valid = _entry_mask(attn, index_keys, positions, E, entry_base, index_q, index_w, reach)
+    flat = entries.flatten(0, 1)
+    return [(gather_tile(flat, i, ok), ok) for i, ok in zip(index.split(ENTRY_TILE, 1), valid.split(ENTRY_TILE, 1))]
+
+
+def _whole_rows_core(attn, q, window, entries, index_keys, keys, index_q, index_w):
+    """The attention core of every row in one kernel (tiled_attention_triton.py); only C4 layers'
+    entry picks (the indexer's scores are batched GEMMs) stay in row blocks."""
+    entry = (None,) * 4
+    E = 0 if entries is None else entries.shape[1]
+    if E:
+        def mask(positions, base, index_q, index_w):
+            return _entry_mask(attn, index_keys, positions, E, base, index_q, index_w, None)
+
+        rows = (keys.positions, keys.sequence * E, index_q, index_w)
+        index, valid = row_blocks(mask, *rows) if attn.layer_type == CSA else mask(*rows)
+        entry = (entries.flatten(0, 1), index, valid, (keys.positions + 1) // attn.compressor.m)
+    return tiled_attention_triton.tiled_sink_attention(q, *window, *entry, attn.sinks, attn.scale)
 
 
 def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -161,13 +185,18 @@ def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     return attn._output(o, cos, sin)
 
 
-def attention_rows(attn, h: torch.Tensor, keys) -> torch.Tensor:
-    """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D]."""
+def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> torch.Tensor:
+    """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D].
+    `whole_rows`: the core runs over all rows in one kernel where it can (whole_rows.py)."""
     q, kv, *projections, index_w, index_q = row_blocks(lambda x, p: _projections(attn, x, p), h, keys.positions)
     source, window_index, window_valid = keys.window(attn, kv)
     entries = index_keys = None
     if attn.compressor is not None:
         entries, index_keys = keys.compressed(attn, attn.projections_type(None, kv, *projections))
+    if whole_rows and tiled_attention_triton.available(q, source):
+        o = _whole_rows_core(attn, q, (source, window_index, window_valid), entries, index_keys, keys, index_q,
+                             index_w)
+        return row_blocks(lambda o, p: _output(attn, o, p), o, keys.positions)
 
     def core(q, window_index, window_valid, positions, sequence, index_q, index_w, reach=None):
         tiles = [(gather_tile(source, window_index, window_valid), window_valid)]
