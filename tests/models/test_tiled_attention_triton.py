@@ -73,11 +73,12 @@ def test_a_rows_output_does_not_depend_on_the_others():
 
 
 def test_available_only_where_the_kernel_runs():
-    q, ws = torch.zeros(2, H, D), torch.zeros(4, D)
+    q, ws = torch.zeros(2, H, D, device=DEVICE), torch.zeros(4, D, device=DEVICE)
     if ta.triton is None:
         assert not ta.available(q, ws)
         return
     assert ta.available(q, ws) == (DEVICE == "cuda" or ta._gt.interpreted())
+    assert not ta.available(q[..., :8].contiguous(), ws[:, :8])  # head dim below tl.dot's 16
     assert not ta.available(torch.zeros(2, H, 24), torch.zeros(4, 24))  # head dim not a power of two
     assert not ta.available(q, ws.bfloat16())  # mixed dtypes
     assert not ta.available(q.double(), ws.double())
