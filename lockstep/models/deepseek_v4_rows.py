@@ -35,9 +35,9 @@ Cost: the per-block loop (on CUDA replayed from one captured graph per call, row
 is left is ~500 small kernels per layer and block), the dense experts off CUDA (E / k times the
 routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
 training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
-On CUDA the mHC and norm steps run over whole rows with fixed-order kernels instead
-(KernelSwitches.fixed_order, whole_rows.py); the projections, the attention core and the MoE keep
-their row blocks.
+On CUDA the mHC and norm steps and the attention core run over whole rows with fixed-order
+kernels instead (KernelSwitches.fixed_order, whole_rows.py); the projections, the C4 entry picks
+and the MoE keep their row blocks.
 """
 
 from __future__ import annotations

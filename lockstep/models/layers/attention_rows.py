@@ -3,7 +3,9 @@
 `attention_rows(attn, h, keys)` is DeepseekV4Attention.forward_rows: the layer input rows h [T, D]
 -> the attention's output rows [T, D], in three steps, each in row blocks (row_blocks.py):
     projections (rows): q, kv, the compressors' projections, the indexer's query and head weights
-    core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o
+    core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o;
+        with `whole_rows` (CUDA, whole_rows.py) one kernel over every row instead
+        (tiled_attention_triton.py), only C4 layers' entry picks (the indexer) in row blocks
     output (rows): RoPE undone, grouped low-rank output projection
 One method, so that data-parallel sharding (FSDP2) gathers the attention's weights once per layer
 (lockstep/dist/fsdp.py registers it as a forward method).

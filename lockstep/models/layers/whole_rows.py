@@ -17,13 +17,14 @@ element-wise, a max (exact in any order), or a sum whose order is fixed by const
 - element-wise ops: the same bits at any size, except torch's CPU sigmoid (`sigmoid_any_size` here).
 Inside `whole_rows()` the shared modules (norm.py, hyper_connection.py, sinkhorn.py) take these
 forms; deepseek_v4_rows.py enters it for the mHC + norm steps of a layer and the head's mHC,
-where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention and the MoE
-keep their row blocks.
+where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention core runs
+over whole rows too, as one kernel (tiled_attention_triton.py, by attention_rows' `whole_rows`
+argument). The projections, the C4 entry picks and the MoE keep their row blocks.
 
 On by default on CUDA (KernelSwitches.fixed_order). Measured on an H200 (1b config, both sides
-eager): the CUDA equality tests pass with it; decode as fast as the row blocks (0.80x vs 0.81x of
-the default), a 4,096-token prefill 0.44 s vs 0.46-0.70 s. On the CPU the row blocks stay (the
-kernels would run interpreted); the tests switch it on there explicitly.
+eager): the CUDA equality tests pass with it; with the attention core too, decode 0.88x of the
+default's tokens/s (row blocks: 0.81x), a 4,096-token prefill 0.26 s (row blocks: 0.46-0.70 s).
+On the CPU the row blocks stay (the kernels would run interpreted); the tests switch it on there.
 """
 
 from __future__ import annotations
