@@ -42,26 +42,20 @@ and the MoE keep their row blocks.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 
 from .layers.hyper_connection import hc_combine
 from .layers.row_blocks import row_blocks, rows_forward
-from .layers.whole_rows import kernels_run, whole_rows
+from .layers.whole_rows import kernels_run, row_local, whole_rows
 
 
 def _in_whole_rows(switched, x: torch.Tensor) -> bool:
     """Whether rows like x take the whole-rows forms: `switched`'s fixed_order switch is on and the
     fixed-order kernels run (whole_rows.py)."""
     return switched.kernels.fixed_order_on(x) and kernels_run(x)
-
-
-def _row_local(switched, fn, *xs):
-    """fn over rows of xs: in one call under the fixed-order kernels (_in_whole_rows), else in row blocks."""
-    if _in_whole_rows(switched, xs[0]):
-        with whole_rows():
-            return fn(*xs)
-    return row_blocks(fn, *xs)
 
 
 def _before_attention(layer, streams: torch.Tensor):
@@ -81,16 +75,18 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     sharded unit gathers its weights once."""
     shape = streams.shape
     streams, ids = streams.reshape(-1, *shape[-2:]), token_ids.reshape(-1)
+    whole = _in_whole_rows(layer.ffn_hc, streams)
     with rows_forward():  # the MoE, its experts and the compressors take their row-block paths
-        h, post, comb = _row_local(layer.ffn_hc, lambda s: _before_attention(layer, s), streams)
-        attn_out = layer.self_attn.forward_rows(h, keys, _in_whole_rows(layer.ffn_hc, h))
-        streams, x, post, comb = _row_local(layer.ffn_hc, lambda *a: _before_moe(layer, *a), streams, attn_out, post,
-                                            comb)
+        h, post, comb = row_local(whole, lambda s: _before_attention(layer, s), streams)
+        attn_out = layer.self_attn.forward_rows(h, keys, whole)
+        streams, x, post, comb = row_local(whole, lambda *a: _before_moe(layer, *a), streams, attn_out, post, comb)
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
-        out, experts = layer.mlp(x, ids, None if forced is None else forced.reshape(-1, forced.shape[-1]))
+        forced = None if forced is None else forced.reshape(-1, forced.shape[-1])
+        with whole_rows() if whole else nullcontext():  # the MoE decides there (MoE.forward)
+            out, experts = layer.mlp(x, ids, forced)
     if routing is not None:
         routing.chosen.append(experts.view(*shape[:2], -1))
-    return _row_local(layer.ffn_hc, hc_combine, streams, out, post, comb).view(shape)
+    return row_local(whole, hc_combine, streams, out, post, comb).view(shape)
 
 
 def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
@@ -105,7 +101,8 @@ def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
 def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     """The last layer's streams [N, S, n, D] -> final hidden [N, S, D] (mHC head, norm) in row blocks."""
     flat = streams.reshape(-1, *streams.shape[-2:])
-    return _row_local(model.hc_head, model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
+    whole = _in_whole_rows(model.hc_head, flat)
+    return row_local(whole, model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
 
 
 class ExactValues(torch.autograd.Function):

@@ -125,27 +125,37 @@ def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
 @interpreted_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype):
-    """KernelSwitches.fixed_order: the mHC and norm steps and the attention core over all rows at once
-    through the fixed-order kernels (here interpreted): steps still equal the training forward bitwise,
-    and the logits are the row-block forward's up to summation order."""
-    from lockstep.models.layers import norm, tiled_attention_triton
+    """KernelSwitches.fixed_order: a layer's mHC and norm steps, its attention (projections, core, output)
+    and, in bf16 where the routed experts take the Triton kernels, its MoE over all rows at once through
+    the fixed-order kernels (here interpreted): steps still equal the training forward bitwise, and the
+    logits are the row-block forward's up to summation order."""
+    from lockstep.models.layers import fixed_order_linear, moe, norm, tiled_attention_triton
 
     model = true_on_policy_model("mixed", dtype)
     ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         blocks = model(ids)
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
-    calls, attention = [], []
-    kernel, attention_kernel = norm.fixed_order_rms_norm, tiled_attention_triton.tiled_sink_attention
-    monkeypatch.setattr(norm, "fixed_order_rms_norm", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
-    monkeypatch.setattr(tiled_attention_triton, "tiled_sink_attention",
-                        lambda q, *a: attention.append((q.shape[0], a[3] is not None)) or attention_kernel(q, *a))
+    norms, attention, gemms, moes = [], [], [], []
+
+    def spy(module, name, log, rows):
+        kernel = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a: log.append(rows(*a)) or kernel(*a))
+
+    spy(norm, "fixed_order_rms_norm", norms, lambda x, *_: x.shape[0])
+    spy(tiled_attention_triton, "tiled_sink_attention", attention, lambda q, *a: (q.shape[0], a[3] is not None))
+    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w: (x.shape[0], x.dtype))
+    spy(moe.MoE, "_route_and_compute", moes, lambda self, x, *_: x.shape[0])
+    # the experts' Triton kernels under the interpreter (on CUDA only otherwise)
+    monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
     with torch.no_grad():
         full = model(ids)
         steps, _ = run_incremental(model, ids, [[5, 1, 3, 7], [16]], slots=[5, 0])
     assert torch.equal(steps, full)
-    assert 2 * 16 in calls  # the training forward's norms took all 32 rows in one call
+    assert 2 * 16 in norms  # the training forward's norms took all 32 rows in one call
     assert (2 * 16, True) in attention and (2 * 16, False) in attention  # cores with and without entries
+    assert (2 * 16, dtype) in gemms and (2 * 16, torch.float32) in gemms  # projections; the router in fp32
+    assert (2 * 16 in moes) == (dtype == torch.bfloat16)  # whole rows where the experts' kernels run
     assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 

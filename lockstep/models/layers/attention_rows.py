@@ -3,10 +3,11 @@
 `attention_rows(attn, h, keys)` is DeepseekV4Attention.forward_rows: the layer input rows h [T, D]
 -> the attention's output rows [T, D], in three steps, each in row blocks (row_blocks.py):
     projections (rows): q, kv, the compressors' projections, the indexer's query and head weights
-    core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o;
-        with `whole_rows` (CUDA, whole_rows.py) one kernel over every row instead
-        (tiled_attention_triton.py), only C4 layers' entry picks (the indexer) in row blocks
+    core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o
     output (rows): RoPE undone, grouped low-rank output projection
+With `whole_rows` (CUDA, whole_rows.py) the projections and the output run over every row in one
+call with fixed-order GEMMs, and the core as one kernel (tiled_attention_triton.py); only C4
+layers' entry picks (the indexer's batched GEMMs) stay in row blocks.
 One method, so that data-parallel sharding (FSDP2) gathers the attention's weights once per layer
 (lockstep/dist/fsdp.py registers it as a forward method).
 
@@ -28,6 +29,7 @@ from . import tiled_attention_triton
 from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
+from .whole_rows import row_local
 
 REACH_GROUPS = 4  # position ranges of a training forward that each walk only the entry tiles they can see
 
@@ -190,7 +192,8 @@ def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> torch.Tensor:
     """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D].
     `whole_rows`: the core runs over all rows in one kernel where it can (whole_rows.py)."""
-    q, kv, *projections, index_w, index_q = row_blocks(lambda x, p: _projections(attn, x, p), h, keys.positions)
+    q, kv, *projections, index_w, index_q = row_local(whole_rows, lambda x, p: _projections(attn, x, p), h,
+                                                      keys.positions)
     source, window_index, window_valid = keys.window(attn, kv)
     entries = index_keys = None
     if attn.compressor is not None:
@@ -198,7 +201,7 @@ def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> tor
     if whole_rows and tiled_attention_triton.available(q, source):
         o = _whole_rows_core(attn, q, (source, window_index, window_valid), entries, index_keys, keys, index_q,
                              index_w)
-        return row_blocks(lambda o, p: _output(attn, o, p), o, keys.positions)
+        return row_local(True, lambda o, p: _output(attn, o, p), o, keys.positions)
 
     def core(q, window_index, window_valid, positions, sequence, index_q, index_w, reach=None):
         tiles = [(gather_tile(source, window_index, window_valid), window_valid)]

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .fp8_linear import Fp8Linear, fp8_linear
+from .whole_rows import linear
 
 
 def _split(linears: list[nn.Module]) -> tuple[list[nn.Module], list[nn.Module]]:
@@ -115,6 +116,6 @@ def project(owner: nn.Module, linears: list[nn.Module], x: torch.Tensor) -> list
 
 def _project_plain(owner: nn.Module, linears: list[nn.Module], x: torch.Tensor) -> list[torch.Tensor]:
     fused = getattr(owner, "fused_weight", None)
-    if fused is None:
-        return [F.linear(x, lin.weight) for lin in linears]
+    if fused is None:  # whole rows (whole_rows.py): the fixed-order GEMM
+        return [linear(x, lin.weight) for lin in linears]
     return list(F.linear(x, fused).split([lin.weight.shape[0] for lin in linears], dim=-1))

@@ -23,7 +23,8 @@ from . import grouped_gemm_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
-from .row_blocks import in_rows_forward, row_blocks
+from .row_blocks import in_rows_forward
+from .whole_rows import in_whole_rows, linear, row_local, sigmoid_any_size, softmax_in_order, sum_in_order
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -34,9 +35,10 @@ def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     logits = logits.float()
     if scoring_func == "sqrtsoftplus":
         return F.softplus(logits).sqrt()
+    whole = in_whole_rows()  # the forms whose bits cannot depend on the row count (whole_rows.py)
     if scoring_func == "softmax":
-        return logits.softmax(dim=-1)
-    return logits.sigmoid()
+        return softmax_in_order(logits, -1) if whole else logits.softmax(dim=-1)
+    return sigmoid_any_size(logits) if whole else logits.sigmoid()
 
 
 class Router(nn.Module):
@@ -61,7 +63,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> logits [T, E] fp32. Never part of a fused bf16 GEMM (MoE.input_linears)."""
-        return F.linear(x.float(), self.weight.float())
+        return linear(x.float(), self.weight.float())
 
     def route(self, logits: torch.Tensor, token_ids: torch.Tensor | None,
               forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,11 +75,21 @@ class Router(nn.Module):
             experts = self.tid2eid[token_ids.reshape(-1)].long()
         else:
             biased = scores + self.e_score_correction_bias.float()
-            experts = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
+            experts = _top_k(biased, self.top_k)
         experts = experts.sort(dim=-1).values
         weights = scores.gather(1, experts)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = sum_in_order(weights, -1).unsqueeze(-1) if in_whole_rows() else weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20)
         return experts, weights * self.routed_scaling_factor
+
+
+def _top_k(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest-scoring experts per row (any order). Over whole rows a stable sort: its result is
+    one function of the row (ties to the lower index), where topk's algorithm, and so the winner of
+    a tie, can change with the row count (whole_rows.py)."""
+    if in_whole_rows():
+        return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.topk(scores, k, dim=-1, sorted=False).indices
 
 
 # above this many one-hot entries (slots x experts) a caller that lets the size decide sorts
@@ -260,7 +272,7 @@ class SharedExpert(nn.Module):
         return self.from_gate_up(self.gate_proj(x), self.up_proj(x))
 
     def from_gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamped(gate, up, self.limit))
+        return linear(swiglu_clamped(gate, up, self.limit), self.down_proj.weight)
 
 
 class MoE(nn.Module):
@@ -281,7 +293,9 @@ class MoE(nn.Module):
             flat = x.reshape(-1, x.shape[-1])
             ids = None if token_ids is None else token_ids.reshape(-1)
             fixed = None if forced is None else forced.reshape(-1, forced.shape[-1])
-            out, experts = row_blocks(self._route_and_compute, flat, ids, fixed)
+            # whole rows (whole_rows.py) where the routed experts take the row-invariant kernels
+            whole = in_whole_rows() and _row_invariant_kernels(flat, *self.experts.expert_weights())
+            out, experts = row_local(whole, self._route_and_compute, flat, ids, fixed)
             return out.view(x.shape), experts.view(*x.shape[:-1], -1)
         return self._route_and_compute(x, token_ids, forced)
 

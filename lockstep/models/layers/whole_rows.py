@@ -30,9 +30,10 @@ On the CPU the row blocks stay (the kernels would run interpreted); the tests sw
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from . import fixed_order_linear
-from .row_blocks import CallMode
+from .row_blocks import CallMode, row_blocks
 
 # A call over every row at once: the modules it reaches take their fixed-order forms.
 _WHOLE_ROWS = CallMode("whole_rows")
@@ -43,6 +44,26 @@ def kernels_run(x: torch.Tensor) -> bool:
     """Whether the fixed-order kernels run for activations like x (CUDA or the interpreter, no
     gradient): elsewhere their references are plain torch ops, whose order follows the row count."""
     return fixed_order_linear.runs_on(x) and not torch.is_grad_enabled()
+
+
+def row_local(whole: bool, fn, *xs):
+    """fn over the rows of xs: in one call inside `whole_rows()` (whole: the caller checked
+    `kernels_run` and its switch), else in row blocks (row_blocks.py)."""
+    if whole:
+        with whole_rows():
+            return fn(*xs)
+    return row_blocks(fn, *xs)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight), bias-free; over whole rows the fixed-order GEMM, or an error where it
+    cannot run (a library GEMM there would tie a row's bits to the row count)."""
+    if not in_whole_rows():
+        return F.linear(x, weight)
+    if not fixed_order_linear.kernel_applies(x, weight):
+        raise ValueError(f"whole rows: no fixed-order GEMM for x {x.dtype} {tuple(x.shape)} on {x.device} and weight "
+                         f"{weight.dtype} {tuple(weight.shape)} (bf16 or fp32 alike, CUDA, no gradient)")
+    return fixed_order_linear.fixed_order_linear(x, weight)
 
 
 def sum_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
