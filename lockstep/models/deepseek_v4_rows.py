@@ -8,7 +8,9 @@ Two rules make it so, on any device and in any dtype:
    the same shapes on every side, so a token's result cannot depend on how many others share its
    call. The routed experts (Experts.rows_mlp) run the Triton grouped kernels on CUDA in bf16
    (their launch config depends on N and K only), elsewhere dense: a GEMM over rows grouped by
-   expert would have a size that depends on the neighbours' choices.
+   expert would have a size that depends on the neighbours' choices. On CUDA the same steps run
+   over all rows in one call instead, with kernels whose sums are ordered by construction
+   (whole_rows.py; the end of this docstring).
 2. What a token reads from other tokens comes in a fixed layout (layers/key_tiles.py): its
    window in position order, then the compressed entries in fixed tiles, walked by one online
    softmax; compressed entries themselves are pooled in row blocks (Compressor.entries_from_blocks),
@@ -35,9 +37,8 @@ Cost: the per-block loop (on CUDA replayed from one captured graph per call, row
 is left is ~500 small kernels per layer and block), the dense experts off CUDA (E / k times the
 routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
 training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
-On CUDA the mHC and norm steps and the attention core run over whole rows with fixed-order
-kernels instead (KernelSwitches.fixed_order, whole_rows.py); the projections, the C4 entry picks
-and the MoE keep their row blocks.
+On CUDA a layer runs over whole rows with fixed-order kernels instead (KernelSwitches.fixed_order,
+whole_rows.py): only the C4 entry picks and the head keep their row blocks there.
 """
 
 from __future__ import annotations

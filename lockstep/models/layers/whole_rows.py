@@ -17,13 +17,15 @@ element-wise, a max (exact in any order), or a sum whose order is fixed by const
 - element-wise ops: the same bits at any size, except torch's CPU sigmoid (`sigmoid_any_size` here).
 Inside `whole_rows()` the shared modules (norm.py, hyper_connection.py, sinkhorn.py) take these
 forms; deepseek_v4_rows.py enters it for the mHC + norm steps of a layer and the head's mHC,
-where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests). The attention core runs
-over whole rows too, as one kernel (tiled_attention_triton.py, by attention_rows' `whole_rows`
-argument). The projections, the C4 entry picks and the MoE keep their row blocks.
+where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests), and for the MoE where the
+routed experts take their row-invariant Triton kernels (moe.py: its GEMMs by `linear` here, top-k
+by a stable sort, the weights' sum by `sum_in_order`). The attention runs over whole rows too
+(attention_rows' `whole_rows` argument): its projections and output by `linear`, its core as one
+kernel (tiled_attention_triton.py). The C4 layers' entry picks and the head keep their row blocks.
 
 On by default on CUDA (KernelSwitches.fixed_order). Measured on an H200 (1b config, both sides
-eager): the CUDA equality tests pass with it; with the attention core too, decode 0.88x of the
-default's tokens/s (row blocks: 0.81x), a 4,096-token prefill 0.26 s (row blocks: 0.46-0.70 s).
+eager): the CUDA equality tests pass with it; rollout 0.76x of the default's tokens/s (row blocks:
+0.45-0.51x), a 4,096-token prefill 0.17 s (row blocks: 0.46-0.70 s), a training step 0.65x (0.23x).
 On the CPU the row blocks stay (the kernels would run interpreted); the tests switch it on there.
 """
 
