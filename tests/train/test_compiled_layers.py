@@ -18,10 +18,12 @@ from tests.train.trainer_fixtures import make_samples, small_config, tiny_model
 def test_compiled_layers_train_like_eager_layers():
     from lockstep.models.compiled_layers import _layer_with_experts
 
-    cfg = small_config()
+    # tracing costs per op, not per element: 2 Sinkhorn iterations (a column, a row, a column step)
+    # trace the same ops as the default 20, unrolled 10x fewer times
+    cfg = small_config(hc_sinkhorn_iters=2)
     samples = make_samples(6, routing_shape=(cfg.num_hidden_layers, cfg.num_experts_per_tok),
                            n_experts=cfg.n_routed_experts)
-    model = tiny_model()
+    model = tiny_model(config=cfg)
     torch._dynamo.reset()
     # routing replay: forced experts enter the region; 40 tokens per micro-batch: several shapes
     base = dict(max_tokens_per_gpu=40, use_rollout_routing_replay=True)
