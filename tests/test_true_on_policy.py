@@ -61,9 +61,10 @@ def test_rollout_and_training_logprobs_are_identical_across_weight_pushes(dtype,
 
 def test_compiled_trainer_layers_keep_the_values_exact():
     # the compiled layers serve the gradient's forward only; the loss reads the row-block values
-    # (two layers, two kinds: each kind compiles once)
+    # (two layers, two kinds: each kind compiles once; 2 Sinkhorn iterations trace the same ops as
+    # 20 in a tenth of the loop, and tracing costs per op)
     model = tiny_model(config=tiny_config(max_position_embeddings=64, num_hidden_layers=2, layer_types=(SLIDING, CSA),
-                                          mlp_layer_types=("hash_moe", "moe")))
+                                          mlp_layer_types=("hash_moe", "moe"), hc_sinkhorn_iters=2))
     engine = Engine(copy.deepcopy(model), EngineConfig(max_num_seqs=3, max_model_len=32, device=DEVICE,
                                                        true_on_policy=True))
     trainer = Trainer(model.to(DEVICE), TrainConfig(true_on_policy=True, compile_backend="eager"))
