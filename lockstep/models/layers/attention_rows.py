@@ -191,7 +191,8 @@ def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> torch.Tensor:
     """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D].
-    `whole_rows`: the core runs over all rows in one kernel where it can (whole_rows.py)."""
+    `whole_rows` (the caller's switch and whole_rows.kernels_run): the projections and the output
+    over all rows in one call, the core in one kernel where it can (whole_rows.py)."""
     q, kv, *projections, index_w, index_q = row_local(whole_rows, lambda x, p: _projections(attn, x, p), h,
                                                       keys.positions)
     source, window_index, window_valid = keys.window(attn, kv)

@@ -7,6 +7,8 @@ kernels with one shape, 64 rows at a time: on a GPU ~500 small kernels per decod
 block. The same guarantee holds for one call over all rows when every op in it is either
 element-wise, a max (exact in any order), or a sum whose order is fixed by construction:
 - RMSNorm: fixed_order_rmsnorm.py (one program per row, tiles walked in index order);
+- GEMMs (the attention's projections, the router, the shared expert): `linear` here, i.e.
+  fixed_order_linear.py (launch config by N and K only, no split-K, K walked in order);
 - mHC's projection: hc_projection_triton.py's partial products over splits of K (launch config
   by J and K only), the splits added first to last (sum_splits_in_order). Not fixed_order_linear:
   without split-K, its 16-row tiles walked K = n * D alone, 4 programs for a decode step's 64
