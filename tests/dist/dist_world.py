@@ -1,6 +1,7 @@
 """Run a function on N local processes the way torchrun starts them (env:// variables), with a guard.
 
-`run_world(fn, world_size, guard_s)` spawns `world_size` processes, each with RANK, WORLD_SIZE,
+`run_world(fn, world_size, guard_s)` starts `world_size` processes (on the CPU forked from a fork
+server that has imported torch and lockstep once per session, else spawned), each with RANK, WORLD_SIZE,
 LOCAL_RANK, MASTER_ADDR and MASTER_PORT set as torch's launcher sets them, runs `fn(rank, *args)`
 (fn must be a module-level function) and returns one `RankResult` per rank: its return value or the
 exception it raised (type and message), or `hung=True` when it was still running after `guard_s`
@@ -109,18 +110,22 @@ def report(**fields) -> None:
 @contextlib.contextmanager
 def _child_env(device: str):
     """The environment the spawned ranks inherit: no visible GPU for a cpu world."""
-    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    saved = {k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")}
     if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
     elif device != "cuda":
         raise ValueError(f"run_world: device {device!r} is not cpu or cuda")
+    # what the ranks run with (_entry sets it too); a fork server started now imports torch without
+    # an OpenMP thread pool, which its forked ranks could not use
+    os.environ["OMP_NUM_THREADS"] = "1"
     try:
         yield
     finally:
-        if saved is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @dataclass
@@ -144,7 +149,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> None:
+def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple, env: dict) -> None:
+    # the parent's environment when it started the world, as a spawned process inherits it (a rank
+    # forked from the fork server would otherwise have the server's, from the session's first world)
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       OMP_NUM_THREADS="1")
@@ -169,15 +178,39 @@ def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple) -> 
         os._exit(0)
 
 
+# What the CPU ranks import, imported once per session by the fork server they are forked from
+# (_context). Module names only: Python 3.11's server ignores the parent's sys.path (tests/dist).
+RANK_PRELOAD = ["torch", "torch.distributed", "pytest", "transformers.models.auto.tokenization_auto",
+                "lockstep.cli", "lockstep.commands.train", "lockstep.rl.loop", "lockstep.rl.char_tokenizer",
+                "lockstep.engine.engine", "lockstep.models", "lockstep.train.trainer", "lockstep.dist.groups",
+                "lockstep.dist.fsdp", "lockstep.dist.expert_parallel", "lockstep.dist.engine_expert_parallel",
+                "lockstep.dist.pipeline_parallel", "lockstep.dist.pipeline_trainer",
+                "lockstep.dist.pipeline_expert_parallel", "lockstep.dist.replicas", "lockstep.dist.sample_gather",
+                "lockstep.dist.weight_push"]
+
+
+def _context(device: str):
+    """How the ranks' processes start. CPU ranks (CI) fork from a fork server that imported torch and
+    lockstep's rank code once per session (RANK_PRELOAD): a spawned rank spent seconds of a 2-core
+    machine importing them again, in each of the ~40 worlds the tests start. Anything that may touch a
+    GPU is spawned, as torch advises for CUDA."""
+    if device == "cpu" and TEST_DEVICE == "cpu":
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(RANK_PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
 def run_world(fn, world_size: int = 2, guard_s: float = 60.0, args: tuple = (),
               device: str = "cpu") -> list[RankResult]:
-    ctx = mp.get_context("spawn")
+    ctx = _context(device)
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, outs[r], args), daemon=True)
-                 for r in range(world_size)]
         with _child_env(device):
+            env = dict(os.environ)
+            procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, outs[r], args, env), daemon=True)
+                     for r in range(world_size)]
             for p in procs:
                 p.start()
         deadline = time.monotonic() + guard_s
