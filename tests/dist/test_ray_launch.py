@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -120,13 +119,10 @@ def test_an_address_where_no_head_answers_fails_at_once(capsys):
     assert time.monotonic() - start < 15
 
 
-def test_ray_actors_log_the_metrics_of_torchrun_processes(tmp_path, ray_head):
-    # both at once (the Ray run spends much of its time starting workers); each rank runs 1 thread either way
-    with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(_train, tmp_path / "torchrun", "--nproc-per-node", "2",
-                                "--master-port", str(free_port()))
-        on_ray = _train(tmp_path / "ray", "--ray-address", ray_head, "--nproc-per-node", "2")
-        torchrun = reference.result()
+def test_ray_actors_log_the_metrics_of_torchrun_processes(tmp_path, ray_head, two_processes):
+    # the torchrun run: test_train_world.py's 2-process run (tests/dist/conftest.py, run once a session)
+    on_ray = _train(tmp_path / "ray", "--ray-address", ray_head, "--nproc-per-node", "2")
+    torchrun = two_processes
     assert json.loads((tmp_path / "ray" / "config.json").read_text())["world_size"] == 2
     assert len(on_ray) == len(torchrun) == 4  # step 0's eval, then 3 rollouts
     assert [line["train/num_microbatches"] for line in on_ray if "train/step" in line] == [2.0] * 3

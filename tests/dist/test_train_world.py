@@ -78,9 +78,8 @@ def _train(run_dir, *flags) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> list[dict]:
-    return _train(tmp_path_factory.mktemp("one"))
+# one_process and two_processes, the runs the others are compared with: tests/dist/conftest.py
+# (session-scoped: test_ray_launch.py and test_pipeline_expert_parallel.py compare with them too)
 
 
 def _perf_free(line: dict) -> dict:
@@ -93,14 +92,6 @@ def test_disaggregated_one_plus_one_logs_the_metrics_of_one_process(tmp_path, on
     assert [_perf_free(line) for line in two] == [_perf_free(line) for line in one_process]
     pushed = [line["perf/weight_sync_bytes"] for line in two if "perf/weight_sync_bytes" in line]
     assert len(pushed) == 3 and min(pushed) > 2_000_000  # a push over torch.distributed after every step
-
-
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory) -> list[dict]:
-    run_dir = tmp_path_factory.mktemp("two")
-    lines = _train(run_dir, "--nproc-per-node", "2", "--master-port", str(free_port()))
-    assert json.loads((run_dir / "config.json").read_text())["world_size"] == 2
-    return lines
 
 
 def _first_difference(want: list[dict], got: list[dict]):
@@ -202,12 +193,14 @@ def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_
     assert _perf_free(resumed[0]) == _perf_free(pipeline_two[-1])
 
 
-def test_pipeline_parallel_refuses_before_starting(tmp_path):
-    cmd = [sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--run-dir", str(tmp_path / "run"),
-           "--pipeline-model-parallel-size", "2"]
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=60)
+def test_pipeline_parallel_refuses_before_starting(tmp_path, capsys):
+    # in this process: the refusal comes before anything starts (a subprocess only added its imports)
+    from lockstep.cli import main
+
+    returncode = main(["train", *SIZES, "--run-dir", str(tmp_path / "run"), "--pipeline-model-parallel-size", "2"])
+    err = capsys.readouterr().err
     message = "--pipeline-model-parallel-size 2 must equal the trainer ranks for now"
-    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+    assert returncode != 0 and message in err, err[-2000:]
     assert not (tmp_path / "run").exists()  # refused before any process or run directory
 
 
