@@ -26,7 +26,7 @@ from .indexer import Indexer
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
 from .sink_attention import closed_block_bias, pad_keys, sink_attention, window_bias
-from .whole_rows import in_whole_rows, linear
+from .whole_rows import apply_linear, in_whole_rows, linear
 
 
 class CSACompressor(Compressor):
@@ -166,7 +166,7 @@ class DeepseekV4Attention(nn.Module):
         """Projections at positions [...] (any leading shape) -> q_res, q [..., H, D], kv [..., D], cos, sin."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         q_res = self.q_a_norm(x.q_a)
-        q = rms_norm(linear(q_res, self.q_b_proj.weight).view(*positions.shape, self.n_heads, self.head_dim),
+        q = rms_norm(apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim),
                      self.norm_eps)
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         kv = apply_rope(self.kv_norm(x.kv), cos, sin)
@@ -176,7 +176,7 @@ class DeepseekV4Attention(nn.Module):
         """Attention output o [..., H, D] -> the layer's output [..., hidden]."""
         o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the rope V carried
         grouped = self.o_a_proj(o.reshape(*o.shape[:-2], self.o_groups, -1))
-        return linear(grouped.flatten(-2), self.o_b_proj.weight)
+        return apply_linear(self.o_b_proj, grouped.flatten(-2))
 
     def _compressed_bias(self, x: InputProjections, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
         if self.layer_type == CSA:

@@ -18,7 +18,7 @@ from torch import nn
 
 from .compressor import Compressor
 from .rope import apply_rope, rope_cos_sin
-from .whole_rows import linear
+from .whole_rows import apply_linear
 
 
 class IndexerScorer(nn.Module):
@@ -38,7 +38,7 @@ class Indexer(Compressor):
     def query(self, q_res: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """q_res [..., q_lora_rank] at positions [...] -> roped index queries [..., H_I, D_I]."""
         cos, sin = rope_cos_sin(inv_freq, positions)
-        q = linear(q_res, self.q_b_proj.weight).view(*positions.shape, self.n_heads, self.head_dim)
+        q = apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim)
         return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
     def scaled_head_weights(self, head_weights: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
 from .row_blocks import in_rows_forward
-from .whole_rows import in_whole_rows, linear, row_local, sigmoid_any_size, softmax_in_order, sum_in_order
+from .whole_rows import (apply_linear, in_whole_rows, linear, row_local, sigmoid_any_size, softmax_in_order,
+                         sum_in_order)
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -272,7 +273,7 @@ class SharedExpert(nn.Module):
         return self.from_gate_up(self.gate_proj(x), self.up_proj(x))
 
     def from_gate_up(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return linear(swiglu_clamped(gate, up, self.limit), self.down_proj.weight)
+        return apply_linear(self.down_proj, swiglu_clamped(gate, up, self.limit))
 
 
 class MoE(nn.Module):

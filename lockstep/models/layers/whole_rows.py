@@ -70,6 +70,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return fixed_order_linear.fixed_order_linear(x, weight)
 
 
+def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
+    """module(x) for a bias-free linear module (nn.Linear, or a packed fp8 one serving the default
+    path); over whole rows the fixed-order GEMM of its weight (`linear`)."""
+    return linear(x, module.weight) if in_whole_rows() else module(x)
+
+
 def sum_in_order(x: torch.Tensor, dim: int) -> torch.Tensor:
     """x summed over `dim` (a few terms) left to right, as element-wise adds."""
     terms = x.unbind(dim)
