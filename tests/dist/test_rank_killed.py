@@ -35,8 +35,9 @@ from dist_world import free_port, report, world_devices
 TIMEOUT_S = 20
 MARGIN_S = 15  # the launcher's poll, the survivor's exit and torch's summary; measured ~1 s on the CPU
 NUM_ROLLOUT = 60  # far more than run before the kill (~1 s per rollout here): the kill lands mid-run
+# 2 eval prompts (one a rank): step 0's eval only delays the first trained rollout the kill waits for
 RUN = ["--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "4", "--n-samples-per-prompt", "4",
-       "--eval-interval", "1000", "--eval-prompts-limit", "8", "--no-plot", "--distributed-timeout", str(TIMEOUT_S)]
+       "--eval-interval", "1000", "--eval-prompts-limit", "2", "--no-plot", "--distributed-timeout", str(TIMEOUT_S)]
 LAYOUTS = {"colocated": [], "disaggregated": ["--actor-num-gpus", "1", "--rollout-num-gpus", "1"]}
 SCENARIOS = [("colocated", 1), ("colocated", 0), ("disaggregated", 1)]  # (layout, killed rank)
 

@@ -1,6 +1,6 @@
 """`lockstep train` on 2 gloo processes (DISTRIBUTED.md proof (g)) and a peer dying mid-run.
 
-(g) A 3-rollout run on 2 processes (`--nproc-per-node 2`: torch's launcher, colocated engine
+(g) A 2-rollout run on 2 processes (`--nproc-per-node 2`: torch's launcher, colocated engine
 replicas, FSDP trainer) against the same run on 1 process, metrics.jsonl line by line: every metric
 but the perf/* timings bitwise equal, train/num_microbatches included. Two flags make this so (RUN):
 
@@ -8,20 +8,22 @@ but the perf/* timings bitwise equal, train/num_microbatches included. Two flags
   logprobs do not depend on the batch a replica or the one engine ran it in (without it they move
   by ~1e-7 on the CPU, tests/dist/test_replicas.py).
 - `--max-tokens-per-gpu 172`: each rank trains its block of 8 samples (`replicas.shard`), and 172 is
-  the tokens of either block in each of the 3 steps (4 x 21 + 4 x 22; a 9th sample would exceed it),
+  the tokens of either block in each of the 2 steps (4 x 21 + 4 x 22; a 9th sample would exceed it),
   so each rank packs its block into one micro-batch and one process packs the same two micro-batches
   (greedy in-order packing, train/logprobs.py). FSDP's reduce-scatter then sums the same two
   micro-batch gradients one process accumulates (test_fsdp.py), and the ranks' summed metrics are
   one process's sums over its micro-batches. The test checks the packing: 2 micro-batches in both.
 
-Either flag alone leaves train/* metrics differing from the first train step on (measured over the 3
+Either flag alone leaves train/* metrics differing from the first train step on (measured over 3
 steps: 28 values with the budget alone, 23 with the batch-invariant engine alone).
 
 Without them (the defaults: non-invariant engine, 8192 tokens: one process packs the 16 samples into
 one micro-batch, the ranks into two) the tokens and every metric fixed by them are still the same,
 and the train/* metrics agree to ~2e-3 relative (what this test accepted before; the two causes above).
-Rollouts 2 and 3 are sampled from the weights trained on 2 processes, so equal tokens there also say
-the pushed weights are the trained ones.
+Rollout 2 is sampled from the weights trained on 2 processes, so equal tokens there also say the
+pushed weights are the trained ones; the eval after it scores the second step's (its Adam moments
+those of the first step). Two rollouts, not more: each `lockstep train` start is ~20 s on a 2-core
+machine and a rollout ~4 s, and a third step runs nothing the second does not.
 
 Disaggregated 1 + 1 (`--actor-num-gpus 1 --rollout-num-gpus 1`: rank 0 trains on FSDP, rank 1
 serves, the weights pushed over gloo after every step) against 1 process: every metric bitwise
@@ -62,8 +64,9 @@ import pytest
 
 from dist_world import free_port, run_world
 
-SIZES = ["--num-rollout", "3", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--eval-interval", "3",
-         "--eval-prompts-limit", "8", "--no-plot"]
+# 4 eval prompts: 2 a rank, still sharded (an eval of 8 cost ~1.6 s at step 0 and after the last rollout)
+SIZES = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--eval-interval", "2",
+         "--eval-prompts-limit", "4", "--no-plot"]
 # the runs compared with one another: a batch-invariant engine, and micro-batches cut where the ranks' blocks are
 RUN = [*SIZES, "--batch-invariant", "--max-tokens-per-gpu", "172"]
 
@@ -91,7 +94,7 @@ def test_disaggregated_one_plus_one_logs_the_metrics_of_one_process(tmp_path, on
                  "--master-port", str(free_port()))
     assert [_perf_free(line) for line in two] == [_perf_free(line) for line in one_process]
     pushed = [line["perf/weight_sync_bytes"] for line in two if "perf/weight_sync_bytes" in line]
-    assert len(pushed) == 3 and min(pushed) > 2_000_000  # a push over torch.distributed after every step
+    assert len(pushed) == 2 and min(pushed) > 2_000_000  # a push over torch.distributed after every step
 
 
 def _first_difference(want: list[dict], got: list[dict]):
@@ -105,11 +108,11 @@ def _first_difference(want: list[dict], got: list[dict]):
 
 def test_two_processes_log_the_metrics_of_one(one_process, two_processes):
     one, two = one_process, two_processes
-    assert len(one) == len(two) == 4  # step 0's eval, then 3 rollouts
+    assert len(one) == len(two) == 3  # step 0's eval, then 2 rollouts
     train_lines = [line for line in one if "train/step" in line]
-    assert len(train_lines) == 3 and all(line["train/optimizer_steps"] == 1.0 for line in train_lines)
+    assert len(train_lines) == 2 and all(line["train/optimizer_steps"] == 1.0 for line in train_lines)
     # one process packed the ranks' blocks: 2 micro-batches per step in both runs (module docstring)
-    assert [line["train/num_microbatches"] for line in two if "train/step" in line] == [2.0] * 3
+    assert [line["train/num_microbatches"] for line in two if "train/step" in line] == [2.0] * 2
     assert _first_difference(one, two) is None, _first_difference(one, two)
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
 
@@ -177,19 +180,19 @@ def pipeline_two(tmp_path_factory) -> list[dict]:
 
 def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process, pipeline_two):
     # the same two micro-batches, padded to the same [8, 22] on both sides (module docstring)
-    assert [line["train/num_microbatches"] for line in pipeline_two if "train/step" in line] == [2.0] * 3
+    assert [line["train/num_microbatches"] for line in pipeline_two if "train/step" in line] == [2.0] * 2
     assert _first_difference(one_process, pipeline_two) is None, _first_difference(one_process, pipeline_two)
 
 
 def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_two):
-    _train(tmp_path / "first", *PIPELINE, "--num-rollout", "2", "--save", str(tmp_path / "save"),
+    _train(tmp_path / "first", *PIPELINE, "--num-rollout", "1", "--save", str(tmp_path / "save"),
            "--master-port", str(free_port()))
     # the one-process files, written by stage 0, and stage 1's RNG states
     assert sorted(p.name for p in (tmp_path / "save" / "trainer").iterdir()) == \
         ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
     resumed = _train(tmp_path / "resumed", *PIPELINE, "--load", str(tmp_path / "save"), "--master-port", str(free_port()))
     assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
-    assert resumed[0]["train/step"] == 3.0
+    assert resumed[0]["train/step"] == 2.0
     assert _perf_free(resumed[0]) == _perf_free(pipeline_two[-1])
 
 
@@ -206,7 +209,7 @@ def test_pipeline_parallel_refuses_before_starting(tmp_path, capsys):
 
 def test_resume_on_two_processes_continues_the_unbroken_run(tmp_path, two_processes):
     first = ["--nproc-per-node", "2", "--save", str(tmp_path / "save")]
-    _train(tmp_path / "first", *first, "--num-rollout", "2", "--master-port", str(free_port()))
+    _train(tmp_path / "first", *first, "--num-rollout", "1", "--master-port", str(free_port()))
     assert (tmp_path / "save" / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
     resumed = _train(tmp_path / "resumed", "--nproc-per-node", "2", "--load", str(tmp_path / "save"),
                      "--master-port", str(free_port()))
