@@ -132,7 +132,10 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     from lockstep.models.layers import fixed_order_linear, moe, norm, tiled_attention_triton
 
     model = true_on_policy_model("mixed", dtype)
-    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(8))
+    # 12 tokens: past the window (8) and 3 rate-4 entries; the interpreted kernels cost per row and
+    # per call, so few rows: 2 x 16 tokens took 61 s (bf16) on 2 CPU cores
+    S = 12
+    ids = torch.randint(0, model.config.vocab_size, (2, S), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         blocks = model(ids)
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
@@ -144,18 +147,19 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
 
     spy(norm, "fixed_order_rms_norm", norms, lambda x, *_: x.shape[0])
     spy(tiled_attention_triton, "tiled_sink_attention", attention, lambda q, *a: (q.shape[0], a[3] is not None))
-    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w: (x.shape[0], x.dtype))
+    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w, *_: (x.shape[0], x.dtype))
     spy(moe.MoE, "_route_and_compute", moes, lambda self, x, *_: x.shape[0])
     # the experts' Triton kernels under the interpreter (on CUDA only otherwise)
     monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
     with torch.no_grad():
         full = model(ids)
-        steps, _ = run_incremental(model, ids, [[5, 1, 3, 7], [16]], slots=[5, 0])
+        # prefill chunks beside a whole-prompt prefill, then a decode step and chunks past the window
+        steps, _ = run_incremental(model, ids, [[5, 1, 3, 3], [S]], slots=[5, 0])
     assert torch.equal(steps, full)
-    assert 2 * 16 in norms  # the training forward's norms took all 32 rows in one call
-    assert (2 * 16, True) in attention and (2 * 16, False) in attention  # cores with and without entries
-    assert (2 * 16, dtype) in gemms and (2 * 16, torch.float32) in gemms  # projections; the router in fp32
-    assert (2 * 16 in moes) == (dtype == torch.bfloat16)  # whole rows where the experts' kernels run
+    assert 2 * S in norms  # the training forward's norms took all 24 rows in one call
+    assert (2 * S, True) in attention and (2 * S, False) in attention  # cores with and without entries
+    assert (2 * S, dtype) in gemms and (2 * S, torch.float32) in gemms  # projections; the router in fp32
+    assert (2 * S in moes) == (dtype == torch.bfloat16)  # whole rows where the experts' kernels run
     assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 
