@@ -183,10 +183,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         forced, builds the graph. Backpropagating through the row blocks cost ~2x the whole step."""
         keys = FullSequences(*input_ids.shape, input_ids.device)
         if not torch.is_grad_enabled():
-            return logits_rows(self.lm_head.weight, hidden_rows(self.model, input_ids, keys, routing))
+            return logits_rows(self, hidden_rows(self.model, input_ids, keys, routing))
         chosen = Routing(forced=routing.forced if routing is not None else None)
         with torch.no_grad():
-            exact = logits_rows(self.lm_head.weight, hidden_rows(self.model, input_ids, keys, chosen))
+            exact = logits_rows(self, hidden_rows(self.model, input_ids, keys, chosen))
         fast = self._default_logits(input_ids, Routing(forced=chosen.stacked()))
         if routing is not None:
             routing.chosen = chosen.chosen
@@ -201,7 +201,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> logits [..., V] fp32: `_head`, in row blocks in the true-on-policy forward."""
         if self.true_on_policy:
-            return logits_rows(self.lm_head.weight, hidden)
+            return logits_rows(self, hidden)
         return self._head(hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,8 +37,8 @@ Cost: the per-block loop (on CUDA replayed from one captured graph per call, row
 is left is ~500 small kernels per layer and block), the dense experts off CUDA (E / k times the
 routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
 training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
-On CUDA a layer runs over whole rows with fixed-order kernels instead (KernelSwitches.fixed_order,
-whole_rows.py): only the C4 entry picks and the head keep their row blocks there.
+On CUDA a layer and the head run over whole rows with fixed-order kernels instead
+(KernelSwitches.fixed_order, whole_rows.py).
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
 from .layers.hyper_connection import hc_combine
-from .layers.row_blocks import row_blocks, rows_forward
-from .layers.whole_rows import kernels_run, row_local, whole_rows
+from .layers.row_blocks import rows_forward
+from .layers.whole_rows import kernels_run, linear, row_local, whole_rows
 
 
 def _in_whole_rows(switched, x: torch.Tensor) -> bool:
@@ -124,8 +123,12 @@ def runs_true_on_policy(layer) -> bool:
     return layer.ffn_hc.kernels.on("true_on_policy")
 
 
-def logits_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """hidden [..., H] -> logits [..., V] fp32, the head in row blocks (an fp32 GEMM on every side)."""
+def logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [..., H] -> logits [..., V] fp32: model's LM head as an fp32 GEMM in row blocks, or over
+    whole rows as the fixed-order GEMM with fp32 output (bf16 products are exact in fp32: the terms
+    of the upcast GEMM, summed in the kernel's fixed order)."""
+    weight = model.lm_head.weight
     flat = hidden.reshape(-1, hidden.shape[-1])
-    logits = row_blocks(lambda h: F.linear(h.float(), lm_head_weight.float()), flat)
-    return logits.view(*hidden.shape[:-1], lm_head_weight.shape[0])
+    whole = _in_whole_rows(model.model.hc_head, flat)
+    logits = row_local(whole, lambda h: linear(h, weight, fp32_out=True), flat)
+    return logits.view(*hidden.shape[:-1], weight.shape[0])

@@ -80,6 +80,7 @@ def test_row_blocks_pad_and_concatenate(grad):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_row_block_graphs_equal_the_eager_loop(monkeypatch, dtype):
     model = true_on_policy_model("mixed", dtype).cuda()
+    set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=False))  # row blocks, not whole rows
     ids = torch.randint(0, model.config.vocab_size, (2, 4 * ROWS + 9), generator=torch.Generator().manual_seed(6))
     captured = []
     capture = row_blocks_module._capture
@@ -125,11 +126,13 @@ def test_causal_entry_groups_skip_only_masked_tiles(monkeypatch):
 @interpreted_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype):
-    """KernelSwitches.fixed_order: a layer's mHC and norm steps, its attention (projections, core, output)
-    and, in bf16 where the routed experts take the Triton kernels, its MoE over all rows at once through
-    the fixed-order kernels (here interpreted): steps still equal the training forward bitwise, and the
-    logits are the row-block forward's up to summation order."""
-    from lockstep.models.layers import fixed_order_linear, moe, norm, tiled_attention_triton
+    """KernelSwitches.fixed_order: a layer's mHC and norm steps, its attention (projections, C4 entry
+    picks, compressors' pooling, core, output), the head and, in bf16 where the routed experts take the
+    Triton kernels, its MoE over all rows at once through the fixed-order kernels (here interpreted):
+    steps still equal the training forward bitwise, and the logits are the row-block forward's up to
+    summation order."""
+    from lockstep.models.layers import (fixed_order_linear, index_scores_triton, moe, norm, pool_slots_triton,
+                                        tiled_attention_triton)
 
     model = true_on_policy_model("mixed", dtype)
     # 12 tokens: past the window (8) and 3 rate-4 entries; the interpreted kernels cost per row and
@@ -139,7 +142,7 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     with torch.no_grad():
         blocks = model(ids)
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
-    norms, attention, gemms, moes = [], [], [], []
+    norms, attention, gemms, moes, scores, pools = [], [], [], [], [], []
 
     def spy(module, name, log, rows):
         kernel = getattr(module, name)
@@ -147,8 +150,10 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
 
     spy(norm, "fixed_order_rms_norm", norms, lambda x, *_: x.shape[0])
     spy(tiled_attention_triton, "tiled_sink_attention", attention, lambda q, *a: (q.shape[0], a[3] is not None))
-    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w, *_: (x.shape[0], x.dtype))
+    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w, fp32_out=False: (x.shape[0], x.dtype, fp32_out))
     spy(moe.MoE, "_route_and_compute", moes, lambda self, x, *_: x.shape[0])
+    spy(index_scores_triton, "index_scores", scores, lambda q, *_: q.shape[0])
+    spy(pool_slots_triton, "pool_slots", pools, lambda kv, gate: kv.shape[0])
     # the experts' Triton kernels under the interpreter (on CUDA only otherwise)
     monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
     with torch.no_grad():
@@ -158,8 +163,10 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     assert torch.equal(steps, full)
     assert 2 * S in norms  # the training forward's norms took all 24 rows in one call
     assert (2 * S, True) in attention and (2 * S, False) in attention  # cores with and without entries
-    assert (2 * S, dtype) in gemms and (2 * S, torch.float32) in gemms  # projections; the router in fp32
+    assert (2 * S, dtype, False) in gemms and (2 * S, torch.float32, False) in gemms  # projections; the router
+    assert (2 * S, dtype, True) in gemms  # the head: fp32 logits
     assert (2 * S in moes) == (dtype == torch.bfloat16)  # whole rows where the experts' kernels run
+    assert 2 * S in scores and 2 * (S // 4) in pools  # every row's C4 picks, every rate-4 entry: one call each
     assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
 
 

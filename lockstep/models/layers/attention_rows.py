@@ -6,8 +6,8 @@
     core (rows, keys gathered per row): window tile + compressed-entry tiles (key_tiles.py) -> o
     output (rows): RoPE undone, grouped low-rank output projection
 With `whole_rows` (CUDA, whole_rows.py) the projections and the output run over every row in one
-call with fixed-order GEMMs, and the core as one kernel (tiled_attention_triton.py); only C4
-layers' entry picks (the indexer's batched GEMMs) stay in row blocks.
+call with fixed-order GEMMs, the core as one kernel (tiled_attention_triton.py), the C4 layers'
+entry picks from one more (index_scores_triton.py).
 One method, so that data-parallel sharding (FSDP2) gathers the attention's weights once per layer
 (lockstep/dist/fsdp.py registers it as a forward method).
 
@@ -20,16 +20,17 @@ N x S new tokens.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from functools import partial
 
 import torch
 
 from ..deepseek_v4_config import CSA
-from . import tiled_attention_triton
+from . import index_scores_triton, tiled_attention_triton
 from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
-from .whole_rows import row_local
+from .whole_rows import row_local, whole_rows as whole_rows_mode
 
 REACH_GROUPS = 4  # position ranges of a training forward that each walk only the entry tiles they can see
 
@@ -169,19 +170,34 @@ def _entry_tiles(attn, entries, index_keys, positions, entry_base, index_q, inde
     return [(gather_tile(flat, i, ok), ok) for i, ok in zip(index.split(ENTRY_TILE, 1), valid.split(ENTRY_TILE, 1))]
 
 
+def _whole_rows_entries(attn, index_keys, keys, E: int, index_q, index_w):
+    """(index, valid) [R, E] over every row's compressed entries in one call: closed before the row's
+    position and, in C4 layers, picked by the indexer from scores of one kernel
+    (index_scores_triton.py; the picks' stable sort is a function of each row's scores alone)."""
+    count = ((keys.positions + 1) // attn.compressor.m).clamp(max=E)
+    base = keys.sequence * E
+    columns = torch.arange(E, device=base.device)
+    visible = columns < count.unsqueeze(1)
+    if attn.layer_type == CSA:
+        scores = index_scores_triton.index_scores(index_q, index_w, index_keys.flatten(0, 1), base, count, E)
+        visible = attn.compressor.indexer.picked(scores, visible)
+    return base.unsqueeze(1) + columns, visible, count
+
+
 def _whole_rows_core(attn, q, window, entries, index_keys, keys, index_q, index_w):
-    """The attention core of every row in one kernel (tiled_attention_triton.py); only C4 layers'
-    entry picks (the indexer's scores are batched GEMMs) stay in row blocks."""
+    """The attention core of every row in one kernel (tiled_attention_triton.py), the C4 layers'
+    entry picks from one more (index_scores_triton.py)."""
     entry = (None,) * 4
     E = 0 if entries is None else entries.shape[1]
     if E:
-        def mask(positions, base, index_q, index_w):
-            return _entry_mask(attn, index_keys, positions, E, base, index_q, index_w, None)
-
-        rows = (keys.positions, keys.sequence * E, index_q, index_w)
-        index, valid = row_blocks(mask, *rows) if attn.layer_type == CSA else mask(*rows)
-        entry = (entries.flatten(0, 1), index, valid, (keys.positions + 1) // attn.compressor.m)
+        entry = (entries.flatten(0, 1), *_whole_rows_entries(attn, index_keys, keys, E, index_q, index_w))
     return tiled_attention_triton.tiled_sink_attention(q, *window, *entry, attn.sinks, attn.scale)
+
+
+def _kernels_available(q, source, index_q, index_keys) -> bool:
+    """The whole-rows core's kernels can run (a C4 layer's index scores too)."""
+    return tiled_attention_triton.available(q, source) and (index_q is None or index_scores_triton.available(
+        index_q, index_keys))
 
 
 def _output(attn, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -198,8 +214,9 @@ def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> tor
     source, window_index, window_valid = keys.window(attn, kv)
     entries = index_keys = None
     if attn.compressor is not None:
-        entries, index_keys = keys.compressed(attn, attn.projections_type(None, kv, *projections))
-    if whole_rows and tiled_attention_triton.available(q, source):
+        with whole_rows_mode() if whole_rows else nullcontext():  # the compressors pool every entry at once
+            entries, index_keys = keys.compressed(attn, attn.projections_type(None, kv, *projections))
+    if whole_rows and _kernels_available(q, source, index_q, index_keys):
         o = _whole_rows_core(attn, q, (source, window_index, window_valid), entries, index_keys, keys, index_q,
                              index_w)
         return row_local(True, lambda o, p: _output(attn, o, p), o, keys.positions)

@@ -21,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import pool_slots_triton
 from .norm import RMSNorm
 from .row_blocks import in_rows_forward, row_blocks
 from .rope import apply_rope, rope_cos_sin
+from .whole_rows import in_whole_rows
 
 
 class Compressor(nn.Module):
@@ -68,12 +70,16 @@ class Compressor(nn.Module):
                             inv_freq: torch.Tensor) -> torch.Tensor:
         """Blocks [N, nb, m, width] (position bias added) -> finished entries [N, nb, D]. In the
         true-on-policy forward the entries are pooled and finished in row blocks (row_blocks.py),
+        or over whole rows by the pooling kernel and the fixed-order norm (pool_slots_triton.py),
         so an entry has the same bits whether training pooled a whole sequence or a decode step
         closed its block."""
         kv, gate = self.block_slots(kv, gate, prev_kv, prev_gate)
+        N, nb = kv.shape[:2]
+        if in_whole_rows() and pool_slots_triton.available(kv):  # every entry in one call (whole_rows.py)
+            pooled = pool_slots_triton.pool_slots(kv.flatten(0, 1), gate.flatten(0, 1)).view(N, nb, -1)
+            return self.finish(pooled, block_starts, inv_freq)
         if not in_rows_forward():
             return self.finish(self.pool_slots(kv, gate), block_starts, inv_freq)
-        N, nb = kv.shape[:2]
         entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), s, inv_freq),
                              kv.flatten(0, 1), gate.flatten(0, 1), block_starts.flatten())
         return entries.view(N, nb, -1)

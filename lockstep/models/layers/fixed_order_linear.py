@@ -11,18 +11,18 @@ own dot product), and the tile sizes, warps and stages are chosen from (N, K) on
 config per M); M is not specialised on (do_not_specialize: M == 1 would compile a second kernel).
 Keyword overrides of the config change the sums' order: every path of one run must use the same.
 
-Numerics: bf16 x and w: fp32 accumulation of bf16 products, rounded to bf16 once (nearest even);
-fp32: tl.dot with input_precision="ieee" (no TF32), fp32 result. The reference
+Numerics: bf16 x and w: fp32 accumulation of bf16 products, rounded to bf16 once (nearest even),
+or kept in fp32 (`fp32_out`: the LM head's logits; a bf16 product is exact in fp32, so it sums the
+terms an fp32 GEMM of the upcast inputs sums); fp32: tl.dot with input_precision="ieee" (no TF32),
+fp32 result. The reference
 (`fixed_order_linear_reference`, fp32 matmul rounded once) sums in another order: 1 bf16 ulp apart,
 equal where every partial sum is exact. Interpreter (CPU tests) gaps bridged as in
 grouped_gemm_triton.py, whose _dot / _bf16 helpers this kernel shares.
 
 `fixed_order_linear(x, w)` takes the kernel where it runs (CUDA, or the interpreter) and the
-reference elsewhere, or when a gradient is wanted: forward only, no autograd registered yet (the
-trainer's loss forward will need a backward). Not wired into the model, engine or trainer.
-
-GPU validation owed: neither the speed (16-row tiles suit decode; prefill re-reads weight tiles
-per 16 rows and uses mma.sync, not wgmma) nor bitwise invariance on a GPU has been measured.
+reference elsewhere, or when a gradient is wanted: forward only, no autograd registered. The
+true-on-policy forward calls it over whole rows (whole_rows.linear). Untuned: 16-row tiles suit
+decode; prefill re-reads weight tiles per 16 rows and uses mma.sync, not wgmma.
 """
 
 from __future__ import annotations
@@ -41,9 +41,10 @@ DTYPES = (torch.bfloat16, torch.float32)
 interpreted = _gt.interpreted
 
 
-def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype."""
-    return (x.float() @ w.float().T).to(x.dtype)
+def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype (fp32_out: not rounded)."""
+    y = x.float() @ w.float().T
+    return y if fp32_out else y.to(x.dtype)
 
 
 def runs_on(x: torch.Tensor) -> bool:
@@ -60,11 +61,12 @@ def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     return runs_on(x)
 
 
-def fixed_order_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype: the kernel where it applies, else the reference."""
+def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (fp32_out: fp32): the kernel where it applies,
+    else the reference."""
     if not kernel_applies(x, w):
-        return fixed_order_linear_reference(x, w)
-    out = torch.ops.lockstep.fixed_order_linear(x.reshape(-1, x.shape[-1]), w)
+        return fixed_order_linear_reference(x, w, fp32_out)
+    out = torch.ops.lockstep.fixed_order_linear(x.reshape(-1, x.shape[-1]), w, fp32_out=fp32_out)
     return out.view(*x.shape[:-1], w.shape[0])
 
 
@@ -82,7 +84,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                                   stride_om, stride_on, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                                   stride_om, stride_on, BF16: tl.constexpr, ROUND: tl.constexpr,
+                                   INTERPRETED: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[m, n] = sum over K tiles k0 = 0, BLOCK_K, ... (in this order) of x[m, k0:] . w[n, k0:]."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,7 +104,7 @@ if triton is not None:
                 acc = _dot(a, b, acc, INTERPRETED)
             else:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
-        if BF16:
+        if ROUND:
             result = _bf16(acc, INTERPRETED)
         else:
             result = acc
@@ -110,25 +113,25 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::fixed_order_linear", mutates_args=())
     def _fixed_order_linear_op(x: torch.Tensor, w: torch.Tensor, block_m: int = 0, block_n: int = 0,
-                               block_k: int = 0) -> torch.Tensor:
-        """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype. Nonzero keywords
-        override `launch_config` (the same on every path, or rows are no longer comparable)."""
+                               block_k: int = 0, fp32_out: bool = False) -> torch.Tensor:
+        """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype (fp32_out: fp32). Nonzero
+        block keywords override `launch_config` (the same on every path, or rows are no longer comparable)."""
         M, K = x.shape
         N = w.shape[0]
         cfg = launch_config(N, K)
         for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), (block_m, block_n, block_k)):
             if value:
                 cfg[key] = value
-        out = x.new_empty(M, N)
+        out = x.new_empty(M, N, dtype=torch.float32 if fp32_out else x.dtype)
         if M == 0:
             return out
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
         torch.library.wrap_triton(_fixed_order_linear_kernel)[grid](
             x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(), BF16=x.dtype == torch.bfloat16,
-            INTERPRETED=interpreted(), **cfg)
+            ROUND=x.dtype == torch.bfloat16 and not fp32_out, INTERPRETED=interpreted(), **cfg)
         return out
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @_fixed_order_linear_op.register_fake
-    def _(x, w, *config):
-        return x.new_empty(x.shape[0], w.shape[0])
+    def _(x, w, block_m=0, block_n=0, block_k=0, fp32_out=False):
+        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)

@@ -23,7 +23,9 @@ where the kernels run (CUDA, or TRITON_INTERPRET=1 in the CPU tests), and for th
 routed experts take their row-invariant Triton kernels (moe.py: its GEMMs by `linear` here, top-k
 by a stable sort, the weights' sum by `sum_in_order`). The attention runs over whole rows too
 (attention_rows' `whole_rows` argument): its projections and output by `linear`, its core as one
-kernel (tiled_attention_triton.py). The C4 layers' entry picks and the head keep their row blocks.
+kernel (tiled_attention_triton.py), the C4 layers' entry picks from another (index_scores_triton.py),
+the compressors' pooling from a third (pool_slots_triton.py). The LM head is `linear` with fp32
+output (deepseek_v4_rows.logits_rows).
 
 On by default on CUDA (KernelSwitches.fixed_order). Measured on an H200 (1b config, both sides
 eager): the CUDA equality tests pass with it; rollout 0.76x of the default's tokens/s (row blocks:
@@ -59,15 +61,16 @@ def row_local(whole: bool, fn, *xs):
     return row_blocks(fn, *xs)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear(x, weight), bias-free; over whole rows the fixed-order GEMM, or an error where it
-    cannot run (a library GEMM there would tie a row's bits to the row count)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
+    """F.linear(x, weight), bias-free (fp32_out: in fp32, as F.linear of the upcast inputs); over whole
+    rows the fixed-order GEMM, or an error where it cannot run (a library GEMM there would tie a
+    row's bits to the row count)."""
     if not in_whole_rows():
-        return F.linear(x, weight)
+        return F.linear(x.float(), weight.float()) if fp32_out else F.linear(x, weight)
     if not fixed_order_linear.kernel_applies(x, weight):
         raise ValueError(f"whole rows: no fixed-order GEMM for x {x.dtype} {tuple(x.shape)} on {x.device} and weight "
                          f"{weight.dtype} {tuple(weight.shape)} (bf16 or fp32 alike, CUDA, no gradient)")
-    return fixed_order_linear.fixed_order_linear(x, weight)
+    return fixed_order_linear.fixed_order_linear(x, weight, fp32_out)
 
 
 def apply_linear(module, x: torch.Tensor) -> torch.Tensor:
