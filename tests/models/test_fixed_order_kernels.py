@@ -168,8 +168,8 @@ def _norm_inputs(seed, D, dtype, values=None):
     return make(g, (23, D)).to(DEVICE, dtype), norm
 
 
-def _within_an_fp32_ulp(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(((a - b).abs() <= b.abs() * 2**-23).all())
+def _within_fp32_ulps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(((a - b).abs() <= b.abs() * 4 * 2**-23).all())  # the ulp moves through rsqrt and the weight
 
 
 @needs_triton
@@ -186,9 +186,9 @@ def test_rms_norm_equals_the_module(D, block, dtype):
         torch.testing.assert_close(out, ref, rtol=rtol, atol=1e-6)
         torch.testing.assert_close(op(x, None, norm.eps, block), rms_norm(x, norm.eps), rtol=rtol, atol=1e-6)
         # exact sums of squares: every other step rounds as eager does, bit for bit (on a GPU in fp32 up
-        # to an ulp: torch's CUDA mean multiplies by 1 / D where the kernel divides by D)
+        # to a few ulps: torch's CUDA mean multiplies by 1 / D where the kernel divides by D)
         x, norm = _norm_inputs(11, D, dtype, _eighths)
-        same = torch.equal if DEVICE == "cpu" or dtype == torch.bfloat16 else _within_an_fp32_ulp
+        same = torch.equal if DEVICE == "cpu" or dtype == torch.bfloat16 else _within_fp32_ulps
         assert same(op(x, norm.weight, norm.eps, block), norm(x))
         assert same(op(x, None, norm.eps, block), rms_norm(x, norm.eps))
         assert torch.equal(norm(x), fon.rms_norm_reference(x, norm.weight, norm.eps))
