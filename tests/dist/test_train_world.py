@@ -35,6 +35,7 @@ sharded instead of FSDP (`--expert-model-parallel-size 2`); with the engines' ro
 (`--rollout-expert-parallel-size 2`: one expert-parallel engine, each rank serving its block); started by two launchers (`--nnodes 2
 --node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
 processes from a 2-process save; its flags read from a `--layout` file (lockstep plan --json's format).
+The two expert-parallel ways and the layout file are one run: the file's flags shard both sides' experts.
 
 Pipeline parallel (`--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1`: the trainer
 group is the pipeline, layers 0-2 on rank 0 and 3 with the head on rank 1, every rank training the
@@ -117,14 +118,41 @@ def test_two_processes_log_the_metrics_of_one(one_process, two_processes):
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
 
 
-def test_layout_file_starts_the_two_process_run(tmp_path, two_processes):
-    """`--layout FILE` (lockstep plan --json's format) gives the launch flags; the started processes, which
-    read the file again, run the 2-process run."""
+# one run for three claims (each `lockstep train` start is ~20 s): its flags come from a --layout file,
+# and they shard the trainer's routed experts (EP instead of FSDP) and the engines' (one expert-parallel
+# engine); the trainer and the engines are independent parts, each proven to take one process's step
+# or two engines' samples bitwise, so the run still logs the 2-process run's metrics
+EP_LAYOUT_FLAGS = ["--nproc-per-node", "2", "--max-tokens-per-gpu", "172", "--expert-model-parallel-size", "2",
+                   "--rollout-expert-parallel-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def expert_parallel_by_layout(tmp_path_factory) -> dict:
+    """The 2-process run started from a --layout file whose flags shard the trainer's and the engines'
+    experts: its config.json, stderr and metrics.jsonl."""
+    tmp_path = tmp_path_factory.mktemp("ep-layout")
     layout = tmp_path / "plan.json"
-    layout.write_text(json.dumps([{"tp": 1, "pp": 1, "ep": 1, "cp": 1, "feasible": True, "not_runnable": "",
-                                   "train_flags": ["--nproc-per-node", "2", "--max-tokens-per-gpu", "172"]}]))
-    lines = _train(tmp_path / "run", "--layout", str(layout), "--master-port", str(free_port()))
-    assert json.loads((tmp_path / "run" / "config.json").read_text())["world_size"] == 2
+    layout.write_text(json.dumps([{"tp": 1, "pp": 1, "ep": 2, "cp": 1, "feasible": True, "not_runnable": "",
+                                   "train_flags": EP_LAYOUT_FLAGS}]))
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--batch-invariant", "--run-dir",
+                           str(run_dir), "--layout", str(layout), "--master-port", str(free_port())], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {"config": json.loads((run_dir / "config.json").read_text()), "stderr": proc.stderr,
+            "lines": [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]}
+
+
+def test_layout_file_starts_the_two_process_run(expert_parallel_by_layout, two_processes):
+    """`--layout FILE` (lockstep plan --json's format) gives the launch flags; the started processes, which
+    read the file again, run the 2-process run (with the file's EP flags: the processes applied them)."""
+    config = expert_parallel_by_layout["config"]
+    assert config["world_size"] == 2
+    assert config["train"]["max_tokens_per_gpu"] == 172 and config["train"]["expert_model_parallel_size"] == 2
+    lines = expert_parallel_by_layout["lines"]
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
@@ -142,27 +170,22 @@ def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_process
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
-def test_expert_parallel_two_processes_log_what_fsdp_logs(tmp_path, two_processes):
+def test_expert_parallel_two_processes_log_what_fsdp_logs(expert_parallel_by_layout, two_processes):
     # EP=2 (experts sharded, the rest replicated) and FSDP on 2 ranks both take the step one process
     # takes on the ranks' two micro-batches (test_expert_parallel.py, test_fsdp.py): the same run
-    lines = _train(tmp_path, "--nproc-per-node", "2", "--expert-model-parallel-size", "2",
-                   "--master-port", str(free_port()))
-    assert json.loads((tmp_path / "config.json").read_text())["train"]["expert_model_parallel_size"] == 2
+    assert expert_parallel_by_layout["config"]["train"]["expert_model_parallel_size"] == 2
+    lines = expert_parallel_by_layout["lines"]
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
-def test_expert_parallel_engines_log_what_two_engines_log(tmp_path, two_processes):
+def test_expert_parallel_engines_log_what_two_engines_log(expert_parallel_by_layout, two_processes):
     # --rollout-expert-parallel-size 2: each rank's engine keeps half of the routed experts and serves its
     # block of the prompts, the experts' rows exchanged with the peer; a rank's samples are bitwise one
     # engine's for that block (test_engine_expert_parallel.py), so the run is the 2-engine run
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(tmp_path),
-                           "--nproc-per-node", "2", "--rollout-expert-parallel-size", "2", "--master-port",
-                           str(free_port())], env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-4000:]
     for rank, experts in ((0, "[0, 4)"), (1, "[4, 8)")):
-        assert f"rank {rank}: expert parallel over 2 ranks, experts {experts} of 8 in each of 4" in proc.stderr
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert f"rank {rank}: expert parallel over 2 ranks, experts {experts} of 8 in each of 4" in \
+            expert_parallel_by_layout["stderr"]
+    lines = expert_parallel_by_layout["lines"]
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
