@@ -53,6 +53,16 @@ def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
 
 
+def forward_kernel_runs(x: torch.Tensor) -> bool:
+    """A forward-only kernel of this package (the whole-rows ones) can take x: Triton present, bf16 or
+    fp32, on CUDA (or the interpreter), no gradient wanted through it."""
+    if triton is None or x.dtype not in (torch.bfloat16, torch.float32):
+        return False
+    if torch.is_grad_enabled() and x.requires_grad:
+        return False
+    return x.is_cuda or interpreted()
+
+
 def available(x: torch.Tensor, w: torch.Tensor) -> bool:
     """The kernels can compute x [M, K] @ w[g]^T, w [G, N, K]: Triton present, bf16, K matching."""
     return (triton is not None and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16

@@ -43,11 +43,7 @@ BLOCK_H = 16  # heads per tl.dot: its minimum rows
 def available(q: torch.Tensor, keys: torch.Tensor) -> bool:
     """The kernel can run: Triton, CUDA (or the interpreter), bf16 or fp32 q like the keys, no
     gradient wanted."""
-    if triton is None or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32) or keys.dtype != q.dtype:
-        return False
-    if torch.is_grad_enabled() and q.requires_grad:
-        return False
-    return q.is_cuda or _gt.interpreted()
+    return q.dim() == 3 and keys.dtype == q.dtype and _gt.forward_kernel_runs(q)
 
 
 if triton is not None:

@@ -32,11 +32,7 @@ BLOCK_D = 64  # channels per program
 
 def available(kv: torch.Tensor) -> bool:
     """The kernel can run: Triton, CUDA (or the interpreter), bf16 or fp32 kv, no gradient wanted."""
-    if triton is None or kv.dtype not in (torch.bfloat16, torch.float32):
-        return False
-    if torch.is_grad_enabled() and kv.requires_grad:
-        return False
-    return kv.is_cuda or _gt.interpreted()
+    return _gt.forward_kernel_runs(kv)
 
 
 if triton is not None:

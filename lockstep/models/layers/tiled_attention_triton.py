@@ -43,14 +43,10 @@ BLOCK_H = 16  # heads per program: tl.dot's minimum rows
 def available(q: torch.Tensor, window_source: torch.Tensor) -> bool:
     """The kernel can run: Triton, CUDA (or the interpreter), bf16 or fp32 q like the keys, a
     power-of-two head dim >= 16, no gradient wanted."""
-    if triton is None or q.dim() != 3 or q.dtype not in (torch.bfloat16, torch.float32):
-        return False
     D = q.shape[-1]
-    if window_source.dtype != q.dtype or D < 16 or D & (D - 1):
+    if q.dim() != 3 or window_source.dtype != q.dtype or D < 16 or D & (D - 1):
         return False
-    if torch.is_grad_enabled() and q.requires_grad:
-        return False
-    return q.is_cuda or _gt.interpreted()
+    return _gt.forward_kernel_runs(q)
 
 
 if triton is not None:
