@@ -8,8 +8,8 @@ says `partial=True` (a bucketed sync sends several): a checkpoint holding 1 of 2
 accepted and the model then emitted garbage. Before anything is written, every tensor is checked:
 
     missing names (unless partial), unknown name, duplicated name, wrong shape, float where an
-    integer table is expected (or the reverse), non-finite values, hash-routing ids outside
-    [0, n_routed_experts)
+    integer table is expected (or the reverse), hash-routing ids outside [0, n_routed_experts),
+    then, over all tensors at once, non-finite values
 
 and the first problem raises `WeightUpdateError` naming the tensor; the model is untouched and
 keeps serving the previous version. Then each tensor is replaced by its served value
@@ -23,6 +23,7 @@ What depends on the weights (the rollout caches) is the engine's to flush afterw
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Iterable, Mapping
 
 import torch
@@ -66,9 +67,6 @@ def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
     if dest.is_floating_point():
         if not t.is_floating_point():
             raise WeightUpdateError(f"{name}: expected a floating-point tensor, got {t.dtype}")
-        bad = (~torch.isfinite(t)).sum().item()
-        if bad:
-            raise WeightUpdateError(f"{name}: {bad} non-finite values (NaN or inf)")
         return
     if t.is_floating_point() or t.is_complex():
         raise WeightUpdateError(f"{name}: expected an integer tensor like the model's {dest.dtype}, got {t.dtype}")
@@ -76,6 +74,28 @@ def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
         lo, hi = t.min().item(), t.max().item()
         if lo < 0 or hi >= n_experts:
             raise WeightUpdateError(f"{name}: expert ids must be in [0, {n_experts}), got [{lo}, {hi}]")
+
+
+def _first_nonfinite(pairs: list[tuple[str, torch.Tensor]]) -> tuple[str, int] | None:
+    """The first floating tensor of `pairs` holding NaN or inf, and how many. One 2-norm per tensor,
+    all computed before one host read per device (NaN and inf reach the norm): a count and a host
+    read per tensor were 25 ms of a 36 ms update of an 853M model on an H200. The exact count runs
+    only where a norm is not finite, since a norm can overflow where no value is bad."""
+    floats = [(n, t) for n, t in pairs if t.is_floating_point() and t.numel()]
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, t in floats:
+        by_device[t.device].append((name, t))
+    suspects = set()
+    for items in by_device.values():
+        norms = torch._foreach_norm([t for _, t in items])
+        finite = torch.isfinite(torch.stack([x.float() for x in norms])).tolist()
+        suspects.update(name for (name, _), ok in zip(items, finite) if not ok)
+    for name, t in floats:
+        if name in suspects:
+            bad = (~torch.isfinite(t)).sum().item()
+            if bad:
+                return name, bad
+    return None
 
 
 def missing_tensors(dest: dict[str, torch.Tensor], sent: set[str]) -> list[str]:
@@ -106,6 +126,9 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     if missing:
         raise WeightUpdateError(f"{missing[0]}: missing from the update ({len(missing)} of the model's {len(dest)} "
                                 f"tensors are); send them all, or mark the update partial")
+    nonfinite = _first_nonfinite(pairs)
+    if nonfinite is not None:
+        raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")
     return pairs
 
 

@@ -65,6 +65,23 @@ def corrupt_cases():
     return {"model.layers.9.mlp.gate.weight": unknown, "q_a_proj": shape, "down_proj": nan, "tid2eid": table}
 
 
+def test_values_whose_norm_overflows_are_accepted_and_a_later_nan_is_named():
+    """The finiteness check reads one norm per tensor; a norm that overflows (huge but finite values)
+    is not a non-finite value, and the bad tensor is named even when it is not the first suspect."""
+    from lockstep.engine.weight_update import validate_update
+
+    engine = make_engine(seed=33, serving_format="bf16")
+    weights = trainer_weights(34)
+    first = "model.layers.0.self_attn.q_a_proj.weight"
+    weights[first] = torch.full_like(weights[first], 3e38)  # norm inf in fp32, every value finite
+    validate_update(engine.model, weights)
+    bad = "model.layers.3.mlp.experts.down_proj"
+    weights[bad] = weights[bad].clone()
+    weights[bad][0, 0, :2] = torch.tensor([float("inf"), float("nan")])
+    with pytest.raises(WeightUpdateError, match=rf"{bad}: 2 non-finite values"):
+        validate_update(engine.model, weights)
+
+
 @pytest.mark.parametrize("case", list(corrupt_cases()))
 def test_corrupted_update_is_rejected_and_the_old_version_serves(case):
     ps = prompts(3, seed=25)
