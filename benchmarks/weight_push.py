@@ -19,8 +19,8 @@ packed storage, whose CUDA path is quant/fp8_triton.py's kernels) within 2x of t
 at copy bandwidth. Rank 1 also prints `weight sync ratio R (T s for B bytes; copy bound C s at
 X GB/s measured in this run)`: T the best push, B the bytes pushed, C a copy of B bytes timed
 in the same run on the engine's device (CUDA: device-to-device, torch.cuda events; CPU: a
-memcpy), X = B / C (each byte read once and written once). Owed: this line from a GPU run (gpu-848m,
-fp8 and fp8-fp4, --packed) with the Triton re-quantisation; not run yet.
+memcpy), X = B / C (each byte read once and written once). One H200 (2026-12-01), gpu-848m fp8 --packed:
+in-process 0.020 s, push 0.536 s, weight sync ratio 665 (copy bound 0.81 ms at 2,123 GB/s).
 """
 
 from __future__ import annotations
