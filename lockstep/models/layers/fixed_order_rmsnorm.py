@@ -16,7 +16,8 @@ sum): outputs agree to 1 ulp of x's dtype, bitwise where the sum of squares is e
 rsqrt: libdevice's rsqrtf on GPUs (torch's CUDA rsqrt calls CUDA's rsqrtf; on an H200 the bf16
 outputs equal eager's on exact sums, fp32 ones within a few ulps, from the mean), numpy's
 1 / sqrt under the interpreter (what torch's CPU rsqrt computes: equal on CPU). A GPU compiler
-may fuse x * x + acc into an FMA: a fixed choice per compiled kernel, so invariance holds; it may move the sum an ulp.
+may fuse x * x + acc into an FMA: a fixed choice per compiled kernel, so invariance holds; it may
+move the sum an ulp.
 
 `fixed_order_rms_norm(x, weight, eps)` takes the kernel where it runs (CUDA, or the interpreter)
 and the reference elsewhere or when a gradient is wanted (forward only, no autograd registered).
