@@ -150,7 +150,8 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
 
     spy(norm, "fixed_order_rms_norm", norms, lambda x, *_: x.shape[0])
     spy(tiled_attention_triton, "tiled_sink_attention", attention, lambda q, *a: (q.shape[0], a[3] is not None))
-    spy(fixed_order_linear, "fixed_order_linear", gemms, lambda x, w, fp32_out=False: (x.shape[0], x.dtype, fp32_out))
+    spy(fixed_order_linear, "fixed_order_linear", gemms,
+        lambda x, w, fp32_out=False: (x.shape[0], x.dtype, fp32_out))
     spy(moe.MoE, "_route_and_compute", moes, lambda self, x, *_: x.shape[0])
     spy(index_scores_triton, "index_scores", scores, lambda q, *_: q.shape[0])
     spy(pool_slots_triton, "pool_slots", pools, lambda kv, gate: kv.shape[0])
