@@ -29,11 +29,10 @@ form instead of the reference loop over experts, which would break the graph.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from .deepseek_v4 import Routing
+from .layers.compiled_rows import trace_settings as _trace_settings  # no duck shaping, floats as constants
 
 
 def _layer_with_experts(layer, streams, input_ids, forced, attend):
@@ -85,14 +84,6 @@ class CompiledLayers:
 
     def __deepcopy__(self, memo):  # a copied model compiles alike (dynamo's cache is per code)
         return CompiledLayers(self.backend, self.options)
-
-
-def _trace_settings():
-    """No duck shaping, floats as constants (see the module docstring)."""
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
-    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
-    return stack
 
 
 def compile_layers(model, backend: str = "inductor"):

@@ -47,6 +47,7 @@ from contextlib import nullcontext
 
 import torch
 
+from .layers.compiled_rows import compiled_rows
 from .layers.hyper_connection import hc_combine
 from .layers.row_blocks import rows_forward
 from .layers.whole_rows import kernels_run, linear, row_local, whole_rows
@@ -56,6 +57,15 @@ def _in_whole_rows(switched, x: torch.Tensor) -> bool:
     """Whether rows like x take the whole-rows forms: `switched`'s fixed_order switch is on and the
     fixed-order kernels run (whole_rows.py)."""
     return switched.kernels.fixed_order_on(x) and kernels_run(x)
+
+
+def _compiling(switched):
+    """compiled_rows() where `switched`'s compile_rows switch is on (layers/compiled_rows.py)."""
+    return compiled_rows() if switched.kernels.on("compile_rows") else nullcontext()
+
+
+def _head_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    return linear(hidden, weight, fp32_out=True)
 
 
 def _before_attention(layer, streams: torch.Tensor):
@@ -76,17 +86,20 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     shape = streams.shape
     streams, ids = streams.reshape(-1, *shape[-2:]), token_ids.reshape(-1)
     whole = _in_whole_rows(layer.ffn_hc, streams)
-    with rows_forward():  # the MoE, its experts and the compressors take their row-block paths
-        h, post, comb = row_local(whole, lambda s: _before_attention(layer, s), streams)
+    # the MoE, its experts and the compressors take their row-block paths; whole-rows steps compiled
+    # where the layer's compile_rows switch is on
+    with rows_forward(), _compiling(layer.ffn_hc):
+        h, post, comb = row_local(whole, _before_attention, streams, owner=layer)
         attn_out = layer.self_attn.forward_rows(h, keys, whole)
-        streams, x, post, comb = row_local(whole, lambda *a: _before_moe(layer, *a), streams, attn_out, post, comb)
+        streams, x, post, comb = row_local(whole, _before_moe, streams, attn_out, post, comb, owner=layer)
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
         forced = None if forced is None else forced.reshape(-1, forced.shape[-1])
         with whole_rows() if whole else nullcontext():  # the MoE decides there (MoE.forward)
             out, experts = layer.mlp(x, ids, forced)
     if routing is not None:
         routing.chosen.append(experts.view(*shape[:2], -1))
-    return row_local(whole, hc_combine, streams, out, post, comb).view(shape)
+    with _compiling(layer.ffn_hc):
+        return row_local(whole, hc_combine, streams, out, post, comb).view(shape)
 
 
 def hidden_rows(model, input_ids: torch.Tensor, keys, routing) -> torch.Tensor:
@@ -102,7 +115,13 @@ def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     """The last layer's streams [N, S, n, D] -> final hidden [N, S, D] (mHC head, norm) in row blocks."""
     flat = streams.reshape(-1, *streams.shape[-2:])
     whole = _in_whole_rows(model.hc_head, flat)
-    return row_local(whole, model.final_hidden, flat).view(*streams.shape[:-2], flat.shape[-1])
+    with _compiling(model.hc_head):
+        return row_local(whole, final_hidden, flat, owner=model).view(*streams.shape[:-2], flat.shape[-1])
+
+
+def final_hidden(model, streams: torch.Tensor) -> torch.Tensor:
+    """model.final_hidden(streams) as a module-level function (compiled_rows.call takes those)."""
+    return model.final_hidden(streams)
 
 
 class ExactValues(torch.autograd.Function):
@@ -130,5 +149,6 @@ def logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
     weight = model.lm_head.weight
     flat = hidden.reshape(-1, hidden.shape[-1])
     whole = _in_whole_rows(model.model.hc_head, flat)
-    logits = row_local(whole, lambda h: linear(h, weight, fp32_out=True), flat)
+    with _compiling(model.model.hc_head):
+        logits = row_local(whole, _head_logits, flat, owner=weight)
     return logits.view(*hidden.shape[:-1], weight.shape[0])

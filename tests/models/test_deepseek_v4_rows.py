@@ -12,6 +12,7 @@ from test_deepseek_v4 import CONFIGS, run_incremental
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_
 from lockstep.models.layers import grouped_gemm_triton, row_blocks as row_blocks_module
+from lockstep.models.layers import whole_rows as whole_rows_module
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.attention_rows import FullSequences
 from lockstep.models.layers.key_tiles import ENTRY_TILE
@@ -169,6 +170,33 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     assert (2 * S in moes) == (dtype == torch.bfloat16)  # whole rows where the experts' kernels run
     assert 2 * S in scores and 2 * (S // 4) in pools  # every row's C4 picks, every rate-4 entry: one call each
     assert (full - blocks).abs().max().item() <= (1e-4 if dtype == torch.float32 else 5e-2)
+
+
+@interpreted_triton
+def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_training(monkeypatch):
+    """KernelSwitches.compile_rows: the whole-rows steps through torch.compile (dynamo's trace with the
+    eager backend on the CPU; inductor on CUDA): the modules inside take their whole-rows forms (the
+    logits equal the uncompiled whole-rows forward's bitwise), every step kind went through its
+    compiled form, and engine steps still equal the training forward bitwise."""
+    from lockstep.models.layers import compiled_rows
+
+    model = true_on_policy_model("mixed", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
+    set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
+    with torch.no_grad():
+        eager = model(ids)
+    set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True, compile_rows=True))
+    calls = []
+    call = compiled_rows.call
+    monkeypatch.setattr(compiled_rows, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
+    monkeypatch.setattr(whole_rows_module, "compiled_rows_call", compiled_rows.call)
+    with torch.no_grad():
+        full = model(ids)
+        steps, _ = run_incremental(model, ids, [[5, 1, 3, 3], [12]], slots=[5, 0])
+    assert torch.equal(full, eager)
+    assert torch.equal(steps, full)
+    assert set(calls) == {"_before_attention", "_projections", "_output", "_before_moe", "hc_combine",
+                          "final_hidden", "_head_logits"}
 
 
 @interpreted_triton

@@ -31,7 +31,8 @@ def test_the_environment_wins_when_set(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
-                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA")
+                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA, "
+                                           "compile_rows off")
 
 
 def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
@@ -106,4 +107,9 @@ def test_fixed_order_defaults_to_cuda_only(monkeypatch):
     assert not KernelSwitches().fixed_order_on(cuda)
     monkeypatch.setenv("LOCKSTEP_FIXED_ORDER", "1")
     assert KernelSwitches().fixed_order_on(cpu)
-    assert KernelSwitches().describe().endswith("fixed_order on (LOCKSTEP_FIXED_ORDER=1)")
+    assert "fixed_order on (LOCKSTEP_FIXED_ORDER=1)" in KernelSwitches().describe()
+    # compile_rows belongs to the true-on-policy forward (both sides alike): not switched off by it
+    assert KernelSwitches(true_on_policy=True, compile_rows=True).on("compile_rows")
+    assert not KernelSwitches().on("compile_rows")
+    monkeypatch.setenv("LOCKSTEP_COMPILE_ROWS", "1")
+    assert KernelSwitches().on("compile_rows")

@@ -209,8 +209,7 @@ def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> tor
     """h [T, D] (the layer input's rows, in `keys`' row order) -> the attention's output [T, D].
     `whole_rows` (the caller's switch and whole_rows.kernels_run): the projections and the output
     over all rows in one call, the core in one kernel where it can (whole_rows.py)."""
-    q, kv, *projections, index_w, index_q = row_local(whole_rows, lambda x, p: _projections(attn, x, p), h,
-                                                      keys.positions)
+    q, kv, *projections, index_w, index_q = row_local(whole_rows, _projections, h, keys.positions, owner=attn)
     source, window_index, window_valid = keys.window(attn, kv)
     entries = index_keys = None
     if attn.compressor is not None:
@@ -219,7 +218,7 @@ def attention_rows(attn, h: torch.Tensor, keys, whole_rows: bool = False) -> tor
     if whole_rows and _kernels_available(q, source, index_q, index_keys):
         o = _whole_rows_core(attn, q, (source, window_index, window_valid), entries, index_keys, keys, index_q,
                              index_w)
-        return row_local(True, lambda o, p: _output(attn, o, p), o, keys.positions)
+        return row_local(True, _output, o, keys.positions, owner=attn)
 
     def core(q, window_index, window_valid, positions, sequence, index_q, index_w, reach=None):
         tiles = [(gather_tile(source, window_index, window_valid), window_valid)]

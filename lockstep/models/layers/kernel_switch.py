@@ -14,7 +14,8 @@ runs the defaults (the kernels on, true_on_policy off).
 kernels off, whatever their setting or environment.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
-LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER ("0" off, anything else on;
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
+LOCKSTEP_COMPILE_ROWS ("0" off, anything else on;
 LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
 line says which kernels are on.
 
@@ -34,7 +35,8 @@ from torch import nn
 
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
-       "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER"}
+       "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
+       "compile_rows": "LOCKSTEP_COMPILE_ROWS"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
@@ -62,6 +64,10 @@ class KernelSwitches:
     the same bits as the row blocks' guarantee, decode as fast, prefill and training faster); True:
     also under Triton's interpreter (the CPU tests; slow); False: row blocks. Engine and trainer
     must agree on it (LOCKSTEP_FIXED_ORDER, "0" or "1", sets both in one process)."""
+    compile_rows: bool = False
+    """Over whole rows, the row-local steps run compiled (layers/compiled_rows.py): inductor on CUDA,
+    the fixed-order kernels opaque inside. Engine and trainer must agree on it. Off until the GPU
+    check (engine == trainer bitwise, and its speed) has run (LOCKSTEP_COMPILE_ROWS)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:

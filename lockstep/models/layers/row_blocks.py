@@ -38,11 +38,16 @@ GRAPH_MIN_BLOCKS = 4  # the first block and the capture cost about two eager blo
 class CallMode:
     """A flag that is a property of a call, not of a module (`with mode():` sets it for the calls
     made inside): the trainer runs the same modules through the default forward for its gradient.
-    Never on inside a compiled region: asked first, so that a compiled default layer does not trace
-    the ContextVar (dynamo breaks the graph there: 28 graphs instead of 4 for the tiny model)."""
+    Inside a compiled region it is the value the region was traced under, frozen into its graph
+    without a guard (dynamo cannot read a ContextVar: a graph break, 28 graphs instead of 4 for the
+    tiny model, or "Unsupported method call" under fullgraph). So a compiled function is traced and
+    called in one mode only: the default path's compiled layers outside these modes, the whole-rows
+    steps (compiled_rows.py) inside whole_rows() only, each its own function and cache."""
 
     def __init__(self, name: str):
         self._var: ContextVar[bool] = ContextVar(name, default=False)
+        var = self._var  # a plain function: assume_constant_result does not take a builtin method
+        self._at_trace = torch._dynamo.assume_constant_result(lambda: var.get())
 
     @contextmanager
     def __call__(self):
@@ -53,7 +58,9 @@ class CallMode:
             self._var.reset(token)
 
     def on(self) -> bool:
-        return not torch.compiler.is_compiling() and self._var.get()
+        if torch.compiler.is_compiling():
+            return self._at_trace()
+        return self._var.get()
 
 
 # A decoder layer's true-on-policy forward (deepseek_v4_rows.layer_rows): the modules it calls (the

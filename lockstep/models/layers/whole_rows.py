@@ -35,10 +35,13 @@ On the CPU the row blocks stay (the kernels would run interpreted); the tests sw
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
 from . import fixed_order_linear
+from .compiled_rows import call as compiled_rows_call, in_compiled_rows
 from .row_blocks import CallMode, row_blocks
 
 # A call over every row at once: the modules it reaches take their fixed-order forms.
@@ -52,13 +55,18 @@ def kernels_run(x: torch.Tensor) -> bool:
     return fixed_order_linear.runs_on(x) and not torch.is_grad_enabled()
 
 
-def row_local(whole: bool, fn, *xs):
-    """fn over the rows of xs: in one call inside `whole_rows()` (whole: the caller checked
-    `kernels_run` and its switch), else in row blocks (row_blocks.py)."""
+def row_local(whole: bool, fn, *xs, owner=None, compile: bool = True):
+    """fn(*xs), or fn(owner, *xs), over the rows of xs: in one call inside `whole_rows()` (whole: the
+    caller checked `kernels_run` and its switch), through fn's compiled form where the caller
+    entered compiled_rows() and `compile` (compiled_rows.py; fn module-level), else in row blocks
+    (row_blocks.py)."""
+    args = xs if owner is None else (owner, *xs)
     if whole:
         with whole_rows():
-            return fn(*xs)
-    return row_blocks(fn, *xs)
+            if compile and in_compiled_rows():
+                return compiled_rows_call(fn, *args)
+            return fn(*args)
+    return row_blocks(fn if owner is None else partial(fn, owner), *xs)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:

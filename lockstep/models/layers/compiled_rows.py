@@ -1,0 +1,73 @@
+"""The whole-rows forward's row-local steps, compiled (KernelSwitches.compile_rows; issue 16: the
+true-on-policy forward at the compiled default's speed).
+
+Why: over whole rows (whole_rows.py) a decode step of the 1b config is ~2,800 kernels of 2.7 us
+mean on an H200, as many as the eager default's; the compiled default fuses its element-wise ops
+into ~645, which is most of its 3x lead (true-on-policy rollout 0.32x of the compiled default,
+0.98x of the eager one). Here each row-local step (mHC collapse + norm, the attention's
+projections and output, mHC combine, the head's collapse + norm) is one torch.compile'd function,
+its fixed-order kernels opaque custom ops inside, its element-wise ops fused between them.
+
+Why the bits still agree: the engine's steps and the trainer's exact forward call the same
+compiled function per step kind (one per function and layer kind, dynamic row count), so a row's
+element-wise arithmetic is the same generated code whatever the row count; the reductions are the
+fixed-order kernels'. What could still differ, and is the GPU check owed: inductor's fusion
+choices (which decide FMA contractions) at a row count of 1, which it compiles separately.
+
+A step is traced inside whole_rows() (CallMode: the mode is frozen into the graph), only through
+`call`; the MoE stays eager (its routing and grouped kernels). Backend: inductor on CUDA, "eager"
+elsewhere (dynamo's trace without code generation: what the CPU tests check).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .row_blocks import CallMode
+
+# Entered by the true-on-policy layer (deepseek_v4_rows.py) when its compile_rows switch is on:
+# whole_rows.row_local then calls the step's compiled form.
+_COMPILED_ROWS = CallMode("compiled_rows")
+compiled_rows, in_compiled_rows = _COMPILED_ROWS, _COMPILED_ROWS.on
+
+# Dynamo keeps `recompile_limit` compilations per function (8 by default). Every step compiles
+# through the one function `_whole_rows_step` (below): 7 steps x layer kinds x a row count of 1 or
+# more, per dtype.
+RECOMPILE_LIMIT = 256
+
+_compiled: dict = {}
+
+
+def _whole_rows_step(fn, *args):
+    """The compiled frame of every whole-rows step. A function of this module, never compiled by the
+    default path: dynamo caches compilations per frame's code, and the whole-rows mode is frozen into
+    a graph without a guard (row_blocks.CallMode), so compiling `fn` itself (hc_combine, which the
+    default path's compiled layers also run) could share a cache entry traced in the other mode."""
+    return fn(*args)
+
+
+def trace_settings():
+    """No duck shaping (a row count that equals a weight dimension at the first call would be
+    specialised to it), floats as constants (dynamic=True makes them symbols that a later pass
+    specialises again, restarting the trace)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
+    stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+    return stack
+
+
+def call(fn, *args):
+    """fn(*args) compiled (fn: a module-level function, so that every layer of a kind shares one
+    compilation; its module arguments' parameters are graph inputs). One graph per step: fullgraph."""
+    on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
+    if on_cuda not in _compiled:
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        # eager's bf16 roundings, as the default engine's compiled layers (compiled_layers.py): both
+        # sides run this code, so it is not needed for their agreement, only to stay near eager
+        options = {"emulate_precision_casts": True} if on_cuda else None
+        _compiled[on_cuda] = torch.compile(_whole_rows_step, dynamic=True, fullgraph=True,
+                                           backend="inductor" if on_cuda else "eager", options=options)
+    with trace_settings():
+        return _compiled[on_cuda](fn, *args)
