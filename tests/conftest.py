@@ -18,6 +18,26 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+# The README's test command runs the suite on 2 workers (pytest-xdist: -n 2 --dist loadgroup); each
+# test here uses one thread, so a serial run left one of CI's 2 cores idle. Tests that start processes
+# of their own (2-process worlds, servers, a second interpreter) run on one worker, one at a time: two
+# at once would put 5 busy processes on 2 cores and stretch the timeouts some of them check. Tests
+# sharing a session fixture share a worker (each worker has its own session).
+XDIST_GROUPS = {
+    "tests/dist/": "processes",
+    "tests/engine/test_server_cli.py": "processes",
+    "tests/engine/test_compile_cache.py": "processes",
+    "tests/models/test_gguf.py": "smollm2",
+    "tests/test_readme_real_data.py": "smollm2",
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for prefix, group in XDIST_GROUPS.items():
+            if item.nodeid.startswith(prefix):
+                item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir(tmp_path_factory):

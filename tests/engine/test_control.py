@@ -166,7 +166,8 @@ def test_abort_costs_time_linear_in_what_it_aborts():
     start = time.perf_counter()
     engine.abort("big")
     took = time.perf_counter() - start
-    assert took < 0.5, f"aborting 5,000 samples took {took:.2f} s"
+    # 0.86 s beside the suite's other worker (pytest -n 2); removing them one at a time took 2.8 s alone
+    assert took < 2.0, f"aborting 5,000 samples took {took:.2f} s"
     assert states[0].done and {s.finish_reason for s in states[0].samples} == {"abort"}
     assert not any(q.group is states[0] for q in [*engine.scheduler.running, *engine.scheduler.waiting])
     start = time.perf_counter()

@@ -5,6 +5,13 @@ import pytest
 from lockstep.plan.cluster import ClusterSpec, RolloutSpec, TrainSpec
 from lockstep.plan.hf_config import spec_from_config
 
+@pytest.fixture(autouse=True)
+def terminal_width(monkeypatch):
+    """`lockstep plan` lays its table out for the terminal's width (COLUMNS, else the terminal, else
+    100): the tests read the 100-column table whatever runs them (pytest-xdist's workers saw 80)."""
+    monkeypatch.setenv("COLUMNS", "100")
+
+
 TINY_V4_CONFIG = {
     "model_type": "deepseek_v4", "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 100,
     "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8,
