@@ -116,12 +116,8 @@ def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     flat = streams.reshape(-1, *streams.shape[-2:])
     whole = _in_whole_rows(model.hc_head, flat)
     with _compiling(model.hc_head):
-        return row_local(whole, final_hidden, flat, owner=model).view(*streams.shape[:-2], flat.shape[-1])
-
-
-def final_hidden(model, streams: torch.Tensor) -> torch.Tensor:
-    """model.final_hidden(streams) as a module-level function (compiled_rows.call takes those)."""
-    return model.final_hidden(streams)
+        # the class's function, not the bound method: one object for every call (compiled_rows.call)
+        return row_local(whole, type(model).final_hidden, flat, owner=model).view(*streams.shape[:-2], flat.shape[-1])
 
 
 class ExactValues(torch.autograd.Function):

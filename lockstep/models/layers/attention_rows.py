@@ -150,7 +150,7 @@ def _entry_mask(attn, index_keys, positions, E: int, entry_base, index_q, index_
     columns = torch.arange(spans[-1][1], device=positions.device)
     exists = columns < E
     index = entry_base.unsqueeze(1) + columns
-    visible = (columns.unsqueeze(0) < ((positions + 1) // attn.compressor.m).unsqueeze(1)) & exists
+    visible = (columns.unsqueeze(0) < attn.compressor.closed_entries(positions).unsqueeze(1)) & exists
     if attn.layer_type == CSA:
         flat_index, ok = index_keys.flatten(0, 1), exists.expand_as(index)
         scores = torch.cat([tiled_index_scores(index_q, index_w, gather_tile(flat_index, index[:, a:b], ok[:, a:b]))
@@ -174,7 +174,7 @@ def _whole_rows_entries(attn, index_keys, keys, E: int, index_q, index_w):
     """(index, valid) [R, E] over every row's compressed entries in one call: closed before the row's
     position and, in C4 layers, picked by the indexer from scores of one kernel
     (index_scores_triton.py; the picks' stable sort is a function of each row's scores alone)."""
-    count = ((keys.positions + 1) // attn.compressor.m).clamp(max=E)
+    count = attn.compressor.closed_entries(keys.positions).clamp(max=E)
     base = keys.sequence * E
     columns = torch.arange(E, device=base.device)
     visible = columns < count.unsqueeze(1)

@@ -84,6 +84,10 @@ class Compressor(nn.Module):
                              kv.flatten(0, 1), gate.flatten(0, 1), block_starts.flatten())
         return entries.view(N, nb, -1)
 
+    def closed_entries(self, positions: torch.Tensor) -> torch.Tensor:
+        """How many entries a query at each position may use: block j has closed once j < (p + 1) // m."""
+        return (positions + 1) // self.m
+
     def finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """Norm, then RoPE at each entry's block start. pooled [N, nb, D], block_starts [N, nb]."""
         cos, sin = rope_cos_sin(inv_freq, block_starts)

@@ -47,7 +47,7 @@ class Indexer(Compressor):
 
     def visible(self, positions: torch.Tensor, num_entries: int) -> torch.Tensor:
         """[..., E] bool: entry j has closed for a query at position p (j < (p + 1) // m)."""
-        return torch.arange(num_entries, device=positions.device) < ((positions + 1) // self.m).unsqueeze(-1)
+        return torch.arange(num_entries, device=positions.device) < self.closed_entries(positions).unsqueeze(-1)
 
     def picked(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """[..., E] bool: the top min(index_topk, E) visible entries by score, ties to the lower index."""
