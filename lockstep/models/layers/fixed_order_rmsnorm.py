@@ -76,6 +76,9 @@ if triton is not None:
                                      stride_om, stride_od, HAS_WEIGHT: tl.constexpr, BF16: tl.constexpr,
                                      INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         """out[m] = (w *) x[m] * rsqrt(sum over BLOCK tiles in index order of x[m]^2 / D + eps)."""
+        # a no-op launched eagerly (Triton types a Python float fp32); inside a compiled graph inductor
+        # passes floats as fp64 scalars, which would carry the sum into fp64
+        d_float, eps = tl.cast(d_float, tl.float32), tl.cast(eps, tl.float32)
         row = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + row * stride_xm
         out_row = out_ptr + row * stride_om

@@ -54,6 +54,7 @@ if triton is not None:
     def _index_scores_kernel(q_ptr, w_ptr, k_ptr, base_ptr, count_ptr, out_ptr, H, D, L, scale, stride_qr, stride_qh,
                              stride_wr, stride_k, stride_or, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
                              TILE: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        scale = tl.cast(scale, tl.float32)  # a no-op launched eagerly; inductor passes floats as fp64
         r = tl.program_id(0).to(tl.int64)
         rj = tl.program_id(1) * TILE + tl.arange(0, TILE)
         rd = tl.arange(0, BLOCK_D)

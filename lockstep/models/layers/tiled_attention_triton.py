@@ -89,6 +89,7 @@ if triton is not None:
                                 stride_or, stride_oh, D: tl.constexpr, BLOCK_H: tl.constexpr, TILE: tl.constexpr,
                                 HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         """out[r, heads] = softmax over [sink; window keys; entries] of q . k, times the keys, walked in tiles."""
+        scale = tl.cast(scale, tl.float32)  # a no-op launched eagerly; inductor passes floats as fp64
         r = tl.program_id(0).to(tl.int64)
         rh = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         rd = tl.arange(0, D)
