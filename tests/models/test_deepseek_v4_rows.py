@@ -177,10 +177,12 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     """KernelSwitches.compile_rows: the whole-rows steps through torch.compile (dynamo's trace with the
     eager backend on the CPU; inductor on CUDA): the modules inside take their whole-rows forms (the
     logits equal the uncompiled whole-rows forward's bitwise), every step kind went through its
-    compiled form, and engine steps still equal the training forward bitwise."""
-    from lockstep.models.layers import compiled_rows
+    compiled form (the MoE's routing and experts too: bf16, the grouped kernels interpreted), and
+    engine steps still equal the training forward bitwise."""
+    from lockstep.models.layers import compiled_rows, moe
 
-    model = true_on_policy_model("mixed", torch.float32)
+    monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
+    model = true_on_policy_model("mixed", torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
     with torch.no_grad():
@@ -192,11 +194,11 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     monkeypatch.setattr(whole_rows_module, "compiled_rows_call", compiled_rows.call)
     with torch.no_grad():
         full = model(ids)
-        steps, _ = run_incremental(model, ids, [[5, 1, 3, 3], [12]], slots=[5, 0])
+        steps, _ = run_incremental(model, ids, [[5, 1, 6], [12]], slots=[5, 0])
     assert torch.equal(full, eager)
     assert torch.equal(steps, full)
-    assert set(calls) == {"_before_attention", "_projections", "_output", "_before_moe", "hc_combine",
-                          "final_hidden", "_head_logits"}
+    assert set(calls) == {"_before_attention", "_projections", "_output", "_before_moe", "_route_and_compute",
+                          "hc_combine", "final_hidden", "_head_logits"}
 
 
 @interpreted_triton

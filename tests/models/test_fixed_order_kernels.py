@@ -63,8 +63,10 @@ def _assert_batch_invariant(run, row, others=(), seed=0):
 # ---- fixed_order_linear ----------------------------------------------------------------------
 
 # default configs: BLOCK_N 64 > N = 40 and K = 72 = 64 + 8 (masked tail); 32 x 64 exact tiles;
-# an override with two K tiles of 32 and two column tiles
-LINEAR_SHAPES = [(40, 72, {}), (32, 64, {}), (48, 64, dict(block_n=32, block_k=32))]
+# an override with two K tiles of 32 and two column tiles; split K: 7 tiles of 32 in splits of
+# 3, 3 and 1 tiles, the last one masked (K = 200)
+SPLIT = (40, 200, dict(block_k=32, split_k=3))
+LINEAR_SHAPES = [(40, 72, {}), (32, 64, {}), (48, 64, dict(block_n=32, block_k=32)), SPLIT]
 
 
 def _linear_inputs(seed, N, K, dtype, values=None):
@@ -89,6 +91,41 @@ def test_linear_equals_the_reference(N, K, cfg):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_adds_its_k_splits_first_to_last(dtype):
+    """Split K: each split's fp32 sum is the unsplit kernel's over that slice of K, and the splits
+    are added first to last, then rounded once (bitwise)."""
+    N, K, cfg = SPLIT
+    x, w = _linear_inputs(9, N, K, dtype)
+    k_per_split, splits = fol.split_extent(K, cfg["block_k"], cfg["split_k"])
+    assert (k_per_split, splits) == (96, 3)
+    parts = [torch.ops.lockstep.fixed_order_linear(x[:, k:k + k_per_split], w[:, k:k + k_per_split],
+                                                    block_k=cfg["block_k"], split_k=1, fp32_out=True)
+             for k in range(0, K, k_per_split)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    assert torch.equal(torch.ops.lockstep.fixed_order_linear(x, w, **cfg), total.to(dtype))
+    assert torch.equal(torch.ops.lockstep.fixed_order_linear(x, w, fp32_out=True, **cfg), total)
+
+
+def test_linear_config_splits_k_by_the_weight_shape_only():
+    """Narrow weights (the router, wkv: few column tiles, a decode step's few programs) split K, a
+    split keeping MIN_SPLIT_TILES K tiles at least; wider ones do not (the split's fp32 partials cost
+    a prefill more than it saves); the row count is not an argument at all."""
+    if fol.triton is None:
+        pytest.skip("triton is not installed")
+    assert fol.launch_config(64, 1024)["SPLIT_K"] == fol.MAX_SPLIT == 4
+    assert fol.launch_config(128, 1024)["SPLIT_K"] == 4
+    assert fol.launch_config(128, 128)["SPLIT_K"] == 1  # 2 K tiles: nothing to split
+    for N, K in [(512, 1024), (256, 512), (32768, 1024)]:
+        assert fol.launch_config(N, K)["SPLIT_K"] == 1
+    for N, K in [(64, 1024), (16, 200), (40, 72)]:
+        cfg = fol.launch_config(N, K)
+        assert cfg["SPLIT_K"] == 1 or -(-K // cfg["BLOCK_K"]) // cfg["SPLIT_K"] >= fol.MIN_SPLIT_TILES
+
+
+@needs_triton
 def test_linear_fp32_out_keeps_the_bf16_products_sum_unrounded():
     """fp32_out (the LM head's logits): bf16 inputs, the fp32 sum not rounded to bf16; exact sums equal
     the fp32 GEMM of the upcast inputs bitwise, others to fp32 rounding; batch-invariant too."""
@@ -105,7 +142,7 @@ def test_linear_fp32_out_keeps_the_bf16_products_sum_unrounded():
 
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("N,K,cfg", LINEAR_SHAPES[::2])
+@pytest.mark.parametrize("N,K,cfg", LINEAR_SHAPES[::2] + [SPLIT])
 def test_linear_is_batch_invariant(N, K, cfg, dtype):
     x, w = _linear_inputs(3, N, K, dtype)
     _assert_batch_invariant(lambda x: torch.ops.lockstep.fixed_order_linear(x, w, **cfg), x[:1], seed=4)

@@ -90,21 +90,6 @@ def test_a_rows_partials_do_not_depend_on_the_batch():
 
 
 @needs_triton
-def test_splits_in_order_are_added_first_to_last():
-    # fp32 terms of wildly different sizes: the sum's bits depend on the order, so only the
-    # left-to-right order matches; 300 x 7 elements: more than one program, a partial last one
-    g = torch.Generator().manual_seed(11)
-    partials = (torch.randn(32, 300, 7, generator=g) * 10.0 ** torch.randint(-6, 7, (32, 300, 7), generator=g)).to(DEVICE)
-    total = partials[0]
-    for term in partials[1:]:
-        total = total + term
-    out = hp.sum_splits_in_order(partials)
-    assert out.shape == (300, 7) and torch.equal(out, total)
-    assert not torch.equal(partials.flip(0).sum(0), total)  # the premise: the order shows in the bits
-    assert torch.equal(hp.sum_splits_in_order(partials[:, 5:6]), total[5:6])  # alone, the same bits
-
-
-@needs_triton
 def test_mixes_in_order_do_not_depend_on_the_batch():
     x, fn = _inputs(12, 150, 24, 1024, torch.bfloat16)
     batch = hp.hc_mixes(x, fn, EPS, in_order=True)

@@ -4,12 +4,17 @@ path, so a token's logprob does not depend on batch size, composition, chunking 
 
 What is invariant, and why: output row m is a function of x[m] and w only, bit for bit, whatever
 M, the other rows (garbage padding included) and the row's position in the batch. A program owns
-one BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K tiles in index order, accumulating in
-fp32 (tl.dot), and rounds to x's dtype once; rows of a tile do not mix (each output element is its
-own dot product), and the tile sizes, warps and stages are chosen from (N, K) only
-(`launch_config`), never from M. No split-K, no atomics, no autotune (which could pick another
-config per M); M is not specialised on (do_not_specialize: M == 1 would compile a second kernel).
-Keyword overrides of the config change the sums' order: every path of one run must use the same.
+one BLOCK_M x BLOCK_N output tile of one split of K and walks its K in BLOCK_K tiles in index
+order, accumulating in fp32 (tl.dot); rows of a tile do not mix (each output element is its own
+dot product). The splits' fp32 sums are then added first to last (sum_splits_triton.py) and
+rounded to x's dtype once. Tile sizes, warps, stages and the split count are chosen from (N, K)
+only (`launch_config`), never from M: a fixed split-K, no atomics, no autotune (which could pick
+another config per M); M is not specialised on (do_not_specialize: M == 1 would compile a second
+kernel). Keyword overrides of the config change the sums' order: every path of one run must use
+the same.
+
+Why split K: at decode (a few dozen rows) a narrow weight has one or two column tiles per 16 rows,
+a handful of programs each walking all of K in series (`launch_config` says where it pays).
 
 Numerics: bf16 x and w: fp32 accumulation of bf16 products, rounded to bf16 once (nearest even),
 or kept in fp32 (`fp32_out`: the LM head's logits; a bf16 product is exact in fp32, so it sums the
@@ -21,8 +26,10 @@ grouped_gemm_triton.py, whose _dot / _bf16 helpers this kernel shares.
 
 `fixed_order_linear(x, w)` takes the kernel where it runs (CUDA, or the interpreter) and the
 reference elsewhere, or when a gradient is wanted: forward only, no autograd registered. The
-true-on-policy forward calls it over whole rows (whole_rows.linear). Untuned: 16-row tiles suit
-decode; prefill re-reads weight tiles per 16 rows and uses mma.sync, not wgmma.
+true-on-policy forward calls it over whole rows (whole_rows.linear). Suited to decode (H200, 64
+rows: 0.76-0.98x cuBLAS's time per call, benchmarks/fixed_order_linear.py); prefill and training
+rows pay for the 16-row tiles (4,096 rows: 0.24-0.54x, weight tiles re-read per 16 rows, mma.sync
+rather than wgmma), which a per-(N, K) config with larger tiles could recover.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
+from . import sum_splits_triton as _ss
 
 triton = _gt.triton
 if triton is not None:
@@ -70,12 +78,32 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False)
     return out.view(*x.shape[:-1], w.shape[0])
 
 
+# Split K only where the weight has few column tiles (N <= 128: the router, wkv, the indexer's head
+# weights): there a decode step had a handful of programs walking all of K in series (the 1b config's
+# fp32 router, 64 x 1024, took 44 us in a decode step on an H200). Elsewhere a split cost more than
+# it saved (benchmarks/fixed_order_linear.py, H200, 64 rows: wo_a 256 x 512 3.2 -> 3.8 us, wq_a
+# 512 x 1024 4.8 -> 4.3 us; 4,096 rows: wq_a 31.6 -> 48.8 us, the fp32 partials' traffic).
+FEW_COLUMN_TILES = 2
+MAX_SPLIT = 4
+MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
+
+
 def launch_config(N: int, K: int) -> dict:
     """By the weight's shape only (module docstring): 16 rows per tile (tl.dot's minimum; decode
     has a few dozen rows), up to 64 output columns and 64 of K per step, smaller for small
-    dimensions. Not tuned."""
-    return dict(BLOCK_M=16, BLOCK_N=min(64, max(16, triton.next_power_of_2(N))),
-                BLOCK_K=min(64, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
+    dimensions; K split in up to MAX_SPLIT where the columns make FEW_COLUMN_TILES tiles or fewer."""
+    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    block_k = min(64, max(16, triton.next_power_of_2(K)))
+    split = 1
+    if triton.cdiv(N, block_n) <= FEW_COLUMN_TILES:
+        split = max(1, min(MAX_SPLIT, triton.cdiv(K, block_k) // MIN_SPLIT_TILES))
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
+
+
+def split_extent(K: int, block_k: int, split: int) -> tuple[int, int]:
+    """(K per split, a multiple of block_k; the number of splits that K fills)."""
+    k_per_split = triton.cdiv(triton.cdiv(K, block_k), split) * block_k
+    return k_per_split, triton.cdiv(K, k_per_split)
 
 
 if triton is not None:
@@ -83,20 +111,23 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit(do_not_specialize=["M"])
-    def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
-                                   stride_om, stride_on, BF16: tl.constexpr, ROUND: tl.constexpr,
-                                   INTERPRETED: tl.constexpr,
+    def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk,
+                                   stride_wn, stride_wk, stride_os, stride_om, stride_on, BF16: tl.constexpr,
+                                   ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[m, n] = sum over K tiles k0 = 0, BLOCK_K, ... (in this order) of x[m, k0:] . w[n, k0:]."""
+        """out[s, m, n] = sum over K tiles k0 = s * k_per_split, + BLOCK_K, ... (in this order, up to
+        the split's end) of x[m, k0:] . w[n, k0:]."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        s = tl.program_id(2)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
         w_tile = w_ptr + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = s * k_per_split
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
             k_ok = k0 + rk < K
             a = tl.load(x_tile + k0 * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
@@ -108,30 +139,36 @@ if triton is not None:
             result = _bf16(acc, INTERPRETED)
         else:
             result = acc
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, result,
-                 mask=m_ok[:, None] & n_ok[None, :])
+        out_tile = out_ptr + s.to(tl.int64) * stride_os + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on
+        tl.store(out_tile, result, mask=m_ok[:, None] & n_ok[None, :])
 
     @torch.library.triton_op("lockstep::fixed_order_linear", mutates_args=())
     def _fixed_order_linear_op(x: torch.Tensor, w: torch.Tensor, block_m: int = 0, block_n: int = 0,
-                               block_k: int = 0, fp32_out: bool = False) -> torch.Tensor:
+                               block_k: int = 0, fp32_out: bool = False, split_k: int = 0) -> torch.Tensor:
         """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype (fp32_out: fp32). Nonzero
-        block keywords override `launch_config` (the same on every path, or rows are no longer comparable)."""
+        block / split keywords override `launch_config` (the same on every path, or rows are no longer
+        comparable)."""
         M, K = x.shape
         N = w.shape[0]
         cfg = launch_config(N, K)
-        for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K"), (block_m, block_n, block_k)):
+        for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"), (block_m, block_n, block_k, split_k)):
             if value:
                 cfg[key] = value
-        out = x.new_empty(M, N, dtype=torch.float32 if fp32_out else x.dtype)
+        k_per_split, splits = split_extent(K, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
+        round_bf16 = x.dtype == torch.bfloat16 and not fp32_out
+        out_dtype = torch.float32 if fp32_out else x.dtype
         if M == 0:
-            return out
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]))
+            return x.new_empty(M, N, dtype=out_dtype)
+        # one split: the tile's sum is the result; more: fp32 partials, added in order after
+        out = x.new_empty(M, N, dtype=out_dtype) if splits == 1 else x.new_empty(splits, M, N, dtype=torch.float32)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), splits)
         torch.library.wrap_triton(_fixed_order_linear_kernel)[grid](
-            x, w, out, M, N, K, *x.stride(), *w.stride(), *out.stride(), BF16=x.dtype == torch.bfloat16,
-            ROUND=x.dtype == torch.bfloat16 and not fp32_out, INTERPRETED=interpreted(), **cfg)
-        return out
+            x, w, out, M, N, K, k_per_split, *x.stride(), *w.stride(), out.stride(0) if splits > 1 else 0,
+            out.stride(-2), out.stride(-1), BF16=x.dtype == torch.bfloat16, ROUND=round_bf16 and splits == 1,
+            INTERPRETED=interpreted(), **cfg)
+        return out if splits == 1 else _ss.sum_splits_in_order(out, out_bf16=round_bf16)
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @_fixed_order_linear_op.register_fake
-    def _(x, w, block_m=0, block_n=0, block_k=0, fp32_out=False):
+    def _(x, w, block_m=0, block_n=0, block_k=0, fp32_out=False, split_k=0):
         return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)

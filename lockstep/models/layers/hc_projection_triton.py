@@ -38,13 +38,13 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
+from . import sum_splits_triton as _ss
 
 triton = _gt.triton  # None without Triton: hyper_connection.py's torch expression is always there
 if triton is not None:
     import triton.language as tl
 
 MAX_J = 128  # output columns held by one program (padded to a power of two, at least 16)
-SUM_BLOCK = 256  # elements per program of the split sum (any value: the order is per element)
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -141,34 +141,6 @@ if triton is not None:
     def _(x, fn, split, *config):
         return x.new_empty(split, x.shape[0], fn.shape[0] + 1, dtype=torch.float32)
 
-    @triton.jit
-    def _sum_splits_kernel(p_ptr, out_ptr, S, N, BLOCK: tl.constexpr):
-        """out[i] = p[0, i] + p[1, i] + ... + p[S - 1, i], added in that order (fp32)."""
-        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < N
-        acc = tl.load(p_ptr + i, mask=ok, other=0.0)
-        for s in range(1, S):
-            acc += tl.load(p_ptr + s * N + i, mask=ok, other=0.0)
-        tl.store(out_ptr + i, acc, mask=ok)
-
-    @torch.library.triton_op("lockstep::sum_splits_in_order", mutates_args=())
-    def sum_splits_in_order(partials: torch.Tensor) -> torch.Tensor:
-        """partials [S, ...] fp32 -> [...], each element's S terms added first to last: the order
-        cannot depend on the other elements or their count (torch's reduction picks its split of
-        the summed dim by the number of outputs)."""
-        p = partials.contiguous()
-        out = p.new_empty(p.shape[1:])
-        n = out.numel()
-        if n:
-            torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(n, SUM_BLOCK),)](
-                p, out, p.shape[0], n, BLOCK=SUM_BLOCK)
-        return out
-
-    @sum_splits_in_order.register_fake
-    def _(partials):
-        return partials.new_empty(partials.shape[1:])
-
-
 
 def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float, split: int = 0, in_order: bool = False,
              **config) -> torch.Tensor:
@@ -180,5 +152,5 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, eps: float, split: int = 0, in_o
     benchmark's overrides."""
     J, K = fn.shape
     partials = hc_mix_partials(x, fn, split or default_split(K), **config)
-    sums = sum_splits_in_order(partials) if in_order else partials.sum(0)
+    sums = _ss.sum_splits_in_order(partials) if in_order else partials.sum(0)
     return sums[:, :J] * torch.rsqrt(sums[:, J:] / K + eps)

@@ -296,7 +296,7 @@ class MoE(nn.Module):
             fixed = None if forced is None else forced.reshape(-1, forced.shape[-1])
             # whole rows (whole_rows.py) where the routed experts take the row-invariant kernels
             whole = in_whole_rows() and _row_invariant_kernels(flat, *self.experts.expert_weights())
-            out, experts = row_local(whole, self._route_and_compute, flat, ids, fixed, compile=False)  # eager routing
+            out, experts = row_local(whole, MoE._route_and_compute, flat, ids, fixed, owner=self)
             return out.view(x.shape), experts.view(*x.shape[:-1], -1)
         return self._route_and_compute(x, token_ids, forced)
 

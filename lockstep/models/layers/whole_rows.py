@@ -8,10 +8,11 @@ block. The same guarantee holds for one call over all rows when every op in it i
 element-wise, a max (exact in any order), or a sum whose order is fixed by construction:
 - RMSNorm: fixed_order_rmsnorm.py (one program per row, tiles walked in index order);
 - GEMMs (the attention's projections, the router, the shared expert): `linear` here, i.e.
-  fixed_order_linear.py (launch config by N and K only, no split-K, K walked in order);
+  fixed_order_linear.py (launch config by N and K only, K walked in order, a fixed split of K
+  for narrow weights);
 - mHC's projection: hc_projection_triton.py's partial products over splits of K (launch config
-  by J and K only), the splits added first to last (sum_splits_in_order). Not fixed_order_linear:
-  without split-K, its 16-row tiles walked K = n * D alone, 4 programs for a decode step's 64
+  by J and K only), the splits added first to last (sum_splits_triton.py). Not fixed_order_linear:
+  unsplit, its 16-row tiles walked K = n * D alone, 4 programs for a decode step's 64
   rows (144 us per call on an H200, where the split-K kernel has 128 programs);
 - sums over a handful of terms (mHC's n = 4 streams, its 4 x 4 softmax and Sinkhorn): written
   out left to right (`sum_in_order`), element-wise ops, so any row count adds in the same order;
