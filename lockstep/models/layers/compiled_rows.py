@@ -57,24 +57,45 @@ def _whole_rows_step(fn, *args):
 
 def trace_settings():
     """No duck shaping (a row count that equals a weight dimension at the first call would be
-    specialised to it), floats as constants (dynamic=True makes them symbols that a later pass
-    specialises again, restarting the trace)."""
+    specialised to it), floats as constants (a symbolic float is specialised again by a later pass,
+    restarting the trace)."""
     stack = contextlib.ExitStack()
     stack.enter_context(torch.fx.experimental._config.patch(use_duck_shape=False))
     stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
     return stack
 
 
+def mark_rows_dynamic(args) -> None:
+    """The row dim (dim 0 of every tensor argument) dynamic from the first compilation, and only it.
+    Compiled with dynamic=True, the hidden dims were symbols too: Triton could not prove them (the
+    strides of a row) multiples of 16, so the fixed-order kernels and inductor's own lost their
+    vector loads (in a decode step on an H200 the GEMMs reading a step's input took 3-4x their time
+    alone; pytorch/pytorch#177061 reports 1.5-3.4x for inductor's kernels). One graph for every row
+    count of 2 or more, as before: a row's code does not depend on the count."""
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.dim():
+            torch._dynamo.maybe_mark_dynamic(a, 0)
+
+
+def backend(on_cuda: bool):
+    """inductor on CUDA; elsewhere dynamo's trace without code generation ("eager")."""
+    return "inductor" if on_cuda else "eager"
+
+
 def call(fn, *args):
     """fn(*args) compiled (fn: a module-level function, so that every layer of a kind shares one
-    compilation; its module arguments' parameters are graph inputs). One graph per step: fullgraph."""
+    compilation; its module arguments' parameters are graph inputs, static). One graph per step:
+    fullgraph."""
     on_cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)
     if on_cuda not in _compiled:
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         # eager's bf16 roundings, as the default engine's compiled layers (compiled_layers.py): both
         # sides run this code, so it is not needed for their agreement, only to stay near eager
         options = {"emulate_precision_casts": True} if on_cuda else None
-        _compiled[on_cuda] = torch.compile(_whole_rows_step, dynamic=True, fullgraph=True,
-                                           backend="inductor" if on_cuda else "eager", options=options)
+        # dynamic=False: no automatic dynamic shapes, which would turn any dim that differs between two
+        # calls of the one frame (another step's hidden size) into a symbol; the rows only, marked
+        _compiled[on_cuda] = torch.compile(_whole_rows_step, dynamic=False, fullgraph=True, backend=backend(on_cuda),
+                                           options=options)
+    mark_rows_dynamic(args)
     with trace_settings():
         return _compiled[on_cuda](fn, *args)
