@@ -161,7 +161,7 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     with torch.no_grad():
         full = model(ids)
         # prefill chunks beside a whole-prompt prefill, then a decode step and chunks past the window
-        steps, _ = run_incremental(model, ids, [[5, 1, 3, 3], [S]], slots=[5, 0])
+        steps, _ = run_incremental(model, ids, [[5, 1, 6], [S]], slots=[5, 0])
     assert torch.equal(steps, full)
     assert 2 * S in norms  # the training forward's norms took all 24 rows in one call
     assert (2 * S, True) in attention and (2 * S, False) in attention  # cores with and without entries
