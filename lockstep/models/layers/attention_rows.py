@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 from ..deepseek_v4_config import CSA
-from . import index_scores_triton, tiled_attention_triton
+from . import compiled_rows, index_scores_triton, tiled_attention_triton
 from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, tiled_sink_attention
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
@@ -110,17 +110,18 @@ class StepKeys(KeySource):
         self.batch, self.cache = batch, cache
 
     def window(self, attn, kv: torch.Tensor):
-        """Rows of [ring (W) ; new tokens (S)] per sequence; positions before the step's first new token
-        come from the ring (position q at ring index q mod W), the others from the new tokens. Writes
-        the new tokens into the ring, as DeepseekV4Attention.forward_step does."""
-        W, layer_cache = attn.window, self.cache.layers[attn.layer_idx]
+        """Rows of [ring (W) ; new tokens (S)] per sequence (`_step_window`), then the new tokens
+        written into the ring, as DeepseekV4Attention.forward_step does. A decode step's (S = 1) goes
+        through its compiled form under compile_rows (~20 small kernels per layer become a few);
+        prefill chunks of every length would each compile a graph."""
+        layer_cache = self.cache.layers[attn.layer_idx]
         new = self.per_sequence(kv)
-        source = torch.cat([layer_cache.window[self.batch.slots].to(kv.dtype), new], dim=1).flatten(0, 1)
+        args = (layer_cache.window, self.batch.slots, new, self.batch.start_pos, self.sequence,
+                self.slot_positions(attn.window))
+        compiled = self.S == 1 and compiled_rows.in_compiled_rows()
+        keys = compiled_rows.call(_step_window, *args) if compiled else _step_window(*args)
         attn._write_window(layer_cache, self.batch, new)
-        key_pos = self.slot_positions(W)
-        start = self.batch.start_pos[self.sequence].unsqueeze(1)
-        within = torch.where(key_pos < start, torch.remainder(key_pos, W), W + key_pos - start)
-        return source, (self.sequence * (W + self.S)).unsqueeze(1) + within, key_pos >= 0
+        return keys
 
     def compressed(self, attn, x):
         """Feeds the step's tokens to the compressors (closing blocks write entries) -> (entries
@@ -128,6 +129,18 @@ class StepKeys(KeySource):
         fields = {f.name: self.per_sequence(getattr(x, f.name)) for f in dataclasses.fields(x)}
         step_x = dataclasses.replace(x, **fields)
         return attn._step_compressors(step_x, self.batch, self.cache.layers[attn.layer_idx])
+
+
+def _step_window(ring, slots, new, start_pos, sequence, key_pos):
+    """An engine step's window keys: ring [slots, W, D], new tokens [N, S, D] -> (source [N (W + S), D]:
+    each sequence's ring then its new tokens, index and valid [T, W] into it): positions before the
+    step's first new token come from the ring (position q at ring index q mod W), the others from the
+    new tokens. Data movement and integer arithmetic only: compiled or not, the same values."""
+    W, S = ring.shape[1], new.shape[1]
+    source = torch.cat([ring[slots].to(new.dtype), new], dim=1).flatten(0, 1)
+    start = start_pos[sequence].unsqueeze(1)
+    within = torch.where(key_pos < start, torch.remainder(key_pos, W), W + key_pos - start)
+    return source, (sequence * (W + S)).unsqueeze(1) + within, key_pos >= 0
 
 
 def _projections(attn, h: torch.Tensor, positions: torch.Tensor):
