@@ -209,7 +209,7 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     assert torch.equal(full, eager)
     assert torch.equal(steps, full)
     assert set(calls) == {"_before_attention", "_projections", "_output", "_before_moe", "_route_and_compute",
-                          "hc_combine", "final_hidden", "_head_logits", "_step_window"}  # the last: decode only
+                          "hc_combine", "final_hidden", "_head_logits", "_step_window", "_step_blocks", "_write_state"}  # the last 3: decode only
     # only the row dim is a symbol (mark_rows_dynamic: a symbolic hidden dim costs Triton its vector loads)
     assert any(dims and dims[0] for dims in symbolic) and not any(any(dims[1:]) for dims in symbolic)
 

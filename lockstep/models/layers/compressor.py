@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import pool_slots_triton
+from . import compiled_rows, pool_slots_triton
 from .norm import RMSNorm
 from .row_blocks import in_rows_forward, row_blocks
 from .rope import apply_rope, rope_cos_sin
@@ -110,51 +110,69 @@ class Compressor(nn.Module):
                      inv_freq: torch.Tensor) -> None:
         """Feed new tokens' kv_proj / gate_proj outputs [N, S, width] (row i: num_new[i] valid
         tokens from start_pos[i]) into the per-slot state; every block that closes writes its
-        entry to state.entries."""
-        N, S, _ = kv_new.shape
-        m, dev = self.m, kv_new.device
-        fill = start_pos % m  # tokens already in the open block
-        nb = (m + S + m - 1) // m
-        # Lay the open block's buffered tokens and the new tokens out block-aligned: column j holds
-        # new token j - fill when there is one, else the buffer (j < m) or zeros. A gather and a
-        # select of fixed shape (no nonzero, so no device sync).
-        src = torch.arange(nb * m, device=dev).unsqueeze(0) - fill.unsqueeze(1)
-        take = ((src >= 0) & (src < num_new.unsqueeze(1))).unsqueeze(-1)
-        src = src.clamp(0, S - 1).unsqueeze(-1).expand(N, nb * m, self.width)
-        tail = (0, 0, 0, (nb - 1) * m)
-        kv = torch.where(take, kv_new.gather(1, src), F.pad(state.buf_kv[slots].to(kv_new.dtype), tail))
-        gate = torch.where(take, gate_new.gather(1, src), F.pad(state.buf_gate[slots].to(gate_new.dtype), tail))
-        kv_b, raw_gate_b = kv.view(N, nb, m, -1), gate.view(N, nb, m, -1)
-        gate_b = raw_gate_b + self.position_bias
-        prev_kv = state.prev_kv[slots] if self.overlap else None
-        prev_gate = state.prev_gate[slots] if self.overlap else None
-        first_block = start_pos // m
-        starts = (first_block.unsqueeze(1) + torch.arange(nb, device=dev)) * m
+        entry to state.entries. A decode step's (S = 1) block layout and state writes go through
+        their compiled forms under compile_rows (layers/compiled_rows.py): data movement, integer
+        arithmetic and one add, the same values compiled or not; the entries' own arithmetic
+        (entries_from_blocks) stays as the training forward runs it."""
+        run = compiled_rows.call if kv_new.shape[1] == 1 and compiled_rows.in_compiled_rows() else _call
+        buffers = (state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate)
+        kv_b, raw_gate_b, gate_b, prev_kv, prev_gate, starts, first_block, closed = run(
+            _step_blocks, self, kv_new, gate_new, start_pos, num_new, slots, *buffers)
         entries = self.entries_from_blocks(kv_b, gate_b, prev_kv, prev_gate, starts, inv_freq)
-        closed = (fill + num_new) // m  # blocks closed by this chunk, per row
-        self._write_state(state, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed)
+        run(_write_state, self, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed, state.scratch_slot,
+            state.entries, *buffers)
 
-    def _write_state(self, state, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed) -> None:
-        N, nb = entries.shape[:2]
-        b = torch.arange(nb, device=entries.device)
-        done = b.unsqueeze(0) < closed.unsqueeze(1)
-        # all [N, nb] entries are written (fixed shape, no device sync); the open ones go to scratch
-        dest_slot = torch.where(done, slots.unsqueeze(1), state.scratch_slot)
-        dest_entry = torch.where(done, first_block.unsqueeze(1) + b, 0)
-        state.entries[dest_slot, dest_entry] = entries.to(state.entries.dtype)
-        open_rows = torch.arange(N, device=entries.device)
-        # the block left open becomes the buffer (raw gate: bias is re-added at pooling)
-        state.buf_kv[slots] = kv_b[open_rows, closed].to(state.buf_kv.dtype)
-        state.buf_gate[slots] = raw_gate_b[open_rows, closed].to(state.buf_gate.dtype)
-        if self.overlap:
-            d = self.head_dim
-            moved = closed > 0
-            last = (closed - 1).clamp(min=0)
-            new_prev_kv = kv_b[open_rows, last, :, :d]
-            new_prev_gate = gate_b[open_rows, last, :, :d]
-            keep = ~moved.view(N, 1, 1)
-            state.prev_kv[slots] = torch.where(keep, state.prev_kv[slots], new_prev_kv.to(state.prev_kv.dtype))
-            state.prev_gate[slots] = torch.where(keep, state.prev_gate[slots], new_prev_gate.to(state.prev_gate.dtype))
+
+def _call(fn, *args):
+    return fn(*args)
+
+
+def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate):
+    """A step's new tokens [N, S, width] laid out block-aligned after each slot's open block ->
+    (kv, raw gate, gate + position bias [N, nb, m, width], the slots' prev Ca halves or None,
+    block starts [N, nb], first block [N], blocks closed by the step [N])."""
+    N, S, _ = kv_new.shape
+    m, dev = comp.m, kv_new.device
+    fill = start_pos % m  # tokens already in the open block
+    nb = (m + S + m - 1) // m
+    # Column j holds new token j - fill when there is one, else the buffer (j < m) or zeros. A gather
+    # and a select of fixed shape (no nonzero, so no device sync).
+    src = torch.arange(nb * m, device=dev).unsqueeze(0) - fill.unsqueeze(1)
+    take = ((src >= 0) & (src < num_new.unsqueeze(1))).unsqueeze(-1)
+    src = src.clamp(0, S - 1).unsqueeze(-1).expand(N, nb * m, comp.width)
+    tail = (0, 0, 0, (nb - 1) * m)
+    kv = torch.where(take, kv_new.gather(1, src), F.pad(buf_kv[slots].to(kv_new.dtype), tail))
+    gate = torch.where(take, gate_new.gather(1, src), F.pad(buf_gate[slots].to(gate_new.dtype), tail))
+    kv_b, raw_gate_b = kv.view(N, nb, m, -1), gate.view(N, nb, m, -1)
+    first_block = start_pos // m
+    starts = (first_block.unsqueeze(1) + torch.arange(nb, device=dev)) * m
+    prev = (prev_kv[slots], prev_gate[slots]) if comp.overlap else (None, None)
+    return kv_b, raw_gate_b, raw_gate_b + comp.position_bias, *prev, starts, first_block, (fill + num_new) // m
+
+
+def _write_state(comp: Compressor, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed, scratch_slot: int,
+                 entries_buf, buf_kv, buf_gate, prev_kv, prev_gate) -> None:
+    """The step's entries and the slots' new open blocks (and Ca halves) into the state's buffers."""
+    N, nb = entries.shape[:2]
+    b = torch.arange(nb, device=entries.device)
+    done = b.unsqueeze(0) < closed.unsqueeze(1)
+    # all [N, nb] entries are written (fixed shape, no device sync); the open ones go to the scratch slot
+    dest_slot = torch.where(done, slots.unsqueeze(1), scratch_slot)
+    dest_entry = torch.where(done, first_block.unsqueeze(1) + b, 0)
+    entries_buf[dest_slot, dest_entry] = entries.to(entries_buf.dtype)
+    open_rows = torch.arange(N, device=entries.device)
+    # the block left open becomes the buffer (raw gate: bias is re-added at pooling)
+    buf_kv[slots] = kv_b[open_rows, closed].to(buf_kv.dtype)
+    buf_gate[slots] = raw_gate_b[open_rows, closed].to(buf_gate.dtype)
+    if comp.overlap:
+        d = comp.head_dim
+        moved = closed > 0
+        last = (closed - 1).clamp(min=0)
+        new_prev_kv = kv_b[open_rows, last, :, :d]
+        new_prev_gate = gate_b[open_rows, last, :, :d]
+        keep = ~moved.view(N, 1, 1)
+        prev_kv[slots] = torch.where(keep, prev_kv[slots], new_prev_kv.to(prev_kv.dtype))
+        prev_gate[slots] = torch.where(keep, prev_gate[slots], new_prev_gate.to(prev_gate.dtype))
 
 
 class CompressorState:
