@@ -7,8 +7,10 @@ into ~645, which is most of its 3x lead (true-on-policy rollout 0.32x of the com
 0.98x of the eager one). Here each row-local step (mHC collapse + norm, the attention's
 projections and output, the MoE's routing, experts and combine, mHC combine, the head's collapse +
 norm) is one torch.compile'd function, its fixed-order kernels opaque custom ops inside, its
-element-wise ops fused between them. The attention core's key gathering and the compressors stay
-eager (they differ between an engine step and a training forward).
+element-wise ops fused between them. An engine decode step's window keys and compressor block
+layout / state writes (attention_rows._step_window, compressor._step_blocks / _write_state) compile
+too: data movement and integer arithmetic, the same values compiled or not, so the trainer need not
+share them; the compressed entries' arithmetic between them stays eager on both sides.
 
 Why the bits still agree: the engine's steps and the trainer's exact forward call the same
 compiled function per step kind (one per function and layer kind, dynamic row count), so a row's
