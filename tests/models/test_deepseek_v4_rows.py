@@ -10,7 +10,8 @@ import torch
 from test_deepseek_v4 import CONFIGS, run_incremental
 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
-from lockstep.models.deepseek_v4_init import init_deepseek_v4_
+from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers import grouped_gemm_triton, row_blocks as row_blocks_module
 from lockstep.models.layers import whole_rows as whole_rows_module
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
@@ -25,8 +26,9 @@ interpreted_triton = pytest.mark.skipif(grouped_gemm_triton.triton is None or no
                                         reason="needs triton with TRITON_INTERPRET=1 (every CPU run sets it)")
 
 
-def true_on_policy_model(name: str, dtype: torch.dtype, seed: int = 3) -> DeepseekV4ForCausalLM:
-    model = DeepseekV4ForCausalLM(CONFIGS[name])
+def true_on_policy_model(name, dtype: torch.dtype, seed: int = 3) -> DeepseekV4ForCausalLM:
+    """name: a CONFIGS key, or a config."""
+    model = DeepseekV4ForCausalLM(CONFIGS[name] if isinstance(name, str) else name)
     init_deepseek_v4_(model, seed)
     cast_model(model, dtype)
     return set_kernel_switches(model, ON)
@@ -182,7 +184,9 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     from lockstep.models.layers import compiled_rows, moe
 
     monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
-    model = true_on_policy_model("mixed", torch.bfloat16)
+    # every layer kind once ("mixed" repeats a C4 layer, which adds interpreted kernel time, not graphs)
+    kinds = tiny_config(num_hidden_layers=3, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"))
+    model = true_on_policy_model(kinds, torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
     with torch.no_grad():
