@@ -109,12 +109,11 @@ def test_linear_adds_its_k_splits_first_to_last(dtype):
     assert torch.equal(torch.ops.lockstep.fixed_order_linear(x, w, fp32_out=True, **cfg), total)
 
 
+@needs_triton
 def test_linear_config_splits_k_by_the_weight_shape_only():
     """Narrow weights (the router, wkv: few column tiles, a decode step's few programs) split K, a
     split keeping MIN_SPLIT_TILES K tiles at least; wider ones do not (the split's fp32 partials cost
     a prefill more than it saves); the row count is not an argument at all."""
-    if fol.triton is None:
-        pytest.skip("triton is not installed")
     assert fol.launch_config(64, 1024)["SPLIT_K"] == fol.MAX_SPLIT == 4
     assert fol.launch_config(128, 1024)["SPLIT_K"] == 4
     assert fol.launch_config(128, 128)["SPLIT_K"] == 1  # 2 K tiles: nothing to split

@@ -111,15 +111,14 @@ class StepKeys(KeySource):
 
     def window(self, attn, kv: torch.Tensor):
         """Rows of [ring (W) ; new tokens (S)] per sequence (`_step_window`), then the new tokens
-        written into the ring, as DeepseekV4Attention.forward_step does. A decode step's (S = 1) goes
-        through its compiled form under compile_rows (~20 small kernels per layer become a few);
-        prefill chunks of every length would each compile a graph."""
+        written into the ring, as DeepseekV4Attention.forward_step does. A decode step's goes through
+        its compiled form under compile_rows (compiled_rows.decode_call: ~20 small kernels per layer
+        become a few)."""
         layer_cache = self.cache.layers[attn.layer_idx]
         new = self.per_sequence(kv)
         args = (layer_cache.window, self.batch.slots, new, self.batch.start_pos, self.sequence,
                 self.slot_positions(attn.window))
-        compiled = self.S == 1 and compiled_rows.in_compiled_rows()
-        keys = compiled_rows.call(_step_window, *args) if compiled else _step_window(*args)
+        keys = compiled_rows.decode_call(self.S, _step_window, *args)
         attn._write_window(layer_cache, self.batch, new)
         return keys
 

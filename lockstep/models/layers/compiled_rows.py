@@ -101,3 +101,12 @@ def call(fn, *args):
     mark_rows_dynamic(args)
     with trace_settings():
         return _compiled[on_cuda](fn, *args)
+
+
+def decode_call(new_tokens: int, fn, *args):
+    """fn(*args) of an engine step's bookkeeping (data movement and integer arithmetic: the same values
+    compiled or not): compiled for a decode step (one new token per sequence) inside compiled_rows(),
+    else eager; prefill chunks of every length would each compile a graph."""
+    if new_tokens == 1 and in_compiled_rows():
+        return call(fn, *args)
+    return fn(*args)

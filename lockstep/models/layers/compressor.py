@@ -110,21 +110,17 @@ class Compressor(nn.Module):
                      inv_freq: torch.Tensor) -> None:
         """Feed new tokens' kv_proj / gate_proj outputs [N, S, width] (row i: num_new[i] valid
         tokens from start_pos[i]) into the per-slot state; every block that closes writes its
-        entry to state.entries. A decode step's (S = 1) block layout and state writes go through
-        their compiled forms under compile_rows (layers/compiled_rows.py): data movement, integer
+        entry to state.entries. A decode step's block layout and state writes go through their
+        compiled forms under compile_rows (compiled_rows.decode_call): data movement, integer
         arithmetic and one add, the same values compiled or not; the entries' own arithmetic
         (entries_from_blocks) stays as the training forward runs it."""
-        run = compiled_rows.call if kv_new.shape[1] == 1 and compiled_rows.in_compiled_rows() else _call
+        S = kv_new.shape[1]
         buffers = (state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate)
-        kv_b, raw_gate_b, gate_b, prev_kv, prev_gate, starts, first_block, closed = run(
-            _step_blocks, self, kv_new, gate_new, start_pos, num_new, slots, *buffers)
+        kv_b, raw_gate_b, gate_b, prev_kv, prev_gate, starts, first_block, closed = compiled_rows.decode_call(
+            S, _step_blocks, self, kv_new, gate_new, start_pos, num_new, slots, *buffers)
         entries = self.entries_from_blocks(kv_b, gate_b, prev_kv, prev_gate, starts, inv_freq)
-        run(_write_state, self, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed, state.scratch_slot,
-            state.entries, *buffers)
-
-
-def _call(fn, *args):
-    return fn(*args)
+        compiled_rows.decode_call(S, _write_state, self, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed,
+                                  state.scratch_slot, state.entries, *buffers)
 
 
 def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate):

@@ -56,15 +56,14 @@ def kernels_run(x: torch.Tensor) -> bool:
     return fixed_order_linear.runs_on(x) and not torch.is_grad_enabled()
 
 
-def row_local(whole: bool, fn, *xs, owner=None, compile: bool = True):
+def row_local(whole: bool, fn, *xs, owner=None):
     """fn(*xs), or fn(owner, *xs), over the rows of xs: in one call inside `whole_rows()` (whole: the
     caller checked `kernels_run` and its switch), through fn's compiled form where the caller
-    entered compiled_rows() and `compile` (compiled_rows.py; fn module-level), else in row blocks
-    (row_blocks.py)."""
+    entered compiled_rows() (compiled_rows.py; fn module-level), else in row blocks (row_blocks.py)."""
     args = xs if owner is None else (owner, *xs)
     if whole:
         with whole_rows():
-            if compile and in_compiled_rows():
+            if in_compiled_rows():
                 return compiled_rows_call(fn, *args)
             return fn(*args)
     return row_blocks(fn if owner is None else partial(fn, owner), *xs)
