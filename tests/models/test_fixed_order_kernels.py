@@ -125,6 +125,32 @@ def test_linear_config_splits_k_by_the_weight_shape_only():
 
 
 @needs_triton
+def test_linear_config_gives_the_head_wide_tiles():
+    """The LM head (N >= WIDE_N, the vocabulary) takes 64 x 128 tiles, unsplit; others 16 rows."""
+    assert fol.launch_config(32768, 1024)["BLOCK_M"] == 64 and fol.launch_config(fol.WIDE_N, 64)["BLOCK_N"] == 128
+    assert fol.launch_config(fol.WIDE_N, 4096)["SPLIT_K"] == 1
+    assert fol.launch_config(fol.WIDE_N - 1, 1024)["BLOCK_M"] == 16
+
+
+@needs_triton
+@pytest.mark.parametrize("N,K,cfg,dtype", [(40, 72, {}, torch.bfloat16), (*SPLIT, torch.float32),
+                                           (48, 64, dict(block_m=64, block_n=32), torch.bfloat16)])
+def test_grouped_linear_equals_a_launch_per_group(N, K, cfg, dtype):
+    """x [M, G, K] through w [G, N, K] in one launch (DeepSeek-V4's wo_a): each group's rows equal its
+    own [N, K] GEMM's bitwise, in a strided view too; batch-invariant like the plain GEMM."""
+    G = 3
+    g = _gen(10)
+    x = torch.randn(23, G, K + 5, generator=g).to(DEVICE, dtype)[..., 2:K + 2]  # strided rows
+    w = torch.randn(G, N, K, generator=g).to(DEVICE, dtype)
+    out = torch.ops.lockstep.fixed_order_linear(x, w, **cfg)
+    assert out.shape == (23, G, N)
+    for i in range(G):
+        assert torch.equal(out[:, i], torch.ops.lockstep.fixed_order_linear(x[:, i], w[i], **cfg)), f"group {i}"
+    _assert_batch_invariant(lambda x: torch.ops.lockstep.fixed_order_linear(x, w, **cfg), x[:1], seed=11)
+    assert torch.equal(fol.fixed_order_linear(x[:6].reshape(2, 3, G, K), w).flatten(0, 1), fol.fixed_order_linear(x[:6], w))
+
+
+@needs_triton
 def test_linear_fp32_out_keeps_the_bf16_products_sum_unrounded():
     """fp32_out (the LM head's logits): bf16 inputs, the fp32 sum not rounded to bf16; exact sums equal
     the fp32 GEMM of the upcast inputs bitwise, others to fp32 rounding; batch-invariant too."""

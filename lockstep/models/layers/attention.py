@@ -57,8 +57,8 @@ class GroupedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., G, in] -> [..., G, out/G]."""
         w = self.weight.view(self.n_groups, -1, self.weight.shape[-1])
-        if in_whole_rows():  # a GEMM per group, fixed order (whole_rows.py); einsum's batched GEMM picks by rows
-            return torch.stack([linear(x[..., g, :], w[g]) for g in range(self.n_groups)], dim=-2)
+        if in_whole_rows():  # the grouped fixed-order GEMM (whole_rows.py); einsum's batched GEMM picks by rows
+            return linear(x, w)
         return torch.einsum("...gi,goi->...go", x, w)
 
 

@@ -50,8 +50,12 @@ interpreted = _gt.interpreted
 
 
 def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype (fp32_out: not rounded)."""
-    y = x.float() @ w.float().T
+    """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype (fp32_out: not rounded); grouped:
+    x [..., G, K], w [G, N, K] -> [..., G, N], group g's rows through w[g]."""
+    if w.dim() == 3:
+        y = torch.einsum("...gk,gnk->...gn", x.float(), w.float())
+    else:
+        y = x.float() @ w.float().T
     return y if fp32_out else y.to(x.dtype)
 
 
@@ -61,8 +65,11 @@ def runs_on(x: torch.Tensor) -> bool:
 
 
 def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Triton present, CUDA (or the interpreter), bf16 or fp32 x and w alike, no gradient wanted."""
-    if x.dtype not in DTYPES or w.dtype != x.dtype or w.dim() != 2:
+    """Triton present, CUDA (or the interpreter), bf16 or fp32 x and w alike, no gradient wanted;
+    w [N, K], or grouped [G, N, K] with x [..., G, K]."""
+    if x.dtype not in DTYPES or w.dtype != x.dtype or w.dim() not in (2, 3):
+        return False
+    if w.dim() == 3 and (x.dim() < 2 or x.shape[-2] != w.shape[0]):
         return False
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return False
@@ -70,12 +77,14 @@ def kernel_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (fp32_out: fp32): the kernel where it applies,
-    else the reference."""
+    """x [..., K] @ w [N, K]^T -> [..., N] in x's dtype (fp32_out: fp32); grouped, x [..., G, K] and
+    w [G, N, K] -> [..., G, N] in one launch (DeepSeek-V4's wo_a: a launch per group was 4 GEMMs and
+    a stack per layer). The kernel where it applies, else the reference."""
     if not kernel_applies(x, w):
         return fixed_order_linear_reference(x, w, fp32_out)
-    out = torch.ops.lockstep.fixed_order_linear(x.reshape(-1, x.shape[-1]), w, fp32_out=fp32_out)
-    return out.view(*x.shape[:-1], w.shape[0])
+    rows = x.reshape(-1, *x.shape[-(w.dim() - 1):])  # [M, K] or [M, G, K]
+    out = torch.ops.lockstep.fixed_order_linear(rows, w, fp32_out=fp32_out)
+    return out.view(*x.shape[:-1], w.shape[-2])
 
 
 # Split K only where the weight has few column tiles (N <= 128: the router, wkv, the indexer's head
@@ -84,6 +93,11 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False)
 # it saved (benchmarks/fixed_order_linear.py, H200, 64 rows: wo_a 256 x 512 3.2 -> 3.8 us, wq_a
 # 512 x 1024 4.8 -> 4.3 us; 4,096 rows: wq_a 31.6 -> 48.8 us, the fp32 partials' traffic).
 FEW_COLUMN_TILES = 2
+# The LM head (N = the vocabulary): 64 x 128 tiles. Its weight is most of a decode step's bytes, re-read
+# per 16 rows with the small tiles (H200, 32768 x 1024: 64 rows 33.1 -> 22.2 us, 4,096 rows 1,947 ->
+# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep 16 rows:
+# a decode step's GEMMs took 10-40% longer with 64 (wq_a 5.0 -> 5.6 us at 64 rows).
+WIDE_N = 8192
 MAX_SPLIT = 4
 MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
 
@@ -92,6 +106,8 @@ def launch_config(N: int, K: int) -> dict:
     """By the weight's shape only (module docstring): 16 rows per tile (tl.dot's minimum; decode
     has a few dozen rows), up to 64 output columns and 64 of K per step, smaller for small
     dimensions; K split in up to MAX_SPLIT where the columns make FEW_COLUMN_TILES tiles or fewer."""
+    if N >= WIDE_N:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3)
     block_n = min(64, max(16, triton.next_power_of_2(N)))
     block_k = min(64, max(16, triton.next_power_of_2(K)))
     split = 1
@@ -111,15 +127,20 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit(do_not_specialize=["M"])
-    def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, stride_xm, stride_xk,
-                                   stride_wn, stride_wk, stride_os, stride_om, stride_on, BF16: tl.constexpr,
-                                   ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
+    def _fixed_order_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, k_per_split, n_splits, stride_xg, stride_xm,
+                                   stride_xk, stride_wg, stride_wn, stride_wk, stride_os, stride_og, stride_om,
+                                   stride_on, BF16: tl.constexpr, ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
                                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[s, m, n] = sum over K tiles k0 = s * k_per_split, + BLOCK_K, ... (in this order, up to
-        the split's end) of x[m, k0:] . w[n, k0:]."""
+        """out[s, m, g, n] = sum over K tiles k0 = s * k_per_split, + BLOCK_K, ... (in this order, up
+        to the split's end) of x[m, g, k0:] . w[g, n, k0:]; program_id(2) = g * n_splits + s (one
+        group, stride 0, ungrouped)."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        s = tl.program_id(2)
+        g = (tl.program_id(2) // n_splits).to(tl.int64)
+        s = tl.program_id(2) % n_splits
+        x_ptr += g * stride_xg
+        w_ptr += g * stride_wg
+        out_ptr += g * stride_og
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
@@ -145,11 +166,13 @@ if triton is not None:
     @torch.library.triton_op("lockstep::fixed_order_linear", mutates_args=())
     def _fixed_order_linear_op(x: torch.Tensor, w: torch.Tensor, block_m: int = 0, block_n: int = 0,
                                block_k: int = 0, fp32_out: bool = False, split_k: int = 0) -> torch.Tensor:
-        """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype (fp32_out: fp32). Nonzero
-        block / split keywords override `launch_config` (the same on every path, or rows are no longer
-        comparable)."""
-        M, K = x.shape
-        N = w.shape[0]
+        """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype (fp32_out: fp32); grouped:
+        x [M, G, K], w [G, N, K] -> [M, G, N], each group's config and sums those of its own [N, K]
+        GEMM. Nonzero block / split keywords override `launch_config` (the same on every path, or rows
+        are no longer comparable)."""
+        x3, w3 = (x, w) if w.dim() == 3 else (x.unsqueeze(1), w.unsqueeze(0))
+        M, G, K = x3.shape
+        N = w3.shape[1]
         cfg = launch_config(N, K)
         for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"), (block_m, block_n, block_k, split_k)):
             if value:
@@ -157,18 +180,20 @@ if triton is not None:
         k_per_split, splits = split_extent(K, cfg["BLOCK_K"], cfg.pop("SPLIT_K"))
         round_bf16 = x.dtype == torch.bfloat16 and not fp32_out
         out_dtype = torch.float32 if fp32_out else x.dtype
+        shape = (*x.shape[:-1], N)
         if M == 0:
-            return x.new_empty(M, N, dtype=out_dtype)
+            return x.new_empty(shape, dtype=out_dtype)
         # one split: the tile's sum is the result; more: fp32 partials, added in order after
-        out = x.new_empty(M, N, dtype=out_dtype) if splits == 1 else x.new_empty(splits, M, N, dtype=torch.float32)
-        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), splits)
+        out = x.new_empty(shape, dtype=out_dtype) if splits == 1 else x.new_empty(splits, *shape, dtype=torch.float32)
+        out4 = out.view(splits, M, G, N)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), G * splits)
         torch.library.wrap_triton(_fixed_order_linear_kernel)[grid](
-            x, w, out, M, N, K, k_per_split, *x.stride(), *w.stride(), out.stride(0) if splits > 1 else 0,
-            out.stride(-2), out.stride(-1), BF16=x.dtype == torch.bfloat16, ROUND=round_bf16 and splits == 1,
-            INTERPRETED=interpreted(), **cfg)
+            x3, w3, out4, M, N, K, k_per_split, splits, x3.stride(1), x3.stride(0), x3.stride(2), w3.stride(0),
+            w3.stride(1), w3.stride(2), out4.stride(0), out4.stride(2), out4.stride(1), out4.stride(3),
+            BF16=x.dtype == torch.bfloat16, ROUND=round_bf16 and splits == 1, INTERPRETED=interpreted(), **cfg)
         return out if splits == 1 else _ss.sum_splits_in_order(out, out_bf16=round_bf16)
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @_fixed_order_linear_op.register_fake
     def _(x, w, block_m=0, block_n=0, block_k=0, fp32_out=False, split_k=0):
-        return x.new_empty(x.shape[0], w.shape[0], dtype=torch.float32 if fp32_out else x.dtype)
+        return x.new_empty(*x.shape[:-1], w.shape[-2], dtype=torch.float32 if fp32_out else x.dtype)

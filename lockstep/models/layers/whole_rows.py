@@ -72,7 +72,7 @@ def row_local(whole: bool, fn, *xs, owner=None):
 def linear(x: torch.Tensor, weight: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
     """F.linear(x, weight), bias-free (fp32_out: in fp32, as F.linear of the upcast inputs); over whole
     rows the fixed-order GEMM, or an error where it cannot run (a library GEMM there would tie a
-    row's bits to the row count)."""
+    row's bits to the row count). A grouped weight [G, N, K] takes x [..., G, K] (whole rows only)."""
     if not in_whole_rows():
         return F.linear(x.float(), weight.float()) if fp32_out else F.linear(x, weight)
     if not fixed_order_linear.kernel_applies(x, weight):
