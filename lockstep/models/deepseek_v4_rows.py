@@ -56,12 +56,13 @@ from .layers.whole_rows import kernels_run, linear, row_local, whole_rows
 def _in_whole_rows(switched, x: torch.Tensor) -> bool:
     """Whether rows like x take the whole-rows forms: `switched`'s fixed_order switch is on and the
     fixed-order kernels run (whole_rows.py)."""
-    return switched.kernels.fixed_order_on(x) and kernels_run(x)
+    return switched.kernels.on_for("fixed_order", x) and kernels_run(x)
 
 
-def _compiling(switched):
-    """compiled_rows() where `switched`'s compile_rows switch is on (layers/compiled_rows.py)."""
-    return compiled_rows() if switched.kernels.on("compile_rows") else nullcontext()
+def _compiling(switched, x: torch.Tensor):
+    """compiled_rows() where `switched`'s compile_rows switch holds for rows like x
+    (layers/compiled_rows.py)."""
+    return compiled_rows() if switched.kernels.on_for("compile_rows", x) else nullcontext()
 
 
 def _head_logits(weight: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -88,7 +89,7 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
     whole = _in_whole_rows(layer.ffn_hc, streams)
     # the MoE, its experts and the compressors take their row-block paths; whole-rows steps compiled
     # where the layer's compile_rows switch is on
-    with rows_forward(), _compiling(layer.ffn_hc):
+    with rows_forward(), _compiling(layer.ffn_hc, streams):
         h, post, comb = row_local(whole, _before_attention, streams, owner=layer)
         attn_out = layer.self_attn.forward_rows(h, keys, whole)
         streams, x, post, comb = row_local(whole, _before_moe, streams, attn_out, post, comb, owner=layer)
@@ -98,7 +99,7 @@ def layer_rows(layer, streams: torch.Tensor, token_ids: torch.Tensor, keys, rout
             out, experts = layer.mlp(x, ids, forced)
     if routing is not None:
         routing.chosen.append(experts.view(*shape[:2], -1))
-    with _compiling(layer.ffn_hc):
+    with _compiling(layer.ffn_hc, streams):
         return row_local(whole, hc_combine, streams, out, post, comb).view(shape)
 
 
@@ -115,7 +116,7 @@ def final_rows(model, streams: torch.Tensor) -> torch.Tensor:
     """The last layer's streams [N, S, n, D] -> final hidden [N, S, D] (mHC head, norm) in row blocks."""
     flat = streams.reshape(-1, *streams.shape[-2:])
     whole = _in_whole_rows(model.hc_head, flat)
-    with _compiling(model.hc_head):
+    with _compiling(model.hc_head, flat):
         # the class's function, not the bound method: one object for every call (compiled_rows.call)
         return row_local(whole, type(model).final_hidden, flat, owner=model).view(*streams.shape[:-2], flat.shape[-1])
 
@@ -145,6 +146,6 @@ def logits_rows(model, hidden: torch.Tensor) -> torch.Tensor:
     weight = model.lm_head.weight
     flat = hidden.reshape(-1, hidden.shape[-1])
     whole = _in_whole_rows(model.model.hc_head, flat)
-    with _compiling(model.model.hc_head):
+    with _compiling(model.model.hc_head, flat):
         logits = row_local(whole, _head_logits, flat, owner=weight)
     return logits.view(*hidden.shape[:-1], weight.shape[0])

@@ -32,7 +32,7 @@ def test_the_environment_wins_when_set(monkeypatch):
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
                                            "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA, "
-                                           "compile_rows off")
+                                           "compile_rows on CUDA")
 
 
 def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
@@ -100,16 +100,21 @@ def test_fixed_order_defaults_to_cuda_only(monkeypatch):
     # whole rows (whole_rows.py) where the fixed-order kernels run compiled; the interpreter only on request
     monkeypatch.delenv("LOCKSTEP_FIXED_ORDER", raising=False)
     cpu, cuda = torch.zeros(1), SimpleNamespace(is_cuda=True)
-    assert KernelSwitches().fixed_order_on(cuda) and not KernelSwitches().fixed_order_on(cpu)
-    assert KernelSwitches(fixed_order=True).fixed_order_on(cpu)
-    assert not KernelSwitches(fixed_order=False).fixed_order_on(cuda)
+    assert KernelSwitches().on_for("fixed_order", cuda) and not KernelSwitches().on_for("fixed_order", cpu)
+    assert KernelSwitches(fixed_order=True).on_for("fixed_order", cpu)
+    assert not KernelSwitches(fixed_order=False).on_for("fixed_order", cuda)
     monkeypatch.setenv("LOCKSTEP_FIXED_ORDER", "0")
-    assert not KernelSwitches().fixed_order_on(cuda)
+    assert not KernelSwitches().on_for("fixed_order", cuda)
     monkeypatch.setenv("LOCKSTEP_FIXED_ORDER", "1")
-    assert KernelSwitches().fixed_order_on(cpu)
+    assert KernelSwitches().on_for("fixed_order", cpu)
     assert "fixed_order on (LOCKSTEP_FIXED_ORDER=1)" in KernelSwitches().describe()
     # compile_rows belongs to the true-on-policy forward (both sides alike): not switched off by it
+    monkeypatch.delenv("LOCKSTEP_COMPILE_ROWS", raising=False)
     assert KernelSwitches(true_on_policy=True, compile_rows=True).on("compile_rows")
-    assert not KernelSwitches().on("compile_rows")
+    # on CUDA by default (inductor); on the CPU only on request (dynamo's trace, no code generation)
+    assert KernelSwitches().on_for("compile_rows", cuda) and not KernelSwitches().on_for("compile_rows", cpu)
+    assert not KernelSwitches(compile_rows=False).on_for("compile_rows", cuda)
     monkeypatch.setenv("LOCKSTEP_COMPILE_ROWS", "1")
-    assert KernelSwitches().on("compile_rows")
+    assert KernelSwitches().on_for("compile_rows", cpu)
+    monkeypatch.setenv("LOCKSTEP_COMPILE_ROWS", "0")
+    assert not KernelSwitches().on_for("compile_rows", cuda)

@@ -25,11 +25,12 @@ equal where every partial sum is exact. Interpreter (CPU tests) gaps bridged as 
 grouped_gemm_triton.py, whose _dot / _bf16 helpers this kernel shares.
 
 `fixed_order_linear(x, w)` takes the kernel where it runs (CUDA, or the interpreter) and the
-reference elsewhere, or when a gradient is wanted: forward only, no autograd registered. The
-true-on-policy forward calls it over whole rows (whole_rows.linear). Suited to decode (H200, 64
-rows: 0.76-0.98x cuBLAS's time per call, benchmarks/fixed_order_linear.py); prefill and training
-rows pay for the 16-row tiles (4,096 rows: 0.24-0.54x, weight tiles re-read per 16 rows, mma.sync
-rather than wgmma), which a per-(N, K) config with larger tiles could recover.
+reference elsewhere, or when a gradient is wanted: forward only, no autograd registered. A grouped
+weight [G, N, K] (DeepSeek-V4's wo_a) runs its G GEMMs in one launch, each with its own [N, K]
+config and sums. The true-on-policy forward calls it over whole rows (whole_rows.linear). Suited to
+decode (H200, 64 rows: 0.77-0.96x cuBLAS's time per call, benchmarks/fixed_order_linear.py);
+prefill and training rows pay for the 16-row tiles (4,096 rows: 0.24-0.54x, weight tiles re-read
+per 16 rows, mma.sync rather than wgmma), except the LM head's (WIDE_N).
 """
 
 from __future__ import annotations

@@ -64,21 +64,24 @@ class KernelSwitches:
     the same bits as the row blocks' guarantee, decode as fast, prefill and training faster); True:
     also under Triton's interpreter (the CPU tests; slow); False: row blocks. Engine and trainer
     must agree on it (LOCKSTEP_FIXED_ORDER, "0" or "1", sets both in one process)."""
-    compile_rows: bool = False
+    compile_rows: bool | None = None
     """Over whole rows, the row-local steps run compiled (layers/compiled_rows.py): inductor on CUDA,
-    the fixed-order kernels opaque inside. Engine and trainer must agree on it. Off until the GPU
-    check (engine == trainer bitwise, and its speed) has run (LOCKSTEP_COMPILE_ROWS)."""
+    the fixed-order kernels opaque inside. None: on CUDA (measured on an H200, 1b config: engine ==
+    trainer bitwise in bf16 / fp8 / fp8-fp4 serving, rollout 0.76-0.80x of the compiled default
+    against 0.42x uncompiled); True: also on the CPU (dynamo's trace without code generation: what
+    the CPU tests check; slow). Engine and trainer must agree on it (LOCKSTEP_COMPILE_ROWS)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:
-        fixed_order's device-dependent default, `fixed_order_on`)."""
+        a device-dependent default, `on_for`)."""
         if name in _SIDE_SPECIFIC and self.on("true_on_policy"):
             return False
         return env_override(ENV[name], getattr(self, name))
 
-    def fixed_order_on(self, x: torch.Tensor) -> bool:
-        """Whether the fixed_order switch holds for activations like x (None: on CUDA only)."""
-        setting = self.on("fixed_order")
+    def on_for(self, name: str, x: torch.Tensor) -> bool:
+        """Whether switch `name` holds for activations like x (a device-dependent switch's None: on
+        CUDA only)."""
+        setting = self.on(name)
         return x.is_cuda if setting is None else setting
 
     def describe(self) -> str:
