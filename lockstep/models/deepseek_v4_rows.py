@@ -13,7 +13,7 @@ Two rules make it so, on any device and in any dtype:
    (whole_rows.py; the end of this docstring).
 2. What a token reads from other tokens comes in a fixed layout (layers/key_tiles.py): its
    window in position order, then the compressed entries in fixed tiles, walked by one online
-   softmax; compressed entries themselves are pooled in row blocks (Compressor.entries_from_blocks),
+   softmax; compressed entries themselves are pooled in row blocks (Compressor.entries_from_slots),
    so a block pooled by a training forward and one closed by a decode step are the same entry.
 
 Layer by layer (DeepseekV4DecoderLayer.forward given a key source instead of an attention
@@ -38,7 +38,8 @@ is left is ~500 small kernels per layer and block), the dense experts off CUDA (
 routed FLOPs), eager decode graphs, and in training the default forward beside this one. A
 training forward skips the compressed-entry tiles a row cannot see yet (FullSequences.reach_groups).
 On CUDA a layer and the head run over whole rows with fixed-order kernels instead
-(KernelSwitches.fixed_order, whole_rows.py).
+(KernelSwitches.fixed_order, whole_rows.py), their row-local steps compiled
+(KernelSwitches.compile_rows, layers/compiled_rows.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ from lockstep.models.layers.row_blocks import ROWS, row_blocks
 from lockstep.models.precision import cast_model
 
 ON = KernelSwitches(true_on_policy=True)
+# every layer kind once, for the tests whose interpreted kernels cost per layer ("mixed" repeats a C4 layer)
+EVERY_KIND_ONCE = tiny_config(num_hidden_layers=3, layer_types=(SLIDING, CSA, HCA),
+                              mlp_layer_types=("hash_moe", "moe", "moe"))
 # the Triton kernels on CPU tensors: the interpreter, set by tests/conftest.py except on GPU runs
 interpreted_triton = pytest.mark.skipif(grouped_gemm_triton.triton is None or not grouped_gemm_triton.interpreted(),
                                         reason="needs triton with TRITON_INTERPRET=1 (every CPU run sets it)")
@@ -137,7 +140,7 @@ def test_fixed_order_whole_rows_keep_steps_equal_to_training(monkeypatch, dtype)
     from lockstep.models.layers import (fixed_order_linear, index_scores_triton, moe, norm, pool_slots_triton,
                                         tiled_attention_triton)
 
-    model = true_on_policy_model("mixed", dtype)
+    model = true_on_policy_model(EVERY_KIND_ONCE, dtype)
     # 12 tokens: past the window (8) and 3 rate-4 entries; the interpreted kernels cost per row and
     # per call, so few rows: 2 x 16 tokens took 61 s (bf16) on 2 CPU cores
     S = 12
@@ -184,9 +187,7 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     from lockstep.models.layers import compiled_rows, moe
 
     monkeypatch.setattr(moe, "_row_invariant_kernels", lambda x, gate_up, down: grouped_gemm_triton.available(x, gate_up))
-    # every layer kind once ("mixed" repeats a C4 layer, which adds interpreted kernel time, not graphs)
-    kinds = tiny_config(num_hidden_layers=3, layer_types=(SLIDING, CSA, HCA), mlp_layer_types=("hash_moe", "moe", "moe"))
-    model = true_on_policy_model(kinds, torch.bfloat16)
+    model = true_on_policy_model(EVERY_KIND_ONCE, torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(9))
     set_kernel_switches(model, KernelSwitches(true_on_policy=True, fixed_order=True))
     with torch.no_grad():
@@ -213,7 +214,8 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     assert torch.equal(full, eager)
     assert torch.equal(steps, full)
     assert set(calls) == {"_before_attention", "_projections", "_output", "_before_moe", "_route_and_compute",
-                          "hc_combine", "final_hidden", "_head_logits", "_step_window", "_step_blocks", "_write_state"}  # the last 3: decode only
+                          "_pool_and_finish", "hc_combine", "final_hidden", "_head_logits", "window_keys",
+                          "write_window", "_step_blocks", "_write_state"}  # the last 4: decode only
     # only the row dim is a symbol (mark_rows_dynamic: a symbolic hidden dim costs Triton its vector loads)
     assert any(dims and dims[0] for dims in symbolic) and not any(any(dims[1:]) for dims in symbolic)
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .attention_rows import attention_rows
+from .window_ring import read_window, write_window
 from .compressor import Compressor, CompressorState
 from .fused_linear import project
 from .indexer import Indexer
@@ -211,35 +212,18 @@ class DeepseekV4Attention(nn.Module):
         """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
         x = self._input_projections(h)
         q_res, q, kv, cos, sin = self._project(x, batch.positions)
-        ring_keys, ring_pos = self._read_window(cache, batch)
+        ring_keys, ring_pos = read_window(cache.window, batch.slots, batch.start_pos)
         keys = torch.cat([ring_keys, kv], dim=1)
         k_pos = torch.cat([ring_pos, batch.positions], dim=1)
         k_valid = torch.cat([ring_pos >= 0, batch.valid], dim=1)
         bias = window_bias(batch.positions, k_pos, k_valid, self.window)
-        self._write_window(cache, batch, kv)
+        write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv)
         if self.compressor is not None:
             entries, index_keys = self._step_compressors(x, batch, cache)
             comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         keys, bias = pad_keys(keys, bias)
         return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
-
-    def _read_window(self, cache: LayerCache, batch):
-        W = self.window
-        last = (batch.start_pos - 1).unsqueeze(1)  # last position already in the ring
-        r = torch.arange(W, device=last.device)
-        ring_pos = last - torch.remainder(last - r, W)  # position held at ring index r (<0: empty)
-        return cache.window[batch.slots], ring_pos
-
-    def _write_window(self, cache: LayerCache, batch, kv: torch.Tensor) -> None:
-        # only the last W new tokens survive; writing just those keeps ring indices unique
-        t = torch.arange(kv.shape[1], device=kv.device)
-        keep = batch.valid & (t.unsqueeze(0) >= (batch.num_new - self.window).unsqueeze(1))
-        # every [N, S] token is written (fixed shape, no nonzero: no device sync); the dropped ones
-        # land in the scratch slot
-        slots = torch.where(keep, batch.slots.unsqueeze(1), cache.scratch_slot)
-        ring = torch.where(keep, batch.positions % self.window, 0)
-        cache.window[slots, ring] = kv.to(cache.window.dtype)
 
     def _step_compressors(self, x: InputProjections, batch, cache: LayerCache):
         # entries of positions < max_end (host int), or the whole capacity (masked by position)

@@ -31,6 +31,7 @@ from .key_tiles import ENTRY_TILE, gather_tile, tile_spans, tiled_index_scores, 
 from .rope import rope_cos_sin
 from .row_blocks import row_blocks
 from .whole_rows import row_local, whole_rows as whole_rows_mode
+from .window_ring import window_keys, write_window
 
 REACH_GROUPS = 4  # position ranges of a training forward that each walk only the entry tiles they can see
 
@@ -110,16 +111,16 @@ class StepKeys(KeySource):
         self.batch, self.cache = batch, cache
 
     def window(self, attn, kv: torch.Tensor):
-        """Rows of [ring (W) ; new tokens (S)] per sequence (`_step_window`), then the new tokens
-        written into the ring, as DeepseekV4Attention.forward_step does. A decode step's goes through
-        its compiled form under compile_rows (compiled_rows.decode_call: ~20 small kernels per layer
-        become a few)."""
-        layer_cache = self.cache.layers[attn.layer_idx]
+        """Rows of [ring (W) ; new tokens (S)] per sequence (window_ring.window_keys), then the new tokens
+        written into the ring, as DeepseekV4Attention.forward_step does. A decode step's go through
+        their compiled forms under compile_rows (compiled_rows.decode_call: ~20 small kernels per
+        layer, and the write's ~10, become a few)."""
+        ring, batch = self.cache.layers[attn.layer_idx].window, self.batch
         new = self.per_sequence(kv)
-        args = (layer_cache.window, self.batch.slots, new, self.batch.start_pos, self.sequence,
-                self.slot_positions(attn.window))
-        keys = compiled_rows.decode_call(self.S, _step_window, *args)
-        attn._write_window(layer_cache, self.batch, new)
+        args = (ring, batch.slots, new, batch.start_pos, self.sequence, self.slot_positions(attn.window))
+        keys = compiled_rows.decode_call(self.S, window_keys, *args)
+        compiled_rows.decode_call(self.S, write_window, ring, batch.slots, batch.positions, batch.valid,
+                                  batch.num_new, new)
         return keys
 
     def compressed(self, attn, x):
@@ -128,18 +129,6 @@ class StepKeys(KeySource):
         fields = {f.name: self.per_sequence(getattr(x, f.name)) for f in dataclasses.fields(x)}
         step_x = dataclasses.replace(x, **fields)
         return attn._step_compressors(step_x, self.batch, self.cache.layers[attn.layer_idx])
-
-
-def _step_window(ring, slots, new, start_pos, sequence, key_pos):
-    """An engine step's window keys: ring [slots, W, D], new tokens [N, S, D] -> (source [N (W + S), D]:
-    each sequence's ring then its new tokens, index and valid [T, W] into it): positions before the
-    step's first new token come from the ring (position q at ring index q mod W), the others from the
-    new tokens. Data movement and integer arithmetic only: compiled or not, the same values."""
-    W, S = ring.shape[1], new.shape[1]
-    source = torch.cat([ring[slots].to(new.dtype), new], dim=1).flatten(0, 1)
-    start = start_pos[sequence].unsqueeze(1)
-    within = torch.where(key_pos < start, torch.remainder(key_pos, W), W + key_pos - start)
-    return source, (sequence * (W + S)).unsqueeze(1) + within, key_pos >= 0
 
 
 def _projections(attn, h: torch.Tensor, positions: torch.Tensor):

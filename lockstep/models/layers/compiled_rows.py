@@ -5,12 +5,12 @@ Why: over whole rows (whole_rows.py) a decode step of the 1b config is ~2,800 ke
 mean on an H200, as many as the eager default's; the compiled default fuses its element-wise ops
 into ~645, which is most of its 3x lead (true-on-policy rollout 0.32x of the compiled default,
 0.98x of the eager one). Here each row-local step (mHC collapse + norm, the attention's
-projections and output, the MoE's routing, experts and combine, mHC combine, the head's collapse +
-norm) is one torch.compile'd function, its fixed-order kernels opaque custom ops inside, its
-element-wise ops fused between them. An engine decode step's window keys and compressor block
-layout / state writes (attention_rows._step_window, compressor._step_blocks / _write_state) compile
-too: data movement and integer arithmetic, the same values compiled or not, so the trainer need not
-share them; the compressed entries' arithmetic between them stays eager on both sides.
+projections and output, the compressed entries' pooling, norm and RoPE, the MoE's routing, experts
+and combine, mHC combine, the head's collapse + norm) is one torch.compile'd function, its
+fixed-order kernels opaque custom ops inside, its element-wise ops fused between them. An engine
+decode step's window keys and ring write (window_ring.window_keys, write_window) and compressor
+block layout and state writes (compressor._step_blocks, _write_state) compile too: data movement
+and integer arithmetic, the same values compiled or not, so the trainer need not share them.
 
 Why the bits still agree: the engine's steps and the trainer's exact forward call the same
 compiled function per step kind (one per function and layer kind, dynamic row count), so a row's

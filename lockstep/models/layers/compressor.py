@@ -25,7 +25,7 @@ from . import compiled_rows, pool_slots_triton
 from .norm import RMSNorm
 from .row_blocks import in_rows_forward, row_blocks
 from .rope import apply_rope, rope_cos_sin
-from .whole_rows import in_whole_rows
+from .whole_rows import in_whole_rows, row_local
 
 
 class Compressor(nn.Module):
@@ -68,16 +68,22 @@ class Compressor(nn.Module):
     def entries_from_blocks(self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
                             prev_gate: torch.Tensor | None, block_starts: torch.Tensor,
                             inv_freq: torch.Tensor) -> torch.Tensor:
-        """Blocks [N, nb, m, width] (position bias added) -> finished entries [N, nb, D]. In the
-        true-on-policy forward the entries are pooled and finished in row blocks (row_blocks.py),
-        or over whole rows by the pooling kernel and the fixed-order norm (pool_slots_triton.py),
-        so an entry has the same bits whether training pooled a whole sequence or a decode step
-        closed its block."""
-        kv, gate = self.block_slots(kv, gate, prev_kv, prev_gate)
+        """Blocks [N, nb, m, width] (position bias added) -> finished entries [N, nb, D]."""
+        return self.entries_from_slots(*self.block_slots(kv, gate, prev_kv, prev_gate), block_starts, inv_freq)
+
+    def entries_from_slots(self, kv: torch.Tensor, gate: torch.Tensor, block_starts: torch.Tensor,
+                           inv_freq: torch.Tensor) -> torch.Tensor:
+        """Each entry's slots [N, nb, slots, D] (block_slots) -> finished entries [N, nb, D]. In the
+        true-on-policy forward the entries are pooled and finished in row blocks (row_blocks.py), or
+        over whole rows by the pooling kernel, the fixed-order norm and the RoPE (`_pool_and_finish`,
+        compiled under compile_rows for training and every engine step alike), so an entry has the
+        same bits whether training pooled a whole sequence or a decode step closed its block."""
         N, nb = kv.shape[:2]
         if in_whole_rows() and pool_slots_triton.available(kv):  # every entry in one call (whole_rows.py)
-            pooled = pool_slots_triton.pool_slots(kv.flatten(0, 1), gate.flatten(0, 1)).view(N, nb, -1)
-            return self.finish(pooled, block_starts, inv_freq)
+            # cos / sin eager on both sides: an argument derived from inv_freq would make its size a symbol
+            cos, sin = rope_cos_sin(inv_freq, block_starts.flatten())
+            rows = row_local(True, _pool_and_finish, kv.flatten(0, 1), gate.flatten(0, 1), cos, sin, owner=self)
+            return rows.view(N, nb, -1)
         if not in_rows_forward():
             return self.finish(self.pool_slots(kv, gate), block_starts, inv_freq)
         entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), s, inv_freq),
@@ -113,20 +119,20 @@ class Compressor(nn.Module):
         entry to state.entries. A decode step's block layout and state writes go through their
         compiled forms under compile_rows (compiled_rows.decode_call): data movement, integer
         arithmetic and one add, the same values compiled or not; the entries' own arithmetic
-        (entries_from_blocks) stays as the training forward runs it."""
+        (entries_from_slots) runs as the training forward runs it."""
         S = kv_new.shape[1]
         buffers = (state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate)
-        kv_b, raw_gate_b, gate_b, prev_kv, prev_gate, starts, first_block, closed = compiled_rows.decode_call(
+        kv_b, raw_gate_b, gate_b, slot_kv, slot_gate, starts, first_block, closed = compiled_rows.decode_call(
             S, _step_blocks, self, kv_new, gate_new, start_pos, num_new, slots, *buffers)
-        entries = self.entries_from_blocks(kv_b, gate_b, prev_kv, prev_gate, starts, inv_freq)
+        entries = self.entries_from_slots(slot_kv, slot_gate, starts, inv_freq)
         compiled_rows.decode_call(S, _write_state, self, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed,
                                   state.scratch_slot, state.entries, *buffers)
 
 
 def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate):
     """A step's new tokens [N, S, width] laid out block-aligned after each slot's open block ->
-    (kv, raw gate, gate + position bias [N, nb, m, width], the slots' prev Ca halves or None,
-    block starts [N, nb], first block [N], blocks closed by the step [N])."""
+    (kv, raw gate, gate + position bias [N, nb, m, width], each entry's slots (block_slots: kv, gate
+    [N, nb, slots, D]), block starts [N, nb], first block [N], blocks closed by the step [N])."""
     N, S, _ = kv_new.shape
     m, dev = comp.m, kv_new.device
     fill = start_pos % m  # tokens already in the open block
@@ -143,7 +149,15 @@ def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, 
     first_block = start_pos // m
     starts = (first_block.unsqueeze(1) + torch.arange(nb, device=dev)) * m
     prev = (prev_kv[slots], prev_gate[slots]) if comp.overlap else (None, None)
-    return kv_b, raw_gate_b, raw_gate_b + comp.position_bias, *prev, starts, first_block, (fill + num_new) // m
+    gate_b = raw_gate_b + comp.position_bias
+    return kv_b, raw_gate_b, gate_b, *comp.block_slots(kv_b, gate_b, *prev), starts, first_block, (fill + num_new) // m
+
+
+def _pool_and_finish(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> torch.Tensor:
+    """Entries' slots [R, slots, D] -> finished entries [R, D] over whole rows: the pooling kernel,
+    the fixed-order norm, RoPE (cos / sin [R, rope_dim / 2])."""
+    return apply_rope(comp.kv_norm(pool_slots_triton.pool_slots(kv, gate)), cos, sin)
 
 
 def _write_state(comp: Compressor, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed, scratch_slot: int,
