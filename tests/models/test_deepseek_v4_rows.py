@@ -13,7 +13,6 @@ from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, Routing
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers import grouped_gemm_triton, row_blocks as row_blocks_module
-from lockstep.models.layers import whole_rows as whole_rows_module
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.attention_rows import FullSequences
 from lockstep.models.layers.key_tiles import ENTRY_TILE
@@ -206,7 +205,6 @@ def test_compiled_whole_rows_trace_in_whole_rows_mode_and_keep_steps_equal_to_tr
     monkeypatch.setattr(compiled_rows, "backend", lambda on_cuda: recording)
     call = compiled_rows.call
     monkeypatch.setattr(compiled_rows, "call", lambda fn, *a: calls.append(fn.__name__) or call(fn, *a))
-    monkeypatch.setattr(whole_rows_module, "compiled_rows_call", compiled_rows.call)
     torch._dynamo.reset()
     with torch.no_grad():
         full = model(ids)

@@ -15,8 +15,9 @@ and integer arithmetic, the same values compiled or not, so the trainer need not
 Why the bits still agree: the engine's steps and the trainer's exact forward call the same
 compiled function per step kind (one per function and layer kind, dynamic row count), so a row's
 element-wise arithmetic is the same generated code whatever the row count; the reductions are the
-fixed-order kernels'. What could still differ: inductor's fusion choices (which decide FMA
-contractions) at a row count of 1, which it compiles separately. Checked on an H200 (1b config,
+fixed-order kernels'. A row count of 1, which inductor compiles as a graph of its own (its fusion
+choices decide FMA contractions), is padded to 2 (`call_rows`); the decode-step bookkeeping
+(`decode_call`) may take it: moves and integer arithmetic, and one add, round the same in any graph. Checked on an H200 (1b config,
 every step above compiled): the CUDA equality tests (tests/test_true_on_policy.py, bf16 / fp8 /
 fp8-fp4 across weight pushes) and logprob_gap --true-on-policy 1 in bf16 and fp8 (exact 1.000,
 mean 0) pass; rollout 0.76-0.80x of the compiled default (eager rows: 0.32x). On by default on CUDA
@@ -100,6 +101,21 @@ def call(fn, *args):
     mark_rows_dynamic(args)
     with trace_settings():
         return _compiled[on_cuda](fn, *args)
+
+
+def call_rows(fn, owner, *xs):
+    """fn(*xs), or fn(owner, *xs), compiled (`call`), where every x is rows (dim 0) or None, and so is
+    every output. One row is padded to two (the row repeated; the first output row kept): inductor
+    compiles a row count of 1 as a graph of its own, whose fusion choices (FMA contractions) could
+    round a row otherwise than the graph every other count shares, and one-row calls happen (a
+    training micro-batch of one short sequence closes a single HCA entry)."""
+    one = isinstance(xs[0], torch.Tensor) and xs[0].shape[0] == 1
+    if one:
+        xs = tuple(x if x is None else torch.cat([x, x]) for x in xs)
+    out = call(fn, *xs) if owner is None else call(fn, owner, *xs)
+    if not one:
+        return out
+    return torch.utils._pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, out)
 
 
 def decode_call(new_tokens: int, fn, *args):
