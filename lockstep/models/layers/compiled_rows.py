@@ -17,8 +17,10 @@ compiled function per step kind (one per function and layer kind, dynamic row co
 element-wise arithmetic is the same generated code whatever the row count; the reductions are the
 fixed-order kernels'. A row count of 1, which inductor compiles as a graph of its own (its fusion
 choices decide FMA contractions), is padded to 2 (`call_rows`); the decode-step bookkeeping
-(`decode_call`) may take it: moves and integer arithmetic, and one add, round the same in any graph. Checked on an H200 (1b config,
-every step above compiled): the CUDA equality tests (tests/test_true_on_policy.py, bf16 / fp8 /
+(`decode_call`) may take it: moves and integer arithmetic, and one add, round the same in any graph.
+
+Checked on an H200 (1b config, every step above compiled but the ring write and the entries'
+arithmetic, added after): the CUDA equality tests (tests/test_true_on_policy.py, bf16 / fp8 /
 fp8-fp4 across weight pushes) and logprob_gap --true-on-policy 1 in bf16 and fp8 (exact 1.000,
 mean 0) pass; rollout 0.76-0.80x of the compiled default (eager rows: 0.32x). On by default on CUDA
 (KernelSwitches.compile_rows).
@@ -33,6 +35,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .row_blocks import CallMode
 
@@ -115,7 +118,7 @@ def call_rows(fn, owner, *xs):
     out = call(fn, *xs) if owner is None else call(fn, owner, *xs)
     if not one:
         return out
-    return torch.utils._pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, out)
+    return pytree.tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) else t, out)
 
 
 def decode_call(new_tokens: int, fn, *args):
