@@ -20,7 +20,6 @@ from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .attention_rows import attention_rows
-from .window_ring import read_window, write_window
 from .compressor import Compressor, CompressorState
 from .fused_linear import project
 from .indexer import Indexer
@@ -28,6 +27,7 @@ from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
 from .sink_attention import closed_block_bias, pad_keys, sink_attention, window_bias
 from .whole_rows import apply_linear, in_whole_rows, linear
+from .window_ring import read_window, write_window
 
 
 class CSACompressor(Compressor):

@@ -85,8 +85,8 @@ class Compressor(nn.Module):
             rows = row_local(True, _pool_and_finish, kv.flatten(0, 1), gate.flatten(0, 1), cos, sin, owner=self)
             return rows.view(N, nb, -1)
         if not in_rows_forward():
-            return self.finish(self.pool_slots(kv, gate), block_starts, inv_freq)
-        entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), s, inv_freq),
+            return self.finish(self.pool_slots(kv, gate), *rope_cos_sin(inv_freq, block_starts))
+        entries = row_blocks(lambda k, g, s: self.finish(self.pool_slots(k, g), *rope_cos_sin(inv_freq, s)),
                              kv.flatten(0, 1), gate.flatten(0, 1), block_starts.flatten())
         return entries.view(N, nb, -1)
 
@@ -94,9 +94,9 @@ class Compressor(nn.Module):
         """How many entries a query at each position may use: block j has closed once j < (p + 1) // m."""
         return (positions + 1) // self.m
 
-    def finish(self, pooled: torch.Tensor, block_starts: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Norm, then RoPE at each entry's block start. pooled [N, nb, D], block_starts [N, nb]."""
-        cos, sin = rope_cos_sin(inv_freq, block_starts)
+    def finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Norm, then RoPE at each entry's block start. pooled [..., D], cos / sin [..., rope_dim / 2]
+        (rope_cos_sin of the block starts)."""
         return apply_rope(self.kv_norm(pooled), cos, sin)
 
     def forward_full(self, kv: torch.Tensor, gate: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ def _pool_and_finish(comp: Compressor, kv: torch.Tensor, gate: torch.Tensor, cos
                      sin: torch.Tensor) -> torch.Tensor:
     """Entries' slots [R, slots, D] -> finished entries [R, D] over whole rows: the pooling kernel,
     the fixed-order norm, RoPE (cos / sin [R, rope_dim / 2])."""
-    return apply_rope(comp.kv_norm(pool_slots_triton.pool_slots(kv, gate)), cos, sin)
+    return comp.finish(pool_slots_triton.pool_slots(kv, gate), cos, sin)
 
 
 def _write_state(comp: Compressor, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed, scratch_slot: int,

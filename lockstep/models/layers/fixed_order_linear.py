@@ -88,17 +88,17 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False)
     return out.view(*x.shape[:-1], w.shape[-2])
 
 
+# The LM head (N = the vocabulary): 64 x 128 tiles. Its weight is most of a decode step's bytes, re-read
+# per 16 rows with the small tiles (H200, 32768 x 1024: 64 rows 33.1 -> 22.2 us, 4,096 rows 1,947 ->
+# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep 16 rows:
+# a decode step's GEMMs took 10-40% longer with 64 (wq_a 5.0 -> 5.6 us at 64 rows).
+WIDE_N = 8192
 # Split K only where the weight has few column tiles (N <= 128: the router, wkv, the indexer's head
 # weights): there a decode step had a handful of programs walking all of K in series (the 1b config's
 # fp32 router, 64 x 1024, took 44 us in a decode step on an H200). Elsewhere a split cost more than
 # it saved (benchmarks/fixed_order_linear.py, H200, 64 rows: wo_a 256 x 512 3.2 -> 3.8 us, wq_a
 # 512 x 1024 4.8 -> 4.3 us; 4,096 rows: wq_a 31.6 -> 48.8 us, the fp32 partials' traffic).
 FEW_COLUMN_TILES = 2
-# The LM head (N = the vocabulary): 64 x 128 tiles. Its weight is most of a decode step's bytes, re-read
-# per 16 rows with the small tiles (H200, 32768 x 1024: 64 rows 33.1 -> 22.2 us, 4,096 rows 1,947 ->
-# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep 16 rows:
-# a decode step's GEMMs took 10-40% longer with 64 (wq_a 5.0 -> 5.6 us at 64 rows).
-WIDE_N = 8192
 MAX_SPLIT = 4
 MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
 
@@ -106,15 +106,14 @@ MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
 def launch_config(N: int, K: int) -> dict:
     """By the weight's shape only (module docstring): 16 rows per tile (tl.dot's minimum; decode
     has a few dozen rows), up to 64 output columns and 64 of K per step, smaller for small
-    dimensions; K split in up to MAX_SPLIT where the columns make FEW_COLUMN_TILES tiles or fewer."""
-    if N >= WIDE_N:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3)
-    block_n = min(64, max(16, triton.next_power_of_2(N)))
+    dimensions; the head (WIDE_N) 64 x 128; K split in up to MAX_SPLIT where the columns make
+    FEW_COLUMN_TILES tiles or fewer."""
     block_k = min(64, max(16, triton.next_power_of_2(K)))
+    block_m, block_n = (64, 128) if N >= WIDE_N else (16, min(64, max(16, triton.next_power_of_2(N))))
     split = 1
     if triton.cdiv(N, block_n) <= FEW_COLUMN_TILES:
         split = max(1, min(MAX_SPLIT, triton.cdiv(K, block_k) // MIN_SPLIT_TILES))
-    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
 def split_extent(K: int, block_k: int, split: int) -> tuple[int, int]:

@@ -41,9 +41,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from . import fixed_order_linear
-from . import compiled_rows
-from .compiled_rows import in_compiled_rows
+from . import compiled_rows, fixed_order_linear
 from .row_blocks import CallMode, row_blocks
 
 # A call over every row at once: the modules it reaches take their fixed-order forms.
@@ -64,7 +62,7 @@ def row_local(whole: bool, fn, *xs, owner=None):
     args = xs if owner is None else (owner, *xs)
     if whole:
         with whole_rows():
-            if in_compiled_rows():
+            if compiled_rows.in_compiled_rows():
                 return compiled_rows.call_rows(fn, owner, *xs)
             return fn(*args)
     return row_blocks(fn if owner is None else partial(fn, owner), *xs)

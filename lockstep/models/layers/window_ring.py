@@ -34,10 +34,11 @@ def write_window(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tenso
 
 
 def window_keys(ring, slots, new, start_pos, sequence, key_pos):
-    """The true-on-policy step's window keys, as rows: ring [slots, W, D], new tokens [N, S, D] -> (source [N (W + S), D]:
-    each sequence's ring then its new tokens, index and valid [T, W] into it): positions before the
-    step's first new token come from the ring (position q at ring index q mod W), the others from the
-    new tokens. Data movement and integer arithmetic only: compiled or not, the same values."""
+    """The true-on-policy step's window keys, as rows: ring [slots, W, D], new tokens [N, S, D] ->
+    (source [N (W + S), D]: each sequence's ring then its new tokens, index and valid [T, W] into
+    it): positions before the step's first new token come from the ring (position q at ring index
+    q mod W), the others from the new tokens. Data movement and integer arithmetic only: compiled
+    or not, the same values."""
     W, S = ring.shape[1], new.shape[1]
     source = torch.cat([ring[slots].to(new.dtype), new], dim=1).flatten(0, 1)
     start = start_pos[sequence].unsqueeze(1)
