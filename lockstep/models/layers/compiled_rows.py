@@ -19,11 +19,11 @@ fixed-order kernels'. A row count of 1, which inductor compiles as a graph of it
 choices decide FMA contractions), is padded to 2 (`call_rows`); the decode-step bookkeeping
 (`decode_call`) may take it: moves and integer arithmetic, and one add, round the same in any graph.
 
-Checked on an H200 (1b config, every step above compiled but the ring write and the entries'
-arithmetic, added after): the CUDA equality tests (tests/test_true_on_policy.py, bf16 / fp8 /
-fp8-fp4 across weight pushes) and logprob_gap --true-on-policy 1 in bf16 and fp8 (exact 1.000,
-mean 0) pass; rollout 0.76-0.80x of the compiled default (eager rows: 0.32x). On by default on CUDA
-(KernelSwitches.compile_rows).
+Checked on an H200 (1b config, every step above compiled): the CUDA equality tests
+(tests/test_true_on_policy.py, bf16 / fp8 / fp8-fp4 across weight pushes) and logprob_gap
+--true-on-policy 1 in bf16 and fp8 (exact 1.000, mean 0) pass; rollout 0.89x of the compiled
+default (eager rows: 0.32x), 758 kernels per decode step against the default's 638. On by default on
+CUDA (KernelSwitches.compile_rows).
 
 A step is traced inside whole_rows() (CallMode: the mode is frozen into the graph), only through
 `call`. Backend: inductor on CUDA, "eager" elsewhere (dynamo's trace without code generation: what
