@@ -21,10 +21,13 @@ move the sum an ulp.
 
 `fixed_order_rms_norm(x, weight, eps)` takes the kernel where it runs (CUDA, or the interpreter)
 and the reference elsewhere or when a gradient is wanted (forward only, no autograd registered).
-Not wired into the model, engine or trainer.
+The true-on-policy forward's norms call it over whole rows (norm.py).
 
-GPU validation owed: speed (two reads of each row, one program per row: fine for decode, not
-measured for prefill) and bitwise invariance and agreement with eager CUDA have not been measured.
+On an H200 (1b config): a decode step's 50 of them take ~92 us (~1.8 us each, one program per
+row); bf16 outputs equal eager CUDA's on exact sums, fp32 ones within 4 ulps (the mean, above);
+the engine's and the trainer's bits agree (tests/test_true_on_policy.py on CUDA). Under the
+interpreter one program per row is the cost: ~10 ms each on a 2-core machine, most of the
+whole-rows CPU tests' time.
 """
 
 from __future__ import annotations
