@@ -133,6 +133,20 @@ def test_linear_config_gives_the_head_wide_tiles():
 
 
 @needs_triton
+def test_narrow_rows_per_tile_come_from_the_environment_or_fail_naming_it(monkeypatch):
+    """LOCKSTEP_FIXED_ORDER_BLOCK_M sets the narrower weights' rows per tile (engine and trainer read
+    the same variable); a value the kernel was not written for is an error naming the variable."""
+    monkeypatch.setenv("LOCKSTEP_FIXED_ORDER_BLOCK_M", "64")
+    assert fol.narrow_block_m() == 64
+    monkeypatch.setattr(fol, "NARROW_BLOCK_M", 64)
+    assert fol.launch_config(512, 1024)["BLOCK_M"] == 64 and fol.launch_config(32768, 1024)["BLOCK_M"] == 64
+    for bad in ("8", "128", "sixteen"):
+        monkeypatch.setenv("LOCKSTEP_FIXED_ORDER_BLOCK_M", bad)
+        with pytest.raises(ValueError, match="LOCKSTEP_FIXED_ORDER_BLOCK_M"):
+            fol.narrow_block_m()
+
+
+@needs_triton
 @pytest.mark.parametrize("N,K,cfg,dtype", [(40, 72, {}, torch.bfloat16), (*SPLIT, torch.float32),
                                            (48, 64, dict(block_m=64, block_n=32), torch.bfloat16)])
 def test_grouped_linear_equals_a_launch_per_group(N, K, cfg, dtype):

@@ -35,6 +35,8 @@ per 16 rows, mma.sync rather than wgmma), except the LM head's (WIDE_N).
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import grouped_gemm_triton as _gt
@@ -101,15 +103,31 @@ WIDE_N = 8192
 FEW_COLUMN_TILES = 2
 MAX_SPLIT = 4
 MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
+# Rows per tile of the narrower weights. 16 suits decode; training's 4,096-row GEMMs ran 0.24-0.54x
+# cuBLAS with it against 0.59-0.84x with 64 (which cost 10-30% at 64 decode rows; the H200 sweep
+# above): the whole-step trade is measured by setting LOCKSTEP_FIXED_ORDER_BLOCK_M=64 for both sides
+# (a tile size is part of the numerics: engine and trainer must read the same value).
+BLOCK_M_CHOICES = (16, 32, 64)
+
+
+def narrow_block_m() -> int:
+    """LOCKSTEP_FIXED_ORDER_BLOCK_M, else 16; a value outside BLOCK_M_CHOICES is an error naming it."""
+    value = os.environ.get("LOCKSTEP_FIXED_ORDER_BLOCK_M", "16")
+    if value not in tuple(map(str, BLOCK_M_CHOICES)):
+        raise ValueError(f"LOCKSTEP_FIXED_ORDER_BLOCK_M={value!r}: must be one of {BLOCK_M_CHOICES}")
+    return int(value)
+
+
+NARROW_BLOCK_M = narrow_block_m()
 
 
 def launch_config(N: int, K: int) -> dict:
-    """By the weight's shape only (module docstring): 16 rows per tile (tl.dot's minimum; decode
-    has a few dozen rows), up to 64 output columns and 64 of K per step, smaller for small
-    dimensions; the head (WIDE_N) 64 x 128; K split in up to MAX_SPLIT where the columns make
-    FEW_COLUMN_TILES tiles or fewer."""
+    """By the weight's shape only (module docstring): NARROW_BLOCK_M rows per tile (16, tl.dot's
+    minimum, unless set: decode has a few dozen rows), up to 64 output columns and 64 of K per step,
+    smaller for small dimensions; the head (WIDE_N) 64 x 128; K split in up to MAX_SPLIT where the
+    columns make FEW_COLUMN_TILES tiles or fewer."""
     block_k = min(64, max(16, triton.next_power_of_2(K)))
-    block_m, block_n = (64, 128) if N >= WIDE_N else (16, min(64, max(16, triton.next_power_of_2(N))))
+    block_m, block_n = (64, 128) if N >= WIDE_N else (NARROW_BLOCK_M, min(64, max(16, triton.next_power_of_2(N))))
     split = 1
     if triton.cdiv(N, block_n) <= FEW_COLUMN_TILES:
         split = max(1, min(MAX_SPLIT, triton.cdiv(K, block_k) // MIN_SPLIT_TILES))
