@@ -35,11 +35,11 @@ import torch
 
 from lockstep.quant.blocks import n_blocks
 
-try:
-    import triton
+from lockstep.triton_support import load_triton
+
+triton = load_triton()  # None: fp8.py's PyTorch path is always there
+if triton is not None:
     import triton.language as tl
-except ImportError:  # fp8.py's PyTorch path is always there
-    triton = None
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BYTE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # e8m0 scale storage

@@ -2,7 +2,6 @@
 whole path (random init, bf16 autocast, SFT, save) at a CPU size, loaded back by Engine and Trainer."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from lockstep.rl.rewards.arithmetic import reward
 from lockstep.train.config import TrainConfig
 from lockstep.train.sft import collate, make_examples, sft_loss
 from lockstep.train.trainer import Trainer
+from processes import cli_env
 
 ROOT = Path(__file__).resolve().parents[2]
 PRESET = "gpu-dsv4-0.85b"
@@ -121,7 +121,7 @@ def test_logprob_gap_measures_the_saved_model(trained, reinit):
     cmd = [sys.executable, str(ROOT / "benchmarks" / "logprob_gap.py"), "--model", str(trained[0]), "--device", "cpu",
            "--dtype", "float32", "--batch", "2", "--new-tokens", "4", "--formats", "bf16", "--batch-invariant", "0",
            "--routing-replay", "0", "--no-compile-decode", *(["--reinit"] if reinit else [])]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=cli_env())
     assert done.returncode == 0, done.stderr[-2000:]
     rows = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("JSON ")]
     assert len(rows) == 1 and rows[0]["mean_abs_diff"] < 1e-4  # float32 on both sides

@@ -2,12 +2,12 @@
 colocated weight push through it (torch.distributed.run sets the env:// variables we join with)."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from dist_world import free_port
+from processes import cli_env
 from lockstep.dist.config import DistConfig
 from lockstep.dist.launch import should_launch, strip_launch_flags, torchrun_args
 
@@ -34,10 +34,7 @@ def test_launch_runs_a_colocated_push_on_two_processes(tmp_path):
     code = ("import sys; from lockstep.dist.config import DistConfig; from lockstep.dist.launch import launch; "
             f"launch(DistConfig(nproc_per_node=2, master_port={free_port()}), "
             f"[{str(HERE / 'torchrun_colocated_push.py')!r}, {str(tmp_path)!r}])")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], env=cli_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-4000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for r, s in enumerate(seen):

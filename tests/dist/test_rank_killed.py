@@ -31,6 +31,7 @@ from pathlib import Path
 import pytest
 
 from dist_world import free_port, report, world_devices
+from processes import cli_env
 
 TIMEOUT_S = 20
 MARGIN_S = 15  # the launcher's poll, the survivor's exit and torch's summary; measured ~1 s on the CPU
@@ -91,9 +92,7 @@ def _wait_mid_run(proc: subprocess.Popen, metrics: Path, limit_s: float) -> None
 
 
 def _start(run_dir: Path, device: str, layout: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                                                             "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
+    env = cli_env()
     if device == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on the CPU wherever the test runs
     flags = ["--device", "cuda", "--no-compile-decode", "--no-compile-prefill"] if device == "cuda" else []

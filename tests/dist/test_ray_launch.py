@@ -32,13 +32,13 @@ from dist_world import free_port
 from lockstep.dist.groups import Layout
 from lockstep.dist.ray_launch import (INSTALL_HINT, Place, RayLaunchError, forwarded_env, import_ray, rank_env,
                                       rank_order, role)
+from processes import cli_env
 from test_train_world import SIZES, _first_difference, _perf_free, _train
 
 
 def _env() -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "RAY_ADDRESS"):
-        env.pop(k, None)
+    env = cli_env()
+    env.pop("RAY_ADDRESS", None)
     return env
 
 

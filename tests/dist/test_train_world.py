@@ -64,6 +64,7 @@ import time
 import pytest
 
 from dist_world import free_port, run_world
+from processes import cli_env
 
 # 4 eval prompts: 2 a rank, still sharded (an eval of 8 cost ~1.6 s at step 0 and after the last rollout)
 SIZES = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--eval-interval", "2",
@@ -73,9 +74,7 @@ RUN = [*SIZES, "--batch-invariant", "--max-tokens-per-gpu", "172"]
 
 
 def _train(run_dir, *flags) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
+    env = cli_env()
     cmd = [sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(run_dir), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -135,9 +134,7 @@ def expert_parallel_by_layout(tmp_path_factory) -> dict:
     layout.write_text(json.dumps([{"tp": 1, "pp": 1, "ep": 2, "cp": 1, "feasible": True, "not_runnable": "",
                                    "train_flags": EP_LAYOUT_FLAGS}]))
     run_dir = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(k, None)
+    env = cli_env()
     proc = subprocess.run([sys.executable, "-m", "lockstep.cli", "train", *SIZES, "--batch-invariant", "--run-dir",
                            str(run_dir), "--layout", str(layout), "--master-port", str(free_port())], env=env,
                           capture_output=True, text=True, timeout=180)
@@ -159,7 +156,7 @@ def test_layout_file_starts_the_two_process_run(expert_parallel_by_layout, two_p
 def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_processes):
     # two launchers, one per "node" (here both on this machine), meet at --master-addr:--master-port
     port, run_dir = str(free_port()), tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cli_env()
     nodes = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(run_dir),
                                "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1", "--master-addr",
                                "127.0.0.1", "--master-port", port], env=env, stdout=subprocess.DEVNULL,

@@ -12,8 +12,6 @@ accumulation, rounded once. BLOCK_K divides 128: one scale column per step.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
@@ -82,10 +80,9 @@ if triton is not None:
             cfg["BLOCK_K"] = block_k
         assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
         out = x.new_empty(x.shape[0], N)
-        interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
         torch.library.wrap_triton(_grouped_fp8_kernel)[(G, triton.cdiv(N, cfg["BLOCK_N"]))](
             x, w, scale, out, offs, N, K, *x.stride(), *w.stride(), *scale.stride(), *out.stride(),
-            INTERPRETED=interpreted, SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
+            INTERPRETED=_gt.interpreted(), SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
         return out
 
     @_grouped_mm_fp8.register_fake

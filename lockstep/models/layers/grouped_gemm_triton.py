@@ -32,25 +32,18 @@ sweep, benchmarks/moe_grouped_gemm.py). Testable on CPU with TRITON_INTERPRET=1.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-try:
-    import triton
+from lockstep.triton_support import interpreted, load_triton
+
+triton = load_triton()  # None: grouped_gemm.py's paths are always there
+if triton is not None:
     import triton.language as tl
     from triton.language.extra import libdevice
-except ImportError:  # grouped_gemm.py's paths are always there
-    triton = None
 
 BLOCK_M = 16  # rows per tile: tl.dot's minimum; a decode step has ~6 rows per expert
 # A program walks its group's row tiles one after another, so past a few tiles per group
 # (prefill) CUTLASS's large tiles win: Experts takes these kernels at decode steps only (moe.py).
-
-
-def interpreted() -> bool:
-    """TRITON_INTERPRET is set: kernels run on the CPU (the tests), with the numeric bridges below."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
 
 
 def forward_kernel_runs(x: torch.Tensor) -> bool:

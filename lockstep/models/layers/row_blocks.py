@@ -46,11 +46,15 @@ class CallMode:
 
     def __init__(self, name: str):
         self._var: ContextVar[bool] = ContextVar(name, default=False)
-        var = self._var  # a plain function: assume_constant_result does not take a builtin method
-        self._at_trace = torch._dynamo.assume_constant_result(lambda: var.get())
+        # built at the first entry, not at import: it imports torch._dynamo, ~2.5 s of a process
+        # start on a 2-core machine, which a run that never enters the mode does not need
+        self._at_trace = None
 
     @contextmanager
     def __call__(self):
+        if self._at_trace is None:
+            var = self._var  # a plain function: assume_constant_result does not take a builtin method
+            self._at_trace = torch._dynamo.assume_constant_result(lambda: var.get())
         token = self._var.set(True)
         try:
             yield
@@ -59,7 +63,8 @@ class CallMode:
 
     def on(self) -> bool:
         if torch.compiler.is_compiling():
-            return self._at_trace()
+            # never entered in this process, so off: the constant the hook would have given
+            return False if self._at_trace is None else self._at_trace()
         return self._var.get()
 
 

@@ -42,11 +42,11 @@ from __future__ import annotations
 
 import torch
 
-try:
-    import triton
+from lockstep.triton_support import load_triton
+
+triton = load_triton()  # None: the plain loop in sinkhorn.py is always there
+if triton is not None:
     import triton.language as tl
-except ImportError:  # the plain loop in sinkhorn.py is always there
-    triton = None
 
 BLOCK_T = 32  # tokens per program: one per lane of the program's single warp
 MAX_N = 8  # n * n values per thread, unrolled: n = 8 is 64 registers' worth

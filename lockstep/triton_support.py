@@ -1,0 +1,33 @@
+"""Triton, loaded only where one of lockstep's kernels can run: on CUDA (or ROCm) builds of torch,
+and under Triton's interpreter (TRITON_INTERPRET=1: the CPU tests run the kernels there).
+
+Why not always: registering a kernel as a torch custom op (torch.library.triton_op) imports torch's
+compiler stack (inductor, dynamo) to find the kernels inside it, ~2.5 s of every process start on a
+2-core machine, and a CPU-only torch build can run none of them (they take CUDA tensors). There the
+kernel modules see `triton is None`, as where Triton is not installed, and every caller takes its
+PyTorch path, which is all such a process ever ran: a `lockstep train` process, or each rank of a
+multi-process run, starts that much sooner."""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+
+def interpreted() -> bool:
+    """TRITON_INTERPRET is set: kernels run on the CPU (the tests), with their numeric bridges."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+
+
+def load_triton() -> ModuleType | None:
+    """The triton module where a kernel can run (a GPU build of torch, or the interpreter), else None
+    (also where Triton is not installed)."""
+    if torch.version.cuda is None and torch.version.hip is None and not interpreted():
+        return None
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton
