@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-
 from lockstep.triton_support import load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
