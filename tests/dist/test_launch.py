@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 from dist_world import free_port
-from processes import cli_env
 from lockstep.dist.config import DistConfig
 from lockstep.dist.launch import should_launch, strip_launch_flags, torchrun_args
+from processes import cli_env
 
 HERE = Path(__file__).parent
 
