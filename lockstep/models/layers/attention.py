@@ -217,7 +217,8 @@ class DeepseekV4Attention(nn.Module):
         k_pos = torch.cat([ring_pos, batch.positions], dim=1)
         k_valid = torch.cat([ring_pos >= 0, batch.valid], dim=1)
         bias = window_bias(batch.positions, k_pos, k_valid, self.window)
-        write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv)
+        write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv,
+                     cache.scratch_slot)
         if self.compressor is not None:
             entries, index_keys = self._step_compressors(x, batch, cache)
             comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)

@@ -115,12 +115,12 @@ class StepKeys(KeySource):
         written into the ring, as DeepseekV4Attention.forward_step does. A decode step's go through
         their compiled forms under compile_rows (compiled_rows.decode_call: ~20 small kernels per
         layer, and the write's ~10, become a few)."""
-        ring, batch = self.cache.layers[attn.layer_idx].window, self.batch
-        new = self.per_sequence(kv)
+        layer_cache, batch = self.cache.layers[attn.layer_idx], self.batch
+        ring, new = layer_cache.window, self.per_sequence(kv)
         args = (ring, batch.slots, new, batch.start_pos, self.sequence, self.slot_positions(attn.window))
         keys = compiled_rows.decode_call(self.S, window_keys, *args)
         compiled_rows.decode_call(self.S, write_window, ring, batch.slots, batch.positions, batch.valid,
-                                  batch.num_new, new)
+                                  batch.num_new, new, layer_cache.scratch_slot)
         return keys
 
     def compressed(self, attn, x):

@@ -92,8 +92,8 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False)
 
 # The LM head (N = the vocabulary): 64 x 128 tiles. Its weight is most of a decode step's bytes, re-read
 # per 16 rows with the small tiles (H200, 32768 x 1024: 64 rows 33.1 -> 22.2 us, 4,096 rows 1,947 ->
-# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep 16 rows:
-# a decode step's GEMMs took 10-40% longer with 64 (wq_a 5.0 -> 5.6 us at 64 rows).
+# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep
+# NARROW_BLOCK_M rows (below).
 WIDE_N = 8192
 # Split K only where the weight has few column tiles (N <= 128: the router, wkv, the indexer's head
 # weights): there a decode step had a handful of programs walking all of K in series (the 1b config's
@@ -103,10 +103,11 @@ WIDE_N = 8192
 FEW_COLUMN_TILES = 2
 MAX_SPLIT = 4
 MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
-# Rows per tile of the narrower weights. 16 suits decode; training's 4,096-row GEMMs ran 0.24-0.54x
-# cuBLAS with it against 0.59-0.84x with 64 (which cost 10-30% at 64 decode rows; the H200 sweep
-# above): the whole-step trade is measured by setting LOCKSTEP_FIXED_ORDER_BLOCK_M=64 for both sides
-# (a tile size is part of the numerics: engine and trainer must read the same value).
+# Rows per tile of the narrower weights. 16 suits decode: with 64 a decode step's GEMMs took 10-40%
+# longer (wq_a 5.0 -> 5.6 us at 64 rows), while training's 4,096-row GEMMs went from 0.24-0.54x of
+# cuBLAS to 0.59-0.84x (H200, the sweep script above). The whole-step trade is measured by setting
+# LOCKSTEP_FIXED_ORDER_BLOCK_M=64 for both sides (a tile size is part of the numerics: engine and
+# trainer must read the same value).
 BLOCK_M_CHOICES = (16, 32, 64)
 
 

@@ -67,8 +67,8 @@ class KernelSwitches:
     compile_rows: bool | None = None
     """Over whole rows, the row-local steps run compiled (layers/compiled_rows.py): inductor on CUDA,
     the fixed-order kernels opaque inside. None: on CUDA (measured on an H200, 1b config: engine ==
-    trainer bitwise in bf16 / fp8 / fp8-fp4 serving, rollout 0.76-0.80x of the compiled default
-    against 0.42x uncompiled); True: also on the CPU (dynamo's trace without code generation: what
+    trainer bitwise in bf16 / fp8 / fp8-fp4 serving, rollout 0.89x of the compiled default against
+    0.32x uncompiled); True: also on the CPU (dynamo's trace without code generation: what
     the CPU tests check; slow). Engine and trainer must agree on it (LOCKSTEP_COMPILE_ROWS)."""
 
     def on(self, name: str) -> bool | None:

@@ -19,16 +19,16 @@ def read_window(ring: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
 
 
 def write_window(ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                 num_new: torch.Tensor, kv: torch.Tensor) -> None:
+                 num_new: torch.Tensor, kv: torch.Tensor, scratch_slot: int) -> None:
     """A step's new keys kv [N, S, D] (positions, valid [N, S]; num_new [N]) into the ring [slots + 1,
-    W, D] of sequences `slots` [N]."""
+    W, D] of sequences `slots` [N]; writes that do not survive go to scratch_slot."""
     W = ring.shape[1]
     # only the last W new tokens survive; writing just those keeps ring indices unique
     t = torch.arange(kv.shape[1], device=kv.device)
     keep = valid & (t.unsqueeze(0) >= (num_new - W).unsqueeze(1))
     # every [N, S] token is written (fixed shape, no nonzero: no device sync); the dropped ones
     # land in the scratch slot
-    rows = torch.where(keep, slots.unsqueeze(1), ring.shape[0] - 1)
+    rows = torch.where(keep, slots.unsqueeze(1), scratch_slot)
     ring_index = torch.where(keep, positions % W, 0)
     ring[rows, ring_index] = kv.to(ring.dtype)
 
