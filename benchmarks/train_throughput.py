@@ -46,6 +46,7 @@ import argparse
 import gc
 import json
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -145,18 +146,46 @@ def timed(step, args) -> tuple[float, object]:
     return time.perf_counter() - t, first
 
 
-def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 true_on_policy: bool = False) -> dict:
-    reset_peak(args.device)
+def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
+                     true_on_policy: bool = False) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
-    trainer = Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend,
-                                         max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
+    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend,
+                                      max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
+
+
+def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None) -> dict:
+    reset_peak(args.device)
+    trainer = lockstep_trainer(config, state, args, backend)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     out = {"seconds": seconds, "peak_bytes": peak_bytes(args.device), "grad_norm": first["train/grad_norm"]}
     torch._dynamo.reset()  # compiled layers' code holds the model: let it go with this frame
     return out
+
+
+def run_true_on_policy_pair(config, state, samples: list[Sample], args) -> tuple[dict, dict, list[float]]:
+    """The default trainer (eager) and the true-on-policy one, both resident, their steps
+    interleaved (default, true-on-policy, default, ...) and each timed alone: the host's and the
+    GPU's drift hits both alike (runs one after the other moved this ratio by 0.66-1.01x on one
+    H200). Per side: seconds = the median step x args.steps; also each pair's ratio."""
+    reset_peak(args.device)
+    trainers = [lockstep_trainer(config, state, args, None, tod) for tod in (False, True)]
+    firsts = [t.train_step(samples) for t in trainers]
+    for _ in range(args.warmup - 1):
+        for t in trainers:
+            t.train_step(samples)
+    times = [[], []]
+    for _ in range(args.steps):
+        for side, t in enumerate(trainers):
+            sync(args.device)
+            start = time.perf_counter()
+            t.train_step(samples)
+            sync(args.device)
+            times[side].append(time.perf_counter() - start)
+    runs = [{"seconds": statistics.median(ts) * args.steps, "peak_bytes": peak_bytes(args.device),
+             "grad_norm": first["train/grad_norm"]} for ts, first in zip(times, firsts)]
+    return runs[0], runs[1], [d / t for d, t in zip(*times)]
 
 
 def hf_model(config: DeepseekV4Config, state: dict[str, torch.Tensor], args):
@@ -228,7 +257,8 @@ def parse_args(argv=None):
                          "several: one row each")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
-                    help="one more lockstep row, TrainConfig.true_on_policy (eager), and its ratio to the first row")
+                    help="TrainConfig.true_on_policy against the eager default, both resident, steps "
+                         "interleaved: two more rows and their ratio")
     ap.add_argument("--gemm-size", type=int, default=None, help="peak-probe GEMM size (default 8192 CUDA, 1024 CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
@@ -267,12 +297,15 @@ def main(argv=None) -> None:
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
     if args.true_on_policy:
-        run = run_lockstep(config, state, samples, args, None, true_on_policy=True)
-        result["lockstep"]["true_on_policy"] = f = figures(run, args, flops_per_token, peak_tflops)
+        default, exact, pair_ratios = run_true_on_policy_pair(config, state, samples, args)
+        result["lockstep"]["true_on_policy_pair_default"] = d = figures(default, args, flops_per_token, peak_tflops)
+        result["lockstep"]["true_on_policy"] = f = figures(exact, args, flops_per_token, peak_tflops)
+        print("interleaved steps, median of each side; peak memory with both trainers resident:")
+        print(line("lockstep train_step (compile none)", d, args, peak_tflops))
         print(line("lockstep train_step (true on policy)", f, args, peak_tflops), flush=True)
-        first = args.compile_backend[0]
-        print(f"ratio true on policy / compile {first}: "
-              f"{f['tokens_per_s'] / result['lockstep'][first]['tokens_per_s']:.2f}x tok/s")
+        result["ratio_true_on_policy"] = ratio = f["tokens_per_s"] / d["tokens_per_s"]
+        print(f"ratio true on policy / compile none: {ratio:.2f}x tok/s (per pair of steps "
+              f"{min(pair_ratios):.2f}-{max(pair_ratios):.2f}x)")
     if not args.skip_transformers:
         run = run_transformers(config, state, ids, advantages, args)
         result["transformers"] = hf = figures(run, args, flops_per_token, peak_tflops)

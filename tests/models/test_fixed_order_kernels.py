@@ -133,17 +133,21 @@ def test_linear_config_gives_the_head_wide_tiles():
 
 
 @needs_triton
-def test_narrow_rows_per_tile_come_from_the_environment_or_fail_naming_it(monkeypatch):
-    """LOCKSTEP_FIXED_ORDER_BLOCK_M sets the narrower weights' rows per tile (engine and trainer read
-    the same variable); a value the kernel was not written for is an error naming the variable."""
-    monkeypatch.setenv("LOCKSTEP_FIXED_ORDER_BLOCK_M", "64")
-    assert fol.narrow_block_m() == 64
-    monkeypatch.setattr(fol, "NARROW_BLOCK_M", 64)
-    assert fol.launch_config(512, 1024)["BLOCK_M"] == 64 and fol.launch_config(32768, 1024)["BLOCK_M"] == 64
-    for bad in ("8", "128", "sixteen"):
-        monkeypatch.setenv("LOCKSTEP_FIXED_ORDER_BLOCK_M", bad)
-        with pytest.raises(ValueError, match="LOCKSTEP_FIXED_ORDER_BLOCK_M"):
-            fol.narrow_block_m()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rows_per_tile_follow_the_row_count_and_leave_the_bits_alone(dtype):
+    """Decode's few rows take 16-row tiles, prefill's and training's many 64 (the head 64 always);
+    the sums' order (BLOCK_N, BLOCK_K, split) does not move with M, and the rows come out the same
+    bits whichever tile holds them."""
+    small, many = fol.launch_config(512, 1024, 64), fol.launch_config(512, 1024, fol.MANY_ROWS)
+    assert (small["BLOCK_M"], many["BLOCK_M"]) == (16, 64)
+    assert {k: v for k, v in small.items() if k != "BLOCK_M"} == {k: v for k, v in many.items() if k != "BLOCK_M"}
+    assert fol.launch_config(32768, 1024, 1)["BLOCK_M"] == 64
+    g = _gen(3)
+    x = torch.randn(fol.MANY_ROWS, 160, generator=g).to(DEVICE, dtype)
+    w = torch.randn(72, 160, generator=g).to(DEVICE, dtype)
+    rows = torch.ops.lockstep.fixed_order_linear(x, w)  # 64-row tiles (on Hopper: wgmma, not mma.sync)
+    assert torch.equal(rows[:5], torch.ops.lockstep.fixed_order_linear(x[:5], w))  # 16-row tiles
+    assert torch.equal(rows, torch.ops.lockstep.fixed_order_linear(x, w, block_m=16))
 
 
 @needs_triton

@@ -7,11 +7,16 @@ M, the other rows (garbage padding included) and the row's position in the batch
 one BLOCK_M x BLOCK_N output tile of one split of K and walks its K in BLOCK_K tiles in index
 order, accumulating in fp32 (tl.dot); rows of a tile do not mix (each output element is its own
 dot product). The splits' fp32 sums are then added first to last (sum_splits_triton.py) and
-rounded to x's dtype once. Tile sizes, warps, stages and the split count are chosen from (N, K)
-only (`launch_config`), never from M: a fixed split-K, no atomics, no autotune (which could pick
-another config per M); M is not specialised on (do_not_specialize: M == 1 would compile a second
-kernel). Keyword overrides of the config change the sums' order: every path of one run must use
-the same.
+rounded to x's dtype once. BLOCK_N, BLOCK_K, warps, stages and the split count, which fix each
+element's order of sums, are chosen from (N, K) only (`launch_config`): a fixed split-K, no
+atomics, no autotune (which could pick another config per M). BLOCK_M, the rows a program holds,
+follows M as well (16 for a decode step's few rows, 64 for prefill and training's thousands):
+it decides which rows share a program, not an element's sums. On Hopper the two are different
+instructions (mma.sync at 16 rows, wgmma at 64) and measured bit-equal on an H200 (bf16 and fp32,
+nine weight shapes, 4,096 rows, 16 / 32 / 64 / 128 rows per tile; 2026-12-02), and the CUDA
+equality tests compare decode rows (16) with training rows (64). M is not specialised on beyond
+that (do_not_specialize: M == 1 would compile a second kernel). Keyword overrides of BLOCK_N,
+BLOCK_K or the split change the sums' order: every path of one run must use the same.
 
 Why split K: at decode (a few dozen rows) a narrow weight has one or two column tiles per 16 rows,
 a handful of programs each walking all of K in series (`launch_config` says where it pays).
@@ -27,15 +32,12 @@ grouped_gemm_triton.py, whose _dot / _bf16 helpers this kernel shares.
 `fixed_order_linear(x, w)` takes the kernel where it runs (CUDA, or the interpreter) and the
 reference elsewhere, or when a gradient is wanted: forward only, no autograd registered. A grouped
 weight [G, N, K] (DeepSeek-V4's wo_a) runs its G GEMMs in one launch, each with its own [N, K]
-config and sums. The true-on-policy forward calls it over whole rows (whole_rows.linear). Suited to
-decode (H200, 64 rows: 0.77-0.96x cuBLAS's time per call, benchmarks/fixed_order_linear.py);
-prefill and training rows pay for the 16-row tiles (4,096 rows: 0.24-0.54x, weight tiles re-read
-per 16 rows, mma.sync rather than wgmma), except the LM head's (WIDE_N).
+config and sums. The true-on-policy forward calls it over whole rows (whole_rows.linear). H200,
+benchmarks/fixed_order_linear.py: 64 rows 0.77-0.96x cuBLAS's time per call; 4,096 rows 0.59-0.84x
+with 64-row tiles (0.24-0.54x with 16, weight tiles re-read per 16 rows, mma.sync, not wgmma).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -92,8 +94,7 @@ def fixed_order_linear(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False)
 
 # The LM head (N = the vocabulary): 64 x 128 tiles. Its weight is most of a decode step's bytes, re-read
 # per 16 rows with the small tiles (H200, 32768 x 1024: 64 rows 33.1 -> 22.2 us, 4,096 rows 1,947 ->
-# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128). Narrower weights keep
-# NARROW_BLOCK_M rows (below).
+# 664 us; benchmarks/fixed_order_linear.py --block-m 64 --block-n 128), whatever the row count.
 WIDE_N = 8192
 # Split K only where the weight has few column tiles (N <= 128: the router, wkv, the indexer's head
 # weights): there a decode step had a handful of programs walking all of K in series (the 1b config's
@@ -103,32 +104,22 @@ WIDE_N = 8192
 FEW_COLUMN_TILES = 2
 MAX_SPLIT = 4
 MIN_SPLIT_TILES = 4  # K tiles a split keeps at least
-# Rows per tile of the narrower weights. 16 suits decode: with 64 a decode step's GEMMs took 10-40%
-# longer (wq_a 5.0 -> 5.6 us at 64 rows), while training's 4,096-row GEMMs went from 0.24-0.54x of
-# cuBLAS to 0.59-0.84x (H200, the sweep script above). The whole-step trade is measured by setting
-# LOCKSTEP_FIXED_ORDER_BLOCK_M=64 for both sides (a tile size is part of the numerics: engine and
-# trainer must read the same value).
-BLOCK_M_CHOICES = (16, 32, 64)
+# Rows per tile of the narrower weights: 16 below MANY_ROWS rows (decode: with 64 a decode step's
+# GEMMs took 10-40% longer, wq_a 5.0 -> 5.6 us at 64 rows), 64 from there (training's 4,096-row GEMMs
+# 0.24-0.54x -> 0.59-0.84x of cuBLAS; a true-on-policy train step's exact forward 61 -> 44 ms, 1b,
+# 4 x 1024, timed apart from the rest of the step). H200, benchmarks/fixed_order_linear.py --block-m.
+MANY_ROWS = 256
 
 
-def narrow_block_m() -> int:
-    """LOCKSTEP_FIXED_ORDER_BLOCK_M, else 16; a value outside BLOCK_M_CHOICES is an error naming it."""
-    value = os.environ.get("LOCKSTEP_FIXED_ORDER_BLOCK_M", "16")
-    if value not in tuple(map(str, BLOCK_M_CHOICES)):
-        raise ValueError(f"LOCKSTEP_FIXED_ORDER_BLOCK_M={value!r}: must be one of {BLOCK_M_CHOICES}")
-    return int(value)
-
-
-NARROW_BLOCK_M = narrow_block_m()
-
-
-def launch_config(N: int, K: int) -> dict:
-    """By the weight's shape only (module docstring): NARROW_BLOCK_M rows per tile (16, tl.dot's
-    minimum, unless set: decode has a few dozen rows), up to 64 output columns and 64 of K per step,
-    smaller for small dimensions; the head (WIDE_N) 64 x 128; K split in up to MAX_SPLIT where the
-    columns make FEW_COLUMN_TILES tiles or fewer."""
+def launch_config(N: int, K: int, M: int = 0) -> dict:
+    """The sums' order by the weight's shape only (module docstring): up to 64 output columns and 64
+    of K per step, smaller for small dimensions, the head (WIDE_N) 128 columns; K split in up to
+    MAX_SPLIT where the columns make FEW_COLUMN_TILES tiles or fewer. Rows per tile: 64 for the head
+    and from MANY_ROWS rows, else 16 (tl.dot's minimum; decode has a few dozen rows)."""
     block_k = min(64, max(16, triton.next_power_of_2(K)))
-    block_m, block_n = (64, 128) if N >= WIDE_N else (NARROW_BLOCK_M, min(64, max(16, triton.next_power_of_2(N))))
+    wide = N >= WIDE_N
+    block_n = 128 if wide else min(64, max(16, triton.next_power_of_2(N)))
+    block_m = 64 if wide or M >= MANY_ROWS else 16
     split = 1
     if triton.cdiv(N, block_n) <= FEW_COLUMN_TILES:
         split = max(1, min(MAX_SPLIT, triton.cdiv(K, block_k) // MIN_SPLIT_TILES))
@@ -187,12 +178,12 @@ if triton is not None:
                                block_k: int = 0, fp32_out: bool = False, split_k: int = 0) -> torch.Tensor:
         """x [M, K], w [N, K], both bf16 or both fp32 -> [M, N] in x's dtype (fp32_out: fp32); grouped:
         x [M, G, K], w [G, N, K] -> [M, G, N], each group's config and sums those of its own [N, K]
-        GEMM. Nonzero block / split keywords override `launch_config` (the same on every path, or rows
-        are no longer comparable)."""
+        GEMM. Nonzero block / split keywords override `launch_config` (block_n, block_k and split_k
+        the same on every path, or rows are no longer comparable)."""
         x3, w3 = (x, w) if w.dim() == 3 else (x.unsqueeze(1), w.unsqueeze(0))
         M, G, K = x3.shape
         N = w3.shape[1]
-        cfg = launch_config(N, K)
+        cfg = launch_config(N, K, M)
         for key, value in zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K"), (block_m, block_n, block_k, split_k)):
             if value:
                 cfg[key] = value
