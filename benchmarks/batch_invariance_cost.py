@@ -30,7 +30,7 @@ def measure(args, invariant: bool, prompts):
     model = build_model(args)
     cfg = EngineConfig(max_num_seqs=args.batch, max_model_len=max(map(len, prompts)) + args.new_tokens + 1,
                        max_prefill_tokens=args.prefill_chunk, dtype=args.dtype, device=args.device,
-                       batch_invariant=invariant)
+                       batch_invariant=invariant, true_on_policy=False)  # the default forward's cost
     engine = Engine(model, cfg)
     engine.generate(requests(prompts[:2], 2))  # warm-up
     sync(args.device)

@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     args.device = "cpu"
     model = build_model(args)
     engine = Engine(model, EngineConfig(max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 8,
-                                        max_prefill_tokens=args.batch * args.prompt_len))
+                                        max_prefill_tokens=args.batch * args.prompt_len,
+                                        true_on_policy=False))  # the default decode step's ops
     audits = instrument(engine, args.graph)
     V = model.config.vocab_size
     g = torch.Generator().manual_seed(args.seed)

@@ -111,14 +111,18 @@ def _engine(bench: Bench, model):
     return Engine(model, EngineConfig(
         max_num_seqs=bench.num_prompts * bench.n, max_model_len=bench.prompt_len + bench.max_new_tokens + 1,
         max_prefill_tokens=max(2048, bench.num_prompts * bench.prompt_len), dtype=bench.dtype,
-        device=bench.device, eos_token_ids=(EOS,)))
+        device=bench.device, eos_token_ids=(EOS,), true_on_policy=False))  # as _train_config says
 
 
 def _train_config(bench: Bench, compile_backend: str | None = None):
     from lockstep.train.config import TrainConfig
 
+    # the default forward on both sides, as the ratio to TRL has been measured since the first run
+    # (on CUDA `lockstep train` now runs the true-on-policy forward unless --no-true-on-policy:
+    # README, its cost as ratios)
     return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
-                       max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens))
+                       max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens),
+                       true_on_policy=False)
 
 
 def _rollout(engine, bench: Bench, batch: list[list[int]], step: int, seeded: bool, advantage_fn: str) -> list:

@@ -112,7 +112,7 @@ def rank_main(args) -> None:
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
                        dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
-                       packed_fp8=args.packed, packed_experts=args.packed)
+                       packed_fp8=args.packed, packed_experts=args.packed, true_on_policy=False)
     reference, pushed = Engine(make_model(bench), cfg), Engine(make_model(bench), cfg)
     in_process = float("inf")
     for v in range(1, args.pushes + 1):

@@ -111,11 +111,13 @@ class EngineConfig:
     (models/layers/packed_experts.py); off: dequantised values in dtype. Off until measured on GPUs."""
     batch_invariant: bool = False
     """A sequence's logprobs do not depend on what else is in the batch."""
-    true_on_policy: bool = False
+    true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only): a token's logprob has the
     same bits as the trainer's with the same setting, whatever the batch, chunk or CUDA-graph bucket. Decode
     graphs replay the eager forward (no compiled layers); fp8 serving keeps dequantised weights (the values
-    the trainer's quantisation-aware forward uses), so packed_fp8 / packed_experts must stay off."""
+    the trainer's quantisation-aware forward uses), so packed_fp8 / packed_experts must stay off. None: on
+    CUDA for DeepSeek-V4 unless packed_fp8 / packed_experts is on (kernel_switch.decide_true_on_policy);
+    off elsewhere."""
     dtype: str = "float32"
     """Compute dtype of the engine's model."""
     device: str = "cpu"
@@ -171,7 +173,12 @@ class EngineConfig:
             if getattr(self, f) < 1:
                 _fail(name, f, f"must be >= 1, got {getattr(self, f)}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
-        if self.true_on_policy and (self.packed_fp8 or self.packed_experts):
-            _fail(name, "packed_fp8" if self.packed_fp8 else "packed_experts",
+        if self.true_on_policy and self.true_on_policy_excluded_by():
+            _fail(name, self.true_on_policy_excluded_by(),
                   "true_on_policy serves the dequantised fp8 values (the trainer's quantisation-aware forward "
                   "computes with them); packed weights compute in another order: turn one off")
+
+    def true_on_policy_excluded_by(self) -> str | None:
+        """The field that rules the true-on-policy forward out (an error when it is asked for, off when
+        it is None), or None."""
+        return "packed_fp8" if self.packed_fp8 else "packed_experts" if self.packed_experts else None

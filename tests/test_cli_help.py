@@ -98,3 +98,17 @@ def test_the_embedded_run_keeps_its_preset():
     assert (train.lr, train.use_tis, engine.max_model_len) == (1e-3, True, 64)
     run, train, _ = parse_train("--lr", "0.5", "--eval-max-response-len", "5")
     assert (train.lr, run.eval_max_response_len) == (0.5, 5)
+
+
+def test_true_on_policy_is_decided_for_engine_and_trainer_together():
+    """Left to the default (None), each side decides at construction (on CUDA for DeepSeek-V4);
+    where either side rules it out, both get it off, so neither runs it alone."""
+    _, train, engine = parse_train()
+    assert train.true_on_policy is None and engine.true_on_policy is None
+    for flag, value in (("--true-on-policy", True), ("--no-true-on-policy", False)):
+        _, train, engine = parse_train(flag)
+        assert train.true_on_policy is value and engine.true_on_policy is value
+    for argv in (["--expert-model-parallel-size", "2"], ["--serving-format", "fp8", "--packed-fp8"],
+                 ["--rollout-expert-parallel-size", "2"]):
+        _, train, engine = parse_train(*argv)
+        assert train.true_on_policy is False and engine.true_on_policy is False, argv

@@ -84,3 +84,21 @@ def test_true_on_policy_refuses_what_it_cannot_serve():
         Trainer(llama, TrainConfig(true_on_policy=True))
     with pytest.raises(ValueError, match="LlamaForCausalLM has no true-on-policy forward"):
         Engine(copy.deepcopy(llama), EngineConfig(true_on_policy=True))
+    # left to the default (None), where it does not apply it is off, not an error
+    assert Trainer(copy.deepcopy(llama), TrainConfig()).config.true_on_policy is False
+    assert Engine(copy.deepcopy(llama), EngineConfig()).config.true_on_policy is False
+    assert EngineConfig(serving_format="fp8", packed_fp8=True).true_on_policy_excluded_by() == "packed_fp8"
+
+
+def test_left_to_the_default_both_sides_decide_alike_by_device():
+    """TrainConfig / EngineConfig.true_on_policy None: DeepSeek-V4 runs the true-on-policy forward on
+    CUDA (its cost there measured at 0.83-0.89x) and the default forward on the CPU (row blocks)."""
+    model = tiny_model(config=tiny_config(max_position_embeddings=64))
+    engine = Engine(copy.deepcopy(model), EngineConfig(max_num_seqs=3, max_model_len=32, device=DEVICE))
+    trainer = Trainer(model.to(DEVICE), TrainConfig())
+    on_cuda = DEVICE == "cuda"
+    assert engine.config.true_on_policy is on_cuda and trainer.config.true_on_policy is on_cuda
+    assert engine.model.true_on_policy is on_cuda and trainer.model.true_on_policy is on_cuda
+    samples = rollouts(engine, seed=7)
+    if on_cuda:
+        assert trainer.train_step(samples)[ABS_DIFF] == 0.0

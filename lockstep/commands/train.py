@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
@@ -54,7 +55,20 @@ def configs_from_args(args):
                                  true_on_policy=train.true_on_policy, **engine_preset(
         args, run.rollout_max_response_len, run.eval_max_response_len),
         compile_cache_dir=default_dir(run.model, getattr(args, "compile_cache_dir", None)))
-    return run, train, engine
+    return (run, *agree_true_on_policy(train, engine, dataclass_from_args(DistConfig, args)))
+
+
+def agree_true_on_policy(train, engine: EngineConfig, dist: DistConfig):
+    """(train, engine) with true_on_policy off on both where it was left to the default (None) and
+    either side rules it out (expert parallel, packed weights): each side deciding alone would run
+    the true-on-policy forward on one side only, paying for it without the equal logprobs."""
+    if train.true_on_policy is not None:
+        return train, engine
+    excluded = (train.true_on_policy_excluded_by() or engine.true_on_policy_excluded_by()
+                or ("rollout_expert_parallel_size" if dist.rollout_expert_parallel_size > 1 else None))
+    if excluded is None:
+        return train, engine
+    return dataclasses.replace(train, true_on_policy=False), dataclasses.replace(engine, true_on_policy=False)
 
 
 class _LayoutFlagParser(argparse.ArgumentParser):

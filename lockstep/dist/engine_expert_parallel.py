@@ -83,7 +83,10 @@ class EngineExpertShard(ExpertParallelExperts):
 
 
 def _serving_config(config: EngineConfig) -> EngineConfig:
-    """CUDA graphs and decode windows off (module docstring), said once when they were asked for."""
+    """CUDA graphs and decode windows off (module docstring), said once when they were asked for; the
+    true-on-policy forward off where it was left to the default, an error where it was asked for."""
+    if config.true_on_policy is None:
+        config = dataclasses.replace(config, true_on_policy=False)
     if config.true_on_policy:
         raise ValueError("rollout_expert_parallel_size > 1 with true_on_policy: the true-on-policy forward "
                          "computes every routed expert on each rank (dense, models/deepseek_v4_rows.py); the "

@@ -41,7 +41,7 @@ from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.weight_update import (WeightUpdateError, apply_serving_format, check_version,
                                            load_update_from_disk, update_weights)
-from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+from lockstep.models.layers.kernel_switch import KernelSwitches, decide_true_on_policy, set_kernel_switches
 from lockstep.models.precision import cast_model
 from lockstep.prompt_encoding import encode_prompt
 from lockstep.sample import Sample
@@ -67,6 +67,9 @@ def compiled_graph_count() -> int:
 class Engine:
     def __init__(self, model: torch.nn.Module, config: EngineConfig, tokenizer=None):
         started = time.perf_counter()
+        # None decided here, once: every later reader (decode_path, the switches) sees a bool
+        config = dataclasses.replace(config, true_on_policy=decide_true_on_policy(
+            config.true_on_policy, model, config.device, config.true_on_policy_excluded_by()))
         self.config, self.tokenizer = config, tokenizer
         self.dtype = _DTYPES[config.dtype]
         self.model = cast_for_serving(model, self.dtype, config.device)

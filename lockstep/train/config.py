@@ -117,12 +117,15 @@ class TrainConfig:
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
     (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The Triton switches are
     the engine's only: they act on single-token steps, which the trainer's forward never takes.)"""
-    true_on_policy: bool = False
+    true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so
     train/train_rollout_logprob_abs_diff is 0. The loss reads its values; the gradient comes from the
-    default forward (compiled with compile_backend, when set) run with the same experts. Slower (row
-    blocks; dense experts off CUDA). Data and pipeline parallel keep it exact; not with expert parallel."""
+    default forward (compiled with compile_backend, when set) run with the same experts. Slower (H200:
+    0.83x of a train step, rollout 0.89x; CPU: row blocks, dense experts, ~0.4x). Data and pipeline
+    parallel keep it exact; not with expert parallel. None: on CUDA for DeepSeek-V4 without expert
+    parallel (kernel_switch.decide_true_on_policy), off elsewhere; `lockstep train` decides it for
+    engine and trainer together."""
     optimizer_offload: bool = False
     """Keep the fp32 master weights and AdamW states in host memory."""
     expert_model_parallel_size: int = 1
@@ -204,11 +207,16 @@ class TrainConfig:
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
-        if self.true_on_policy and self.expert_model_parallel_size > 1:
+        if self.true_on_policy and self.true_on_policy_excluded_by():
             _fail("true_on_policy", "the true-on-policy forward runs every routed expert on each rank: "
                   "not with expert_model_parallel_size > 1")
         if not self.temperature > 0:
             _fail("temperature", f"must be > 0 (the rollout's sampling temperature), got {self.temperature}")
+
+    def true_on_policy_excluded_by(self) -> str | None:
+        """The field that rules the true-on-policy forward out (an error when it is asked for, off when
+        it is None), or None."""
+        return "expert_model_parallel_size" if self.expert_model_parallel_size > 1 else None
 
     # ---- derived values --------------------------------------------------------------------
 

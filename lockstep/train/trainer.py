@@ -44,6 +44,7 @@ other parameter is replicated and its gradient summed over the ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from pathlib import Path
@@ -56,7 +57,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+from lockstep.models.layers.kernel_switch import KernelSwitches, decide_true_on_policy, set_kernel_switches
 from lockstep.models.precision import cast_model, storage_dtype
 from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
@@ -78,6 +79,9 @@ class Trainer:
 
     def __init__(self, model: nn.Module, config: TrainConfig, ref_model: nn.Module | None = None,
                  data_parallel: DataParallel | None = None):
+        # None decided here, once: every later reader sees a bool
+        config = dataclasses.replace(config, true_on_policy=decide_true_on_policy(
+            config.true_on_policy, model, next(model.parameters()).device, config.true_on_policy_excluded_by()))
         self.config, self.model, self.ref_model = config, model, ref_model
         self.dp = data_parallel or DataParallel()
         # FSDP applied (expert parallel alone also makes DTensors, but leaves the dtype to the Trainer)

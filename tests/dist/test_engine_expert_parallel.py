@@ -311,6 +311,7 @@ def test_the_ep_engine_refuses_true_on_policy_naming_why():
 
     with pytest.raises(ValueError, match="rollout_expert_parallel_size > 1 with true_on_policy"):
         _serving_config(EngineConfig(true_on_policy=True))
+    assert _serving_config(EngineConfig()).true_on_policy is False  # left to the default: off here
 
 
 def _wrong_window_rank(rank: int) -> None:

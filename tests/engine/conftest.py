@@ -31,7 +31,9 @@ DEVICE = os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu")
 
 
 def engine_config(**kw):
-    base = dict(max_num_seqs=16, max_model_len=96, max_prefill_tokens=32, device=DEVICE)
+    # true_on_policy off, as on the CPU: on CUDA its None would pick the true-on-policy forward, which
+    # tests/test_true_on_policy.py covers; these tests are of the default path (compiled layers, ...)
+    base = dict(max_num_seqs=16, max_model_len=96, max_prefill_tokens=32, device=DEVICE, true_on_policy=False)
     base.update(kw)
     return EngineConfig(**base)
 

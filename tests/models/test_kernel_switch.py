@@ -118,3 +118,20 @@ def test_fixed_order_defaults_to_cuda_only(monkeypatch):
     assert KernelSwitches().on_for("compile_rows", cpu)
     monkeypatch.setenv("LOCKSTEP_COMPILE_ROWS", "0")
     assert not KernelSwitches().on_for("compile_rows", cuda)
+
+
+def test_true_on_policy_left_to_the_default_is_on_for_deepseek_v4_on_cuda_only():
+    """EngineConfig / TrainConfig.true_on_policy None: on CUDA where the model has the forward and the
+    config rules nothing out; a setting wins (decided without a GPU: only the device's type is read)."""
+    from lockstep.models.layers.kernel_switch import decide_true_on_policy
+    from lockstep.models.llama import LlamaForCausalLM
+    from lockstep.models.llama_config import LlamaConfig
+
+    dsv4 = DeepseekV4ForCausalLM(tiny_config())
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    assert decide_true_on_policy(None, dsv4, "cuda", None) and decide_true_on_policy(None, dsv4, torch.device("cuda:1"), None)
+    assert not decide_true_on_policy(None, dsv4, "cpu", None)
+    assert not decide_true_on_policy(None, llama, "cuda", None)
+    assert not decide_true_on_policy(None, dsv4, "cuda", "packed_fp8")
+    assert decide_true_on_policy(True, dsv4, "cpu", None) and not decide_true_on_policy(False, dsv4, "cuda", None)
