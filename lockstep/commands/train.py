@@ -62,11 +62,7 @@ def agree_true_on_policy(train, engine: EngineConfig, dist: DistConfig):
     """(train, engine) with true_on_policy off on both where it was left to the default (None) and
     either side rules it out (expert parallel, packed weights): each side deciding alone would run
     the true-on-policy forward on one side only, paying for it without the equal logprobs."""
-    if train.true_on_policy is not None:
-        return train, engine
-    excluded = (train.true_on_policy_excluded_by() or engine.true_on_policy_excluded_by()
-                or ("rollout_expert_parallel_size" if dist.rollout_expert_parallel_size > 1 else None))
-    if excluded is None:
+    if train.true_on_policy is not None or not any(c.true_on_policy_excluded_by() for c in (train, engine, dist)):
         return train, engine
     return dataclasses.replace(train, true_on_policy=False), dataclasses.replace(engine, true_on_policy=False)
 

@@ -81,6 +81,11 @@ class DistConfig:
             _fail("rollout_expert_parallel_size", f"{ep}: the expert-parallel engine runs colocated only (every rank "
                   "trains and serves); with actor_num_gpus / rollout_num_gpus it is not built")
 
+    def true_on_policy_excluded_by(self) -> str | None:
+        """The field that rules the true-on-policy forward out of the run (EngineConfig's and TrainConfig's
+        methods of this name say theirs): the expert-parallel engine holds a shard of the experts."""
+        return "rollout_expert_parallel_size" if self.rollout_expert_parallel_size > 1 else None
+
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes

@@ -79,14 +79,14 @@ class Trainer:
 
     def __init__(self, model: nn.Module, config: TrainConfig, ref_model: nn.Module | None = None,
                  data_parallel: DataParallel | None = None):
+        self.device = next(model.parameters()).device
         # None decided here, once: every later reader sees a bool
         config = dataclasses.replace(config, true_on_policy=decide_true_on_policy(
-            config.true_on_policy, model, next(model.parameters()).device, config.true_on_policy_excluded_by()))
+            config.true_on_policy, model, self.device, config.true_on_policy_excluded_by()))
         self.config, self.model, self.ref_model = config, model, ref_model
         self.dp = data_parallel or DataParallel()
         # FSDP applied (expert parallel alone also makes DTensors, but leaves the dtype to the Trainer)
         self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
-        self.device = next(model.parameters()).device
         self.num_steps = 0
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
         self._setup_determinism()

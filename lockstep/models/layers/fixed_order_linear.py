@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import interpreted
+
 from . import grouped_gemm_triton as _gt
 from . import sum_splits_triton as _ss
 
@@ -50,8 +52,6 @@ if triton is not None:
 
 DTYPES = (torch.bfloat16, torch.float32)
 
-
-interpreted = _gt.interpreted
 
 
 def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:

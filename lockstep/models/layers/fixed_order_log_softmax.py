@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import interpreted
+
 from . import grouped_gemm_triton as _gt
-from .fixed_order_linear import interpreted
 
 triton = _gt.triton
 if triton is not None:

@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import interpreted
+
 from . import grouped_gemm_triton as _gt
-from .fixed_order_linear import DTYPES, interpreted
+from .fixed_order_linear import DTYPES
 
 triton = _gt.triton
 if triton is not None:
