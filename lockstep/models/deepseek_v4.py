@@ -24,6 +24,7 @@ from .deepseek_v4_config import DeepseekV4Config
 from .deepseek_v4_rows import ExactValues, hidden_rows, layer_rows, logits_rows
 from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.attention_rows import FullSequences, KeySource, StepKeys
+from .layers.fp32_logits import fp32_logits
 from .layers.fused_linear import fuse_linears
 from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
 from .layers.moe import MoE
@@ -143,12 +144,6 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
-def _bf16_gemm_fp32_out(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """`torch.mm(..., out_dtype=float32)` applies: CUDA bf16 operands, no gradient wanted."""
-    grad = torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)
-    return x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and not grad
-
-
 class DeepseekV4ForCausalLM(nn.Module):
     config_class = DeepseekV4Config
     # kept in fp32 whatever the model dtype (as DeepSeek ships them); matched as precision.py says
@@ -205,20 +200,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self._head(hidden)
 
     def _head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head in fp32 whatever the model dtype: bf16 logits would be rounded to ~1/128 of
-        their size, and GEMMs of different row counts (a decode step vs a training batch) round
-        differently, which alone moved logprobs by ~0.01 per token on a 1B config.
-
-        bf16 hidden x bf16 weight on a GPU, without gradients (the engine, the trainer's scoring):
-        one bf16 GEMM with fp32 output. A product of two bf16 values is exact in fp32, so it sums
-        the same terms as the fp32 GEMM (up to summation order) while reading half the bytes and
-        skipping the weight's fp32 copy (on a 1B config: ~150 us of each ~3 ms decode step).
-        No backward exists for it (torch 2.11-2.13), so training takes the fp32 GEMM."""
-        w = self.lm_head.weight
-        if _bf16_gemm_fp32_out(hidden, w):
-            flat = hidden.reshape(-1, hidden.shape[-1])
-            return torch.mm(flat, w.t(), out_dtype=torch.float32).view(*hidden.shape[:-1], w.shape[0])
-        return torch.nn.functional.linear(hidden.float(), w.float())
+        """The LM head, fp32 logits whatever the model dtype (layers/fp32_logits.py says why and how)."""
+        return fp32_logits(hidden, self.lm_head.weight)
 
     def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing) -> torch.Tensor:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()

@@ -14,10 +14,11 @@ k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk ke
       fp32 RMSNorm n*H*4, bf16 streams n*H*2, coefficients ((2+n)*n + n + n*n)*4, the combine's
       block output H*2 + (n*n + n)*2, the block's RMSNorm fp32 input and output 2*H*4
   attention (attention.py, sink_attention.py): layer input H*2, q_a RMSNorm fp32 2*r*4, q_res r*2,
-      per-head q RMSNorm fp32 h*d*4 + h*4, kv RMSNorm fp32 2*d*4, roped q h*d*2, keys Sk*d*2/S,
-      fp32 softmax h*(Sk+1)*4, bf16 probabilities h*Sk*2 + argmax h*8, un-roped output h*d*2,
-      o_a output g*l*2; the score matrix is materialised (not flash-style), so Sk = S + S/m keys
-      per query (S for window layers: the window is a mask over all S keys)
+      per-head q RMSNorm fp32 h*d*4 + h*4, kv RMSNorm fp32 2*d*4, then per query row (the
+      queries go in blocks of B = min(W, S) rows, padded to whole blocks: f = rows / S per token)
+      roped q h*d*2*f, keys Sk*d*2*f/B, fp32 softmax h*(Sk+1)*4*f, bf16 probabilities h*Sk*2*f +
+      argmax h*8*f; un-roped output h*d*2, o_a output g*l*2. A block's score matrix is
+      materialised (not flash-style) over Sk = W + B window positions + S/m compressed entries
   compressor (compressor.py; c = 2 overlapping C4, 1 for C128): pooled kv blocks c*d*2, fp32 and
       bf16 softmax weights c*d*(4+2), entry RMSNorm 2*d*4/m; the C4 indexer keeps nothing
   MoE (moe.py, grouped_gemm.py): shared-expert input H*2, fp32 router input + logits + scores
@@ -70,25 +71,27 @@ def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
     ]
 
 
-def attention_keys(m: ModelSpec, ratio: int, seq_len: int) -> int:
-    """Keys each query's score row spans in the trainer's forward: all S positions (the window is
-    a mask) plus the S // m compressed entries."""
-    return seq_len + (seq_len // ratio if ratio else 0)
+def attention_blocks(m: ModelSpec, ratio: int, seq_len: int) -> tuple[int, int, float]:
+    """The trainer's banded attention (sink_attention.banded_sink_attention) at seq_len:
+    (B query rows per block, Sk keys each block's score rows span, f query rows per token)."""
+    block = min(m.sliding_window, seq_len)
+    rows = -(-seq_len // block) * block
+    return block, m.sliding_window + block + (seq_len // ratio if ratio else 0), rows / seq_len
 
 
 def _v4_attention(m: ModelSpec, ratio: int, seq_len: int) -> list[ActTerm]:
     h, d, r, H = m.num_attention_heads, m.head_dim, m.q_lora_rank, m.hidden_size
-    sk = attention_keys(m, ratio, seq_len)
+    block, sk, f = attention_blocks(m, ratio, seq_len)
     out = [
         ActTerm("attn.input", H * A, True, "normed layer input, kept by every input projection"),
         ActTerm("attn.q_a_norm_fp32", 2 * r * F, False, "q_a RMSNorm's fp32 input and output"),
         ActTerm("attn.q_res", r * A, False, "q_a RMSNorm output, kept by q_b"),
         ActTerm("attn.q_norm_fp32", h * d * F + h * F, True, "per-head q RMSNorm's fp32 input, rsqrt"),
         ActTerm("attn.kv_norm_fp32", 2 * d * F, False, "kv RMSNorm's fp32 input and output"),
-        ActTerm("attn.q", h * d * A, True, "roped q, kept by the score einsum"),
-        ActTerm("attn.keys", sk * d * A / seq_len, False, "window + compressed keys (K = V), per sequence / S"),
-        ActTerm("attn.softmax_fp32", h * (sk + 1) * F, True, "materialised scores' softmax (+ sink column)"),
-        ActTerm("attn.probs", h * sk * A + h * I64, True, "bf16 probabilities for p @ V, the max's indices"),
+        ActTerm("attn.q", h * d * A * f, True, "roped q padded to whole blocks, kept by the score einsum"),
+        ActTerm("attn.keys", sk * d * A * f / block, False, "each block's window + compressed keys (K = V)"),
+        ActTerm("attn.softmax_fp32", h * (sk + 1) * F * f, True, "materialised scores' softmax (+ sink column)"),
+        ActTerm("attn.probs", (h * sk * A + h * I64) * f, True, "bf16 probabilities for p @ V, the max's indices"),
         ActTerm("attn.unrope_out", h * d * A, True, "inverse-roped output, kept by o_a"),
         ActTerm("attn.o_a_out", m.o_groups * m.o_lora_rank * A, True, "kept by o_b"),
     ]

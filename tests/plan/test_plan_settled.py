@@ -33,7 +33,7 @@ def test_settled_layout_fits(v4_flash_cluster, flash_train, serving_rollout):
     assert t["gradients"] == pytest.approx((dense + EXPERTS_PER_GPU) * 4)
     assert t["host: optimizer states"] == pytest.approx((dense / 4 + EXPERTS_PER_GPU / 1) * 12)
     assert t["activations (recompute: layer inputs)"] == 4 * 11 * 8192 * 4 * 4096 * 2
-    assert 160 * GB < p.actor_bytes < 0.7 * p.usable_bytes
+    assert 150 * GB < p.actor_bytes < 0.7 * p.usable_bytes
     # the engine GPU's peak is the push it stages (the serving format, every tensor), not the workspace
     staged = {t.name: t.bytes for t in p.rollout.terms}["weight push staging"]
     assert staged == p.comm_term("weight push").bytes

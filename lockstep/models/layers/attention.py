@@ -25,7 +25,7 @@ from .fused_linear import project
 from .indexer import Indexer
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
-from .sink_attention import closed_block_bias, pad_keys, sink_attention, window_bias
+from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window
 
@@ -191,14 +191,14 @@ class DeepseekV4Attention(nn.Module):
         positions = torch.arange(S, device=h.device).expand(N, S)
         x = self._input_projections(h)
         q_res, q, kv, cos, sin = self._project(x, positions)
-        keys, bias = kv, window_bias(positions, positions, torch.ones_like(positions, dtype=torch.bool), self.window)
+        entries = comp_bias = None
         if self.compressor is not None:
             entries = self.compressor.forward_full(x.comp_kv, x.comp_gate, self.inv_freq)
             index_keys = (self.compressor.indexer.forward_full(x.index_kv, x.index_gate, self.inv_freq)
                           if self.layer_type == CSA else None)
             comp_bias = self._compressed_bias(x, q_res, positions, entries.shape[1], index_keys)
-            keys, bias = torch.cat([kv, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
-        return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
+        o = banded_sink_attention(q, kv, self.window, self.sinks, self.scale, entries, comp_bias)
+        return self._output(o, cos, sin)
 
     # ---- the true-on-policy forward: rows, keys from `keys` --------------------------
 
