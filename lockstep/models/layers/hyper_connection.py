@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hc_projection_triton
+from . import hc_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import rms_norm
 from .sinkhorn import sinkhorn
+from .stream_mix_triton import StreamMix
 from .whole_rows import in_whole_rows, sigmoid_any_size, softmax_in_order, sum_in_order
 
 
@@ -109,11 +110,16 @@ def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
     if torch.compiler.is_compiling() or in_whole_rows():
         # the same sums written element-wise (bf16 values, fp32 sums, one rounding: what the bf16
         # GEMM computes), so inductor fuses them with the rest; as a GEMM it was a cuBLAS batched
-        # call of 4 x 4 x D products per token, ~9 us twice per layer in a decode step. Eager keeps
-        # the GEMM: this form's [..., n, n, D] fp32 product would be materialised. Over whole rows
+        # call of 4 x 4 x D products per token, ~9 us twice per layer in a decode step. Eager does
+        # not take it: this form's [..., n, n, D] fp32 product would be materialised. Over whole rows
         # (whole_rows.py) the sum over j is added left to right, whatever the row count.
         prods = comb.float().unsqueeze(-1) * streams.float().unsqueeze(-2)  # [..., j, k, D]
         mixed = (sum_in_order(prods, -3) if in_whole_rows() else prods.sum(dim=-3)).to(dtype)
+    elif streams.is_cuda and dtype == torch.bfloat16 and stream_mix_triton.triton is not None:
+        # the same sums (bf16 products, fp32, one rounding) in one pass over the streams, where
+        # cuBLAS's batch of per-token 4 x 4 GEMMs was ~9% of a train step (stream_mix_triton.py)
+        n, D = streams.shape[-2:]
+        mixed = StreamMix.apply(comb.reshape(-1, n, n), streams.reshape(-1, n, D)).view(streams.shape)
     else:
         mixed = torch.matmul(comb.transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
