@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py --config 1b                            # one H200: 8 x 2048, bf16
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
+    python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
 
 What is timed (after --warmup untimed steps, CUDA synchronised around the --steps timed ones):
 - lockstep: `Trainer.train_step` on --batch synthetic samples of --seq-len tokens (the first
@@ -155,10 +156,31 @@ def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str 
                                       max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
 
 
+def print_profile(step, args) -> None:
+    """One more step under torch.profiler: the ops taking the most device time (CPU time on the
+    CPU), by op and input shapes, so the next speed-up starts from where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = args.device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=True) as prof:
+        step()
+        sync(args.device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+    total = sum(getattr(e, key) for e in ops)
+    print(f"profile of one step: {total / 1e3:.1f} ms of {'device' if cuda else 'CPU'} time in aten ops; "
+          f"the {args.profile} largest (op, calls, ms, input shapes):")
+    for e in sorted(ops, key=lambda e: -getattr(e, key))[:args.profile]:
+        print(f"  {e.key:24s} {e.count:6d} {getattr(e, key) / 1e3:9.2f}  {str(e.input_shapes)[:110]}")
+
+
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None) -> dict:
     reset_peak(args.device)
     trainer = lockstep_trainer(config, state, args, backend)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
+    if args.profile:
+        print_profile(lambda: trainer.train_step(samples), args)
     out = {"seconds": seconds, "peak_bytes": peak_bytes(args.device), "grad_norm": first["train/grad_norm"]}
     torch._dynamo.reset()  # compiled layers' code holds the model: let it go with this frame
     return out
@@ -262,6 +284,8 @@ def parse_args(argv=None):
     ap.add_argument("--gemm-size", type=int, default=None, help="peak-probe GEMM size (default 8192 CUDA, 1024 CPU)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed steps, profile one more lockstep step and print its N costliest ops")
     args = ap.parse_args(argv)
     for key, value in DEFAULTS[args.config].items():
         if getattr(args, key) is None:
