@@ -15,7 +15,7 @@ k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk ke
       block output H*2 + (n*n + n)*2, the block's RMSNorm fp32 input and output 2*H*4
   attention (attention.py, sink_attention.py): layer input H*2, q_a RMSNorm fp32 2*r*4, q_res r*2,
       per-head q RMSNorm fp32 h*d*4 + h*4, kv RMSNorm fp32 2*d*4, then per query row (the
-      queries go in blocks of B = min(W, S) rows, padded to whole blocks: f = rows / S per token)
+      queries go in blocks of B = W rows, padded to whole blocks: f = rows / S per token)
       roped q h*d*2*f, keys Sk*d*2*f/B, fp32 softmax h*(Sk+1)*4*f, bf16 probabilities h*Sk*2*f +
       argmax h*8*f; un-roped output h*d*2, o_a output g*l*2. A block's score matrix is
       materialised (not flash-style) over Sk = W + B window positions + S/m compressed entries
@@ -74,7 +74,7 @@ def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
 def attention_blocks(m: ModelSpec, ratio: int, seq_len: int) -> tuple[int, int, float]:
     """The trainer's banded attention (sink_attention.banded_sink_attention) at seq_len:
     (B query rows per block, Sk keys each block's score rows span, f query rows per token)."""
-    block = min(m.sliding_window, seq_len)
+    block = m.sliding_window
     rows = -(-seq_len // block) * block
     return block, m.sliding_window + block + (seq_len // ratio if ratio else 0), rows / seq_len
 

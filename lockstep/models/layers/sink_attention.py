@@ -58,13 +58,14 @@ def banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks:
     """`sink_attention` over whole sequences from position 0, computed block by block.
 
     q [N, S, H, D], kv [N, S, D] at positions 0..S-1; entries [N, E, D] (compressed keys every
-    query may see) with entry_bias [N, S, E]. Queries go in blocks of B = min(window, S)
-    positions; block b scores the W + B positions [bB - W, bB + B) (masked by `window_bias`, so
-    the same rule as a decode step) plus the entries. A key outside a query's window is an exact
-    zero in the dense form too, so each query's softmax holds the same terms.
+    query may see) with entry_bias [N, S, E]. Queries go in blocks of B = W positions, the last
+    padded (one block size whatever S: a compiled caller does not specialise on how S compares to
+    the window); block b scores the 2W positions [bB - W, bB + B) (masked by `window_bias`, so the
+    same rule as a decode step) plus the entries. A key outside a query's window is an exact zero in
+    the dense form too, so each query's softmax holds the same terms.
     """
     N, S, H, D = q.shape
-    block = min(window, S)
+    block = window
     nb = -(-S // block)
     pad = nb * block - S  # queries padded to whole blocks; their rows are dropped at the end
     span = window + block
