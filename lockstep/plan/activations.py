@@ -74,9 +74,9 @@ def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
 def attention_blocks(m: ModelSpec, ratio: int, seq_len: int) -> tuple[int, int, float]:
     """The trainer's banded attention (sink_attention.banded_sink_attention) at seq_len:
     (B query rows per block, Sk keys each block's score rows span, f query rows per token)."""
-    block = m.sliding_window
-    rows = -(-seq_len // block) * block
-    return block, m.sliding_window + block + (seq_len // ratio if ratio else 0), rows / seq_len
+    window = m.sliding_window or seq_len  # a spec without one: every position in one block
+    rows = -(-seq_len // window) * window
+    return window, 2 * window + (seq_len // ratio if ratio else 0), rows / seq_len
 
 
 def _v4_attention(m: ModelSpec, ratio: int, seq_len: int) -> list[ActTerm]:
