@@ -10,15 +10,17 @@ the single K=V head, the compressors); lockstep's trainer runs TP 1, where it do
 
 DeepSeek-V4 (H hidden, n hc_mult, h*d heads*head_dim, r q_lora_rank, g*l o_groups*o_lora_rank,
 k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk keys per query):
-  per sub-block (attention, MoE), mHC (hyper_connection.py): fp32 flat streams n*H*4 and their
-      fp32 RMSNorm n*H*4, bf16 streams n*H*2, coefficients ((2+n)*n + n + n*n)*4, the combine's
-      block output H*2 + (n*n + n)*2, the block's RMSNorm fp32 input and output 2*H*4
+  per sub-block (attention, MoE), mHC (hyper_connection.py): the projection's fp32 1/rms 4 (its
+      backward rebuilds the normed streams: NormedProjection), bf16 streams n*H*2, coefficients
+      ((2+n)*n + n + n*n)*4, the combine's block output H*2 + (n*n + n)*2, the block's RMSNorm fp32
+      input and output 2*H*4
   attention (attention.py, sink_attention.py): layer input H*2, q_a RMSNorm fp32 2*r*4, q_res r*2,
       per-head q RMSNorm fp32 h*d*4 + h*4, kv RMSNorm fp32 2*d*4, then per query row (the
       queries go in blocks of B = W rows, padded to whole blocks: f = rows / S per token)
       roped q h*d*2*f, keys Sk*d*2*f/B, fp32 softmax h*(Sk+1)*4*f, bf16 probabilities h*Sk*2*f +
       argmax h*8*f; un-roped output h*d*2, o_a output g*l*2. A block's score matrix is
-      materialised (not flash-style) over Sk = W + B window positions + S/m compressed entries
+      materialised (not flash-style) over Sk = W + B window positions + S/m compressed entries;
+      where that is more than S keys a row (S below ~2.4 W) one block of all S rows, Sk = S + S/m
   compressor (compressor.py; c = 2 overlapping C4, 1 for C128): pooled kv blocks c*d*2, fp32 and
       bf16 softmax weights c*d*(4+2), entry RMSNorm 2*d*4/m; the C4 indexer keeps nothing
   MoE (moe.py, grouped_gemm.py): shared-expert input H*2, fp32 router input + logits + scores
@@ -61,8 +63,7 @@ class ActTerm:
 def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
     n, H = m.hc_mult, m.hidden_size
     return [
-        ActTerm(f"{tag}.hc_streams_fp32", n * H * F, True, "flat streams cast up, kept by mHC's RMSNorm"),
-        ActTerm(f"{tag}.hc_normed_fp32", n * H * F, True, "the RMSNorm's fp32 output, kept by fn @ x"),
+        ActTerm(f"{tag}.hc_rsqrt_fp32", F, True, "the projection's 1/rms (it rebuilds the normed streams)"),
         ActTerm(f"{tag}.hc_streams", n * H * A, True, "bf16 streams, kept by the pre-collapse and comb^T @ X"),
         ActTerm(f"{tag}.hc_coefficients_fp32", ((2 + n) * n + n + n * n) * F, True,
                 "mixes, pre, the Sinkhorn input (its fused GPU kernel keeps nothing else)"),
@@ -74,9 +75,12 @@ def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
 def attention_blocks(m: ModelSpec, ratio: int, seq_len: int) -> tuple[int, int, float]:
     """The trainer's banded attention (sink_attention.banded_sink_attention) at seq_len:
     (B query rows per block, Sk keys each block's score rows span, f query rows per token)."""
+    entries = seq_len // ratio if ratio else 0
     window = m.sliding_window or seq_len  # a spec without one: every position in one block
     rows = -(-seq_len // window) * window
-    return window, 2 * window + (seq_len // ratio if ratio else 0), rows / seq_len
+    if rows * 2 * window >= seq_len * seq_len:  # short sequences: the dense form, one block of S
+        return seq_len, seq_len + entries, 1.0
+    return window, 2 * window + entries, rows / seq_len
 
 
 def _v4_attention(m: ModelSpec, ratio: int, seq_len: int) -> list[ActTerm]:

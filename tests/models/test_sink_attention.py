@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lockstep.models.layers.sink_attention import banded_sink_attention, sink_attention, window_bias
+from lockstep.models.layers import sink_attention as sink_attention_module
+from lockstep.models.layers.sink_attention import (_dense_sink_attention, banded_sink_attention, sink_attention,
+                                                   window_bias)
 
 
 def dense(q, kv, window, sinks, scale, entries=None, entry_bias=None):
@@ -32,10 +34,11 @@ def inputs(N, S, H, D, E, seed=0):
             for t in (q, kv, sinks, entries)] + [entry_bias]
 
 
-@pytest.mark.parametrize("S, window, E", [(40, 8, 0), (37, 8, 5), (6, 8, 3), (16, 16, 4), (50, 1, 0)])
+@pytest.mark.parametrize("S, window, E", [(40, 8, 0), (37, 8, 5), (70, 8, 9), (50, 1, 0), (6, 8, 3), (16, 16, 4)])
 def test_banded_equals_dense_with_gradients(S, window, E):
     """Same output and gradients (fp32, to rounding: masked keys add exact zeros, only the sums'
-    lengths differ) for S a multiple of the window or not, S below the window, window 1."""
+    lengths differ) for S a multiple of the window or not, window 1; the last two, S at most the
+    window, take the dense form itself."""
     q, kv, sinks, entries, entry_bias = inputs(2, S, 3, 8, E)
     outs, grads = [], []
     for fn in (dense, banded_sink_attention):
@@ -59,3 +62,19 @@ def test_a_key_outside_the_window_does_not_reach_the_query():
         b = banded_sink_attention(q, kv2, 8, sinks, 0.5)
     moved = (a != b).flatten(2).any(-1)[0]
     assert moved[:8].all() and not moved[8:].any()
+
+
+@pytest.mark.parametrize("S, window, dense", [(6, 8, True), (16, 16, True), (19, 8, True), (20, 8, False), (40, 8, False)])
+def test_short_sequences_take_the_dense_form(S, window, dense, monkeypatch):
+    """Blocks of W rows score 2W keys a row: below S ~ 2.4 W that is more than the dense S."""
+    taken = []
+
+    def spy(*args):
+        taken.append(S)
+        return _dense_sink_attention(*args)
+
+    monkeypatch.setattr(sink_attention_module, "_dense_sink_attention", spy)
+    q, kv, sinks, _, _ = inputs(1, S, 2, 4, 0)
+    with torch.no_grad():
+        banded_sink_attention(q, kv, window, sinks, 0.5)
+    assert bool(taken) == dense

@@ -27,8 +27,8 @@ from lockstep.plan import activations as act
 from lockstep.plan.hf_config import spec_from_config
 
 # The plan leaves out per-token scraps (RoPE cos/sin, the norms' rsqrt, routing ids' scraps,
-# masks): ~250-290 bytes per token of a DeepSeek-V4 layer whatever its width (the plan under by
-# 283 B of tiny's 6,707, 216 of wide's 22,224; Llama's first layer, which computes the cos/sin all
+# masks): ~200-280 bytes per token of a DeepSeek-V4 layer whatever its width (the plan under by
+# 275 B of tiny's 4,659, 208 of wide's 18,128; Llama's first layer, which computes the cos/sin all
 # layers share, 128 B), next to nothing at real widths. SCRAPS + 3% leaves room for them; a missing
 # or doubled term larger than that fails (the softmax, mHC's fp32 streams, the experts': 4-35% of
 # a layer here; checked by dropping terms), a smaller one (q_res, routing ids) does not.
@@ -43,6 +43,8 @@ CONFIGS = {
                         n_routed_experts=16, o_groups=4, o_lora_rank=32, index_n_heads=4, index_head_dim=16,
                         index_topk=4, sliding_window=16, hc_mult=2, compress_rates={CSA: 4, HCA: 128},
                         layer_types=(SLIDING, CSA, HCA), mlp_layer_types=("hash_moe", "moe", "moe")),
+    # sequences short against the window (RL's short responses): the trainer's dense attention form
+    "short": tiny_config(compress_rates={CSA: 4, HCA: 128}, sliding_window=128),
     "llama": LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=16),
 }

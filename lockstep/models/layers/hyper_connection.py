@@ -46,7 +46,41 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) ->
     if in_order or _triton_mixes(streams, fn, triton):
         mixes = hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps, in_order=in_order)
         return mixes.view(*x.shape[:-1], fn.shape[0])
+    if torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad) and not torch.compiler.is_compiling():
+        return NormedProjection.apply(x, fn, eps)
+    return _normed_projection(x, fn, eps)
+
+
+def _normed_projection(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return F.linear(rms_norm(x.float(), eps), fn.float())
+
+
+class NormedProjection(torch.autograd.Function):
+    """fn @ rms_norm(x) in fp32 (the eager forward's own ops, so the same bits), keeping for the
+    backward only x (the bf16 streams, which the block keeps anyway) and the per-token 1/rms: the
+    autograd of those ops kept x cast up to fp32 and the normalised fp32 copy, 2 x n*D*4 bytes per
+    token and sub-block (8.6 GB of activations on the 1b config at 8 x 2048 tokens). The backward
+    rebuilds the normalised x from them:
+        xn = x * r,  d fn = g^T xn,  d xn = g fn,  d x = r (d xn - xn mean(d xn * xn)).
+    Only where autograd would run (eager, gradient wanted); a compiled caller chooses its own."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, fn, r)
+        return F.linear(xf * r, fn.float())
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, fn, r = ctx.saved_tensors
+        xn = x.float() * r
+        grad_fn = None
+        if ctx.needs_input_grad[1]:
+            grad_fn = (g.reshape(-1, g.shape[-1]).t() @ xn.reshape(-1, xn.shape[-1])).to(fn.dtype)
+        dxn = g @ fn.float()
+        grad_x = (r * (dxn - xn * (dxn * xn).mean(-1, keepdim=True))).to(x.dtype)
+        return grad_x, grad_fn, None
 
 
 class HyperConnection(Switched, nn.Module):

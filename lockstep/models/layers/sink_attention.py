@@ -62,13 +62,16 @@ def banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks:
     padded (one block size whatever S: a compiled caller does not specialise on how S compares to
     the window); block b scores the 2W positions [bB - W, bB + B) (masked by `window_bias`, so the
     same rule as a decode step) plus the entries. A key outside a query's window is an exact zero in
-    the dense form too, so each query's softmax holds the same terms.
+    the dense form too, so each query's softmax holds the same terms. Where the blocks would score
+    more keys than the dense form (S below ~2.4 W, e.g. RL's short responses), the dense form runs.
     """
     N, S, H, D = q.shape
     block = window
     nb = -(-S // block)
     pad = nb * block - S  # queries padded to whole blocks; their rows are dropped at the end
     span = window + block
+    if nb * block * span >= S * S:  # short sequences (S below ~2.4 W): the blocks would score more
+        return _dense_sink_attention(q, kv, window, sinks, scale, entries, entry_bias)
     q_pos = torch.arange(nb * block, device=q.device).view(nb, block)
     k_pos = (torch.arange(nb, device=q.device) * block - window).unsqueeze(-1) + torch.arange(span, device=q.device)
     bias = window_bias(q_pos, k_pos, k_pos >= 0, window).expand(N, nb, block, span)
@@ -81,3 +84,12 @@ def banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks:
     qb = torch.nn.functional.pad(q, (0, 0, 0, 0, 0, pad)).reshape(N * nb, block, H, D)
     out = sink_attention(qb, keys.reshape(N * nb, -1, D), bias.reshape(N * nb, block, -1), sinks, scale)
     return out.view(N, nb * block, H, D)[:, :S]
+
+
+def _dense_sink_attention(q, kv, window, sinks, scale, entries, entry_bias) -> torch.Tensor:
+    """banded_sink_attention's arguments, every query scored against all S positions + the entries."""
+    pos = torch.arange(q.shape[1], device=q.device)
+    bias = window_bias(pos, pos, torch.ones_like(pos, dtype=torch.bool), window).expand(q.shape[0], -1, -1)
+    if entries is not None:
+        kv, bias = torch.cat([kv, entries], dim=1), torch.cat([bias, entry_bias], dim=2)
+    return sink_attention(q, kv, bias, sinks, scale)
