@@ -20,7 +20,7 @@ from torch import nn
 
 from . import hc_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed
-from .norm import rms_norm
+from .norm import inverse_rms, rms_norm
 from .sinkhorn import sinkhorn
 from .stream_mix_triton import StreamMix
 from .whole_rows import in_whole_rows, sigmoid_any_size, softmax_in_order, sum_in_order
@@ -56,7 +56,7 @@ def _normed_projection(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.T
 
 
 class NormedProjection(torch.autograd.Function):
-    """fn @ rms_norm(x) in fp32 (the eager forward's own ops, so the same bits), keeping for the
+    """fn @ rms_norm(x) in fp32 (rms_norm's own ops, so the same bits), keeping for the
     backward only x (the bf16 streams, which the block keeps anyway) and the per-token 1/rms: the
     autograd of those ops kept x cast up to fp32 and the normalised fp32 copy, 2 x n*D*4 bytes per
     token and sub-block (8.6 GB of activations on the 1b config at 8 x 2048 tokens). The backward
@@ -67,7 +67,7 @@ class NormedProjection(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
         xf = x.float()
-        r = torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+        r = inverse_rms(xf, eps)
         ctx.save_for_backward(x, fn, r)
         return F.linear(xf * r, fn.float())
 

@@ -19,7 +19,12 @@ def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     if in_whole_rows():  # the same formula with the sum of squares in a fixed order (whole_rows.py)
         return fixed_order_rms_norm(x, None, eps)
     xf = x.float()
-    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (xf * inverse_rms(xf, eps)).to(x.dtype)
+
+
+def inverse_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / rms over the last dim of fp32 xf, [..., 1]: the factor `rms_norm` scales by."""
+    return torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
 class RMSNorm(nn.Module):
