@@ -27,3 +27,18 @@ def test_mixes_take_it_only_where_a_gradient_is_wanted():
     assert type(_mixes(streams, fn, 1e-6, triton=False).grad_fn).__name__ == "NormedProjectionBackward"
     with torch.no_grad():
         assert _mixes(streams, fn, 1e-6, triton=False).grad_fn is None
+
+
+def test_under_bf16_autocast_the_backward_runs():
+    """`lockstep sft`'s bf16 autocast on the CPU: the forward's GEMM runs in bf16, so its gradient
+    arrives in bf16; the parameters' gradients come back in their own dtypes, close to autocast's."""
+    x = torch.randn(2, 6, 64, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    fn = torch.randn(24, 64, generator=torch.Generator().manual_seed(4)).requires_grad_()
+    grads = []
+    for project in (_normed_projection, NormedProjection.apply):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = project(x, fn, 1e-6)
+        grads.append(torch.autograd.grad(out.float().square().sum(), (x, fn)))
+    for ours, theirs in zip(grads[1], grads[0]):
+        assert ours.dtype == theirs.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs, rtol=3e-2, atol=3e-2 * theirs.abs().max().item())

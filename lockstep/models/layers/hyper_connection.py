@@ -74,6 +74,7 @@ class NormedProjection(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         x, fn, r = ctx.saved_tensors
+        g = g.float()  # bf16 where the forward ran under autocast (its GEMM in bf16); the backward's sums in fp32
         xn = x.float() * r
         grad_fn = None
         if ctx.needs_input_grad[1]:
