@@ -78,6 +78,8 @@ def attention_blocks(m: ModelSpec, ratio: int, seq_len: int) -> tuple[int, int, 
     entries = seq_len // ratio if ratio else 0
     window = m.sliding_window or seq_len  # a spec without one: every position in one block
     rows = -(-seq_len // window) * window
+    # sink_attention.banded_sink_attention's rule, mirrored (the plan imports no model code); the
+    # measured-activations test runs configs on both sides of it
     if rows * 2 * window >= seq_len * seq_len:  # short sequences: the dense form, one block of S
         return seq_len, seq_len + entries, 1.0
     return window, 2 * window + entries, rows / seq_len

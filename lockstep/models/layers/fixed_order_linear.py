@@ -53,7 +53,6 @@ if triton is not None:
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-
 def fixed_order_linear_reference(x: torch.Tensor, w: torch.Tensor, fp32_out: bool = False) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in fp32, rounded once to x's dtype (fp32_out: not rounded); grouped:
     x [..., G, K], w [G, N, K] -> [..., G, N], group g's rows through w[g]."""

@@ -22,7 +22,6 @@ from . import hc_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed
 from .norm import inverse_rms, rms_norm
 from .sinkhorn import sinkhorn
-from .stream_mix_triton import StreamMix
 from .whole_rows import in_whole_rows, sigmoid_any_size, softmax_in_order, sum_in_order
 
 
@@ -154,7 +153,7 @@ def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
         # the same sums (bf16 products, fp32, one rounding) in one pass over the streams, where
         # cuBLAS's batch of per-token 4 x 4 GEMMs was ~9% of a train step (stream_mix_triton.py)
         n, D = streams.shape[-2:]
-        mixed = StreamMix.apply(comb.reshape(-1, n, n), streams.reshape(-1, n, D)).view(streams.shape)
+        mixed = stream_mix_triton.StreamMix.apply(comb.reshape(-1, n, n), streams.reshape(-1, n, D)).view(streams.shape)
     else:
         mixed = torch.matmul(comb.transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed
