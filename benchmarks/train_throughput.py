@@ -173,6 +173,13 @@ def print_profile(step, args) -> None:
           f"the {args.profile} largest (op, calls, ms, input shapes):")
     for e in sorted(ops, key=lambda e: -getattr(e, key))[:args.profile]:
         print(f"  {e.key:24s} {e.count:6d} {getattr(e, key) / 1e3:9.2f}  {str(e.input_shapes)[:110]}")
+    # a step of many small kernels is bound by their launches, not by their device time
+    by_op = [e for e in prof.key_averages() if e.key.startswith("aten::")]
+    calls = sorted(by_op, key=lambda e: -e.count)[:12]
+    if cuda:
+        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+        print(f"{kernels} device kernels in the step")
+    print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None) -> dict:

@@ -32,9 +32,14 @@ so on the CPU the kernel (Triton's interpreter) equals `sinkhorn_reference` bit 
 GPU it equals the same loop with the sums written out in that order (test_sinkhorn.py). Trainer
 and engine both call this op on CUDA, so they compute the same coefficients.
 
-Backward (the trainer): recompute the forward's steps with torch ops and apply the
-written-out gradient of sinkhorn.py; the matrices are 4 x 4 per token, so this costs little
-next to the layer around it. Testable on CPU with TRITON_INTERPRET=1.
+Backward (the trainer): one more kernel, `lockstep::sinkhorn_backward`. It recomputes the
+forward's steps (they are not kept: 39 x 16 floats a token), writing each step's output to a
+scratch buffer, then walks the steps back applying sinkhorn.py's written-out gradient,
+dx = (g - sum_line(g * y)) / s, with each line's s recomputed from the step's input in the
+forward's order. Done with torch ops, that backward was ~240 launches of a few-byte kernel per
+mHC call (3,800 of a 1b train step's), each paying the host's launch cost. Its gradient agrees
+with the torch one to fp32 rounding (sums of g * y may add in another order), not bitwise.
+Testable on CPU with TRITON_INTERPRET=1.
 Benchmark: benchmarks/sinkhorn_kernel.py.
 """
 
@@ -108,6 +113,86 @@ if triton is not None:
         for k in tl.static_range(N * N):
             tl.store(y_ptr + t * (N * N) + k, x[k], mask=mask)
 
+    @triton.jit
+    def _normalise_backward(g, y, x, N: tl.constexpr, LINE: tl.constexpr, STEP: tl.constexpr, eps):
+        """dL/dx of one step y = _normalise(x, N, LINE, STEP, eps), from g = dL/dy:
+        (g - sum_line(g * y)) / s with s = sum_line(x) + eps, the step's own denominator."""
+        s = ()
+        y_s = ()
+        r = ()
+        for a in tl.static_range(N):
+            acc = x[a * LINE]
+            dot = g[a * LINE] * y[a * LINE]
+            for b in tl.static_range(1, N):
+                acc = acc + x[a * LINE + b * STEP]
+                dot = dot + g[a * LINE + b * STEP] * y[a * LINE + b * STEP]
+            s = s + (acc + eps,)
+            y_s = y_s + (_reciprocal(acc + eps),)
+            r = r + (dot,)
+        out = ()
+        for k in tl.static_range(N * N):
+            line = (k // LINE) % N
+            out = out + (_divide(g[k] - r[line], s[line], y_s[line]),)
+        return out
+
+    @triton.jit
+    def _store_step(scratch_ptr, step, x, t, mask, num_tokens, N: tl.constexpr):
+        for k in tl.static_range(N * N):
+            tl.store(scratch_ptr + (step * (N * N) + k) * num_tokens + t, x[k], mask=mask)
+
+    @triton.jit
+    def _load_step(scratch_ptr, step, t, mask, num_tokens, N: tl.constexpr):
+        x = ()
+        for k in tl.static_range(N * N):
+            x = x + (tl.load(scratch_ptr + (step * (N * N) + k) * num_tokens + t, mask=mask, other=1.0),)
+        return x
+
+    @triton.jit
+    def _sinkhorn_backward_kernel(x_ptr, g_ptr, dx_ptr, scratch_ptr, num_tokens, iters, eps,
+                                  N: tl.constexpr, BLOCK: tl.constexpr):
+        t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = t < num_tokens
+        eps = tl.cast(eps, tl.float32)
+        x = ()
+        g = ()
+        for k in tl.static_range(N * N):
+            x = x + (tl.load(x_ptr + t * (N * N) + k, mask=mask, other=1.0),)
+            g = g + (tl.load(g_ptr + t * (N * N) + k, mask=mask, other=0.0),)
+        # the forward again, step s's output kept as scratch[s]: the column step is step 0, then
+        # (rows, columns) are steps (2i + 1, 2i + 2)
+        y = _normalise(x, N, 1, N, eps)
+        _store_step(scratch_ptr, 0, y, t, mask, num_tokens, N)
+        for i in range(iters - 1):
+            y = _normalise(y, N, N, 1, eps)
+            _store_step(scratch_ptr, 2 * i + 1, y, t, mask, num_tokens, N)
+            y = _normalise(y, N, 1, N, eps)
+            _store_step(scratch_ptr, 2 * i + 2, y, t, mask, num_tokens, N)
+        # back through the steps: step s's input is scratch[s - 1] (step 0's is x)
+        for j in range(iters - 1):
+            i = iters - 2 - j
+            cols_in = _load_step(scratch_ptr, 2 * i + 1, t, mask, num_tokens, N)
+            g = _normalise_backward(g, _load_step(scratch_ptr, 2 * i + 2, t, mask, num_tokens, N), cols_in,
+                                    N, 1, N, eps)
+            g = _normalise_backward(g, cols_in, _load_step(scratch_ptr, 2 * i, t, mask, num_tokens, N),
+                                    N, N, 1, eps)
+        g = _normalise_backward(g, _load_step(scratch_ptr, 0, t, mask, num_tokens, N), x, N, 1, N, eps)
+        for k in tl.static_range(N * N):
+            tl.store(dx_ptr + t * (N * N) + k, g[k], mask=mask)
+
+    @torch.library.triton_op("lockstep::sinkhorn_backward", mutates_args=())
+    def sinkhorn_backward_fused(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+        """dL/dcomb from dL/dout (both [..., n, n]), one kernel."""
+        x, g = comb.contiguous(), grad.contiguous()
+        out = torch.empty_like(x)
+        n = x.shape[-1]
+        num_tokens = x.numel() // (n * n)
+        # token-minor so that a warp's loads and stores of one entry are one coalesced line
+        scratch = torch.empty((2 * iters - 1, n * n, num_tokens), dtype=torch.float32, device=x.device)
+        grid = (triton.cdiv(num_tokens, BLOCK_T),)
+        torch.library.wrap_triton(_sinkhorn_backward_kernel)[grid](
+            x, g, out, scratch, num_tokens, iters, eps, N=n, BLOCK=BLOCK_T, num_warps=BLOCK_T // 32)
+        return out
+
     @torch.library.triton_op("lockstep::sinkhorn", mutates_args=())
     def sinkhorn_fused(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         """comb [..., n, n] (contiguous or not) -> doubly stochastic, one kernel."""
@@ -126,9 +211,7 @@ if triton is not None:
         ctx.iters, ctx.eps = iters, eps
 
     def _backward(ctx, grad):
-        from lockstep.models.layers.sinkhorn import sinkhorn_backward
-
         (comb,) = ctx.saved_tensors
-        return sinkhorn_backward(comb, grad, ctx.iters, ctx.eps), None, None
+        return sinkhorn_backward_fused(comb, grad.float(), ctx.iters, ctx.eps), None, None
 
     sinkhorn_fused.register_autograd(_backward, setup_context=_setup_context)
