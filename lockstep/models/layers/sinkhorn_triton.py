@@ -130,9 +130,8 @@ if triton is not None:
             y_s = y_s + (_reciprocal(acc + eps),)
             r = r + (dot,)
         out = ()
-        for k in tl.static_range(N * N):
-            line = (k // LINE) % N
-            out = out + (_divide(g[k] - r[line], s[line], y_s[line]),)
+        for k in tl.static_range(N * N):  # the line's index inline: a tuple takes constexpr indices only
+            out = out + (_divide(g[k] - r[(k // LINE) % N], s[(k // LINE) % N], y_s[(k // LINE) % N]),)
         return out
 
     @triton.jit
