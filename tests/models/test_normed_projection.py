@@ -42,3 +42,26 @@ def test_under_bf16_autocast_the_backward_runs():
     for ours, theirs in zip(grads[1], grads[0]):
         assert ours.dtype == theirs.dtype == torch.float32
         torch.testing.assert_close(ours, theirs, rtol=3e-2, atol=3e-2 * theirs.abs().max().item())
+
+
+@pytest.mark.parametrize("fn_dtype", [torch.float32, torch.bfloat16])  # fp32: as a bf16 model keeps it
+def test_scaled_projection_is_the_normed_one_to_rounding(fn_dtype):
+    """bf16 streams (a bf16 trainer): the norm's scale after the GEMM. Against the fp64 autograd
+    of the eager ops on the same values: the forward to fp32 rounding, the gradients to the
+    rounding of the dtype they come back in."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 7, 4, 32, generator=g) * 3).bfloat16().requires_grad_()
+    fn = (torch.randn(24, 128, generator=g) * 0.05).to(fn_dtype).requires_grad_()
+    w = torch.randn(3, 7, 24, generator=g)
+    ours = _mixes(x, fn, 1e-6, triton=False)
+    assert type(ours.grad_fn).__name__ == "ScaledProjectionBackward" and ours.dtype == torch.float32
+    x64, fn64 = (t.detach().double().requires_grad_() for t in (x, fn))
+    flat = x64.flatten(-2)
+    ref = torch.nn.functional.linear(flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + 1e-6), fn64)
+    torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    got = torch.autograd.grad((ours * w).sum(), (x, fn))
+    want = torch.autograd.grad((ref * w.double()).sum(), (x64, fn64))
+    for a, b, dtype in zip(got, want, (torch.bfloat16, fn_dtype)):
+        assert a.dtype == dtype and a.shape == b.shape
+        tol = 6e-3 if dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(a.double(), b, rtol=4 * tol, atol=tol * b.abs().max().item())

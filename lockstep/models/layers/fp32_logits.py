@@ -31,9 +31,10 @@ def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b in fp32 from bf16 operands: cuBLAS's bf16 GEMM with fp32 output on a GPU, the upcast
-    fp32 GEMM elsewhere (the CPU reference the tests hold the GPU path to)."""
-    if a.is_cuda:
+    """a @ b in fp32: from two bf16 operands on a GPU, cuBLAS's bf16 GEMM with fp32 output; else
+    (the CPU, the reference the tests hold the GPU path to; an fp32 operand) the fp32 GEMM of the
+    upcast operands."""
+    if a.is_cuda and a.dtype == b.dtype == torch.bfloat16:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 

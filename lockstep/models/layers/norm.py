@@ -27,6 +27,14 @@ def inverse_rms(xf: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
 
 
+def inverse_rms_one_pass(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`inverse_rms` of x in any dtype, summed in fp32, as one reduction over x (no fp32 copy of
+    x, no squared copy): the same value up to fp32 rounding (the norm is squared back), not the
+    same bits. For callers that never materialise the normalised x (hyper_connection.ScaledProjection)."""
+    norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+    return torch.rsqrt(norm * norm / x.shape[-1] + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -37,5 +45,4 @@ class RMSNorm(nn.Module):
         if in_whole_rows():
             return fixed_order_rms_norm(x, self.weight, self.eps)
         xf = x.float()
-        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
+        return (self.weight.float() * (xf * inverse_rms(xf, self.eps))).to(x.dtype)
