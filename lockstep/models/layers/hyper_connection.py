@@ -20,7 +20,7 @@ from torch import nn
 
 from . import hc_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed
-from .fp32_logits import mm_fp32_out
+from .bf16x3 import mm_bf16_fp32, mm_fp32_bf16
 from .norm import inverse_rms, inverse_rms_one_pass, rms_norm
 from .sinkhorn import sinkhorn
 from .whole_rows import in_whole_rows, sigmoid_any_size, softmax_in_order, sum_in_order
@@ -93,19 +93,20 @@ class ScaledProjection(torch.autograd.Function):
         m = r * (x @ fn^T),  x never normalised.
     Its gradient, from g = dL/dm (D = n * H):
         d fn = (g r)^T x,    d x = (g r) @ fn - r^2 (g . m) / D * x
-    NormedProjection's ops read or wrote a [tokens, n*H] tensor ~25 times between them (the cast,
-    the square, the normalised copy; in the backward the rebuilt copy and each term of d x), these
-    ~12 (the norm in one reduction, the GEMMs' upcast operand, d x's GEMM output, one fused
-    multiply-add and its cast): ~5% of a 1b train step's device time by that count (16 calls of
+    The two GEMMs that read x take their fp32 operand (fn, g r) as three bf16 parts (bf16x3.py):
+    fp32-accurate, on tensor cores, x read as it is. NormedProjection's ops read or wrote a
+    [tokens, n*H] tensor ~25 times between them (the cast, the square, the normalised copy; in
+    the backward the rebuilt copy and each term of d x), these ~7 (the forward's norm and GEMM
+    read x; the backward's d fn GEMM reads it, d x's GEMM writes fp32, and one fused multiply-add
+    reads both and writes d x in bf16): ~5% of a 1b train step's device time by that count (16 calls on
     [16,384, 4,096]). The same value up to fp32 rounding, not the eager ops' bits.
-    Saves x (kept by the block anyway), r and m (the output, which the coefficients keep too).
-    (With a bf16 fn, d fn's GEMM takes g r rounded to bf16, as the LM head's backward does.)"""
+    Saves x (kept by the block anyway), r and m (the output, which the coefficients keep too)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         r = inverse_rms_one_pass(flat, eps)
-        m = mm_fp32_out(flat, fn.t()) * r
+        m = mm_bf16_fp32(flat, fn.t()) * r
         ctx.save_for_backward(x, fn, r, m)
         return m.view(*x.shape[:-1], fn.shape[0])
 
@@ -115,10 +116,11 @@ class ScaledProjection(torch.autograd.Function):
         flat = x.reshape(-1, x.shape[-1])
         g = g.reshape(-1, fn.shape[0]).float()
         gr = g * r
-        grad_fn = mm_fp32_out(gr.to(fn.dtype).t(), flat).to(fn.dtype) if ctx.needs_input_grad[1] else None
+        grad_fn = mm_fp32_bf16(gr.t(), flat).to(fn.dtype) if ctx.needs_input_grad[1] else None
         s = r * r * (g * m).sum(-1, keepdim=True) / flat.shape[-1]
-        grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1).to(x.dtype).view(x.shape)
-        return grad_x, grad_fn, None
+        # d x = (g r) @ fn - s x, the subtraction in fp32 and the result written once, in bf16
+        grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1, out=torch.empty_like(flat))
+        return grad_x.view(x.shape), grad_fn, None
 
 
 class HyperConnection(Switched, nn.Module):

@@ -1,0 +1,33 @@
+"""fp32 operands as three bf16 parts (models/layers/bf16x3.py): the parts add up to the value
+exactly, and the split GEMMs are as accurate as the fp32 GEMM of the upcast operands."""
+
+import torch
+
+from lockstep.models.layers.bf16x3 import bf16x3, mm_bf16_fp32, mm_fp32_bf16
+
+
+def test_the_three_parts_add_up_to_the_value_exactly():
+    g = torch.Generator().manual_seed(0)
+    t = torch.randn(4000, generator=g) * torch.logspace(-30, 30, 4000)  # far from the subnormals either way
+    parts = bf16x3(t)
+    assert parts.shape == (3, 4000) and parts.dtype == torch.bfloat16
+    assert torch.equal(parts.double().sum(0), t.double())
+    assert torch.equal(parts[0], t.bfloat16())  # hi is the bf16 rounding; mid and lo its remainders
+
+
+def _rel(a, ref):
+    return ((a.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def test_split_products_are_as_accurate_as_the_fp32_gemm():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 512, generator=g).bfloat16()
+    w = torch.randn(512, 24, generator=g)  # fp32, bits below bf16's
+    ref = x.double() @ w.double()
+    fp32 = _rel(x.float() @ w, ref)
+    assert _rel(mm_bf16_fp32(x, w), ref) < 4 * fp32 + 1e-7
+    assert _rel(x.float() @ w.bfloat16().float(), ref) > 100 * fp32  # w rounded to bf16 is far worse
+    gr = torch.randn(24, 64, generator=g)
+    ref = gr.double() @ x.double()
+    assert _rel(mm_fp32_bf16(gr, x), ref) < 4 * _rel(gr @ x.float(), ref) + 1e-7
+    assert mm_bf16_fp32(x, w).dtype == mm_fp32_bf16(gr, x).dtype == torch.float32
