@@ -63,7 +63,7 @@ class ActTerm:
 def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
     n, H = m.hc_mult, m.hidden_size
     return [
-        ActTerm(f"{tag}.hc_rsqrt_fp32", F, True, "the projection's 1/rms (it rebuilds the normed streams)"),
+        ActTerm(f"{tag}.hc_rsqrt_fp32", F, True, "the projection's 1/rms (its backward keeps no normed copy of the streams)"),
         ActTerm(f"{tag}.hc_streams", n * H * A, True, "bf16 streams, kept by the pre-collapse and comb^T @ X"),
         ActTerm(f"{tag}.hc_coefficients_fp32", ((2 + n) * n + n + n * n) * F, True,
                 "mixes, pre, the Sinkhorn input (its fused GPU kernel keeps nothing else)"),

@@ -108,10 +108,10 @@ class MasterAdamW:
                 local = _local(g.detach())
                 grads.setdefault((isinstance(g, DTensor), local.device), []).append(local)
         # per-tensor norms in fp64, read from the gradients' own dtype: a few multi-tensor launches
-        # where a cast, a square and a sum per tensor took three each (~1,000 kernels of a 1b step).
-        # The squares of fp32 (or bf16) values are exact in fp64, so each tensor's sum of squares,
-        # and the total, do not depend on how the tensor is split into shards (to fp64 rounding).
-        squares: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded?, per-tensor fp64 sums
+        # where a cast, a square and a sum took three launches per tensor. The squares of fp32 (or
+        # bf16) values are exact in fp64, so each tensor's sum of squares, and the total, do not
+        # depend on how the tensor is split into shards (to fp64 rounding).
+        squares: dict[bool, list[torch.Tensor]] = {True: [], False: []}  # sharded?, fp64 sums per group
         for (sharded, _), group in grads.items():
             norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
             squares[sharded].append((norms * norms).sum())

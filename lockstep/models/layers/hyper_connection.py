@@ -9,7 +9,8 @@ Around each sub-block, from the flattened streams x = X.flatten() (fp32, unweigh
 comb is applied TRANSPOSED (sum over its first index); the opposite orientation is the
 known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: sinkhorn.py.
 The projection m = fn @ rms_norm(x) is one Triton kernel on CUDA without gradients
-(hc_projection_triton.py; `_mixes`).
+(hc_projection_triton.py; `_mixes`); with gradients, eager, an autograd.Function that keeps no
+fp32 copy of the streams (`ScaledProjection` for bf16 streams, else `NormedProjection`).
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ class ScaledProjection(torch.autograd.Function):
     [tokens, n*H] tensor ~25 times between them (the cast, the square, the normalised copy; in
     the backward the rebuilt copy and each term of d x), these ~7 (the forward's norm and GEMM
     read x; the backward's d fn GEMM reads it, d x's GEMM writes fp32, and one fused multiply-add
-    reads both and writes d x in bf16): ~5% of a 1b train step's device time by that count (16 calls on
-    [16,384, 4,096]). The same value up to fp32 rounding, not the eager ops' bits.
+    reads both and writes d x in bf16): by that count ~5% of a 1b train step's device time (16
+    calls on [16,384, 4,096]; an estimate, not yet measured). The same value up to fp32
+    rounding, not the eager ops' bits.
     Saves x (kept by the block anyway), r and m (the output, which the coefficients keep too)."""
 
     @staticmethod

@@ -76,7 +76,9 @@ class _Sinkhorn(torch.autograd.Function):
 
 
 def sinkhorn_backward(comb: torch.Tensor, grad: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """dL/dcomb from dL/dout, recomputing the forward's steps (the fused kernel keeps none)."""
+    """dL/dcomb from dL/dout, recomputing the forward's steps (the fused forward keeps none): the
+    reference the fused backward kernel (sinkhorn_triton.sinkhorn_backward_fused, which CUDA runs)
+    is held to in the tests."""
     _, saved = _forward_saving(comb, iters, eps)
     return _backward_from(saved, grad, iters)
 
