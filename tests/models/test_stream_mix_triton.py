@@ -72,3 +72,56 @@ def test_hc_combine_takes_the_same_sums_as_the_gemm():
     gemm = torch.matmul(comb.transpose(-1, -2), streams)
     ref = post.to(torch.bfloat16).unsqueeze(-1) * block_out.unsqueeze(-2) + gemm
     torch.testing.assert_close(out.view_as(ref).float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def _eager_collapse(pre, streams):
+    return (pre.unsqueeze(-1) * streams).sum(-2).to(streams.dtype)
+
+
+def _collapse_operands(T=7, n=4, D=1100, seed=3):  # D over one program's 1024: a second, partial block
+    g = torch.Generator().manual_seed(seed)
+    pre = (torch.rand(T, n, generator=g) + 0.5).to(DEVICE)
+    streams = (torch.randn(T, n, D, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    return pre, streams, torch.randn(T, D, generator=g).to(torch.bfloat16).to(DEVICE)
+
+
+@needs_triton
+def test_collapse_is_the_eager_collapse_with_its_gradients():
+    """Collapse (the mix into one output, fp32 weights) against the eager ops and their autograd: the
+    same bits under the interpreter (a GPU's fused multiply-add may round the fp32 products once
+    less), d pre to fp32 rounding (summed in another order)."""
+    pre, streams, w = _collapse_operands()
+    results = []
+    for collapse in (_eager_collapse, sm.Collapse.apply):
+        p, x = pre.clone().requires_grad_(), streams.clone().requires_grad_()
+        out = collapse(p, x)
+        (out.float() * w.float()).sum().backward()
+        results.append((out, p.grad, x.grad))
+    (ref, ref_pre, ref_x), (out, d_pre, d_x) = results
+    assert out.dtype == d_x.dtype == torch.bfloat16 and d_pre.dtype == torch.float32
+    if DEVICE == "cpu":
+        assert torch.equal(out, ref) and torch.equal(d_x, ref_x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(d_x.float(), ref_x.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(d_pre, ref_pre, rtol=1e-5, atol=1e-5 * ref_pre.abs().max().item())
+    # a token's values are its own: alone, the same bits
+    alone = sm.collapse_backward_op(pre[4:5], streams[4:5], w[4:5])
+    both = sm.collapse_backward_op(pre, streams, w)
+    assert torch.equal(alone[0], both[0][4:5]) and torch.equal(alone[1], both[1][4:5])
+
+
+def test_hc_collapse_takes_the_kernels_only_with_a_gradient_on_a_gpu(monkeypatch):
+    """_collapse's rule: the kernels where the trainer's eager forward wants a gradient on CUDA;
+    routed there (by the rule's own switch, under the interpreter here) it gives the eager values."""
+    from lockstep.models.layers import hyper_connection as hc
+
+    pre, streams, _ = _collapse_operands(T=6)
+    assert not hc._collapse_kernels(pre, streams.requires_grad_()) or DEVICE == "cuda"
+    with torch.no_grad():
+        assert not hc._collapse_kernels(pre, streams)
+    if sm.triton is None:
+        return
+    monkeypatch.setattr(hc, "_collapse_kernels", lambda *_: True)
+    out = hc._collapse(pre.view(2, 3, 4), streams.view(2, 3, 4, -1))
+    assert type(out.grad_fn.next_functions[0][0]).__name__ == "CollapseBackward" and out.shape == (2, 3, 1100)
+    torch.testing.assert_close(out.view(6, -1).float(), _eager_collapse(pre, streams).float(), rtol=1e-2, atol=1e-2)

@@ -10,7 +10,9 @@ comb is applied TRANSPOSED (sum over its first index); the opposite orientation 
 known train/rollout mismatch of Megatron-LM issue 4957. Sinkhorn: sinkhorn.py.
 The projection m = fn @ rms_norm(x) is one Triton kernel on CUDA without gradients
 (hc_projection_triton.py; `_mixes`); with gradients, eager, an autograd.Function that keeps no
-fp32 copy of the streams (`ScaledProjection` for bf16 streams, else `NormedProjection`).
+fp32 copy of the streams (`ScaledProjection` for bf16 streams, else `NormedProjection`). The
+collapse sum_i pre_i X_i and the mix comb^T X are Triton kernels in the eager CUDA bf16 forward
+(stream_mix_triton.py; the collapse only with a gradient wanted, the trainer's).
 """
 
 from __future__ import annotations
@@ -144,9 +146,22 @@ class HyperConnection(Switched, nn.Module):
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_i pre_i X_i in fp32, rounded once: pre [..., n] fp32, streams [..., n, D] -> [..., D]."""
+    if _collapse_kernels(pre, streams):  # the trainer's eager forward on a GPU
+        n, D = streams.shape[-2:]
+        flat = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), streams.reshape(-1, n, D))
+        return flat.view(pre.shape[:-1] + (D,))
     weighted = pre.unsqueeze(-1) * streams
     summed = sum_in_order(weighted, -2) if in_whole_rows() else weighted.sum(dim=-2)
     return summed.to(streams.dtype)
+
+
+def _collapse_kernels(pre: torch.Tensor, streams: torch.Tensor) -> bool:
+    """Whether `_collapse` takes the Triton kernels with their backward (stream_mix_triton.Collapse):
+    eager on CUDA in bf16 with a gradient wanted, i.e. the trainer's forward. Without one (the
+    engine's eager prefill) the ops below keep their bits; compiled, the caller's compilation fuses them."""
+    return (streams.is_cuda and streams.dtype == torch.bfloat16 and stream_mix_triton.triton is not None
+            and torch.is_grad_enabled() and (pre.requires_grad or streams.requires_grad)
+            and not torch.compiler.is_compiling() and not in_whole_rows())
 
 
 def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):

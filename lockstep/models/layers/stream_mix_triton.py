@@ -10,6 +10,15 @@ an H200 (forward and the streams' gradient, twice per layer). The kernel reads t
 and writes the mix once. Numerics are the bf16 GEMM's: bf16 products are exact in fp32, summed in
 fp32 and rounded once; here the sum runs j = 0 .. n-1, as `stream_mix_reference` (the CPU
 reference, and the path wherever Triton cannot run) does, so the two give the same bits.
+
+The same kernel mixes n streams into any number K of outputs (comb [T, n, K]): mHC's collapse of
+the streams into the block input, sum_i pre_i X_i (K = 1, fp32 weights), is one, and `Collapse` is
+its autograd for the trainer (hyper_connection._collapse): eager, the collapse and its gradient made
+fp32 copies of the [T, n, D] streams (the weighted terms, the upcast gradient times pre, the
+gradient times the streams for d pre), ~2.4 GB of traffic per call on the 1b config at 8 x 2048
+tokens where the kernels move ~0.5 GB (an estimate from the tensor sizes, not yet measured). The
+backward (`lockstep::collapse_backward`) writes d X = pre_i g rounded to X's dtype, as the eager
+autograd did, and d pre_i = sum_d g X_i in fp32, per token in one program.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ if triton is not None:
 
 
 def stream_mix_reference(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """comb [T, n, n], streams [T, n, D] -> [T, n, D] in streams' dtype: sum_j comb[:, j, k] X_j."""
+    """comb [T, n, K], streams [T, n, D] -> [T, K, D] in streams' dtype: sum_j comb[:, j, k] X_j."""
     terms = comb.float().unsqueeze(-1)  # [T, j, k, 1]
     x = streams.float()
     out = terms[:, 0] * x[:, 0:1]
@@ -59,6 +68,36 @@ class StreamMix(torch.autograd.Function):
         return grad_comb, grad_streams
 
 
+class Collapse(torch.autograd.Function):
+    """pre [T, n] (fp32), streams [T, n, D] -> sum_i pre_i X_i [T, D] in streams' dtype, the kernel
+    forward (the mix into K = 1 output) and backward. Saves pre and the streams."""
+
+    @staticmethod
+    def forward(ctx, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(pre, streams)
+        return stream_mix(pre.unsqueeze(-1), streams).squeeze(1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        pre, streams = ctx.saved_tensors
+        d_pre, d_streams = collapse_backward(pre, streams, grad)
+        return (d_pre if ctx.needs_input_grad[0] else None), (d_streams if ctx.needs_input_grad[1] else None)
+
+
+def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
+    """(d pre [T, n] fp32, d streams [T, n, D] in streams' dtype) of the collapse, from grad [T, D]:
+    the eager autograd's values (d pre summed in its own order)."""
+    g = grad.float().unsqueeze(1)
+    return (g * streams.float()).sum(-1), (pre.float().unsqueeze(-1) * g).to(streams.dtype)
+
+
+def collapse_backward(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
+    """The kernel where it runs (CUDA, or the interpreter), the reference elsewhere."""
+    if triton is not None and (streams.is_cuda or _gt.interpreted()):
+        return collapse_backward_op(pre, streams, grad)
+    return collapse_backward_reference(pre, streams, grad)
+
+
 MIX_BLOCK = 1024  # hidden elements per program
 
 
@@ -66,37 +105,81 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
-    def _stream_mix_kernel(comb_ptr, x_ptr, out_ptr, D, N: tl.constexpr, ROUND: tl.constexpr,
+    def _stream_mix_kernel(comb_ptr, x_ptr, out_ptr, D, N: tl.constexpr, K: tl.constexpr, ROUND: tl.constexpr,
                            INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = d < D
-        for k in tl.static_range(N):
+        for k in tl.static_range(K):
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for j in tl.static_range(N):
-                c = tl.load(comb_ptr + t * N * N + j * N + k).to(tl.float32)
+                c = tl.load(comb_ptr + t * N * K + j * K + k).to(tl.float32)
                 x = tl.load(x_ptr + (t * N + j) * D + d, mask=ok, other=0.0).to(tl.float32)
                 acc += c * x
             if ROUND:
-                tl.store(out_ptr + (t * N + k) * D + d, _bf16(acc, INTERPRETED), mask=ok)
+                tl.store(out_ptr + (t * K + k) * D + d, _bf16(acc, INTERPRETED), mask=ok)
             else:
-                tl.store(out_ptr + (t * N + k) * D + d, acc, mask=ok)
+                tl.store(out_ptr + (t * K + k) * D + d, acc, mask=ok)
+
+    def _check_dtype(op: str, streams: torch.Tensor) -> None:
+        if streams.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"lockstep::{op}: streams must be bf16 or fp32, got {streams.dtype}")
 
     @torch.library.triton_op("lockstep::stream_mix", mutates_args=())
     def stream_mix_op(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        """comb [T, n, n], streams [T, n, D] (bf16 or fp32) -> comb^T @ X per token, streams' dtype."""
-        if streams.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"lockstep::stream_mix: streams must be bf16 or fp32, got {streams.dtype}")
+        """comb [T, n, K], streams [T, n, D] (bf16 or fp32) -> comb^T @ X per token [T, K, D], streams' dtype."""
+        _check_dtype("stream_mix", streams)
         comb, x = comb.contiguous(), streams.contiguous()
-        out = torch.empty_like(x)
         T, n, D = x.shape
+        K = comb.shape[-1]
+        out = x.new_empty(T, K, D)
         if out.numel():
             torch.library.wrap_triton(_stream_mix_kernel)[(T, triton.cdiv(D, MIX_BLOCK))](
-                comb, x, out, D, N=n, ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
+                comb, x, out, D, N=n, K=K, ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
                 BLOCK=MIX_BLOCK)
         return out
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @stream_mix_op.register_fake
     def _(comb, streams):
-        return torch.empty_like(streams)
+        return streams.new_empty(streams.shape[0], comb.shape[-1], streams.shape[-1])
+
+    @triton.jit
+    def _collapse_backward_kernel(pre_ptr, x_ptr, g_ptr, dx_ptr, dpre_ptr, D, N: tl.constexpr, ROUND: tl.constexpr,
+                                  INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """One token per program: d X_i = pre_i g (rounded to X's dtype), d pre_i = sum_d g X_i (fp32)."""
+        t = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        for i in tl.static_range(N):
+            p = tl.load(pre_ptr + t * N + i).to(tl.float32)
+            acc = tl.zeros([BLOCK], dtype=tl.float32)
+            for start in range(0, D, BLOCK):
+                d = start + offs
+                ok = d < D
+                g = tl.load(g_ptr + t * D + d, mask=ok, other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + (t * N + i) * D + d, mask=ok, other=0.0).to(tl.float32)
+                acc += g * x
+                if ROUND:
+                    tl.store(dx_ptr + (t * N + i) * D + d, _bf16(p * g, INTERPRETED), mask=ok)
+                else:
+                    tl.store(dx_ptr + (t * N + i) * D + d, p * g, mask=ok)
+            tl.store(dpre_ptr + t * N + i, tl.sum(acc, axis=0))
+
+    @torch.library.triton_op("lockstep::collapse_backward", mutates_args=())
+    def collapse_backward_op(pre: torch.Tensor, streams: torch.Tensor,
+                             grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """pre [T, n] fp32, streams [T, n, D], grad [T, D] -> (d pre [T, n] fp32, d streams [T, n, D])."""
+        _check_dtype("collapse_backward", streams)
+        pre, x, g = pre.float().contiguous(), streams.contiguous(), grad.contiguous()
+        T, n, D = x.shape
+        d_pre = pre.new_empty(T, n)
+        d_x = torch.empty_like(x)
+        if d_x.numel():
+            torch.library.wrap_triton(_collapse_backward_kernel)[(T,)](
+                pre, x, g, d_x, d_pre, D, N=n, ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
+                BLOCK=MIX_BLOCK)
+        return d_pre, d_x
+
+    @collapse_backward_op.register_fake
+    def _(pre, streams, grad):
+        return pre.new_empty(streams.shape[0], streams.shape[1], dtype=torch.float32), torch.empty_like(streams)
