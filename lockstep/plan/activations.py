@@ -10,8 +10,8 @@ the single K=V head, the compressors); lockstep's trainer runs TP 1, where it do
 
 DeepSeek-V4 (H hidden, n hc_mult, h*d heads*head_dim, r q_lora_rank, g*l o_groups*o_lora_rank,
 k top_k, I moe_intermediate, Is shared intermediate, E experts, S seq_len, Sk keys per query):
-  per sub-block (attention, MoE), mHC (hyper_connection.py): the projection's fp32 1/rms 4 (its
-      backward rebuilds the normed streams: NormedProjection), bf16 streams n*H*2, coefficients
+  per sub-block (attention, MoE), mHC (hyper_connection.py): the projection's fp32 1/rms 4 (no
+      normed copy of the streams kept: Scaled/NormedProjection), bf16 streams n*H*2, coefficients
       ((2+n)*n + n + n*n)*4, the combine's block output H*2 + (n*n + n)*2, the block's RMSNorm fp32
       input and output 2*H*4
   attention (attention.py, sink_attention.py): layer input H*2, q_a RMSNorm fp32 2*r*4, q_res r*2,
@@ -63,7 +63,7 @@ class ActTerm:
 def _mhc(m: ModelSpec, tag: str) -> list[ActTerm]:
     n, H = m.hc_mult, m.hidden_size
     return [
-        ActTerm(f"{tag}.hc_rsqrt_fp32", F, True, "the projection's 1/rms (its backward keeps no normed copy of the streams)"),
+        ActTerm(f"{tag}.hc_rsqrt_fp32", F, True, "the projection's 1/rms (no normed copy of the streams kept)"),
         ActTerm(f"{tag}.hc_streams", n * H * A, True, "bf16 streams, kept by the pre-collapse and comb^T @ X"),
         ActTerm(f"{tag}.hc_coefficients_fp32", ((2 + n) * n + n + n * n) * F, True,
                 "mixes, pre, the Sinkhorn input (its fused GPU kernel keeps nothing else)"),

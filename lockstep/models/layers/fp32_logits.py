@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import torch
 
+from .kernel_switch import grad_wanted
+
 
 def fp32_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """hidden [..., H] x weight [V, H] -> fp32 logits [..., V]."""
     if hidden.is_cuda and hidden.dtype == weight.dtype == torch.bfloat16:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-        logits = Fp32Logits.apply(flat, weight) if grad else mm_fp32_out(flat, weight.t())
+        logits = Fp32Logits.apply(flat, weight) if grad_wanted(hidden, weight) else mm_fp32_out(flat, weight.t())
         return logits.view(*hidden.shape[:-1], weight.shape[0])
     return torch.nn.functional.linear(hidden.float(), weight.float())
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import hc_projection_triton, stream_mix_triton
-from .kernel_switch import Switched, forward_kernel_allowed
+from .kernel_switch import Switched, forward_kernel_allowed, grad_wanted
 from .bf16x3 import mm_bf16_fp32, mm_fp32_bf16
 from .norm import inverse_rms, inverse_rms_one_pass, rms_norm
 from .sinkhorn import sinkhorn
@@ -49,7 +49,7 @@ def _mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float, triton: bool) ->
     if in_order or _triton_mixes(streams, fn, triton):
         mixes = hc_projection_triton.hc_mixes(x.reshape(-1, x.shape[-1]), fn, eps, in_order=in_order)
         return mixes.view(*x.shape[:-1], fn.shape[0])
-    if torch.is_grad_enabled() and (x.requires_grad or fn.requires_grad) and not torch.compiler.is_compiling():
+    if grad_wanted(x, fn) and not torch.compiler.is_compiling():
         if x.dtype == torch.bfloat16:
             return ScaledProjection.apply(x, fn, eps)
         return NormedProjection.apply(x, fn, eps)
@@ -160,8 +160,7 @@ def _collapse_kernels(pre: torch.Tensor, streams: torch.Tensor) -> bool:
     eager on CUDA in bf16 with a gradient wanted, i.e. the trainer's forward. Without one (the
     engine's eager prefill) the ops below keep their bits; compiled, the caller's compilation fuses them."""
     return (streams.is_cuda and streams.dtype == torch.bfloat16 and stream_mix_triton.triton is not None
-            and torch.is_grad_enabled() and (pre.requires_grad or streams.requires_grad)
-            and not torch.compiler.is_compiling() and not in_whole_rows())
+            and grad_wanted(pre, streams) and not torch.compiler.is_compiling() and not in_whole_rows())
 
 
 def _coefficients(mixes, base, scale, n: int, iters: int, eps: float):

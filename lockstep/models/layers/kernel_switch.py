@@ -123,8 +123,13 @@ def set_kernel_switches(model: nn.Module, switches: KernelSwitches) -> nn.Module
     return model
 
 
+def grad_wanted(*tensors: torch.Tensor) -> bool:
+    """Autograd will record an op on `tensors`: grad mode on and one of them requires a gradient."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def forward_kernel_allowed(enabled: bool, *tensors: torch.Tensor) -> bool:
     """A forward-only kernel may run: switched on, on CUDA, no gradient wanted through `tensors`."""
     if not enabled or not tensors[0].is_cuda:
         return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+    return not grad_wanted(*tensors)

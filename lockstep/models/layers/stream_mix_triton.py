@@ -42,9 +42,14 @@ def stream_mix_reference(comb: torch.Tensor, streams: torch.Tensor) -> torch.Ten
     return out.to(streams.dtype)
 
 
+def _kernel_runs(streams: torch.Tensor) -> bool:
+    """This file's kernels can take streams: Triton present, on CUDA (or the interpreter)."""
+    return triton is not None and (streams.is_cuda or _gt.interpreted())
+
+
 def stream_mix(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """The kernel where it runs (CUDA, or the interpreter), the reference elsewhere."""
-    if triton is not None and (streams.is_cuda or _gt.interpreted()):
+    if _kernel_runs(streams):
         return stream_mix_op(comb, streams)
     return stream_mix_reference(comb, streams)
 
@@ -93,7 +98,7 @@ def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: 
 
 def collapse_backward(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
     """The kernel where it runs (CUDA, or the interpreter), the reference elsewhere."""
-    if triton is not None and (streams.is_cuda or _gt.interpreted()):
+    if _kernel_runs(streams):
         return collapse_backward_op(pre, streams, grad)
     return collapse_backward_reference(pre, streams, grad)
 
