@@ -5,7 +5,6 @@ step and after every weight push, in bf16 and fp32, in bf16 serving and in fp8 /
 the quantisation-aware forward. (models/deepseek_v4_rows.py is the forward both sides run.)"""
 
 import copy
-import os
 
 import pytest
 import torch
@@ -20,10 +19,9 @@ from lockstep.models.llama_config import LlamaConfig
 from lockstep.train.config import TrainConfig
 from lockstep.train.trainer import Trainer
 from train.trainer_fixtures import tiny_model
+from devices import DEVICE  # cuda: engine (CUDA graphs, multi-step decode) and trainer on a GPU
 
 ABS_DIFF = "train/train_rollout_logprob_abs_diff"
-# LOCKSTEP_TEST_DEVICE=cuda: engine (CUDA graphs, multi-step decode) and trainer on a GPU
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 def rollouts(engine: Engine, seed: int):

@@ -3,6 +3,7 @@ exactly, and the split GEMMs are as accurate as the fp32 GEMM of the upcast oper
 
 import torch
 
+from devices import DEVICE
 from lockstep.models.layers.bf16x3 import bf16x3, mm_bf16_fp32, mm_fp32_bf16
 
 
@@ -21,13 +22,13 @@ def _rel(a, ref):
 
 def test_split_products_are_as_accurate_as_the_fp32_gemm():
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(64, 512, generator=g).bfloat16()
-    w = torch.randn(512, 24, generator=g)  # fp32, bits below bf16's
+    x = torch.randn(64, 512, generator=g).bfloat16().to(DEVICE)
+    w = torch.randn(512, 24, generator=g).to(DEVICE)  # fp32, bits below bf16's
     ref = x.double() @ w.double()
     fp32 = _rel(x.float() @ w, ref)
     assert _rel(mm_bf16_fp32(x, w), ref) < 4 * fp32 + 1e-7
     assert _rel(x.float() @ w.bfloat16().float(), ref) > 100 * fp32  # w rounded to bf16 is far worse
-    gr = torch.randn(24, 64, generator=g)
+    gr = torch.randn(24, 64, generator=g).to(DEVICE)
     ref = gr.double() @ x.double()
     assert _rel(mm_fp32_bf16(gr, x), ref) < 4 * _rel(gr @ x.float(), ref) + 1e-7
     assert mm_bf16_fp32(x, w).dtype == mm_fp32_bf16(gr, x).dtype == torch.float32

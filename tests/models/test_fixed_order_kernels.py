@@ -4,7 +4,6 @@ first, a middle and the last position, among garbage rows (huge values, inf, NaN
 view of a larger buffer, gives the same bits. Under Triton's interpreter here (TRITON_INTERPRET=1,
 conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs the same tests on a GPU."""
 
-import os
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from lockstep.models.layers import fixed_order_linear as fol
 from lockstep.models.layers import fixed_order_log_softmax as fls
 from lockstep.models.layers import fixed_order_rmsnorm as fon
 from lockstep.models.layers.norm import RMSNorm, rms_norm
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(fol.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 # aot_eager traces the ops' bodies on fake tensors, which interpreted kernels (CPU) cannot run on
 COMPILE_BACKENDS = ["eager", "aot_eager"] if DEVICE == "cuda" else ["eager"]
 BATCHES = (1, 3, 16, 37)

@@ -5,13 +5,12 @@ same on cuBLAS's bf16 GEMMs with fp32 output."""
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from lockstep.models.layers.fp32_logits import Fp32Logits, fp32_logits
+from devices import DEVICE
 
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 def _operands(T=48, H=64, V=200):

@@ -3,16 +3,15 @@ torch reference, and bitwise row invariance: a row's scores do not depend on how
 the launch or on how many entries the caller passes. Under Triton's interpreter here
 (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs them on a GPU."""
 
-import os
 
 import pytest
 import torch
 
 from lockstep.models.layers import index_scores_triton as ist
 from lockstep.models.layers.key_tiles import gather_tile, tiled_index_scores
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(ist.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 # 17 heads: a full head block and one of a single head; D 8 below tl.dot's 16 (zero-padded)
 H, D = 17, 8
 

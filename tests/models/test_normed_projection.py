@@ -5,6 +5,7 @@ keeping no fp32 copy of the streams (the saved-tensor count: tests/plan/test_pla
 import pytest
 import torch
 
+from devices import DEVICE
 from lockstep.models.layers.hyper_connection import NormedProjection, _mixes, _normed_projection
 
 
@@ -50,9 +51,9 @@ def test_scaled_projection_is_the_normed_one_to_rounding(fn_dtype):
     of the eager ops on the same values: the forward to fp32 rounding, the gradients to the
     rounding of the dtype they come back in."""
     g = torch.Generator().manual_seed(5)
-    x = (torch.randn(3, 7, 4, 32, generator=g) * 3).bfloat16().requires_grad_()
-    fn = (torch.randn(24, 128, generator=g) * 0.05).to(fn_dtype).requires_grad_()
-    w = torch.randn(3, 7, 24, generator=g)
+    x = (torch.randn(3, 7, 4, 32, generator=g) * 3).bfloat16().to(DEVICE).requires_grad_()
+    fn = (torch.randn(24, 128, generator=g) * 0.05).to(fn_dtype).to(DEVICE).requires_grad_()
+    w = torch.randn(3, 7, 24, generator=g).to(DEVICE)
     ours = _mixes(x, fn, 1e-6, triton=False)
     assert type(ours.grad_fn).__name__ == "ScaledProjectionBackward" and ours.dtype == torch.float32
     x64, fn64 = (t.detach().double().requires_grad_() for t in (x, fn))

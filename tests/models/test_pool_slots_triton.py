@@ -3,16 +3,15 @@ reference, and bitwise row invariance: an entry's pooled channels do not depend 
 share the launch. Under Triton's interpreter here (TRITON_INTERPRET=1, conftest.py);
 LOCKSTEP_TEST_DEVICE=cuda runs them on a GPU."""
 
-import os
 
 import pytest
 import torch
 
 from lockstep.models.layers import pool_slots_triton as pst
 from lockstep.models.layers.compressor import Compressor
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(pst.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 def _case(seed, R, slots, D, dtype):

@@ -3,15 +3,14 @@ reference (the same bits: bf16 products, fp32 sums in stream order, one rounding
 GEMM it replaces (to rounding), and StreamMix's gradients against the GEMM's autograd. Under
 Triton's interpreter here (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs it on a GPU."""
 
-import os
 
 import pytest
 import torch
 
 from lockstep.models.layers import stream_mix_triton as sm
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(sm.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 def _operands(T=5, n=4, D=1100, dtype=torch.bfloat16, seed=0):

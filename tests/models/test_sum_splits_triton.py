@@ -2,15 +2,14 @@
 the same bits whatever the other elements, optionally rounded to bf16 in the kernel. Under Triton's
 interpreter here (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs it on a GPU."""
 
-import os
 
 import pytest
 import torch
 
 from lockstep.models.layers import sum_splits_triton as ss
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(ss.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 
 
 def _partials(seed):

@@ -3,16 +3,15 @@ its torch reference, and bitwise row invariance: a row's output does not depend 
 share the launch, on what they hold, or on entry tiles past what the row can see. Under Triton's
 interpreter here (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs them on a GPU."""
 
-import os
 
 import pytest
 import torch
 
 from lockstep.models.layers import tiled_attention_triton as ta
 from lockstep.models.layers.key_tiles import ENTRY_TILE, gather_tile, tiled_sink_attention
+from devices import DEVICE
 
 needs_triton = pytest.mark.skipif(ta.triton is None, reason="triton is not installed")
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 H, D, W = 3, 16, 8  # heads fewer than a program's 16 (masked), the smallest head dim, a short window
 
 

@@ -5,7 +5,6 @@ run on a GPU). Covered: partial edge blocks, all-zero blocks, values beyond e4m3
 and inf (ue8m0 / fp4: the push's formats), e4m3 and e2m1 ties, subnormal scales, e8m0 / uint8
 storage, and that quantize_fp8_block / quantize_fp4_block route CUDA tensors (here: faked) to them."""
 
-import os
 
 import pytest
 import torch
@@ -17,8 +16,8 @@ from lockstep.quant.fp4 import quantize_fp4_block  # noqa: E402
 from lockstep.quant.fp4_triton import quantize_fp4_into  # noqa: E402
 from lockstep.quant.fp8 import fp8_scale_shape, quantize_fp8_block  # noqa: E402
 from lockstep.quant.fp8_triton import quantize_fp8_into  # noqa: E402
+from devices import DEVICE
 
-DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE", "cpu").startswith("cuda") else "cpu"
 E8M0 = torch.float8_e8m0fnu
 NAN, NEG_NAN = (torch.tensor([b], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
                 for b in (0x7FC00000, 0xFFC00000 - 2**32))
