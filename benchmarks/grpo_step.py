@@ -184,7 +184,7 @@ def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
                 parts[k].append(v)
         last = now
     if profile:  # one more rollout under the profiler, on the trained weights
-        from kernel_profile import profile_generate
+        from kernel_profile import host_profile, profile_generate
         from lockstep.config import SamplingParams
         from lockstep.engine.request import GenerateRequest
 
@@ -192,6 +192,10 @@ def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
                                   ignore_eos=bench.fixed_length)
         print(profile_generate(engine, [GenerateRequest(p, sampling, group_id=j)
                                         for j, p in enumerate(_batch(bench, prompts, step))]))
+        # the host's side of one whole step: what the rollout's and the eager train step's wall
+        # time beyond their device time is spent on
+        print(host_profile(lambda: trainer.train_step(_rollout(engine, bench, _batch(bench, prompts, step), step,
+                                                               seeded, cfg.advantage_fn))))
     peak = torch.cuda.max_memory_allocated() if bench.device.startswith("cuda") else None
     return {"step": times, **{k: statistics.median(v) for k, v in parts.items()},
             "tokens": sum(s.response_len for s in samples), "steps": steps, "peak_bytes": peak}
@@ -266,7 +270,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--skip-trl", action="store_true", help="time the lockstep side only")
-    parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout")
+    parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -10,6 +10,9 @@ count, wall time, and the top kernels with their share of device time.
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -34,6 +37,24 @@ def profile_generate(engine, requests, top: int = 40) -> str:
     for name, times in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
         lines.append(f"  {sum(times) / device_us:6.1%} {sum(times) / 1e3:8.2f} ms  {len(times):6d}x  {name[:110]}")
     return "\n".join(lines)
+
+
+def host_profile(fn, top: int = 25) -> str:
+    """Where the host's time goes while fn() runs (cProfile): the `top` functions by their own
+    time, then by cumulative time. The GPU work fn queues is not in it; a step whose wall time
+    exceeds its device time is waiting on these."""
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.runcall(fn)
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    body = "\n".join(line for line in out.getvalue().splitlines() if line.strip())
+    return f"host profile: wall {wall * 1e3:.1f} ms (cProfile's own overhead included)\n{body}"
 
 
 def decode_step_trace(engine, requests) -> str:
