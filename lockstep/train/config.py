@@ -122,7 +122,7 @@ class TrainConfig:
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so
     train/train_rollout_logprob_abs_diff is 0. The loss reads its values; the gradient comes from the
     default forward (compiled with compile_backend, when set) run with the same experts. Slower (H200:
-    0.83x of a train step, rollout 0.92x; CPU: row blocks, dense experts, 0.48x). Data and pipeline
+    0.78-0.83x of a train step, rollout 0.92x; CPU: row blocks, dense experts, 0.48x). Data and pipeline
     parallel keep it exact; not with expert parallel. None: on CUDA for DeepSeek-V4 without expert
     parallel (kernel_switch.decide_true_on_policy), off elsewhere; `lockstep train` decides it for
     engine and trainer together."""

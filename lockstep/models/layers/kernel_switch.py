@@ -102,7 +102,7 @@ def decide_true_on_policy(setting: bool | None, model: nn.Module, device, exclud
     """EngineConfig / TrainConfig.true_on_policy decided once, at the side's construction: the setting,
     or for None on CUDA where the model has the forward and no field of that config rules it out
     (`excluded_by`: packed weights, expert parallel). Measured on an H200 (1b config) at 0.92x of the
-    compiled default's rollout tokens/s and 0.83x of the eager default's train step; on the CPU it
+    compiled default's rollout tokens/s and 0.78-0.83x of the eager default's train step; on the CPU it
     runs in row blocks, 0.48x of a train step (cpu-tiny, train_throughput.py): off there."""
     if setting is not None:
         return setting
