@@ -50,18 +50,19 @@ class PagedCacheManager:
     def fork_cost(self) -> int:
         return 1  # at most the partial last block is copied
 
-    def fork(self, src: Sequence, dst: Sequence) -> None:
+    def fork(self, src: Sequence, dsts: list[Sequence]) -> None:
         full = src.num_computed // self.block_size
         shared = src.block_table[:full]
-        for b in shared:
-            self._refs[b] += 1
-        dst.block_table = list(shared)
-        if src.num_computed % self.block_size:
-            b = self._take()
-            s = src.block_table[full]
-            self.kv.k[:, b].copy_(self.kv.k[:, s])
-            self.kv.v[:, b].copy_(self.kv.v[:, s])
-            dst.block_table.append(b)
+        for dst in dsts:
+            for b in shared:
+                self._refs[b] += 1
+            dst.block_table = list(shared)
+            if src.num_computed % self.block_size:
+                b = self._take()
+                s = src.block_table[full]
+                self.kv.k[:, b].copy_(self.kv.k[:, s])
+                self.kv.v[:, b].copy_(self.kv.v[:, s])
+                dst.block_table.append(b)
 
     def free(self, seq: Sequence) -> None:
         for b in seq.block_table:

@@ -161,18 +161,20 @@ class Scheduler:
         """After the leader's prefill: siblings that get memory start from a copy of its cache;
         the others go back to the front of the queue to prefill on their own."""
         forked, left = [], []
-        for sib in leader.parked:
-            room = len(self.running) < self.max_num_seqs and self.cache.num_free_blocks() >= self.cache.fork_cost()
-            if room:
-                sib.num_computed = leader.num_computed
-                self.cache.fork(leader, sib)
-                sib.routed = list(leader.routed)
-                sib.status = SequenceStatus.RUNNING
-                self.running.append(sib)
+        free, cost = self.cache.num_free_blocks(), self.cache.fork_cost()
+        for sib in leader.parked:  # room for this one after those before it
+            if len(self.running) + len(forked) < self.max_num_seqs and free - cost * len(forked) >= cost:
                 forked.append(sib)
             else:
                 sib.status = SequenceStatus.WAITING
                 left.append(sib)
+        for sib in forked:
+            sib.num_computed = leader.num_computed
+        self.cache.fork(leader, forked)  # all siblings in one copy per cache tensor
+        for sib in forked:
+            sib.routed = list(leader.routed)
+            sib.status = SequenceStatus.RUNNING
+            self.running.append(sib)
         leader.parked = []
         self.waiting.extendleft(reversed(left))
         return forked
