@@ -21,7 +21,8 @@ def _rel(a, ref):
 
 
 # On a GPU the split GEMM runs on tensor cores, which add the products inside each MMA with
-# truncation rather than round-to-nearest: measured on an H200, 6.9e-7 against the fp32 GEMM's
+# truncation rather than round-to-nearest (Fasi et al., "Numerical behavior of NVIDIA tensor
+# cores", 2021): measured on an H200, 6.9e-7 against the fp32 GEMM's
 # 1.2e-7 here, still ~1000x below what rounding the fp32 operand to bf16 costs.
 TOLERANCE = 1e-7 if DEVICE == "cpu" else 1e-6
 
