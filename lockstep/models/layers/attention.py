@@ -25,6 +25,8 @@ from .fused_linear import project
 from .indexer import Indexer
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
+from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
+from .kernel_switch import Switched
 from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window
@@ -103,7 +105,7 @@ class InputProjections:
     index_weights: torch.Tensor | None = None
 
 
-class DeepseekV4Attention(nn.Module):
+class DeepseekV4Attention(Switched, nn.Module):
     projections_type = InputProjections  # for attention_rows.py, which cannot import this module
 
     def __init__(self, c, layer_idx: int):
@@ -197,7 +199,9 @@ class DeepseekV4Attention(nn.Module):
             index_keys = (self.compressor.indexer.forward_full(x.index_kv, x.index_gate, self.inv_freq)
                           if self.layer_type == CSA else None)
             comp_bias = self._compressed_bias(x, q_res, positions, entries.shape[1], index_keys)
-        o = banded_sink_attention(q, kv, self.window, self.sinks, self.scale, entries, comp_bias)
+        flash = flash_attention_runs(q, kv, self.kernels.on("flash_attention"))  # the trainer's, when switched on
+        attend = flash_banded_sink_attention if flash else banded_sink_attention
+        o = attend(q, kv, self.window, self.sinks, self.scale, entries, comp_bias)
         return self._output(o, cos, sin)
 
     # ---- the true-on-policy forward: rows, keys from `keys` --------------------------

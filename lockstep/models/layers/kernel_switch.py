@@ -16,7 +16,7 @@ kernels off, whatever their setting or environment. The configs' None (their def
 
 The environment overrides a setting when set, for A/B runs without touching a config:
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
-LOCKSTEP_COMPILE_ROWS ("0" off, anything else on;
+LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION ("0" off, anything else on;
 LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
 line says which kernels are on.
 
@@ -37,7 +37,7 @@ from torch import nn
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
-       "compile_rows": "LOCKSTEP_COMPILE_ROWS"}
+       "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
@@ -71,6 +71,11 @@ class KernelSwitches:
     trainer bitwise in bf16 / fp8 / fp8-fp4 serving, rollout 0.89x of the compiled default against
     0.32x uncompiled); True: also on the CPU (dynamo's trace without code generation: what
     the CPU tests check; slow). Engine and trainer must agree on it (LOCKSTEP_COMPILE_ROWS)."""
+
+    flash_attention: bool = False
+    """The trainer's attention (eager CUDA bf16 forward with gradients) as flash-style Triton kernels,
+    forward and backward (flash_sink_attention_triton.py): no score matrix in memory. Off until
+    measured on a GPU (CPU-tested under the interpreter); LOCKSTEP_FLASH_ATTENTION=1 turns it on."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:
