@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from devices import DEVICE
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers import flash_sink_attention_triton as flash
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.sink_attention import banded_sink_attention, closed_block_bias
 
 pytestmark = pytest.mark.skipif(flash.triton is None, reason="Triton is not installed")
@@ -76,11 +79,38 @@ def test_rows_past_a_program_and_tiles_past_the_keys():
 
 
 def test_the_trainer_takes_it_only_where_it_should():
-    x = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16)
-    kv = torch.randn(1, 4, 16, dtype=torch.bfloat16)
-    assert not flash.runs(x, kv, enabled=True)  # the CPU: the torch form
-    if torch.cuda.is_available():
-        xc, kvc = x.cuda().requires_grad_(), kv.cuda()
-        assert flash.runs(xc, kvc, enabled=True) and not flash.runs(xc, kvc, enabled=False)
-        with torch.no_grad():
-            assert not flash.runs(xc, kvc, enabled=True)  # no gradient wanted: the engine's prefill
+    x = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.randn(1, 4, 16, dtype=torch.bfloat16, device=DEVICE)
+    assert flash.runs(x, kv, enabled=True) and not flash.runs(x, kv, enabled=False)
+    with torch.no_grad():
+        assert not flash.runs(x, kv, enabled=True)  # no gradient wanted: the engine's prefill
+    assert not flash.runs(x[..., :8], kv[..., :8], enabled=True)  # head dim below tl.dot's 16
+    assert flash.runs(x.float(), kv.float(), enabled=True) == (DEVICE == "cpu")  # fp32: the interpreter only
+
+
+def test_a_model_with_the_switch_on_trains_as_with_the_torch_form(monkeypatch):
+    """Whole DeepSeek-V4 model (window, C4 top-k and C128 layers), fp32: the loss and every
+    parameter's gradient with the kernels equal the torch form's to fp32 rounding."""
+    config = tiny_config()  # C4 at rate 2, C128-style at 4: many entries in 40 positions
+    model = DeepseekV4ForCausalLM(config)
+    init_deepseek_v4_(model, 3)
+    model.to(DEVICE)
+    ids = torch.randint(2, config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    calls = []
+    forward = flash._forward
+    monkeypatch.setattr(flash, "_forward", lambda *a: calls.append(a[3] is not None) or forward(*a))
+    results = []
+    for on in (False, True):
+        set_kernel_switches(model, KernelSwitches(flash_attention=on))
+        model.zero_grad()
+        logits = model(ids).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (loss0, grads0), (loss1, grads1) = results
+    assert calls == [False, True, True, True]  # switched on only, every layer: window, C4, C128, C4
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    assert grads0.keys() == grads1.keys() and any("sinks" in k for k in grads0)
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5 * grads0[k].abs().max().item() + 1e-9,
+                                   msg=k)

@@ -54,9 +54,13 @@ SPLIT = 16  # programs per entry tile in the backward: an entry's rows are all S
 
 
 def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool) -> bool:
-    """Whether the trainer's attention takes these kernels (see the module docstring)."""
-    return (enabled and triton is not None and q.is_cuda and q.dtype == kv.dtype == torch.bfloat16
-            and torch.is_grad_enabled() and not torch.compiler.is_compiling() and q.shape[-1] >= 16)
+    """Whether the trainer's attention takes these kernels (see the module docstring). Under the
+    interpreter (the CPU tests) fp32 too: on a GPU fp32 tiles would multiply in tf32."""
+    if not enabled or triton is None or q.shape[-1] < 16 or q.dtype != kv.dtype:
+        return False
+    device_ok = (q.is_cuda and q.dtype == torch.bfloat16) or (_gt.interpreted() and q.dtype in (torch.bfloat16,
+                                                                                                 torch.float32))
+    return device_ok and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def flash_banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
@@ -93,7 +97,7 @@ class FlashSinkAttention(torch.autograd.Function):
 def _launch_args(q, kv, sinks, entries, entry_bias):
     """Pointers and sizes shared by the kernels: entries absent -> kv and sinks stand in (never read)."""
     N, S, H, D = q.shape
-    has_entries = entries is not None
+    has_entries = entries is not None and entries.shape[1] > 0  # none closed yet: a window layer's work
     E = entries.shape[1] if has_entries else 0
     return (N, S, H, D, E, has_entries, entries if has_entries else kv, entry_bias if has_entries else sinks,
             triton.next_power_of_2(D))
@@ -120,7 +124,7 @@ def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, s
     dkv = torch.empty_like(kv)
     _dkv_kernel[(triton.cdiv(S, BLOCK_N), 1, N)](q, kv, ebias, grad_out, lse, delta, dkv, S, S, E, window, scale,
                                                  ENTRIES=False, **common)
-    dentries = None
+    dentries = None if entries is None else torch.zeros_like(entries)
     if has_entries:
         partial = torch.empty(SPLIT, N, E, D, dtype=torch.float32, device=q.device)
         _dkv_kernel[(triton.cdiv(E, BLOCK_N), SPLIT, N)](q, ent, ebias, grad_out, lse, delta, partial, S, E, E,
