@@ -17,6 +17,8 @@ pytestmark = pytest.mark.skipif(flash.triton is None, reason="Triton is not inst
 
 
 def _inputs(dtype, N=2, S=37, H=3, D=16, E=5, topk=False, seed=0):
+    """q, kv, sinks, entries, entry_bias: the entries close every 4 positions (closed_block_bias);
+    topk: the indexer's picks, a random subset of the closed ones."""
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(N, S, H, D, generator=g)
     kv = torch.randn(N, S, D, generator=g)
@@ -25,30 +27,31 @@ def _inputs(dtype, N=2, S=37, H=3, D=16, E=5, topk=False, seed=0):
     bias = None
     if E:
         pos = torch.arange(S).expand(N, S)
-        bias = closed_block_bias(pos, E, 4)  # entry j seen once its block of 4 closed
-        if topk:  # the indexer's picks: a random subset of the closed entries
+        bias = closed_block_bias(pos, E, 4)
+        if topk:
             bias = bias.masked_fill(torch.rand(N, S, E, generator=g) < 0.4, float("-inf"))
     to = lambda t: None if t is None else t.to(DEVICE, dtype)  # noqa: E731
     return to(q), to(kv), sinks.to(DEVICE), to(entries), None if bias is None else bias.to(DEVICE)
 
 
-def _grads(fn, q, kv, sinks, entries, bias, w, window, scale):
+def _grads(fn, q, kv, sinks, entries, bias, w, window, scale, *rate):
     leaves = [t.detach().requires_grad_() for t in (q, kv, sinks)] + (
         [entries.detach().requires_grad_()] if entries is not None else [])
-    out = fn(leaves[0], leaves[1], window, leaves[2], scale, leaves[3] if entries is not None else None, bias)
+    out = fn(leaves[0], leaves[1], window, leaves[2], scale, leaves[3] if entries is not None else None, bias, *rate)
     return out, torch.autograd.grad((out.to(w.dtype) * w).sum(), leaves)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["window", "closed-blocks", "top-k"])
+@pytest.mark.parametrize("case", ["window", "closed-blocks", "top-k", "top-k, every entry tile"])
 def test_forward_and_gradients_equal_the_torch_form(dtype, case):
     """Values and the gradients of q, kv, the sinks and the entries, against the torch form in fp64:
-    fp32 to fp32 rounding, bf16 to the rounding of bf16 scores and probabilities."""
+    fp32 to fp32 rounding, bf16 to the rounding of bf16 scores and probabilities. The entries close
+    every 4 positions; the kernels skip those not closed yet, or (compress_rate None) score them all."""
     E = 0 if case == "window" else 5
-    q, kv, sinks, entries, bias = _inputs(dtype, E=E, topk=case == "top-k")
-    window, scale = 8, 0.3
+    q, kv, sinks, entries, bias = _inputs(dtype, E=E, topk=case.startswith("top-k"))
+    window, scale, rate = 8, 0.3, None if case.endswith("every entry tile") else 4
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(9)).to(DEVICE, torch.float64)
-    got, got_grads = _grads(flash.flash_banded_sink_attention, q, kv, sinks, entries, bias, w, window, scale)
+    got, got_grads = _grads(flash.flash_banded_sink_attention, q, kv, sinks, entries, bias, w, window, scale, rate)
     f64 = lambda t: None if t is None else t.double()  # noqa: E731
     want, want_grads = _grads(banded_sink_attention, f64(q), f64(kv), f64(sinks), f64(entries), f64(bias), w,
                               window, scale)
@@ -61,14 +64,15 @@ def test_forward_and_gradients_equal_the_torch_form(dtype, case):
 
 
 def test_rows_past_a_program_and_tiles_past_the_keys():
-    """More positions than one program's rows and one tile's keys (S * H = 3 * 80 rows, 16-key tiles
-    set below): every row and key tile boundary is crossed, in the forward and both backward kernels."""
-    q, kv, sinks, entries, bias = _inputs(torch.float32, N=1, S=80, H=3, E=20, topk=True, seed=4)
+    """More positions than one program's rows and one tile's keys (S * H = 80 * 4 rows, 16-row programs
+    and 16-key tiles set below): every row and key tile boundary is crossed, in the forward and both
+    backward kernels; the program of positions 64..67 sees entry 16 (closed at 67), the first of a tile."""
+    q, kv, sinks, entries, bias = _inputs(torch.float32, N=1, S=80, H=4, E=20, topk=False, seed=4)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.float64)
     old = flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT
     flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT = 16, 16, 3
     try:
-        got, got_grads = _grads(flash.flash_banded_sink_attention, q, kv, sinks, entries, bias, w, 24, 0.25)
+        got, got_grads = _grads(flash.flash_banded_sink_attention, q, kv, sinks, entries, bias, w, 24, 0.25, 4)
     finally:
         flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT = old
     want, want_grads = _grads(banded_sink_attention, q.double(), kv.double(), sinks.double(), entries.double(),

@@ -199,9 +199,11 @@ class DeepseekV4Attention(Switched, nn.Module):
             index_keys = (self.compressor.indexer.forward_full(x.index_kv, x.index_gate, self.inv_freq)
                           if self.layer_type == CSA else None)
             comp_bias = self._compressed_bias(x, q_res, positions, entries.shape[1], index_keys)
-        flash = flash_attention_runs(q, kv, self.kernels.on("flash_attention"))  # the trainer's, when switched on
-        attend = flash_banded_sink_attention if flash else banded_sink_attention
-        o = attend(q, kv, self.window, self.sinks, self.scale, entries, comp_bias)
+        if flash_attention_runs(q, kv, self.kernels.on("flash_attention")):  # the trainer's, when switched on
+            rate = self.compressor.m if self.compressor is not None else None
+            o = flash_banded_sink_attention(q, kv, self.window, self.sinks, self.scale, entries, comp_bias, rate)
+        else:
+            o = banded_sink_attention(q, kv, self.window, self.sinks, self.scale, entries, comp_bias)
         return self._output(o, cos, sin)
 
     # ---- the true-on-policy forward: rows, keys from `keys` --------------------------

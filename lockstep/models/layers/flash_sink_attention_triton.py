@@ -64,22 +64,25 @@ def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool) -> bool:
 
 
 def flash_banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,
-                                entries: torch.Tensor | None = None,
-                                entry_bias: torch.Tensor | None = None) -> torch.Tensor:
+                                entries: torch.Tensor | None = None, entry_bias: torch.Tensor | None = None,
+                                compress_rate: int | None = None) -> torch.Tensor:
     """banded_sink_attention's arguments and result: q [N, S, H, D], kv [N, S, D], entries [N, E, D]
-    with entry_bias [N, S, E] (0 / -inf; no gradient) -> [N, S, H, D]."""
-    return FlashSinkAttention.apply(q, kv, sinks, entries, entry_bias, window, scale)
+    with entry_bias [N, S, E] (0 / -inf; no gradient) -> [N, S, H, D]. compress_rate m: the
+    entries are compressed blocks of m positions, and position p sees none past the closed ones
+    (j < (p + 1) // m: closed_block_bias, and the indexer picks among those), so the kernels skip the
+    rest: about half the entry tiles of a causal sequence. None: every entry tile is scored."""
+    return FlashSinkAttention.apply(q, kv, sinks, entries, entry_bias, window, scale, compress_rate)
 
 
 class FlashSinkAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, kv, sinks, entries, entry_bias, window: int, scale: float):
+    def forward(ctx, q, kv, sinks, entries, entry_bias, window: int, scale: float, compress_rate: int | None):
         q, kv = q.contiguous(), kv.contiguous()
         if entries is not None:
             entries, entry_bias = entries.contiguous(), entry_bias.detach().float().contiguous()
-        out, lse = _forward(q, kv, sinks.float().contiguous(), entries, entry_bias, window, scale)
+        out, lse = _forward(q, kv, sinks.float().contiguous(), entries, entry_bias, window, scale, compress_rate)
         ctx.save_for_backward(q, kv, sinks, entries, entry_bias, out, lse)
-        ctx.window, ctx.scale = window, scale
+        ctx.window, ctx.scale, ctx.compress_rate = window, scale, compress_rate
         return out
 
     @staticmethod
@@ -88,35 +91,38 @@ class FlashSinkAttention(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # [N, S, H]: sum_k P dP of each row
         dq, dkv, dentries = _backward(q, kv, sinks.float().contiguous(), entries, entry_bias, grad_out, lse, delta,
-                                      ctx.window, ctx.scale)
+                                      ctx.window, ctx.scale, ctx.compress_rate)
         # the sink's logit has no value: dS_sink = P_sink (0 - delta)
         dsinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
-        return dq, dkv, dsinks, dentries, None, None, None
+        return dq, dkv, dsinks, dentries, None, None, None, None
 
 
-def _launch_args(q, kv, sinks, entries, entry_bias):
-    """Pointers and sizes shared by the kernels: entries absent -> kv and sinks stand in (never read)."""
+def _launch_args(q, kv, sinks, entries, entry_bias, compress_rate):
+    """Pointers, sizes and flags shared by the kernels: entries absent -> kv and sinks stand in
+    (never read); M, CLOSED: the compress rate, and whether the entries past the closed ones are skipped."""
     N, S, H, D = q.shape
     has_entries = entries is not None and entries.shape[1] > 0  # none closed yet: a window layer's work
     E = entries.shape[1] if has_entries else 0
     return (N, S, H, D, E, has_entries, entries if has_entries else kv, entry_bias if has_entries else sinks,
-            triton.next_power_of_2(D))
+            triton.next_power_of_2(D), dict(M=compress_rate or 1, CLOSED=compress_rate is not None))
 
 
-def _forward(q, kv, sinks, entries, entry_bias, window, scale):
-    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D = _launch_args(q, kv, sinks, entries, entry_bias)
+def _forward(q, kv, sinks, entries, entry_bias, window, scale, compress_rate):
+    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D, closed = _launch_args(q, kv, sinks, entries, entry_bias,
+                                                                           compress_rate)
     out = torch.empty_like(q)
     lse = torch.empty(N, S, H, dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(S * H, BLOCK_M), N)
-    _fwd_kernel[grid](q, kv, ent, ebias, sinks, out, lse, S, E, window, scale, H=H, D=D, BLOCK_D=BLOCK_D,
+    _fwd_kernel[grid](q, kv, ent, ebias, sinks, out, lse, S, E, window, scale, **closed, H=H, D=D, BLOCK_D=BLOCK_D,
                       BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_ENTRIES=has_entries, BF16=q.dtype == torch.bfloat16,
                       INTERPRETED=_gt.interpreted(), num_warps=4)
     return out, lse
 
 
-def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, scale):
-    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D = _launch_args(q, kv, sinks, entries, entry_bias)
-    common = dict(H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BF16=q.dtype == torch.bfloat16,
+def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, scale, compress_rate):
+    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D, closed = _launch_args(q, kv, sinks, entries, entry_bias,
+                                                                           compress_rate)
+    common = dict(**closed, H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BF16=q.dtype == torch.bfloat16,
                   INTERPRETED=_gt.interpreted(), num_warps=4)
     dq = torch.empty_like(q)
     _dq_kernel[(triton.cdiv(S * H, BLOCK_M), N)](q, kv, ent, ebias, grad_out, lse, delta, dq, S, E, window, scale,
@@ -166,6 +172,14 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _entry_end(p_last, E, M, CLOSED: tl.constexpr):
+        """Entries a program walks: all E, or (CLOSED) those closed by its last position, (p + 1) // M."""
+        end = E
+        if CLOSED:
+            end = tl.minimum((p_last + 1) // M, E)
+        return end
+
+    @triton.jit
     def _rows(ptr, n, S, rows, rd, H: tl.constexpr, D: tl.constexpr):
         """A [rows, D] tile of a [N, S * H, D] tensor (zeros past its end or its head dim)."""
         ok = (rows[:, None] < S * H) & (rd[None, :] < D)
@@ -178,8 +192,8 @@ if triton is not None:
         return tl.load(ptr + (n * L + keys[:, None]) * D + rd[None, :], mask=ok, other=0.0)
 
     @triton.jit
-    def _fwd_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, sinks_ptr, out_ptr, lse_ptr, S, E, W, scale,
-                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _fwd_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, sinks_ptr, out_ptr, lse_ptr, S, E, W, scale, M,
+                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
                     INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
@@ -204,7 +218,7 @@ if triton is not None:
             acc = acc * rescale[:, None] + _mm(_like_keys(p, BF16, INTERPRETED), k, INTERPRETED)
             m = new_m
         if HAS_ENTRIES:
-            for e0 in range(0, E, BLOCK_N):
+            for e0 in range(0, _entry_end(p_last, E, M, CLOSED), BLOCK_N):
                 ents = e0 + tl.arange(0, BLOCK_N)
                 k = _keys(ent_ptr, n, E, ents, rd, D)
                 s = _scores(q, k, pos, ents, S, W, ebias_ptr + n * S * E, E, scale, True, INTERPRETED)
@@ -228,8 +242,8 @@ if triton is not None:
         return p, p * (dp - delta[:, None])
 
     @triton.jit
-    def _dq_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, E, W, scale,
-                   H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _dq_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, E, W, scale, M,
+                   CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         n = tl.program_id(1).to(tl.int64)
@@ -249,7 +263,7 @@ if triton is not None:
             _, ds = _ds(q, do, k, lse, delta, pos, keys, S, W, ebias_ptr, E, scale, False, INTERPRETED)
             dq += _mm(_like_keys(ds, BF16, INTERPRETED), k, INTERPRETED)
         if HAS_ENTRIES:
-            for e0 in range(0, E, BLOCK_N):
+            for e0 in range(0, _entry_end(p_last, E, M, CLOSED), BLOCK_N):
                 ents = e0 + tl.arange(0, BLOCK_N)
                 k = _keys(ent_ptr, n, E, ents, rd, D)
                 _, ds = _ds(q, do, k, lse, delta, pos, ents, S, W, ebias_ptr + n * S * E, E, scale, True, INTERPRETED)
@@ -258,8 +272,8 @@ if triton is not None:
         tl.store(dq_ptr + (n * S * H + rows[:, None]) * D + rd[None, :], dq, mask=ok[:, None] & (rd[None, :] < D))
 
     @triton.jit
-    def _dkv_kernel(q_ptr, k_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, S, L, E, W, scale,
-                    H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _dkv_kernel(q_ptr, k_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, S, L, E, W, scale, M,
+                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         """One tile of L keys (the window's kv, L = S, or the entries, L = E) against the rows that
         see it. ENTRIES: program_id(1) takes its share of all S * H rows and writes an fp32 partial
@@ -271,8 +285,11 @@ if triton is not None:
         k = _keys(k_ptr, n, L, keys, rd, D)
         acc = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
         if ENTRIES:
-            share = tl.cdiv(tl.cdiv(S * H, BLOCK_M), tl.num_programs(1)) * BLOCK_M
-            r_first = tl.program_id(1) * share
+            r_min = 0  # the first row that can see the tile: its first entry's block closes at (e0 + 1) m - 1
+            if CLOSED:
+                r_min = tl.minimum(((tl.program_id(0) * BLOCK_N + 1) * M - 1) * H, S * H)
+            share = tl.cdiv(tl.cdiv(S * H - r_min, BLOCK_M), tl.num_programs(1)) * BLOCK_M
+            r_first = r_min + tl.program_id(1) * share
             r_end = tl.minimum(r_first + share, S * H)
         else:
             r_first = tl.program_id(0) * BLOCK_N * H
