@@ -117,6 +117,11 @@ class TrainConfig:
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
     (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The Triton switches are
     the engine's only: they act on single-token steps, which the trainer's forward never takes.)"""
+    flash_attention: bool = False
+    """On CUDA in bf16, the attention of the eager forward runs as flash-style Triton kernels, forward
+    and backward (models/layers/flash_sink_attention_triton.py): no score matrix in memory. Off until
+    measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_FLASH_ATTENTION=0 / 1, when
+    set, overrides."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

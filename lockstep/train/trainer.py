@@ -93,7 +93,8 @@ class Trainer:
         self._check(model, ref_model)
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
-                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy))
+                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy,
+                                                      flash_attention=config.flash_attention))
         if config.true_on_policy and not hasattr(model, "true_on_policy"):
             raise ValueError(f"TrainConfig.true_on_policy: {type(model).__name__} has no true-on-policy forward "
                              "(DeepSeek-V4 has)")

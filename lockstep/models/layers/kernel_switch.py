@@ -74,8 +74,7 @@ class KernelSwitches:
 
     flash_attention: bool = False
     """The trainer's attention (eager CUDA bf16 forward with gradients) as flash-style Triton kernels,
-    forward and backward (flash_sink_attention_triton.py): no score matrix in memory. Off until
-    measured on a GPU (CPU-tested under the interpreter); LOCKSTEP_FLASH_ATTENTION=1 turns it on."""
+    forward and backward (flash_sink_attention_triton.py; TrainConfig.flash_attention)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:
