@@ -114,13 +114,14 @@ def _engine(bench: Bench, model):
         device=bench.device, eos_token_ids=(EOS,), true_on_policy=False))  # as _train_config says
 
 
-def _train_config(bench: Bench, compile_backend: str | None = None):
+def _train_config(bench: Bench, compile_backend: str | None = None, flash_attention: bool = False):
     from lockstep.train.config import TrainConfig
 
     # the default forward on both sides, as the ratio to TRL has been measured since the first run
     # (on CUDA `lockstep train` now runs the true-on-policy forward unless --no-true-on-policy:
     # README, its cost as ratios)
     return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
+                       flash_attention=flash_attention,
                        max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens),
                        true_on_policy=False)
 
@@ -159,12 +160,12 @@ def _record(metrics: dict, samples: list) -> dict:
 
 
 def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
-                 compile_backend: str | None = None, seeded: bool = False) -> dict:
+                 compile_backend: str | None = None, seeded: bool = False, flash_attention: bool = False) -> dict:
     from lockstep.train.trainer import Trainer
 
     model = make_model(bench).to(bench.device)
     engine = _engine(bench, copy.deepcopy(model))
-    cfg = _train_config(bench, compile_backend)
+    cfg = _train_config(bench, compile_backend, flash_attention)
     trainer = Trainer(model, cfg)
     times, parts, steps = [], {"rollout": [], "train": [], "sync": []}, []
     last = time.perf_counter()
@@ -273,6 +274,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
+    parser.add_argument("--flash-attention", action="store_true",
+                        help="the trainer's attention as Triton kernels (TrainConfig.flash_attention)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
@@ -296,7 +299,8 @@ def main() -> None:
     prompts = make_prompts(bench, (bench.warmup + bench.steps) * bench.num_prompts)
     t = time.perf_counter()
     ours = run_lockstep(bench, prompts, profile=args.profile,
-                        compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated)
+                        compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated,
+                        flash_attention=args.flash_attention)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "
