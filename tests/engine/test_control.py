@@ -8,7 +8,6 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from lockstep.config import SamplingParams
 from lockstep.engine import GenerateRequest
 
 from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled

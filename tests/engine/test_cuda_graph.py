@@ -90,7 +90,7 @@ def test_a_decode_step_syncs_once(graphs):
     engine = graph_engine(28, decode_steps=1, **kw) if graphs else make_engine(seed=28, cuda_graph=False, **kw)
     ps = prompts(5, lo=10, hi=40, seed=29)
     params = [greedy(max_new_tokens=20), sampled(seed=1, max_new_tokens=20, top_k=5, return_routed_experts=True)]
-    states = start_decoding(engine, requests(ps, lambda i: params[i % 2]))
+    start_decoding(engine, requests(ps, lambda i: params[i % 2]))
     with SyncAudit() as audit:
         for _ in range(4):
             engine.step()

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from lockstep.cli import main
 from lockstep.commands.sft import _new_embedded_model
