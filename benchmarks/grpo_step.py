@@ -271,7 +271,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--skip-trl", action="store_true", help="time the lockstep side only")
-    parser.add_argument("--profile", action="store_true", help="CUDA: print the kernels of one more rollout and the host profile of one more step")
+    parser.add_argument("--profile", action="store_true",
+                        help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
     parser.add_argument("--flash-attention", action="store_true",

@@ -91,10 +91,11 @@ class Trainer:
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
         self._setup_determinism()
         self._check(model, ref_model)
+        switches = KernelSwitches(compile_hc=config.compile_hc, flash_attention=config.flash_attention,
+                                  true_on_policy=config.true_on_policy)
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
-                set_kernel_switches(m, KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy,
-                                                      flash_attention=config.flash_attention))
+                set_kernel_switches(m, switches)
         if config.true_on_policy and not hasattr(model, "true_on_policy"):
             raise ValueError(f"TrainConfig.true_on_policy: {type(model).__name__} has no true-on-policy forward "
                              "(DeepSeek-V4 has)")

@@ -21,12 +21,12 @@ from torch import nn
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .attention_rows import attention_rows
 from .compressor import Compressor, CompressorState
+from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
 from .fused_linear import project
 from .indexer import Indexer
+from .kernel_switch import Switched
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
-from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
-from .kernel_switch import Switched
 from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window

@@ -34,8 +34,8 @@ fp64). The true-on-policy forward does not use it (its bits are tiled_attention_
 
 Where it runs (`runs`): CUDA, bf16, a gradient wanted (the trainer's eager forward), not under
 torch.compile (a compiled trainer fuses the torch form); and the kernel switch `flash_attention`
-(kernel_switch.py, LOCKSTEP_FLASH_ATTENTION=1). CPU tests run the kernels under TRITON_INTERPRET=1
-in fp32 and bf16.
+(TrainConfig.flash_attention, kernel_switch.py; LOCKSTEP_FLASH_ATTENTION=0 / 1 overrides), off
+until measured on a GPU. CPU tests run the kernels under TRITON_INTERPRET=1 in fp32 and bf16.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def _forward(q, kv, sinks, entries, entry_bias, window, scale, compress_rate):
 def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, scale, compress_rate):
     N, S, H, D, E, has_entries, ent, ebias, BLOCK_D, closed = _launch_args(q, kv, sinks, entries, entry_bias,
                                                                            compress_rate)
-    common = dict(**closed, H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BF16=q.dtype == torch.bfloat16,
-                  INTERPRETED=_gt.interpreted(), num_warps=4)
+    common = dict(**closed, H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                  BF16=q.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=4)
     dq = torch.empty_like(q)
     _dq_kernel[(triton.cdiv(S * H, BLOCK_M), N)](q, kv, ent, ebias, grad_out, lse, delta, dq, S, E, window, scale,
                                                  HAS_ENTRIES=has_entries, **common)
@@ -172,6 +172,16 @@ if triton is not None:
         return s
 
     @triton.jit
+    def _online_softmax(m, s_sum, acc, s, k, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One key tile into the running max m, sum s_sum and output acc of each row (scores s)."""
+        new_m = tl.maximum(m, tl.max(s, axis=1))
+        rescale = tl.exp(m - new_m)
+        p = tl.exp(s - new_m[:, None])
+        s_sum = s_sum * rescale + tl.sum(p, axis=1)
+        acc = acc * rescale[:, None] + _mm(_like_keys(p, BF16, INTERPRETED), k, INTERPRETED)
+        return new_m, s_sum, acc
+
+    @triton.jit
     def _entry_end(p_last, E, M, CLOSED: tl.constexpr):
         """Entries a program walks: all E, or (CLOSED) those closed by its last position, (p + 1) // M."""
         end = E
@@ -193,8 +203,8 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, sinks_ptr, out_ptr, lse_ptr, S, E, W, scale, M,
-                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
+                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
                     INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         n = tl.program_id(1).to(tl.int64)
@@ -211,23 +221,13 @@ if triton is not None:
             keys = k0 + tl.arange(0, BLOCK_N)
             k = _keys(kv_ptr, n, S, keys, rd, D)
             s = _scores(q, k, pos, keys, S, W, ebias_ptr, E, scale, False, INTERPRETED)
-            new_m = tl.maximum(m, tl.max(s, axis=1))
-            rescale = tl.exp(m - new_m)
-            p = tl.exp(s - new_m[:, None])
-            s_sum = s_sum * rescale + tl.sum(p, axis=1)
-            acc = acc * rescale[:, None] + _mm(_like_keys(p, BF16, INTERPRETED), k, INTERPRETED)
-            m = new_m
+            m, s_sum, acc = _online_softmax(m, s_sum, acc, s, k, BF16, INTERPRETED)
         if HAS_ENTRIES:
             for e0 in range(0, _entry_end(p_last, E, M, CLOSED), BLOCK_N):
                 ents = e0 + tl.arange(0, BLOCK_N)
                 k = _keys(ent_ptr, n, E, ents, rd, D)
                 s = _scores(q, k, pos, ents, S, W, ebias_ptr + n * S * E, E, scale, True, INTERPRETED)
-                new_m = tl.maximum(m, tl.max(s, axis=1))
-                rescale = tl.exp(m - new_m)
-                p = tl.exp(s - new_m[:, None])
-                s_sum = s_sum * rescale + tl.sum(p, axis=1)
-                acc = acc * rescale[:, None] + _mm(_like_keys(p, BF16, INTERPRETED), k, INTERPRETED)
-                m = new_m
+                m, s_sum, acc = _online_softmax(m, s_sum, acc, s, k, BF16, INTERPRETED)
         out = _like_keys(acc / s_sum[:, None], BF16, INTERPRETED)
         ok = rows < S * H
         tl.store(out_ptr + (n * S * H + rows[:, None]) * D + rd[None, :], out, mask=ok[:, None] & (rd[None, :] < D))
@@ -243,8 +243,9 @@ if triton is not None:
 
     @triton.jit
     def _dq_kernel(q_ptr, kv_ptr, ent_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, S, E, W, scale, M,
-                   CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+                   CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
+                   INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         n = tl.program_id(1).to(tl.int64)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -273,8 +274,9 @@ if triton is not None:
 
     @triton.jit
     def _dkv_kernel(q_ptr, k_ptr, ebias_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, S, L, E, W, scale, M,
-                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+                    CLOSED: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
         """One tile of L keys (the window's kv, L = S, or the entries, L = E) against the rows that
         see it. ENTRIES: program_id(1) takes its share of all S * H rows and writes an fp32 partial
         sum [SPLIT, N, E, D]; else the rows of positions k0 .. k0 + BLOCK_N + W - 2, written as dkv."""
