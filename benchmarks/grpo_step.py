@@ -114,14 +114,14 @@ def _engine(bench: Bench, model):
         device=bench.device, eos_token_ids=(EOS,), true_on_policy=False))  # as _train_config says
 
 
-def _train_config(bench: Bench, compile_backend: str | None = None, flash_attention: bool = False):
+def _train_config(bench: Bench, compile_backend: str | None = None, kernels: tuple[str, ...] = ()):
     from lockstep.train.config import TrainConfig
 
     # the default forward on both sides, as the ratio to TRL has been measured since the first run
     # (on CUDA `lockstep train` now runs the true-on-policy forward unless --no-true-on-policy:
     # README, its cost as ratios)
     return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
-                       flash_attention=flash_attention,
+                       **{k: True for k in kernels},
                        max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens),
                        true_on_policy=False)
 
@@ -160,12 +160,12 @@ def _record(metrics: dict, samples: list) -> dict:
 
 
 def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
-                 compile_backend: str | None = None, seeded: bool = False, flash_attention: bool = False) -> dict:
+                 compile_backend: str | None = None, seeded: bool = False, kernels: tuple[str, ...] = ()) -> dict:
     from lockstep.train.trainer import Trainer
 
     model = make_model(bench).to(bench.device)
     engine = _engine(bench, copy.deepcopy(model))
-    cfg = _train_config(bench, compile_backend, flash_attention)
+    cfg = _train_config(bench, compile_backend, kernels)
     trainer = Trainer(model, cfg)
     times, parts, steps = [], {"rollout": [], "train": [], "sync": []}, []
     last = time.perf_counter()
@@ -275,8 +275,8 @@ def main() -> None:
                         help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
-    parser.add_argument("--flash-attention", action="store_true",
-                        help="the trainer's attention as Triton kernels (TrainConfig.flash_attention)")
+    parser.add_argument("--trainer-kernels", nargs="+", default=[], choices=("flash_attention", "triton_norm"),
+                        help="TrainConfig kernel switches to turn on (the trainer's Triton attention / RMSNorm)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
@@ -301,7 +301,7 @@ def main() -> None:
     t = time.perf_counter()
     ours = run_lockstep(bench, prompts, profile=args.profile,
                         compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated,
-                        flash_attention=args.flash_attention)
+                        kernels=tuple(args.trainer_kernels))
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "

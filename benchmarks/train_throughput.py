@@ -4,7 +4,8 @@
     python benchmarks/train_throughput.py --config 1b                            # one H200: 8 x 2048, bf16
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
-    python benchmarks/train_throughput.py --config 1b --flash-attention         # + the attention kernels
+    python benchmarks/train_throughput.py --config 1b --kernel-rows flash_attention triton_norm \
+        flash_attention+triton_norm                                             # + rows with the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
 
 What is timed (after --warmup untimed steps, CUDA synchronised around the --steps timed ones):
@@ -12,8 +13,8 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   --prompt-len are the prompt), each with a random advantage: one packed micro-batch, forward,
   GRPO loss (PPO-clip, token mean, on-policy so the ratio is 1), backward, gradient clipping at
   1.0, AdamW on fp32 masters (bf16 compute), plus the step's metrics. `--compile-backend` sets
-  TrainConfig.compile_backend (several values: one row each); `--flash-attention` adds a row with
-  TrainConfig.flash_attention.
+  TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
+  TrainConfig kernel switches turned on (flash_attention, triton_norm; '+' joins several), eager layers.
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
   the same weights (lockstep's state dict loads into it as is) in the dtypes `from_pretrained(dtype=)`
   gives (bf16, its fp32-kept modules fp32), the same token batch as [batch, seq_len], loss = the
@@ -70,6 +71,8 @@ from lockstep.train.config import TrainConfig  # noqa: E402
 from lockstep.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --kernel-rows values: TrainConfig's kernel switches, alone and together
+KERNEL_ROWS = ("flash_attention", "triton_norm", "flash_attention+triton_norm")
 # per config: defaults of (batch, seq_len, prompt_len, steps, warmup, device, dtype)
 DEFAULTS = {
     "cpu-tiny": dict(batch=4, seq_len=256, prompt_len=32, steps=3, warmup=1, device="cpu", dtype="float32"),
@@ -150,11 +153,11 @@ def timed(step, args) -> tuple[float, object]:
 
 
 def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
-                     true_on_policy: bool = False, flash_attention: bool = False) -> Trainer:
+                     true_on_policy: bool = False, kernels: tuple[str, ...] = ()) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
-    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, flash_attention=flash_attention,
+    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **{k: True for k in kernels},
                                       max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
 
 
@@ -185,9 +188,9 @@ def print_profile(step, args) -> None:
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 flash_attention: bool = False) -> dict:
+                 kernels: tuple[str, ...] = ()) -> dict:
     reset_peak(args.device)
-    trainer = lockstep_trainer(config, state, args, backend, flash_attention=flash_attention)
+    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)
@@ -287,8 +290,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-backend", nargs="+", default=["none"],
                     help="TrainConfig.compile_backend of the lockstep side (none, inductor, ...); "
                          "several: one row each")
-    ap.add_argument("--flash-attention", action="store_true",
-                    help="one more row: TrainConfig.flash_attention (the attention's Triton kernels), eager layers")
+    ap.add_argument("--kernel-rows", nargs="+", default=[], choices=KERNEL_ROWS, metavar="SWITCHES",
+                    help="one more row per value: these TrainConfig kernel switches on, eager layers "
+                         f"({', '.join(KERNEL_ROWS)})")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "
@@ -332,10 +336,10 @@ def main(argv=None) -> None:
         run = run_lockstep(config, state, samples, args, None if backend == "none" else backend)
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
-    if args.flash_attention:
-        run = run_lockstep(config, state, samples, args, None, flash_attention=True)
-        result["lockstep"]["flash_attention"] = f = figures(run, args, flops_per_token, peak_tflops)
-        print(line("lockstep train_step (flash attention)", f, args, peak_tflops), flush=True)
+    for switches in args.kernel_rows:
+        run = run_lockstep(config, state, samples, args, None, kernels=tuple(switches.split("+")))
+        result["lockstep"][switches] = f = figures(run, args, flops_per_token, peak_tflops)
+        print(line(f"lockstep train_step ({switches})", f, args, peak_tflops), flush=True)
     if args.true_on_policy:
         default, exact, pair_ratios = run_true_on_policy_pair(config, state, samples, args)
         result["lockstep"]["true_on_policy_pair_default"] = d = figures(default, args, flops_per_token, peak_tflops)
@@ -355,7 +359,7 @@ def main(argv=None) -> None:
             ratio = f["tokens_per_s"] / hf["tokens_per_s"]
             result["ratio_lockstep_over_transformers"][backend] = ratio
             # same weights, batch and objective: the first step's gradient norms agree to rounding
-            label = "flash attention" if backend == "flash_attention" else f"compile {backend}"
+            label = backend if backend in args.kernel_rows else f"compile {backend}"
             print(f"ratio lockstep ({label}) / transformers: {ratio:.2f}x tok/s, "
                   f"{f['peak_gib'] / hf['peak_gib']:.2f}x peak memory; first-step gradient norm "
                   f"{f['first_grad_norm']:.5g} vs {hf['first_grad_norm']:.5g}")

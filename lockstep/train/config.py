@@ -122,6 +122,11 @@ class TrainConfig:
     and backward (models/layers/flash_sink_attention_triton.py): no score matrix in memory. Off until
     measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_FLASH_ATTENTION=0 / 1, when
     set, overrides."""
+    triton_norm: bool = False
+    """On CUDA in bf16, the RMSNorms of the eager forward run as Triton kernels, forward and backward
+    (models/layers/rms_norm_grad_triton.py): one launch forward, two backward, no fp32 copy kept.
+    Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_NORM=0 / 1,
+    when set, overrides."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

@@ -92,7 +92,7 @@ class Trainer:
         self._setup_determinism()
         self._check(model, ref_model)
         switches = KernelSwitches(compile_hc=config.compile_hc, flash_attention=config.flash_attention,
-                                  true_on_policy=config.true_on_policy)
+                                  triton_norm=config.triton_norm, true_on_policy=config.true_on_policy)
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, switches)

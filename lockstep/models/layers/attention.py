@@ -170,7 +170,7 @@ class DeepseekV4Attention(Switched, nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         q_res = self.q_a_norm(x.q_a)
         q = rms_norm(apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim),
-                     self.norm_eps)
+                     self.norm_eps, triton=self.kernels.on("triton_norm"))
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
         kv = apply_rope(self.kv_norm(x.kv), cos, sin)
         return q_res, q, kv, cos, sin

@@ -77,16 +77,12 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
-    def _fixed_order_rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, d_float, eps, stride_xm, stride_xd,
-                                     stride_om, stride_od, HAS_WEIGHT: tl.constexpr, BF16: tl.constexpr,
-                                     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
-        """out[m] = (w *) x[m] * rsqrt(sum over BLOCK tiles in index order of x[m]^2 / D + eps)."""
+    def _row_inverse_rms(x_row, stride_xd, D, d_float, eps, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """rsqrt(sum over BLOCK tiles in index order of x^2 / D + eps) of one row, in fp32: the
+        forward's r, and the backward's (rms_norm_grad_triton.py) recomputed with the same bits."""
         # a no-op launched eagerly (Triton types a Python float fp32); inside a compiled graph inductor
         # passes floats as fp64 scalars, which would carry the sum into fp64
         d_float, eps = tl.cast(d_float, tl.float32), tl.cast(eps, tl.float32)
-        row = tl.program_id(0).to(tl.int64)
-        x_row = x_ptr + row * stride_xm
-        out_row = out_ptr + row * stride_om
         cols = tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK):
@@ -97,6 +93,20 @@ if triton is not None:
             r = tl.math.rsqrt(ms + eps)
         else:
             r = libdevice.rsqrt(ms + eps)
+        return r
+
+    @triton.jit
+    def _fixed_order_rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, d_float, eps, stride_xm, stride_xd,
+                                     stride_om, stride_od, HAS_WEIGHT: tl.constexpr, BF16: tl.constexpr,
+                                     INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """out[m] = (w *) x[m] * rsqrt(sum over BLOCK tiles in index order of x[m]^2 / D + eps)."""
+        # a no-op launched eagerly (Triton types a Python float fp32); inside a compiled graph inductor
+        # passes floats as fp64 scalars, which would carry the sum into fp64
+        row = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + row * stride_xm
+        out_row = out_ptr + row * stride_om
+        cols = tl.arange(0, BLOCK)
+        r = _row_inverse_rms(x_row, stride_xd, D, d_float, eps, INTERPRETED, BLOCK)
         for d0 in range(0, D, BLOCK):
             ok = d0 + cols < D
             y = tl.load(x_row + (d0 + cols) * stride_xd, mask=ok, other=0.0).to(tl.float32) * r

@@ -16,7 +16,7 @@ kernels off, whatever their setting or environment. The configs' None (their def
 
 The environment overrides a setting when set, for A/B runs without touching a config:
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
-LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION ("0" off, anything else on;
+LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM ("0" off, anything else on;
 LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
 line says which kernels are on.
 
@@ -37,7 +37,8 @@ from torch import nn
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
-       "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION"}
+       "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
+       "triton_norm": "LOCKSTEP_TRITON_NORM"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
@@ -75,6 +76,9 @@ class KernelSwitches:
     flash_attention: bool = False
     """The trainer's attention (eager CUDA bf16 forward with gradients) as flash-style Triton kernels,
     forward and backward (flash_sink_attention_triton.py; TrainConfig.flash_attention)."""
+    triton_norm: bool = False
+    """The trainer's RMSNorms (eager forward with gradients, CUDA bf16) as Triton kernels, forward
+    and backward (rms_norm_grad_triton.py; TrainConfig.triton_norm)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:

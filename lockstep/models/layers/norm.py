@@ -10,14 +10,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import rms_norm_grad_triton
 from .fixed_order_rmsnorm import fixed_order_rms_norm
+from .kernel_switch import Switched
 from .whole_rows import in_whole_rows
 
 
-def rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Unweighted RMSNorm over the last dim, computed in fp32, returned in x's dtype."""
+def rms_norm(x: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
+    """Unweighted RMSNorm over the last dim, computed in fp32, returned in x's dtype. triton: the
+    caller's `triton_norm` switch (rms_norm_grad_triton.py: the trainer's kernels)."""
     if in_whole_rows():  # the same formula with the sum of squares in a fixed order (whole_rows.py)
         return fixed_order_rms_norm(x, None, eps)
+    if rms_norm_grad_triton.applies(x, None, triton):
+        return rms_norm_grad_triton.trained_rms_norm(x, None, eps)
     xf = x.float()
     return (xf * inverse_rms(xf, eps)).to(x.dtype)
 
@@ -35,7 +40,7 @@ def inverse_rms_one_pass(x: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.rsqrt(norm * norm / x.shape[-1] + eps)
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Switched, nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -44,5 +49,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if in_whole_rows():
             return fixed_order_rms_norm(x, self.weight, self.eps)
+        if rms_norm_grad_triton.applies(x, self.weight, self.kernels.on("triton_norm")):
+            return rms_norm_grad_triton.trained_rms_norm(x, self.weight, self.eps)
         xf = x.float()
         return (self.weight.float() * (xf * inverse_rms(xf, self.eps))).to(x.dtype)

@@ -1,0 +1,130 @@
+"""RMSNorm with gradients as Triton kernels: the trainer's norms (norm.py's RMSNorm and rms_norm).
+
+Forward: the fixed-order kernel (fixed_order_rmsnorm.py): one program per row, y = (w *) x r,
+r = rsqrt(mean(x^2) + eps) in fp32, one rounding to x's dtype; eager's values to 1 ulp of it.
+Backward, with u = x r (the normalised row) and gu = g w (g alone when unweighted):
+    d x = r (gu - u mean(gu u)) = r (gu - x r c),  c = r sum(gu x) / D   (`_rms_norm_dx_kernel`, per row)
+    d w = sum over rows of g u                                         (`_rms_norm_dw_kernel`)
+r is recomputed from x with the forward's own helper (the same bits), so the backward keeps only
+x (which the caller keeps anyway) and w: eager's autograd kept x cast up to fp32 as well
+([tokens, D] x 4 bytes per norm). One launch forward and two backward where eager ran ~6 and ~10
+element-wise kernels (the cast, the square, the mean, rsqrt, two products, the cast back; and
+their gradients).
+
+d w: each program of the second kernel sums a column tile over a share of the rows; torch adds
+the shares in index order (no atomics: the same bits every run).
+
+Where it runs (`applies`): CUDA bf16 (or the interpreter: the CPU tests, bf16 or fp32), a
+gradient wanted, eager, not over whole rows, and the `triton_norm` switch (kernel_switch.py;
+TrainConfig.triton_norm), off until measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.triton_support import interpreted
+
+from . import grouped_gemm_triton as _gt
+from .fixed_order_rmsnorm import fixed_order_rms_norm, launch_config
+from .kernel_switch import grad_wanted
+from .whole_rows import in_whole_rows
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+    from .fixed_order_rmsnorm import _row_inverse_rms
+
+ROW_SHARES = 64  # programs per column tile of d w: the rows split in this many shares
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor | None, enabled: bool) -> bool:
+    """Whether norm.py's RMSNorm / rms_norm take these kernels (module docstring)."""
+    if not enabled or triton is None or in_whole_rows() or torch.compiler.is_compiling():
+        return False
+    device_ok = (x.is_cuda and x.dtype == torch.bfloat16) or (interpreted() and x.dtype in (torch.bfloat16,
+                                                                                            torch.float32))
+    return device_ok and grad_wanted(x, *([] if weight is None else [weight]))
+
+
+def trained_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over x's last dim (weight [D] or None) with the Triton backward."""
+    return TrainedRMSNorm.apply(x, weight, eps)
+
+
+class TrainedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return fixed_order_rms_norm(x, weight, eps)  # no gradient mode in here: the kernel runs
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        D = x.shape[-1]
+        x2, g2 = x.reshape(-1, D).contiguous(), g.reshape(-1, D).contiguous()
+        R = x2.shape[0]
+        dx = torch.empty_like(x2)
+        r = torch.empty(R, dtype=torch.float32, device=x.device)
+        w = x2 if weight is None else weight.contiguous()
+        cfg = launch_config(D)
+        if R:
+            _rms_norm_dx_kernel[(R,)](x2, w, g2, dx, r, D, float(D), ctx.eps, HAS_WEIGHT=weight is not None,
+                                      BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted(), **cfg)
+        dw = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            shares = min(ROW_SHARES, max(R, 1))
+            partial = torch.empty(shares, D, dtype=torch.float32, device=x.device)
+            _rms_norm_dw_kernel[(triton.cdiv(D, cfg["BLOCK"]), shares)](x2, g2, r, partial, R, D,
+                                                                          INTERPRETED=interpreted(), **cfg)
+            dw = partial.sum(0).to(weight.dtype)  # the shares added in index order
+        return dx.view(x.shape), dw, None
+
+
+if triton is not None:
+    _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
+
+    @triton.jit
+    def _rms_norm_dx_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, r_ptr, D, d_float, eps, HAS_WEIGHT: tl.constexpr,
+                            BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: r (the forward's), c = r sum(g w x) / D, d x = r (g w - x r c); r kept for d w."""
+        row = tl.program_id(0).to(tl.int64)
+        x_row, g_row, dx_row = x_ptr + row * D, g_ptr + row * D, dx_ptr + row * D
+        cols = tl.arange(0, BLOCK)
+        r = _row_inverse_rms(x_row, 1, D, d_float, eps, INTERPRETED, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for d0 in range(0, D, BLOCK):
+            ok = d0 + cols < D
+            gu = tl.load(g_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                gu = gu * tl.load(w_ptr + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+            acc += gu * tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+        c = r * tl.sum(acc, axis=0) / tl.cast(d_float, tl.float32)
+        for d0 in range(0, D, BLOCK):
+            ok = d0 + cols < D
+            gu = tl.load(g_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+            if HAS_WEIGHT:
+                gu = gu * tl.load(w_ptr + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+            dx = r * (gu - tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32) * r * c)
+            if BF16:
+                dx = _bf16(dx, INTERPRETED)
+            tl.store(dx_row + d0 + cols, dx, mask=ok)
+        tl.store(r_ptr + row, r)
+
+    @triton.jit
+    def _rms_norm_dw_kernel(x_ptr, g_ptr, r_ptr, partial_ptr, R, D, INTERPRETED: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        """partial[share, cols] = sum over the share's rows of g x r (one column tile)."""
+        cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < D
+        share = tl.cdiv(R, tl.num_programs(1))
+        first = tl.program_id(1) * share
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        base = first.to(tl.int64) * D  # the row's offset, in 64 bits
+        for row in range(first, tl.minimum(first + share, R)):
+            u = tl.load(x_ptr + base + cols, mask=ok, other=0.0).to(tl.float32) * tl.load(r_ptr + row)
+            acc += tl.load(g_ptr + base + cols, mask=ok, other=0.0).to(tl.float32) * u
+            base += D
+        tl.store(partial_ptr + tl.program_id(1).to(tl.int64) * D + cols, acc, mask=ok)

@@ -1,0 +1,84 @@
+"""The trainer's RMSNorm kernels (models/layers/rms_norm_grad_triton.py): values and gradients
+against norm.py's eager ops (their autograd) computed in fp64; under Triton's interpreter here
+(TRITON_INTERPRET=1, conftest.py), compiled on a GPU with LOCKSTEP_TEST_DEVICE=cuda."""
+
+import pytest
+import torch
+
+from devices import DEVICE
+from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+from lockstep.models.layers import rms_norm_grad_triton as grad_kernels
+from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+from lockstep.models.layers.norm import RMSNorm, rms_norm
+
+pytestmark = pytest.mark.skipif(grad_kernels.triton is None, reason="Triton is not installed")
+
+
+def _eager(x, weight, eps):
+    xf = x.double()
+    y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
+    return y if weight is None else weight.double() * y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("weighted", [True, False])
+@pytest.mark.parametrize("D", [48, 1500])  # one column tile, and two with a partial one (tiles of 1024)
+def test_values_and_gradients_equal_the_eager_ops(dtype, weighted, D):
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(2, 9, D, generator=g) * 2).to(DEVICE, dtype).requires_grad_()
+    weight = (torch.rand(D, generator=g) + 0.5).to(DEVICE).requires_grad_() if weighted else None  # fp32, as kept
+    w = torch.randn(2, 9, D, generator=g).to(DEVICE)
+    y = grad_kernels.trained_rms_norm(x, weight, 1e-6)
+    leaves = [x] + ([weight] if weighted else [])
+    got = torch.autograd.grad((y.float() * w).sum(), leaves)
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = _eager(ref_leaves[0], ref_leaves[1] if weighted else None, 1e-6)
+    want = torch.autograd.grad((ref * w.double()).sum(), ref_leaves)
+    assert y.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+    tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: the output's gradient arrives in bf16
+    for a, b, leaf in zip(got, want, leaves):
+        assert a.dtype == leaf.dtype and a.shape == leaf.shape
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
+
+
+def test_the_modules_take_it_only_when_switched_on():
+    norm = RMSNorm(32).to(DEVICE)
+    x = torch.randn(4, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    assert type(norm(x).grad_fn).__name__ != "TrainedRMSNormBackward"  # the default: eager ops
+    set_kernel_switches(norm, KernelSwitches(triton_norm=True))
+    assert type(norm(x).grad_fn).__name__ == "TrainedRMSNormBackward"
+    assert type(rms_norm(x, 1e-6, triton=True).grad_fn).__name__ == "TrainedRMSNormBackward"
+    with torch.no_grad():
+        assert not grad_kernels.applies(x, norm.weight, True)  # no gradient: the engine's eager ops
+
+
+def test_a_model_with_the_switch_on_trains_as_with_the_eager_norms(monkeypatch):
+    """Whole DeepSeek-V4 model, fp32: the loss and every parameter's gradient with the kernels equal
+    the eager norms' to fp32 rounding, and every norm of the forward took them."""
+    config = tiny_config()
+    model = DeepseekV4ForCausalLM(config)
+    init_deepseek_v4_(model, 5)
+    model.to(DEVICE)
+    ids = torch.randint(2, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    calls = []
+    apply = grad_kernels.TrainedRMSNorm.apply
+    monkeypatch.setattr(grad_kernels.TrainedRMSNorm, "apply", lambda *a: calls.append(a[1] is None) or apply(*a))
+    results = []
+    for on in (False, True):
+        set_kernel_switches(model, KernelSwitches(triton_norm=on))
+        model.zero_grad()
+        logits = model(ids).float()
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+        loss.backward()
+        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+    (loss0, grads0), (loss1, grads1) = results
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert calls.count(False) == len(norms) and calls.count(True) == config.num_hidden_layers  # + q's per-head norm
+    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
+    assert grads0.keys() == grads1.keys()
+    for k in grads0:
+        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5 * grads0[k].abs().max().item() + 1e-9,
+                                   msg=k)
