@@ -7,10 +7,11 @@ import torch
 
 from devices import DEVICE
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
-from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.layers import rms_norm_grad_triton as grad_kernels
 from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
 from lockstep.models.layers.norm import RMSNorm, rms_norm
+from switched_training import assert_switch_changes_nothing
 
 pytestmark = pytest.mark.skipif(grad_kernels.triton is None, reason="Triton is not installed")
 
@@ -58,27 +59,10 @@ def test_the_modules_take_it_only_when_switched_on():
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_norms(monkeypatch):
     """Whole DeepSeek-V4 model, fp32: the loss and every parameter's gradient with the kernels equal
     the eager norms' to fp32 rounding, and every norm of the forward took them."""
-    config = tiny_config()
-    model = DeepseekV4ForCausalLM(config)
-    init_deepseek_v4_(model, 5)
-    model.to(DEVICE)
-    ids = torch.randint(2, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(2)).to(DEVICE)
     calls = []
     apply = grad_kernels.TrainedRMSNorm.apply
     monkeypatch.setattr(grad_kernels.TrainedRMSNorm, "apply", lambda *a: calls.append(a[1] is None) or apply(*a))
-    results = []
-    for on in (False, True):
-        set_kernel_switches(model, KernelSwitches(triton_norm=on))
-        model.zero_grad()
-        logits = model(ids).float()
-        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
-        loss.backward()
-        results.append((loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
-    (loss0, grads0), (loss1, grads1) = results
-    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert_switch_changes_nothing("triton_norm", seed=5, shape=(1, 24))
+    config = tiny_config()
+    norms = [m for m in DeepseekV4ForCausalLM(config).modules() if isinstance(m, RMSNorm)]
     assert calls.count(False) == len(norms) and calls.count(True) == config.num_hidden_layers  # + q's per-head norm
-    torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
-    assert grads0.keys() == grads1.keys()
-    for k in grads0:
-        torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5 * grads0[k].abs().max().item() + 1e-9,
-                                   msg=k)

@@ -190,6 +190,15 @@ if triton is not None:
         return end
 
     @triton.jit
+    def _query_block(S, W, H: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's rows of q as [S * H, D] (position-major), their positions, the first
+        window key any of them sees and the last position among them (within S)."""
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        p_first = tl.program_id(0) * BLOCK_M // H
+        p_last = tl.minimum((tl.program_id(0) * BLOCK_M + BLOCK_M - 1) // H, S - 1)
+        return rows, rows // H, tl.maximum(p_first - W + 1, 0), p_last
+
+    @triton.jit
     def _rows(ptr, n, S, rows, rd, H: tl.constexpr, D: tl.constexpr):
         """A [rows, D] tile of a [N, S * H, D] tensor (zeros past its end or its head dim)."""
         ok = (rows[:, None] < S * H) & (rd[None, :] < D)
@@ -208,16 +217,13 @@ if triton is not None:
                     INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         n = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, pos, k_first, p_last = _query_block(S, W, H, BLOCK_M)
         rd = tl.arange(0, BLOCK_D)
-        pos, head = rows // H, rows % H
         q = _rows(q_ptr, n, S, rows, rd, H, D)
-        m = tl.load(sinks_ptr + head, mask=rows < S * H, other=0.0)  # the sink folded in first
+        m = tl.load(sinks_ptr + rows % H, mask=rows < S * H, other=0.0)  # the sink folded in first
         s_sum = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        p_first = tl.program_id(0) * BLOCK_M // H
-        p_last = tl.minimum((tl.program_id(0) * BLOCK_M + BLOCK_M - 1) // H, S - 1)
-        for k0 in range(tl.maximum(p_first - W + 1, 0), p_last + 1, BLOCK_N):
+        for k0 in range(k_first, p_last + 1, BLOCK_N):
             keys = k0 + tl.arange(0, BLOCK_N)
             k = _keys(kv_ptr, n, S, keys, rd, D)
             s = _scores(q, k, pos, keys, S, W, ebias_ptr, E, scale, False, INTERPRETED)
@@ -248,17 +254,14 @@ if triton is not None:
                    INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
         n = tl.program_id(1).to(tl.int64)
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, pos, k_first, p_last = _query_block(S, W, H, BLOCK_M)
         rd = tl.arange(0, BLOCK_D)
-        pos = rows // H
         ok = rows < S * H
         q, do = _rows(q_ptr, n, S, rows, rd, H, D), _rows(do_ptr, n, S, rows, rd, H, D)
         lse = tl.load(lse_ptr + n * S * H + rows, mask=ok, other=0.0)
         delta = tl.load(delta_ptr + n * S * H + rows, mask=ok, other=0.0)
         dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        p_first = tl.program_id(0) * BLOCK_M // H
-        p_last = tl.minimum((tl.program_id(0) * BLOCK_M + BLOCK_M - 1) // H, S - 1)
-        for k0 in range(tl.maximum(p_first - W + 1, 0), p_last + 1, BLOCK_N):
+        for k0 in range(k_first, p_last + 1, BLOCK_N):
             keys = k0 + tl.arange(0, BLOCK_N)
             k = _keys(kv_ptr, n, S, keys, rd, D)
             _, ds = _ds(q, do, k, lse, delta, pos, keys, S, W, ebias_ptr, E, scale, False, INTERPRETED)
