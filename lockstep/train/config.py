@@ -127,6 +127,11 @@ class TrainConfig:
     (models/layers/rms_norm_grad_triton.py): one launch forward, two backward, no fp32 copy kept.
     Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_NORM=0 / 1,
     when set, overrides."""
+    triton_rope: bool = False
+    """On CUDA in bf16, the rotary embeddings of the attention's q, kv and output in the eager forward
+    run as one Triton kernel each way (models/layers/rope_triton.py) instead of ~10 element-wise
+    kernels forward and ~15 backward. Off until measured on a GPU (CPU-tested under Triton's
+    interpreter); LOCKSTEP_TRITON_ROPE=0 / 1, when set, overrides."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

@@ -171,13 +171,14 @@ class DeepseekV4Attention(Switched, nn.Module):
         q_res = self.q_a_norm(x.q_a)
         q = rms_norm(apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim),
                      self.norm_eps, triton=self.kernels.on("triton_norm"))
-        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
-        kv = apply_rope(self.kv_norm(x.kv), cos, sin)
+        rope = self.kernels.on("triton_rope")
+        q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2), rope)
+        kv = apply_rope(self.kv_norm(x.kv), cos, sin, rope)
         return q_res, q, kv, cos, sin
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention output o [..., H, D] -> the layer's output [..., hidden]."""
-        o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2))  # undo the rope V carried
+        o = apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2), self.kernels.on("triton_rope"))  # undo V's rope
         grouped = self.o_a_proj(o.reshape(*o.shape[:-2], self.o_groups, -1))
         return apply_linear(self.o_b_proj, grouped.flatten(-2))
 

@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from . import rope_triton
+
 
 def default_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
@@ -52,11 +54,14 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, triton: bool = False) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] channels of x in adjacent pairs, in fp32.
 
-    cos/sin broadcast against x[..., :half]: callers insert the head axis themselves.
+    cos/sin broadcast against x[..., :half]: callers insert the head axis themselves. triton: the
+    caller's `triton_rope` switch (rope_triton.py: the trainer's kernel, where it applies).
     """
+    if triton and rope_triton.applies(x, cos, True):
+        return rope_triton.rope_with_grad(x, cos, sin)
     rope_dim = 2 * cos.shape[-1]
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
     even, odd = rope[..., 0::2], rope[..., 1::2]
