@@ -276,8 +276,9 @@ def main() -> None:
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
     parser.add_argument("--trainer-kernels", nargs="+", default=[],
-                        choices=("flash_attention", "triton_norm", "triton_rope"),
-                        help="TrainConfig kernel switches to turn on (the trainer's Triton attention / RMSNorm / RoPE)")
+                        choices=("flash_attention", "triton_norm", "triton_rope", "triton_combine"),
+                        help="TrainConfig kernel switches to turn on (the trainer's Triton attention, RMSNorm, "
+                             "RoPE, MoE combine)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")

@@ -5,7 +5,7 @@
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
     python benchmarks/train_throughput.py --config 1b --kernel-rows flash_attention triton_norm triton_rope \
-        flash_attention+triton_norm+triton_rope                                 # + rows with the trainer's kernels
+        triton_combine flash_attention+triton_norm+triton_rope+triton_combine   # + rows with the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
 
 What is timed (after --warmup untimed steps, CUDA synchronised around the --steps timed ones):
@@ -14,8 +14,8 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   GRPO loss (PPO-clip, token mean, on-policy so the ratio is 1), backward, gradient clipping at
   1.0, AdamW on fp32 masters (bf16 compute), plus the step's metrics. `--compile-backend` sets
   TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
-  TrainConfig kernel switches turned on (flash_attention, triton_norm, triton_rope; '+' joins several),
-  eager layers.
+  TrainConfig kernel switches turned on (flash_attention, triton_norm, triton_rope,
+  triton_combine; '+' joins several), eager layers.
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
   the same weights (lockstep's state dict loads into it as is) in the dtypes `from_pretrained(dtype=)`
   gives (bf16, its fp32-kept modules fp32), the same token batch as [batch, seq_len], loss = the
@@ -73,7 +73,8 @@ from lockstep.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # --kernel-rows values: TrainConfig's kernel switches, alone and together
-KERNEL_ROWS = ("flash_attention", "triton_norm", "triton_rope", "flash_attention+triton_norm+triton_rope")
+KERNEL_ROWS = ("flash_attention", "triton_norm", "triton_rope", "triton_combine",
+               "flash_attention+triton_norm+triton_rope+triton_combine")
 # per config: defaults of (batch, seq_len, prompt_len, steps, warmup, device, dtype)
 DEFAULTS = {
     "cpu-tiny": dict(batch=4, seq_len=256, prompt_len=32, steps=3, warmup=1, device="cpu", dtype="float32"),

@@ -132,6 +132,12 @@ class TrainConfig:
     run as one Triton kernel each way (models/layers/rope_triton.py) instead of ~10 element-wise
     kernels forward and ~15 backward. Off until measured on a GPU (CPU-tested under Triton's
     interpreter); LOCKSTEP_TRITON_ROPE=0 / 1, when set, overrides."""
+    triton_combine: bool = False
+    """On CUDA in bf16, the routed experts' combine (each token's k outputs weighted and added in
+    order) in the eager forward runs as one Triton kernel each way, reading the grouped GEMMs'
+    outputs in place (models/layers/moe_combine_triton.py): the same forward bits as the eager ops.
+    Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_COMBINE=0 / 1,
+    when set, overrides."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

@@ -93,7 +93,7 @@ class Trainer:
         self._check(model, ref_model)
         switches = KernelSwitches(compile_hc=config.compile_hc, flash_attention=config.flash_attention,
                                   triton_norm=config.triton_norm, triton_rope=config.triton_rope,
-                                  true_on_policy=config.true_on_policy)
+                                  triton_combine=config.triton_combine, true_on_policy=config.true_on_policy)
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, switches)

@@ -16,9 +16,9 @@ kernels off, whatever their setting or environment. The configs' None (their def
 
 The environment overrides a setting when set, for A/B runs without touching a config:
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
-LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE ("0" off,
-anything else on; LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup
-line says which kernels are on.
+LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE,
+LOCKSTEP_TRITON_COMBINE ("0" off, anything else on; LOCKSTEP_COMPILE also switches off the engine's
+compiled decoder layers). The engine's startup line says which kernels are on.
 
 A Triton kernel runs only where it can: on CUDA (under TRITON_INTERPRET=1 the tests run the
 kernels themselves, not this gate), with no gradient wanted (no backward), and where each caller's
@@ -38,7 +38,8 @@ from torch import nn
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
-       "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE"}
+       "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
+       "triton_combine": "LOCKSTEP_TRITON_COMBINE"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
 
@@ -82,6 +83,10 @@ class KernelSwitches:
     triton_rope: bool = False
     """The trainer's rotary embeddings of the attention's q, kv and output (eager forward with
     gradients, CUDA bf16) as one Triton kernel each way (rope_triton.py; TrainConfig.triton_rope)."""
+    triton_combine: bool = False
+    """The trainer's routed-expert combine (eager forward with gradients, CUDA bf16) as one Triton
+    kernel each way, reading the grouped GEMMs' outputs in place (moe_combine_triton.py;
+    TrainConfig.triton_combine)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import grouped_gemm_triton
+from . import grouped_gemm_triton, moe_combine_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
@@ -210,6 +210,8 @@ class Experts(Switched, nn.Module):
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         ys = self.sorted_mlp(x[order // k], counts, decode)
+        if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, self.kernels.on("triton_combine")):
+            return moe_combine_triton.combine(ys, order, weights)  # the trainer's, when switched on
         return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
 
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""The routed experts' combine with gradients as Triton kernels (the trainer's MoE layers).
+
+Experts.forward sorts its T x k rows by expert, runs the grouped GEMMs, puts the outputs back in
+token order (an index_copy of [T k, H]) and adds each token's k outputs one at a time in slot order
+(moe._combine: per slot, an fp32 product with the routing weight rounded to x's dtype, then an add
+rounded to x's dtype, so the sum does not depend on the batch). Eager that is ~25 launches forward
+over [T, H]-sized tensors, and the backward of its slot selections materialises a zeroed
+[T, k, H] gradient per slot (6 fills and adds of [16,384, 6, 1,024] per MoE layer on the 1b config).
+
+Here one kernel each way, reading the outputs where the grouped GEMMs left them (`slot_rows`
+[T, k]: the row of ys holding token t's slot j, so the index_copy goes too):
+    forward   out[t] = (((y_0 w_0)_r + (y_1 w_1)_r)_r + ...)_r      (_r: rounded to x's dtype)
+    backward  d ys[slot_rows[t, j]] = (g[t] w[t, j])_r,   d w[t, j] = sum_h g[t, h] ys[slot_rows[t, j], h]
+The forward and d ys are eager's bits (the same fp32 products and one rounding each, in the same
+order); d w sums over h in another order (fp32 rounding).
+
+Where it runs (`applies`): CUDA bf16 (or the interpreter: the CPU tests, bf16 or fp32), a gradient
+wanted, eager, and the `triton_combine` switch (kernel_switch.py; TrainConfig.triton_combine),
+off until measured on a GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.triton_support import interpreted
+
+from . import grouped_gemm_triton as _gt
+from .kernel_switch import grad_wanted
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+
+def applies(ys: torch.Tensor, weights: torch.Tensor, enabled: bool) -> bool:
+    """Whether Experts.forward combines with these kernels (module docstring)."""
+    if not enabled or triton is None or torch.compiler.is_compiling() or not grad_wanted(ys, weights):
+        return False
+    return (ys.is_cuda and ys.dtype == torch.bfloat16) or (interpreted() and ys.dtype in (torch.bfloat16,
+                                                                                          torch.float32))
+
+
+def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """ys [T k, H] in expert order, order [T k] (ys row i is token-slot order[i], as dispatch_order
+    gives it), weights [T, k] -> [T, H] in ys's dtype: moe._combine of the unsorted outputs."""
+    T, k = weights.shape
+    slot_rows = torch.empty_like(order)
+    slot_rows[order] = torch.arange(order.numel(), device=order.device)
+    return Combine.apply(ys, slot_rows.view(T, k), weights)
+
+
+class Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ys: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ys, slot_rows, w = ys.contiguous(), slot_rows.contiguous(), weights.float().contiguous()
+        T, k = slot_rows.shape
+        H = ys.shape[1]
+        out = ys.new_empty(T, H)
+        if T:
+            _combine_kernel[(T,)](ys, slot_rows, w, out, H, **_config(k, H, ys))
+        ctx.save_for_backward(ys, slot_rows, w)
+        ctx.weights_dtype = weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        ys, slot_rows, w = ctx.saved_tensors
+        T, k = slot_rows.shape
+        H = ys.shape[1]
+        g = g.contiguous()
+        d_ys = torch.empty_like(ys)
+        d_w = torch.empty(T, k, dtype=torch.float32, device=ys.device)
+        if T:
+            _combine_backward_kernel[(T,)](ys, slot_rows, w, g, d_ys, d_w, H, **_config(k, H, ys))
+        return d_ys, None, d_w.to(ctx.weights_dtype)
+
+
+def _config(k: int, H: int, ys: torch.Tensor) -> dict:
+    return dict(K=k, K_PAD=max(2, triton.next_power_of_2(k)), BLOCK=min(1024, triton.next_power_of_2(H)),
+                BF16=ys.dtype == torch.bfloat16, INTERPRETED=interpreted(), num_warps=4)
+
+
+if triton is not None:
+    _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
+
+    @triton.jit
+    def _round(x, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """x (fp32) rounded to ys's dtype and back: the value an eager op in that dtype holds."""
+        if BF16:
+            y = _bf16(x, INTERPRETED).to(tl.float32)
+        else:
+            y = x
+        return y
+
+    @triton.jit
+    def _combine_kernel(ys_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
+                        BLOCK: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """One token: its K slots added in order, each product and each sum rounded (moe._combine)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        for h0 in range(0, H, BLOCK):
+            ok = h0 + cols < H
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for j in range(K):
+                row = tl.load(rows_ptr + t * K + j).to(tl.int64)
+                y = tl.load(ys_ptr + row * H + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+                acc = _round(acc + _round(y * tl.load(w_ptr + t * K + j), BF16, INTERPRETED), BF16, INTERPRETED)
+            tl.store(out_ptr + t * H + h0 + cols, acc, mask=ok)
+
+    @triton.jit
+    def _combine_backward_kernel(ys_ptr, rows_ptr, w_ptr, g_ptr, d_ys_ptr, d_w_ptr, H, K: tl.constexpr,
+                                 K_PAD: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                                 INTERPRETED: tl.constexpr):
+        """One token: d ys of its K slots (g w, rounded) scattered to their rows; d w = sum_h g ys."""
+        t = tl.program_id(0).to(tl.int64)
+        slots = tl.arange(0, K_PAD)
+        in_k = slots < K
+        rows = tl.load(rows_ptr + t * K + slots, mask=in_k, other=0).to(tl.int64)
+        w = tl.load(w_ptr + t * K + slots, mask=in_k, other=0.0)
+        cols = tl.arange(0, BLOCK)
+        dw = tl.zeros((K_PAD,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK):
+            ok = h0 + cols < H
+            both = in_k[:, None] & ok[None, :]
+            g = tl.load(g_ptr + t * H + h0 + cols, mask=ok, other=0.0).to(tl.float32)
+            at = rows[:, None] * H + h0 + cols[None, :]
+            y = tl.load(ys_ptr + at, mask=both, other=0.0).to(tl.float32)
+            tl.store(d_ys_ptr + at, _round(g[None, :] * w[:, None], BF16, INTERPRETED), mask=both)
+            dw += tl.sum(g[None, :] * y, axis=1)
+        tl.store(d_w_ptr + t * K + slots, dw, mask=in_k)

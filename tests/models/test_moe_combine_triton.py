@@ -1,0 +1,45 @@
+"""The trainer's MoE combine kernels (models/layers/moe_combine_triton.py) against moe._combine of
+the unsorted outputs: the forward's bits and d ys's bits, d w to fp32 rounding; under Triton's
+interpreter here (TRITON_INTERPRET=1, conftest.py), compiled on a GPU with LOCKSTEP_TEST_DEVICE=cuda."""
+
+import pytest
+import torch
+
+from devices import DEVICE
+from lockstep.models.deepseek_v4_init import tiny_config
+from lockstep.models.layers import moe_combine_triton
+from lockstep.models.layers.moe import _combine, dispatch_order
+from switched_training import assert_switch_changes_nothing
+
+pytestmark = pytest.mark.skipif(moe_combine_triton.triton is None, reason="Triton is not installed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H", [40, 1100])  # one column tile, and two with a partial one (tiles of 1024)
+def test_the_eager_combines_bits_and_gradients(dtype, H):
+    g = torch.Generator().manual_seed(H)
+    T, k, E = 9, 3, 5
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    order, _ = dispatch_order(experts.flatten(), E, counting=False)
+    ys = (torch.randn(T * k, H, generator=g) * 3).to(DEVICE, dtype).requires_grad_()
+    weights = torch.rand(T, k, generator=g).to(DEVICE).requires_grad_()
+    w = torch.randn(T, H, generator=g).to(DEVICE, dtype)
+    got = moe_combine_triton.combine(ys, order, weights)
+    want = _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, dtype)
+    # bf16 rounds each product before the add; unrounded fp32 ones a GPU compiler may fuse into an FMA
+    same = torch.equal if dtype == torch.bfloat16 or DEVICE == "cpu" else torch.allclose
+    assert got.dtype == dtype and same(got, want)
+    got_grads = torch.autograd.grad((got * w).sum(), (ys, weights))
+    want_grads = torch.autograd.grad((want * w).sum(), (ys, weights))
+    assert torch.equal(got_grads[0], want_grads[0])
+    torch.testing.assert_close(got_grads[1], want_grads[1], rtol=1e-5, atol=1e-5 * want_grads[1].abs().max().item())
+
+
+def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):
+    """Whole DeepSeek-V4 model, fp32: loss and gradients as with the eager ops, every routed MoE
+    layer (top-k and hash) through the kernels."""
+    calls = []
+    apply = moe_combine_triton.Combine.apply
+    monkeypatch.setattr(moe_combine_triton.Combine, "apply", lambda *a: calls.append(1) or apply(*a))
+    assert_switch_changes_nothing("triton_combine", seed=9, shape=(1, 24))
+    assert len(calls) == tiny_config().num_hidden_layers
