@@ -1,0 +1,41 @@
+"""Every benchmark compiles (benchmarks/ has no other test that imports most of them: a syntax
+error would reach a GPU call first), and the trainer's kernel switches reach the benchmarks that
+measure them."""
+
+import py_compile
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lockstep.train.config import TrainConfig
+
+BENCH_DIR = Path(__file__).parent.parent / "benchmarks"
+BENCHMARKS = sorted(BENCH_DIR.glob("*.py"))
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
+def test_compiles(path, tmp_path):
+    py_compile.compile(str(path), cfile=str(tmp_path / "out.pyc"), doraise=True)
+
+
+def test_the_kernel_rows_name_train_config_switches():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import train_throughput
+    finally:
+        sys.path.pop(0)
+    fields = TrainConfig.__dataclass_fields__
+    for row in train_throughput.KERNEL_ROWS:
+        assert all(name in fields and fields[name].default is False for name in row.split("+")), row
+    args = train_throughput.parse_args(["--config", "cpu-tiny", "--kernel-rows", "triton_norm"])
+    assert args.kernel_rows == ["triton_norm"]
+
+
+def test_grpo_step_takes_the_same_switches():
+    out = subprocess.run([sys.executable, str(BENCH_DIR / "grpo_step.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for name in ("flash_attention", "triton_norm", "triton_rope", "triton_combine"):
+        assert name in out.stdout and name in TrainConfig.__dataclass_fields__
