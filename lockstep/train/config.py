@@ -115,8 +115,9 @@ class TrainConfig:
     recompute_activations or quant_aware_forward. None: eager layers."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
-    (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The Triton switches are
-    the engine's only: they act on single-token steps, which the trainer's forward never takes.)"""
+    (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The engine's Triton
+    switches, triton_moe and triton_hc, act on single-token steps, which the trainer's forward never takes;
+    the trainer's own are below.)"""
     flash_attention: bool = False
     """On CUDA in bf16, the attention of the eager forward runs as flash-style Triton kernels, forward
     and backward (models/layers/flash_sink_attention_triton.py): no score matrix in memory. Off until
