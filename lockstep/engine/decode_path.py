@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 
 from lockstep.engine.cuda_graph import StageError, stage
-from lockstep.models.layers.kernel_switch import ENV, env_override
+from lockstep.models.layers.kernel_switch import ENV, TRAINER_ONLY, env_override
 
 
 FALLBACK_HINT = "EngineConfig.compile_fallback (--compile-fallback) serves the eager path instead"
@@ -74,4 +74,4 @@ def describe(adapter, switches) -> str:
         steps = "CUDA graphs" if graphs.capture else "graph stand-in (no capture)"
         decode = f"compiled ({name}) + {steps}" if compiled else f"eager + {steps}"
     prefill = "compiled" if compiled and getattr(adapter, "compile_prefill", False) else "eager"
-    return f"decode: {decode}; prefill: {prefill}; kernels: {switches.describe()}"
+    return f"decode: {decode}; prefill: {prefill}; kernels: {switches.describe(omit=TRAINER_ONLY)}"

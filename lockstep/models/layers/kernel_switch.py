@@ -42,6 +42,8 @@ ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "
        "triton_combine": "LOCKSTEP_TRITON_COMBINE"}
 # the kernels a decode step and a training forward run differently: off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
+# switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
+TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine")
 
 
 def env_override(variable: str, configured: bool | None) -> bool | None:
@@ -101,10 +103,12 @@ class KernelSwitches:
         setting = self.on(name)
         return x.is_cuda if setting is None else setting
 
-    def describe(self) -> str:
-        """e.g. "triton_moe on, triton_hc off (LOCKSTEP_TRITON_HC), compile_hc on"."""
+    def describe(self, omit: tuple[str, ...] = ()) -> str:
+        """e.g. "triton_moe on, triton_hc off (LOCKSTEP_TRITON_HC), compile_hc on"; `omit`: switches left out."""
         parts = []
         for f in dataclasses.fields(self):
+            if f.name in omit:
+                continue
             on, env = self.on(f.name), os.environ.get(ENV[f.name])
             state = "on CUDA" if on is None else "on" if on else "off"
             parts.append(f"{f.name} {state}" + (f" ({ENV[f.name]}={env})" if env is not None else ""))
