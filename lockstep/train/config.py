@@ -129,10 +129,11 @@ class TrainConfig:
     Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_NORM=0 / 1,
     when set, overrides."""
     triton_rope: bool = False
-    """On CUDA in bf16, the rotary embeddings of the attention's q, kv and output in the eager forward
-    run as one Triton kernel each way (models/layers/rope_triton.py) instead of ~10 element-wise
-    kernels forward and ~15 backward. Off until measured on a GPU (CPU-tested under Triton's
-    interpreter); LOCKSTEP_TRITON_ROPE=0 / 1, when set, overrides."""
+    """On CUDA in bf16, the rotary embeddings of the eager forward (the attention's q, kv and output,
+    the compressors' entries, the indexer's queries) run as one Triton kernel each way
+    (models/layers/rope_triton.py) instead of ~10 element-wise kernels forward and ~15 backward. Off
+    until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_ROPE=0 / 1, when
+    set, overrides."""
     triton_combine: bool = False
     """On CUDA in bf16, the routed experts' combine (each token's k outputs weighted and added in
     order) in the eager forward runs as one Triton kernel each way, reading the grouped GEMMs'

@@ -87,7 +87,8 @@ def test_the_engine_hands_its_kernel_switches_to_the_model(monkeypatch):
     engine = make_engine(seed=6, triton_moe=False, compile_hc=False)
     switched = [m for m in engine.model.modules() if isinstance(m, Switched)]
     kinds = {type(m).__name__ for m in switched}
-    assert kinds == {"HyperConnection", "HyperHead", "DeepseekV4Attention", "Experts", "RMSNorm"}, kinds
+    assert kinds == {"HyperConnection", "HyperHead", "DeepseekV4Attention", "Experts", "RMSNorm", "Compressor",
+                     "CSACompressor", "Indexer"}, kinds
     assert all(m.kernels is engine.kernels for m in switched)
     assert engine.serving_path == ("decode: eager; prefill: eager; kernels: triton_moe off, triton_hc on, "
                                    "compile_hc off, true_on_policy off, fixed_order on CUDA, compile_rows on CUDA")

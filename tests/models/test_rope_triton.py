@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from devices import DEVICE
+from lockstep.models.deepseek_v4_config import CSA, SLIDING
 from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.layers import rope_triton
 from lockstep.models.layers.rope import apply_rope, default_inv_freq, rope_cos_sin
@@ -57,9 +58,12 @@ def test_other_broadcasts_take_the_eager_ops():
 
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):
     """Whole DeepSeek-V4 model, fp32: loss and gradients as with the eager ops; each attention's q,
-    kv and output took the kernel (the compressors and the indexer keep the eager ops)."""
+    kv and output, each compressor's entries and each indexer's queries took the kernel."""
     calls = []
     apply = rope_triton.RotaryEmbedding.apply
     monkeypatch.setattr(rope_triton.RotaryEmbedding, "apply", lambda *a: calls.append(1) or apply(*a))
     assert_switch_changes_nothing("triton_rope", seed=7, shape=(1, 24))
-    assert len(calls) == 3 * tiny_config().num_hidden_layers
+    config = tiny_config()
+    compressed = sum(kind != SLIDING for kind in config.layer_types)  # a compressor each
+    indexed = sum(kind == CSA for kind in config.layer_types)  # an indexer each, with its own compressor
+    assert len(calls) == 3 * config.num_hidden_layers + compressed + 2 * indexed

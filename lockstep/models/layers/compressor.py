@@ -22,13 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import compiled_rows, pool_slots_triton
+from .kernel_switch import Switched
 from .norm import RMSNorm
 from .row_blocks import in_rows_forward, row_blocks
 from .rope import apply_rope, rope_cos_sin
 from .whole_rows import in_whole_rows, row_local
 
 
-class Compressor(nn.Module):
+class Compressor(Switched, nn.Module):
     def __init__(self, hidden_size: int, head_dim: int, compress_rate: int, overlap: bool, norm_eps: float):
         super().__init__()
         self.m, self.head_dim, self.overlap = compress_rate, head_dim, overlap
@@ -97,7 +98,7 @@ class Compressor(nn.Module):
     def finish(self, pooled: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Norm, then RoPE at each entry's block start. pooled [..., D], cos / sin [..., rope_dim / 2]
         (rope_cos_sin of the block starts)."""
-        return apply_rope(self.kv_norm(pooled), cos, sin)
+        return apply_rope(self.kv_norm(pooled), cos, sin, self.kernels.on("triton_rope"))
 
     def forward_full(self, kv: torch.Tensor, gate: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """kv, gate [B, S, width] (kv_proj(h), gate_proj(h)) from position 0 -> entries

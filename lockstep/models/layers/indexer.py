@@ -39,7 +39,7 @@ class Indexer(Compressor):
         """q_res [..., q_lora_rank] at positions [...] -> roped index queries [..., H_I, D_I]."""
         cos, sin = rope_cos_sin(inv_freq, positions)
         q = apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim)
-        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2))
+        return apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2), self.kernels.on("triton_rope"))
 
     def scaled_head_weights(self, head_weights: torch.Tensor) -> torch.Tensor:
         """scorer.weights_proj(h) -> the per-head score weights, fp32 (w_h * H_I^-0.5)."""

@@ -83,8 +83,9 @@ class KernelSwitches:
     """The trainer's RMSNorms (eager forward with gradients, CUDA bf16) as Triton kernels, forward
     and backward (rms_norm_grad_triton.py; TrainConfig.triton_norm)."""
     triton_rope: bool = False
-    """The trainer's rotary embeddings of the attention's q, kv and output (eager forward with
-    gradients, CUDA bf16) as one Triton kernel each way (rope_triton.py; TrainConfig.triton_rope)."""
+    """The trainer's rotary embeddings (the attention's q, kv and output, the compressors' entries, the
+    indexer's queries; eager forward with gradients, CUDA bf16) as one Triton kernel each way
+    (rope_triton.py; TrainConfig.triton_rope)."""
     triton_combine: bool = False
     """The trainer's routed-expert combine (eager forward with gradients, CUDA bf16) as one Triton
     kernel each way, reading the grouped GEMMs' outputs in place (moe_combine_triton.py;

@@ -1,9 +1,10 @@
-"""rope.apply_rope with gradients as one Triton kernel each way (the trainer's rotary embeddings).
+"""rope.apply_rope with gradients as one Triton kernel each way (the trainer's rotary embeddings:
+the attention's q, kv and output, the compressors' entries, the indexer's queries).
 
 apply_rope rotates the trailing R = 2 * cos.shape[-1] channels of each row in adjacent pairs, in
 fp32, and rounds once to x's dtype; the leading channels pass through. Eager, that is ~10 kernels
 forward (the slice, the cast, the four products, the two sums, the stack, the cast back, the
-concatenation) and ~15 backward, on every q, kv and attention output of every layer; here one:
+concatenation) and ~15 backward, five times in a compressed layer; here one:
     out[2i]   = x[2i] cos_i - x[2i+1] sin_i,    out[2i+1] = x[2i+1] cos_i + x[2i] sin_i
 The backward is the inverse rotation, the same kernel with -sin (the pass-through channels pass
 the gradient through), so nothing but cos and sin is kept for it.
