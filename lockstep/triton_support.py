@@ -31,3 +31,11 @@ def load_triton() -> ModuleType | None:
     except ImportError:
         return None
     return triton
+
+
+def trainer_kernel_takes(x: torch.Tensor) -> bool:
+    """The trainer's Triton kernels with a backward (flash attention, RMSNorm, RoPE, MoE combine)
+    can take x by device and dtype: bf16 on CUDA, or bf16 / fp32 under the interpreter (the CPU
+    tests). Not fp32 on a GPU: tl.dot would multiply its tiles in tf32."""
+    return (x.is_cuda and x.dtype == torch.bfloat16) or (interpreted() and x.dtype in (torch.bfloat16,
+                                                                                       torch.float32))

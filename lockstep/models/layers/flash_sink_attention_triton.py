@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import trainer_kernel_takes
+
 from . import grouped_gemm_triton as _gt
 
 triton = _gt.triton
@@ -54,13 +56,10 @@ SPLIT = 16  # programs per entry tile in the backward: an entry's rows are all S
 
 
 def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool) -> bool:
-    """Whether the trainer's attention takes these kernels (see the module docstring). Under the
-    interpreter (the CPU tests) fp32 too: on a GPU fp32 tiles would multiply in tf32."""
+    """Whether the trainer's attention takes these kernels (see the module docstring)."""
     if not enabled or triton is None or q.shape[-1] < 16 or q.dtype != kv.dtype:
         return False
-    device_ok = (q.is_cuda and q.dtype == torch.bfloat16) or (_gt.interpreted() and q.dtype in (torch.bfloat16,
-                                                                                                 torch.float32))
-    return device_ok and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return trainer_kernel_takes(q) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def flash_banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.triton_support import interpreted
+from lockstep.triton_support import interpreted, trainer_kernel_takes
 
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import grad_wanted
@@ -37,8 +37,7 @@ def applies(ys: torch.Tensor, weights: torch.Tensor, enabled: bool) -> bool:
     """Whether Experts.forward combines with these kernels (module docstring)."""
     if not enabled or triton is None or torch.compiler.is_compiling() or not grad_wanted(ys, weights):
         return False
-    return (ys.is_cuda and ys.dtype == torch.bfloat16) or (interpreted() and ys.dtype in (torch.bfloat16,
-                                                                                          torch.float32))
+    return trainer_kernel_takes(ys)
 
 
 def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

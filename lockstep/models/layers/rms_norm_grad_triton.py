@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.triton_support import interpreted
+from lockstep.triton_support import interpreted, trainer_kernel_takes
 
 from . import grouped_gemm_triton as _gt
 from .fixed_order_rmsnorm import fixed_order_rms_norm, launch_config
@@ -43,9 +43,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor | None, enabled: bool) -> bool
     """Whether norm.py's RMSNorm / rms_norm take these kernels (module docstring)."""
     if not enabled or triton is None or in_whole_rows() or torch.compiler.is_compiling():
         return False
-    device_ok = (x.is_cuda and x.dtype == torch.bfloat16) or (interpreted() and x.dtype in (torch.bfloat16,
-                                                                                            torch.float32))
-    return device_ok and grad_wanted(x, *([] if weight is None else [weight]))
+    return trainer_kernel_takes(x) and grad_wanted(x, *([] if weight is None else [weight]))
 
 
 def trained_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from lockstep.triton_support import interpreted
+from lockstep.triton_support import interpreted, trainer_kernel_takes
 
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import grad_wanted
@@ -54,9 +54,7 @@ def applies(x: torch.Tensor, cos: torch.Tensor, enabled: bool) -> bool:
     """Whether apply_rope takes the kernel (module docstring)."""
     if not enabled or triton is None or torch.compiler.is_compiling() or not grad_wanted(x):
         return False
-    device_ok = (x.is_cuda and x.dtype == torch.bfloat16) or (interpreted() and x.dtype in (torch.bfloat16,
-                                                                                            torch.float32))
-    return device_ok and 2 * cos.shape[-1] <= x.shape[-1] and _row_groups(x, cos) is not None
+    return trainer_kernel_takes(x) and 2 * cos.shape[-1] <= x.shape[-1] and _row_groups(x, cos) is not None
 
 
 def rope_with_grad(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
