@@ -44,6 +44,7 @@ import torch
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY
 
 EOS = 1
 
@@ -275,8 +276,7 @@ def main() -> None:
                         help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
-    parser.add_argument("--trainer-kernels", nargs="+", default=[],
-                        choices=("flash_attention", "triton_norm", "triton_rope", "triton_combine"),
+    parser.add_argument("--trainer-kernels", nargs="+", default=[], choices=TRAINER_ONLY,
                         help="TrainConfig kernel switches to turn on (the trainer's Triton attention, RMSNorm, "
                              "RoPE, MoE combine)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")

@@ -64,6 +64,7 @@ from rollout_throughput import bench_config, sync  # noqa: E402  (the 1b config 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from lockstep.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config  # noqa: E402
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config  # noqa: E402
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
 from lockstep.plan.compute import train_flops_per_token  # noqa: E402
 from lockstep.plan.hf_config import spec_from_config  # noqa: E402
@@ -72,9 +73,8 @@ from lockstep.train.config import TrainConfig  # noqa: E402
 from lockstep.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# --kernel-rows values: TrainConfig's kernel switches, alone and together
-KERNEL_ROWS = ("flash_attention", "triton_norm", "triton_rope", "triton_combine",
-               "flash_attention+triton_norm+triton_rope+triton_combine")
+# --kernel-rows values: the trainer's kernel switches (TrainConfig fields), alone and together
+KERNEL_ROWS = TRAINER_ONLY + ("+".join(TRAINER_ONLY),)
 # per config: defaults of (batch, seq_len, prompt_len, steps, warmup, device, dtype)
 DEFAULTS = {
     "cpu-tiny": dict(batch=4, seq_len=256, prompt_len=32, steps=3, warmup=1, device="cpu", dtype="float32"),

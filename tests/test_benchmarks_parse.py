@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY
 from lockstep.train.config import TrainConfig
 
 BENCH_DIR = Path(__file__).parent.parent / "benchmarks"
@@ -37,5 +38,5 @@ def test_grpo_step_takes_the_same_switches():
     out = subprocess.run([sys.executable, str(BENCH_DIR / "grpo_step.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    for name in ("flash_attention", "triton_norm", "triton_rope", "triton_combine"):
+    for name in TRAINER_ONLY:
         assert name in out.stdout and name in TrainConfig.__dataclass_fields__
