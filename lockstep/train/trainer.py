@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.models.layers.kernel_switch import KernelSwitches, decide_true_on_policy, set_kernel_switches
+from lockstep.models.layers.kernel_switch import (TRAINER_ONLY, KernelSwitches, decide_true_on_policy,
+                                                  set_kernel_switches)
 from lockstep.models.precision import cast_model, storage_dtype
 from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
@@ -91,9 +92,8 @@ class Trainer:
         self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
         self._setup_determinism()
         self._check(model, ref_model)
-        switches = KernelSwitches(compile_hc=config.compile_hc, flash_attention=config.flash_attention,
-                                  triton_norm=config.triton_norm, triton_rope=config.triton_rope,
-                                  triton_combine=config.triton_combine, true_on_policy=config.true_on_policy)
+        switches = KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy,
+                                  **{name: getattr(config, name) for name in TRAINER_ONLY})
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, switches)

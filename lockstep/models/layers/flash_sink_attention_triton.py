@@ -76,62 +76,59 @@ def flash_banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, 
 class FlashSinkAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, kv, sinks, entries, entry_bias, window: int, scale: float, compress_rate: int | None):
-        q, kv = q.contiguous(), kv.contiguous()
+        q, kv, sinks32 = q.contiguous(), kv.contiguous(), sinks.float().contiguous()
         if entries is not None:
             entries, entry_bias = entries.contiguous(), entry_bias.detach().float().contiguous()
-        out, lse = _forward(q, kv, sinks.float().contiguous(), entries, entry_bias, window, scale, compress_rate)
-        ctx.save_for_backward(q, kv, sinks, entries, entry_bias, out, lse)
-        ctx.window, ctx.scale, ctx.compress_rate = window, scale, compress_rate
+        out, lse = _forward(q, kv, sinks32, entries, entry_bias, window, scale, compress_rate)
+        ctx.save_for_backward(q, kv, sinks32, entries, entry_bias, out, lse)
+        ctx.window, ctx.scale, ctx.compress_rate, ctx.sinks_dtype = window, scale, compress_rate, sinks.dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, kv, sinks, entries, entry_bias, out, lse = ctx.saved_tensors
+        q, kv, sinks32, entries, entry_bias, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # [N, S, H]: sum_k P dP of each row
-        dq, dkv, dentries = _backward(q, kv, sinks.float().contiguous(), entries, entry_bias, grad_out, lse, delta,
-                                      ctx.window, ctx.scale, ctx.compress_rate)
+        dq, dkv, dentries = _backward(q, kv, sinks32, entries, entry_bias, grad_out, lse, delta, ctx.window, ctx.scale,
+                                      ctx.compress_rate)
         # the sink's logit has no value: dS_sink = P_sink (0 - delta)
-        dsinks = -(torch.exp(sinks.float() - lse) * delta).sum((0, 1)).to(sinks.dtype)
+        dsinks = -(torch.exp(sinks32 - lse) * delta).sum((0, 1)).to(ctx.sinks_dtype)
         return dq, dkv, dsinks, dentries, None, None, None, None
 
 
 def _launch_args(q, kv, sinks, entries, entry_bias, compress_rate):
-    """Pointers, sizes and flags shared by the kernels: entries absent -> kv and sinks stand in
-    (never read); M, CLOSED: the compress rate, and whether the entries past the closed ones are skipped."""
+    """(N, S, E, whether there are entries, the entries' and their bias's pointers, the keyword
+    arguments every kernel takes). Entries absent: kv and sinks stand in (never read). M, CLOSED:
+    the compress rate, and whether the entries past the closed ones are skipped."""
     N, S, H, D = q.shape
     has_entries = entries is not None and entries.shape[1] > 0  # none closed yet: a window layer's work
     E = entries.shape[1] if has_entries else 0
-    return (N, S, H, D, E, has_entries, entries if has_entries else kv, entry_bias if has_entries else sinks,
-            triton.next_power_of_2(D), dict(M=compress_rate or 1, CLOSED=compress_rate is not None))
+    common = dict(M=compress_rate or 1, CLOSED=compress_rate is not None, H=H, D=D,
+                  BLOCK_D=triton.next_power_of_2(D), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                  BF16=q.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=4)
+    return N, S, E, has_entries, entries if has_entries else kv, entry_bias if has_entries else sinks, common
 
 
 def _forward(q, kv, sinks, entries, entry_bias, window, scale, compress_rate):
-    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D, closed = _launch_args(q, kv, sinks, entries, entry_bias,
-                                                                           compress_rate)
+    N, S, E, has_entries, ent, ebias, common = _launch_args(q, kv, sinks, entries, entry_bias, compress_rate)
     out = torch.empty_like(q)
-    lse = torch.empty(N, S, H, dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(S * H, BLOCK_M), N)
-    _fwd_kernel[grid](q, kv, ent, ebias, sinks, out, lse, S, E, window, scale, **closed, H=H, D=D, BLOCK_D=BLOCK_D,
-                      BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_ENTRIES=has_entries, BF16=q.dtype == torch.bfloat16,
-                      INTERPRETED=_gt.interpreted(), num_warps=4)
+    lse = torch.empty(N, S, q.shape[2], dtype=torch.float32, device=q.device)
+    _fwd_kernel[(triton.cdiv(S * q.shape[2], BLOCK_M), N)](q, kv, ent, ebias, sinks, out, lse, S, E, window, scale,
+                                                           HAS_ENTRIES=has_entries, **common)
     return out, lse
 
 
 def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, scale, compress_rate):
-    N, S, H, D, E, has_entries, ent, ebias, BLOCK_D, closed = _launch_args(q, kv, sinks, entries, entry_bias,
-                                                                           compress_rate)
-    common = dict(**closed, H=H, D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                  BF16=q.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=4)
+    N, S, E, has_entries, ent, ebias, common = _launch_args(q, kv, sinks, entries, entry_bias, compress_rate)
     dq = torch.empty_like(q)
-    _dq_kernel[(triton.cdiv(S * H, BLOCK_M), N)](q, kv, ent, ebias, grad_out, lse, delta, dq, S, E, window, scale,
-                                                 HAS_ENTRIES=has_entries, **common)
+    _dq_kernel[(triton.cdiv(S * q.shape[2], BLOCK_M), N)](q, kv, ent, ebias, grad_out, lse, delta, dq, S, E, window,
+                                                          scale, HAS_ENTRIES=has_entries, **common)
     dkv = torch.empty_like(kv)
     _dkv_kernel[(triton.cdiv(S, BLOCK_N), 1, N)](q, kv, ebias, grad_out, lse, delta, dkv, S, S, E, window, scale,
                                                  ENTRIES=False, **common)
     dentries = None if entries is None else torch.zeros_like(entries)
     if has_entries:
-        partial = torch.empty(SPLIT, N, E, D, dtype=torch.float32, device=q.device)
+        partial = torch.empty(SPLIT, N, E, q.shape[3], dtype=torch.float32, device=q.device)
         _dkv_kernel[(triton.cdiv(E, BLOCK_N), SPLIT, N)](q, ent, ebias, grad_out, lse, delta, partial, S, E, E,
                                                          window, scale, ENTRIES=True, **common)
         dentries = partial.sum(0).to(entries.dtype)  # the SPLIT parts added in index order

@@ -60,7 +60,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, triton: bo
     cos/sin broadcast against x[..., :half]: callers insert the head axis themselves. triton: the
     caller's `triton_rope` switch (rope_triton.py: the trainer's kernel, where it applies).
     """
-    if triton and rope_triton.applies(x, cos, True):
+    if rope_triton.applies(x, cos, triton):
         return rope_triton.rope_with_grad(x, cos, sin)
     rope_dim = 2 * cos.shape[-1]
     nope, rope = x[..., :-rope_dim], x[..., -rope_dim:].float()
