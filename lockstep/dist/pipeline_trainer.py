@@ -81,7 +81,8 @@ def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Te
     if pipe.stage.is_last:
         for i, mb in enumerate(mbs[:real]):
             packed = _response_logits(logits[i * b:(i + 1) * b], mb, S)
-            logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature)
+            logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature,
+                                  trainer.fused_logprobs)
             for j, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
                 out[j] = lp
     return _from_last(pipe, out, "logprobs")

@@ -157,32 +157,42 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, routing: Routing | None = None,
-                cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, logit_index: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, S] -> logits [B, S, V] (fp32). Rows start at position 0 and are causal,
         so right padding never changes the real tokens. With cu_seqlens, input_ids is a packed
-        [T] (or [1, T]) of several sequences and the logits come back packed [T, V]."""
+        [T] (or [1, T]) of several sequences and the logits come back packed [T, V]; with
+        logit_index too, only the logits of those packed positions, [len(logit_index), V]: the
+        head runs on those rows alone (a trainer wants the response positions: the [T, V] fp32
+        logits of a whole batch are GBs, and picking rows from them cost a copy each way)."""
         if cu_seqlens is not None:
-            return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing)
+            return self._forward_packed(input_ids.reshape(-1), cu_seqlens, routing, logit_index)
+        if logit_index is not None:
+            raise ValueError("logit_index indexes packed positions: it needs cu_seqlens")
+        return self._logits(input_ids, routing, lambda hidden: hidden)
+
+    def _logits(self, input_ids: torch.Tensor, routing: Routing | None, pick) -> torch.Tensor:
+        """Logits of the hidden rows `pick(hidden [B, S, H])` selects."""
         if self.true_on_policy:
-            return self._true_on_policy_logits(input_ids, routing)
-        return self._default_logits(input_ids, routing)
+            return self._true_on_policy_logits(input_ids, routing, pick)
+        return self._default_logits(input_ids, routing, pick)
 
-    def _default_logits(self, input_ids: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+    def _default_logits(self, input_ids: torch.Tensor, routing: Routing | None, pick) -> torch.Tensor:
         hidden = self.model.run(input_ids, routing, lambda layer: layer.self_attn.forward_full)
-        return self._head(hidden)
+        return self._head(pick(hidden))
 
-    def _true_on_policy_logits(self, input_ids: torch.Tensor, routing: Routing | None) -> torch.Tensor:
+    def _true_on_policy_logits(self, input_ids: torch.Tensor, routing: Routing | None, pick) -> torch.Tensor:
         """The true-on-policy forward (deepseek_v4_rows.py). With a gradient wanted (training), its
         values carry the default forward's gradient (issue 16: "the backward may use anything"): the
         row-block forward runs without autograd, the default one, with the experts the first chose
-        forced, builds the graph. Backpropagating through the row blocks cost ~2x the whole step."""
+        forced, builds the graph. Backpropagating through the row blocks cost ~2x the whole step.
+        The head's rows are independent of each other, so picking rows before it keeps their bits."""
         keys = FullSequences(*input_ids.shape, input_ids.device)
         if not torch.is_grad_enabled():
-            return logits_rows(self, hidden_rows(self.model, input_ids, keys, routing))
+            return logits_rows(self, pick(hidden_rows(self.model, input_ids, keys, routing)))
         chosen = Routing(forced=routing.forced if routing is not None else None)
         with torch.no_grad():
-            exact = logits_rows(self, hidden_rows(self.model, input_ids, keys, chosen))
-        fast = self._default_logits(input_ids, Routing(forced=chosen.stacked()))
+            exact = logits_rows(self, pick(hidden_rows(self.model, input_ids, keys, chosen)))
+        fast = self._default_logits(input_ids, Routing(forced=chosen.stacked()), pick)
         if routing is not None:
             routing.chosen = chosen.chosen
         return ExactValues.apply(fast, exact)
@@ -203,12 +213,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         """The LM head, fp32 logits whatever the model dtype (layers/fp32_logits.py says why and how)."""
         return fp32_logits(hidden, self.lm_head.weight)
 
-    def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing) -> torch.Tensor:
+    def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing, logit_index) -> torch.Tensor:
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
         padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
-        logits = self.forward(padded, routing)
         keep = torch.arange(padded.shape[1], device=ids.device) < torch.tensor(lens, device=ids.device).unsqueeze(1)
-        return logits[keep]
+        rows = keep.flatten().nonzero().squeeze(1)  # packed position -> row of the padded [B * S]
+        if logit_index is not None:
+            rows = rows[logit_index.to(ids.device)]
+        return self._logits(padded, routing, lambda hidden: hidden.reshape(-1, hidden.shape[-1])[rows])
 
     @torch.no_grad()
     def forward_step(self, input_ids: torch.Tensor, batch: StepBatch, cache: "DeepseekV4Cache",

@@ -140,6 +140,12 @@ class TrainConfig:
     outputs in place (models/layers/moe_combine_triton.py): the same forward bits as the eager ops.
     Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_COMBINE=0 / 1,
     when set, overrides."""
+    fused_logprobs: bool = False
+    """On CUDA, the token logprobs and entropies of the loss (and of `Trainer.logprobs`) come from the
+    fp32 logits in one Triton kernel each way (models/layers/logprob_entropy_triton.py): the logits
+    read once forward and once backward, where the eager ops walk them ~8 times. Same values to fp32
+    rounding, not bitwise: off in the true-on-policy forward. Off until measured on a GPU (CPU-tested
+    under Triton's interpreter); LOCKSTEP_FUSED_LOGPROBS=0 / 1, when set, overrides."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

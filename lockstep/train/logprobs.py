@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from lockstep.models.layers import logprob_entropy_triton
 from lockstep.sample import Sample
 from lockstep.train.aggregation import pack
 from lockstep.train.losses import entropy_from_logits
@@ -95,17 +96,24 @@ def pack_microbatches(samples: Sequence[Sample], max_tokens_per_gpu: int) -> lis
     return [_make_microbatch(samples, g) for g in groups]
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log softmax(logits / temperature)[targets] in float32; logits [T, V], targets [T] -> [T]."""
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   fused: bool = False) -> torch.Tensor:
+    """log softmax(logits / temperature)[targets] in float32; logits [T, V], targets [T] -> [T].
+    fused: one Triton kernel where it runs (KernelSwitches.fused_logprobs; logprob_entropy_triton.py)."""
+    if fused and logprob_entropy_triton.applies(logits):
+        return logprob_entropy_triton.token_logprobs_and_entropy(logits, targets, temperature)[0]
     z = logits.float() / temperature
     return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
 
 
 def token_logprobs_and_entropy(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy_grad: bool = False
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy_grad: bool = False,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [T], entropy [T]) of the temperature-scaled distribution; the entropy carries a
-    gradient only when with_entropy_grad (an entropy bonus is being trained)."""
+    gradient only when with_entropy_grad (an entropy bonus is being trained). fused: as token_logprobs."""
+    if fused and logprob_entropy_triton.applies(logits):
+        return logprob_entropy_triton.token_logprobs_and_entropy(logits, targets, temperature, with_entropy_grad)
     logp = token_logprobs(logits, targets, temperature)
     if with_entropy_grad:
         return logp, entropy_from_logits(logits.float() / temperature)
@@ -118,21 +126,27 @@ def accepts(model: nn.Module, arg: str) -> bool:
     return arg in inspect.signature(model.forward).parameters
 
 
-def forward_packed(model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, routing=None) -> torch.Tensor:
-    """Logits [T, V] of packed sequences. Models that take `cu_seqlens` get the packed ids; others
-    get a right-padded [b, S] batch (causal rows from position 0: padding never reaches a real token)."""
+def forward_packed(model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, routing=None,
+                   logit_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits [T, V] of packed sequences, or [len(logit_index), V] of those packed positions. Models
+    that take `cu_seqlens` get the packed ids (and `logit_index` where they take it: their head
+    then runs on those rows only); others get a right-padded [b, S] batch (causal rows from
+    position 0: padding never reaches a real token)."""
     if accepts(model, "cu_seqlens"):
         kwargs = {"routing": routing} if routing is not None else {}
-        return model(input_ids, cu_seqlens=cu_seqlens.to(input_ids.device), **kwargs)
-    if routing is not None:
-        raise ValueError(f"{type(model).__name__} does not take a routing argument")
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    padded = nn.utils.rnn.pad_sequence(list(input_ids.split(lens)), batch_first=True)
-    keep = torch.arange(padded.shape[1], device=input_ids.device) < torch.tensor(lens, device=input_ids.device)[:, None]
-    return model(padded)[keep]
+        if logit_index is not None and accepts(model, "logit_index"):
+            return model(input_ids, cu_seqlens=cu_seqlens.to(input_ids.device), logit_index=logit_index, **kwargs)
+        logits = model(input_ids, cu_seqlens=cu_seqlens.to(input_ids.device), **kwargs)
+    else:
+        if routing is not None:
+            raise ValueError(f"{type(model).__name__} does not take a routing argument")
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        padded = nn.utils.rnn.pad_sequence(list(input_ids.split(lens)), batch_first=True)
+        keep = torch.arange(padded.shape[1], device=input_ids.device) < torch.tensor(lens, device=input_ids.device)[:, None]
+        logits = model(padded)[keep]
+    return logits if logit_index is None else logits[logit_index.to(logits.device)]
 
 
 def microbatch_logits(model: nn.Module, mb: MicroBatch, device, routing=None) -> torch.Tensor:
     """Logits [T_r, V] that predict the micro-batch's response tokens."""
-    logits = forward_packed(model, mb.input_ids.to(device), mb.cu_seqlens, routing)
-    return logits[mb.logit_index.to(device)]
+    return forward_packed(model, mb.input_ids.to(device), mb.cu_seqlens, routing, mb.logit_index.to(device))

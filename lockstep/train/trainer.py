@@ -97,6 +97,8 @@ class Trainer:
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, switches)
+        # the loss's logprobs are the trainer's own (train/logprobs.py), not the model's: it keeps the switch
+        self.fused_logprobs = bool(switches.on("fused_logprobs"))
         if config.true_on_policy and not hasattr(model, "true_on_policy"):
             raise ValueError(f"TrainConfig.true_on_policy: {type(model).__name__} has no true-on-policy forward "
                              "(DeepSeek-V4 has)")
@@ -177,7 +179,7 @@ class Trainer:
             ref_routing = type(routing)(forced=routing.forced)
         with torch.no_grad():
             logits = microbatch_logits(self.ref_model, mb, self.device, ref_routing)
-            return token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
+            return token_logprobs(logits, mb.targets.to(self.device), self.config.temperature, self.fused_logprobs)
 
     def _microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch | None]:
         """The samples' micro-batches, then None for each one another data-parallel rank has more:
@@ -207,7 +209,7 @@ class Trainer:
                 self._padding_forward(mbs[0], samples)
                 continue
             logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
-            logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature)
+            logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature, self.fused_logprobs)
             for i, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
                 out[i] = lp
         return out
@@ -253,7 +255,7 @@ class Trainer:
             routing = self._routing(mb, samples)
             logits = microbatch_logits(self.model, mb, dev, routing)
         logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
-                                                   with_entropy_grad=c.entropy_coef > 0)
+                                                   with_entropy_grad=c.entropy_coef > 0, fused=self.fused_logprobs)
         del logits
         mask, cu = mb.loss_mask.to(dev), mb.response_cu_seqlens
         rollout = mb.gather([s.rollout_logprobs for s in samples], dev)

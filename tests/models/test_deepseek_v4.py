@@ -107,6 +107,15 @@ def test_packed_sequences_equal_padded():
         packed = model(torch.cat(seqs), cu_seqlens=cu)
         for s, (lo, hi) in zip(seqs, zip(cu[:-1], cu[1:])):
             assert torch.allclose(packed[lo:hi], model(s.unsqueeze(0))[0], atol=1e-6)
+        # the head on the picked rows alone: the same rows of the full packed logits, with their
+        # gradient where a forward with autograd wants one
+        index = torch.tensor([40, 3, 16, 55, 17])
+        assert torch.equal(model(torch.cat(seqs), cu_seqlens=cu, logit_index=index), packed[index])
+    picked = model(torch.cat(seqs), cu_seqlens=cu, logit_index=index)
+    picked.sum().backward()
+    assert model.lm_head.weight.grad is not None and model.model.embed_tokens.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="needs cu_seqlens"):
+        model(seqs[0].unsqueeze(0), logit_index=index)
 
 
 def test_routing_replay_reproduces_and_forces_experts():

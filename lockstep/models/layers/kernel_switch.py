@@ -11,14 +11,14 @@ runs the defaults (the kernels on, true_on_policy off).
 
 `true_on_policy` (EngineConfig / TrainConfig.true_on_policy) selects the true-on-policy forward
 (deepseek_v4_rows.py), which engine and trainer must run alike: it switches the three side-specific
-kernels off, whatever their setting or environment. The configs' None (their default) means
-`decide_true_on_policy`: on CUDA, where the model has that forward.
+kernels and the trainer's fused logprobs off, whatever their setting or environment. The configs'
+None (their default) means `decide_true_on_policy`: on CUDA, where the model has that forward.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
 LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE,
-LOCKSTEP_TRITON_COMBINE ("0" off, anything else on; LOCKSTEP_COMPILE also switches off the engine's
-compiled decoder layers). The engine's startup line says which kernels are on.
+LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS ("0" off, anything else on; LOCKSTEP_COMPILE also
+switches off the engine's compiled decoder layers). The engine's startup line says which kernels are on.
 
 A Triton kernel runs only where it can: on CUDA (under TRITON_INTERPRET=1 the tests run the
 kernels themselves, not this gate), with no gradient wanted (no backward), and where each caller's
@@ -39,11 +39,12 @@ ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
-       "triton_combine": "LOCKSTEP_TRITON_COMBINE"}
-# the kernels a decode step and a training forward run differently: off in the true-on-policy forward
-_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc")
+       "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS"}
+# the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
+# (the engine samples with torch's log_softmax): off in the true-on-policy forward
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc", "fused_logprobs")
 # switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
-TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine")
+TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine", "fused_logprobs")
 
 
 def env_override(variable: str, configured: bool | None) -> bool | None:
@@ -90,6 +91,10 @@ class KernelSwitches:
     """The trainer's routed-expert combine (eager forward with gradients, CUDA bf16) as one Triton
     kernel each way, reading the grouped GEMMs' outputs in place (moe_combine_triton.py;
     TrainConfig.triton_combine)."""
+    fused_logprobs: bool = False
+    """The trainer's token logprobs and entropies from the fp32 logits (CUDA) as one Triton kernel each
+    way (logprob_entropy_triton.py; TrainConfig.fused_logprobs); read by the trainer, not the model.
+    Off in the true-on-policy forward (its logprobs must be the engine's bits)."""
 
     def on(self, name: str) -> bool | None:
         """Whether switch `name` is on: the setting, or its environment variable when set (None:
