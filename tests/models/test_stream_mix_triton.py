@@ -1,6 +1,6 @@
 """mHC's per-token stream mix (stream_mix_triton.py): the Triton kernel against its PyTorch
 reference (the same bits: bf16 products, fp32 sums in stream order, one rounding) and the batched
-GEMM it replaces (to rounding), and StreamMix's gradients against the GEMM's autograd. Under
+GEMM it replaces (to rounding), and StreamCombine's forward bits and gradients. Under
 Triton's interpreter here (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs it on a GPU."""
 
 
@@ -40,16 +40,30 @@ def test_a_token_alone_gets_the_same_bits():
 
 
 @needs_triton
-def test_gradients_match_the_gemm_autograd():
-    comb, streams = _operands(T=6, D=64, dtype=torch.float32)
-    w = torch.randn(streams.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    grads = []
-    for mix in (lambda c, x: torch.matmul(c.transpose(-1, -2), x), sm.StreamMix.apply):
-        c, x = comb.clone().requires_grad_(), streams.clone().requires_grad_()
-        (mix(c, x) * w).sum().backward()
-        grads.append((c.grad, x.grad))
-    for ours, ref in zip(*grads):
-        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+def test_the_combine_keeps_the_eager_bits_and_its_gradients_are_fp32_accurate():
+    """StreamCombine (hc_combine's post_k y + comb^T X): bf16 forward equal to the eager ops, gradients
+    against fp64 autograd of the same formula (d X, d y rounded to bf16 once; d post, d comb fp32)."""
+    T, n, D = 6, 4, 600  # D over the backward's 256-element passes: a partial third
+    comb, streams = _operands(T=T, D=D)
+    g = torch.Generator().manual_seed(3)
+    y = (torch.randn(T, D, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    post = (torch.rand(T, n, generator=g) * 2).to(DEVICE, torch.bfloat16)
+    w = torch.randn(T, n, D, generator=g).to(DEVICE, torch.bfloat16)
+    ins = [t.clone().requires_grad_() for t in (streams, y, post, comb)]
+    out = sm.StreamCombine.apply(*ins)
+    assert torch.equal(out, sm.stream_combine_reference(comb, streams, post, y))
+    assert torch.equal(out, post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams))
+    (out * w).sum().backward()
+    ref = [t.double().requires_grad_() for t in (streams, y, post, comb)]
+    x64, y64, p64, c64 = ref
+    ((p64.unsqueeze(-1) * y64.unsqueeze(-2) + torch.matmul(c64.transpose(-1, -2), x64)) * w.double()).sum().backward()
+    for got, want in zip(ins, ref):
+        scale = want.grad.abs().max().item()
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-2, atol=1e-2 * scale)  # bf16 outputs
+    # fp32 sums: d post and d comb are fp32-accurate before their cast to bf16
+    d = sm.stream_combine_backward_op(comb, streams, post, y, w)
+    torch.testing.assert_close(d[2].double(), p64.grad, rtol=1e-5, atol=1e-5 * p64.grad.abs().max().item())
+    torch.testing.assert_close(d[3].double(), c64.grad, rtol=1e-5, atol=1e-5 * c64.grad.abs().max().item())
 
 
 def test_without_triton_the_reference_runs(monkeypatch):

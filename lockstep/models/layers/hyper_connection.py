@@ -205,11 +205,14 @@ def hc_combine(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tenso
         # (whole_rows.py) the sum over j is added left to right, whatever the row count.
         prods = comb.float().unsqueeze(-1) * streams.float().unsqueeze(-2)  # [..., j, k, D]
         mixed = (sum_in_order(prods, -3) if in_whole_rows() else prods.sum(dim=-3)).to(dtype)
-    elif streams.is_cuda and dtype == torch.bfloat16 and stream_mix_triton.triton is not None:
+    elif streams.is_cuda and dtype == torch.bfloat16 and stream_mix_triton.combine_kernels_take(streams):
         # the same sums (bf16 products, fp32, one rounding) in one pass over the streams, where
-        # cuBLAS's batch of per-token 4 x 4 GEMMs was ~9% of a train step (stream_mix_triton.py)
+        # cuBLAS's batch of per-token 4 x 4 GEMMs was ~9% of a train step, with post_k y added in
+        # the same pass and the eager ops' roundings (stream_mix_triton.py: StreamCombine)
         n, D = streams.shape[-2:]
-        mixed = stream_mix_triton.StreamMix.apply(comb.reshape(-1, n, n), streams.reshape(-1, n, D)).view(streams.shape)
+        out = stream_mix_triton.StreamCombine.apply(streams.reshape(-1, n, D), block_out.reshape(-1, D),
+                                                    post.to(dtype).reshape(-1, n), comb.reshape(-1, n, n))
+        return out.view(streams.shape)
     else:
         mixed = torch.matmul(comb.transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + mixed

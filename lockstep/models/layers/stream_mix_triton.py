@@ -1,5 +1,5 @@
-"""mHC's stream mix comb^T @ X per token, as the Triton custom op `lockstep::stream_mix`, and its
-autograd (`StreamMix`) for the trainer's eager forward (hyper_connection.hc_combine).
+"""mHC's stream mix comb^T @ X per token, as the Triton custom op `lockstep::stream_mix`, and the
+autograd of the combine around it (`StreamCombine`) for the eager CUDA forward (hyper_connection.hc_combine).
 
     out[t, k, :] = sum_j comb[t, j, k] * X[t, j, :]      (j = 0 .. n-1 in order, fp32, one rounding)
 
@@ -19,6 +19,14 @@ gradient times the streams for d pre), ~2.4 GB of traffic per call on the 1b con
 tokens where the kernels move ~0.5 GB (an estimate from the tensor sizes, not yet measured). The
 backward (`lockstep::collapse_backward`) writes d X = pre_i g rounded to X's dtype, as the eager
 autograd did, and d pre_i = sum_d g X_i in fp32, per token in one program.
+
+`StreamCombine` is the whole of mHC's combine after a sub-block, X'_k = post_k y + sum_j comb[j, k]
+X_j (hyper_connection.hc_combine), for the trainer: the forward is the mix kernel with the block
+output added in the eager ops' roundings (post_k y rounded, the mix rounded, their sum rounded: the
+same bits), the backward one program per token reading g, X and y once (d X, d y rounded to their
+dtype; d comb, d post in fp32). Eagerly the product, the sum and their gradients (two broadcast
+products and two reductions) moved ~3x the bytes (estimated from the tensor sizes: ~2.2 vs ~0.75 GB
+per call on the 1b config at 8 x 2048 tokens; not yet measured).
 """
 
 from __future__ import annotations
@@ -54,25 +62,6 @@ def stream_mix(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     return stream_mix_reference(comb, streams)
 
 
-class StreamMix(torch.autograd.Function):
-    """comb^T @ X per token with the kernel forward; backward: the streams' gradient is the same mix
-    with comb transposed, comb's is X @ g^T (a batched GEMM whose [n, D] x [D, n] shape cuBLAS runs
-    well: 0.17 ms at the size above). Saves what the GEMM's autograd saved: comb and the streams."""
-
-    @staticmethod
-    def forward(ctx, comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(comb, streams)
-        return stream_mix(comb, streams)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        comb, streams = ctx.saved_tensors
-        grad = grad.contiguous()
-        grad_comb = torch.matmul(streams, grad.transpose(-1, -2)) if ctx.needs_input_grad[0] else None
-        grad_streams = stream_mix(comb.transpose(-1, -2).contiguous(), grad) if ctx.needs_input_grad[1] else None
-        return grad_comb, grad_streams
-
-
 class Collapse(torch.autograd.Function):
     """pre [T, n] (fp32), streams [T, n, D] -> sum_i pre_i X_i [T, D] in streams' dtype, the kernel
     forward (the mix into K = 1 output) and backward. Saves pre and the streams."""
@@ -87,6 +76,36 @@ class Collapse(torch.autograd.Function):
         pre, streams = ctx.saved_tensors
         d_pre, d_streams = collapse_backward(pre, streams, grad)
         return (d_pre if ctx.needs_input_grad[0] else None), (d_streams if ctx.needs_input_grad[1] else None)
+
+
+class StreamCombine(torch.autograd.Function):
+    """streams [T, n, D], block output y [T, D], post [T, K], comb [T, n, K] (post and comb in the
+    streams' dtype, as hc_combine casts them) -> post_k y + sum_j comb[j, k] X_j [T, K, D]: the
+    kernels forward and backward. Saves the four inputs (the streams and y are kept by the block anyway)."""
+
+    @staticmethod
+    def forward(ctx, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(streams, y, post, comb)
+        return stream_combine_op(comb, streams, post, y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        streams, y, post, comb = ctx.saved_tensors
+        d_streams, d_y, d_post, d_comb = stream_combine_backward_op(comb, streams, post, y, grad)
+        return d_streams, d_y, d_post.to(post.dtype), d_comb.to(comb.dtype)
+
+
+def stream_combine_reference(comb: torch.Tensor, streams: torch.Tensor, post: torch.Tensor,
+                             y: torch.Tensor) -> torch.Tensor:
+    """The eager ops of hc_combine (bf16 roundings included): post_k y + comb^T X."""
+    return post.unsqueeze(-1) * y.unsqueeze(-2) + stream_mix_reference(comb, streams)
+
+
+def combine_kernels_take(streams: torch.Tensor) -> bool:
+    """StreamCombine's kernels can take these streams: this file's kernels run, n and K powers of 2
+    (the backward's tiles), bf16 or fp32."""
+    n = streams.shape[-2]
+    return _kernel_runs(streams) and n & (n - 1) == 0 and streams.dtype in (torch.bfloat16, torch.float32)
 
 
 def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
@@ -110,17 +129,27 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
-    def _stream_mix_kernel(comb_ptr, x_ptr, out_ptr, D, N: tl.constexpr, K: tl.constexpr, ROUND: tl.constexpr,
-                           INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+    def _stream_mix_kernel(comb_ptr, x_ptr, post_ptr, y_ptr, out_ptr, D, N: tl.constexpr, K: tl.constexpr,
+                           ROUND: tl.constexpr, POST: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """out_k = sum_j comb[j, k] X_j, plus post_k y where POST (each term rounded to X's dtype,
+        then their sum: the eager ops' roundings)."""
         t = tl.program_id(0).to(tl.int64)
         d = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = d < D
+        if POST:
+            y = tl.load(y_ptr + t * D + d, mask=ok, other=0.0).to(tl.float32)
         for k in tl.static_range(K):
             acc = tl.zeros([BLOCK], dtype=tl.float32)
             for j in tl.static_range(N):
                 c = tl.load(comb_ptr + t * N * K + j * K + k).to(tl.float32)
                 x = tl.load(x_ptr + (t * N + j) * D + d, mask=ok, other=0.0).to(tl.float32)
                 acc += c * x
+            if POST:
+                p = tl.load(post_ptr + t * K + k).to(tl.float32)
+                if ROUND:
+                    acc = _bf16(acc, INTERPRETED).to(tl.float32) + _bf16(p * y, INTERPRETED).to(tl.float32)
+                else:
+                    acc = acc + p * y
             if ROUND:
                 tl.store(out_ptr + (t * K + k) * D + d, _bf16(acc, INTERPRETED), mask=ok)
             else:
@@ -134,15 +163,84 @@ if triton is not None:
     def stream_mix_op(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
         """comb [T, n, K], streams [T, n, D] (bf16 or fp32) -> comb^T @ X per token [T, K, D], streams' dtype."""
         _check_dtype("stream_mix", streams)
-        comb, x = comb.contiguous(), streams.contiguous()
+        return _mix(comb.contiguous(), streams.contiguous(), None, None)
+
+    def _mix(comb, x, post, y):
+        """The mix kernel's launch: post and y None for the mix alone."""
         T, n, D = x.shape
         K = comb.shape[-1]
         out = x.new_empty(T, K, D)
         if out.numel():
             torch.library.wrap_triton(_stream_mix_kernel)[(T, triton.cdiv(D, MIX_BLOCK))](
-                comb, x, out, D, N=n, K=K, ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
-                BLOCK=MIX_BLOCK)
+                comb, x, x if post is None else post, x if y is None else y, out, D, N=n, K=K,
+                ROUND=x.dtype == torch.bfloat16, POST=post is not None, INTERPRETED=_gt.interpreted(), BLOCK=MIX_BLOCK)
         return out
+
+    @torch.library.triton_op("lockstep::stream_combine", mutates_args=())
+    def stream_combine_op(comb: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """comb [T, n, K], streams [T, n, D], post [T, K], y [T, D] -> post_k y + comb^T @ X [T, K, D]."""
+        _check_dtype("stream_combine", streams)
+        return _mix(comb.contiguous(), streams.contiguous(), post.contiguous(), y.contiguous())
+
+    @stream_combine_op.register_fake
+    def _(comb, streams, post, y):
+        return streams.new_empty(streams.shape[0], comb.shape[-1], streams.shape[-1])
+
+    @triton.jit
+    def _stream_combine_backward_kernel(comb_ptr, x_ptr, post_ptr, y_ptr, g_ptr, dx_ptr, dy_ptr, dpost_ptr,
+                                        dcomb_ptr, D, N: tl.constexpr, K: tl.constexpr, ROUND: tl.constexpr,
+                                        INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """One token per program, its [N, D] streams, [K, D] gradient and y read once:
+        d X_j = sum_k comb[j, k] g_k, d y = sum_k post_k g_k (rounded to X's dtype);
+        d comb[j, k] = sum_d X_j g_k, d post_k = sum_d g_k y (fp32)."""
+        t = tl.program_id(0).to(tl.int64)
+        js, ks, offs = tl.arange(0, N), tl.arange(0, K), tl.arange(0, BLOCK)
+        comb = tl.load(comb_ptr + t * N * K + js[:, None] * K + ks[None, :]).to(tl.float32)  # [N, K]
+        post = tl.load(post_ptr + t * K + ks).to(tl.float32)  # [K]
+        d_comb = tl.zeros([N, K], dtype=tl.float32)
+        d_post = tl.zeros([K], dtype=tl.float32)
+        for start in range(0, D, BLOCK):
+            d = start + offs
+            ok = d < D
+            g = tl.load(g_ptr + (t * K + ks[:, None]) * D + d[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + (t * N + js[:, None]) * D + d[None, :], mask=ok[None, :], other=0.0).to(tl.float32)
+            y = tl.load(y_ptr + t * D + d, mask=ok, other=0.0).to(tl.float32)
+            d_comb += tl.sum(x[:, None, :] * g[None, :, :], axis=2)
+            d_post += tl.sum(g * y[None, :], axis=1)
+            d_x = tl.sum(comb[:, :, None] * g[None, :, :], axis=1)  # [N, BLOCK]
+            d_y = tl.sum(post[:, None] * g, axis=0)
+            if ROUND:
+                d_x, d_y = _bf16(d_x, INTERPRETED), _bf16(d_y, INTERPRETED)
+            tl.store(dx_ptr + (t * N + js[:, None]) * D + d[None, :], d_x, mask=ok[None, :])
+            tl.store(dy_ptr + t * D + d, d_y, mask=ok)
+        tl.store(dcomb_ptr + t * N * K + js[:, None] * K + ks[None, :], d_comb)
+        tl.store(dpost_ptr + t * K + ks, d_post)
+
+    COMBINE_BACKWARD_BLOCK = 256  # hidden elements per pass: [n, K, 256] fp32 products per program
+
+    @torch.library.triton_op("lockstep::stream_combine_backward", mutates_args=())
+    def stream_combine_backward_op(comb: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, y: torch.Tensor,
+                                   grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (d streams [T, n, D], d y [T, D] in the streams' dtype, d post [T, K], d comb [T, n, K] fp32)."""
+        _check_dtype("stream_combine_backward", streams)
+        comb, x, post, y, g = (t.contiguous() for t in (comb, streams, post, y, grad))
+        T, n, D = x.shape
+        K = comb.shape[-1]
+        d_x, d_y = torch.empty_like(x), torch.empty_like(y)
+        d_post = post.new_empty(T, K, dtype=torch.float32)
+        d_comb = comb.new_empty(T, n, K, dtype=torch.float32)
+        if T:
+            torch.library.wrap_triton(_stream_combine_backward_kernel)[(T,)](
+                comb, x, post, y, g, d_x, d_y, d_post, d_comb, D, N=n, K=K, ROUND=x.dtype == torch.bfloat16,
+                INTERPRETED=_gt.interpreted(), BLOCK=COMBINE_BACKWARD_BLOCK)
+        return d_x, d_y, d_post, d_comb
+
+    @stream_combine_backward_op.register_fake
+    def _(comb, streams, post, y, grad):
+        T, n, _ = streams.shape
+        K = comb.shape[-1]
+        return (torch.empty_like(streams), torch.empty_like(y), post.new_empty(T, K, dtype=torch.float32),
+                comb.new_empty(T, n, K, dtype=torch.float32))
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @stream_mix_op.register_fake
