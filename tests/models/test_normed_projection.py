@@ -66,3 +66,25 @@ def test_scaled_projection_is_the_normed_one_to_rounding(fn_dtype):
         assert a.dtype == dtype and a.shape == b.shape
         tol = 6e-3 if dtype == torch.bfloat16 else 1e-5
         torch.testing.assert_close(a.double(), b, rtol=4 * tol, atol=tol * b.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_streams_gradient_kernel_equals_its_formula(dtype):
+    """scaled_projection_triton.streams_grad (ScaledProjection's d x on a GPU): gr @ fn - s x against
+    fp64, over rows and columns past one program's tile (32 x 128)."""
+    from lockstep.models.layers import scaled_projection_triton as spt
+
+    if spt.triton is None:
+        pytest.skip("Triton is not installed")
+    g = torch.Generator().manual_seed(8)
+    T, J, D = 70, 24, 300
+    gr, fn, s = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((T, J), (J, D), (T, 1)))
+    x = torch.randn(T, D, generator=g).to(DEVICE, dtype)
+    assert spt.applies(x, fn)
+    got = spt.streams_grad(gr, fn, s, x)
+    want = gr.double() @ fn.double() - s.double() * x.double()
+    assert got.dtype == dtype
+    if dtype == torch.bfloat16:  # one rounding of the fp32 value
+        torch.testing.assert_close(got, want.to(dtype), rtol=8e-3, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hc_projection_triton, stream_mix_triton
+from . import hc_projection_triton, scaled_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed, grad_wanted
 from .bf16x3 import mm_bf16_fp32, mm_fp32_bf16
 from .norm import inverse_rms, inverse_rms_one_pass, rms_norm
@@ -122,8 +122,12 @@ class ScaledProjection(torch.autograd.Function):
         gr = g * r
         grad_fn = mm_fp32_bf16(gr.t(), flat).to(fn.dtype) if ctx.needs_input_grad[1] else None
         s = r * r * (g * m).sum(-1, keepdim=True) / flat.shape[-1]
-        # d x = (g r) @ fn - s x, the subtraction in fp32 and the result written once, in bf16
-        grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1, out=torch.empty_like(flat))
+        # d x = (g r) @ fn - s x, the subtraction in fp32 and the result written once, in bf16: one
+        # kernel on a GPU (scaled_projection_triton.py), the fp32 GEMM then a fused multiply-add elsewhere
+        if scaled_projection_triton.applies(flat, fn):
+            grad_x = scaled_projection_triton.streams_grad(gr, fn, s, flat)
+        else:
+            grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1, out=torch.empty_like(flat))
         return grad_x.view(x.shape), grad_fn, None
 
 
