@@ -80,7 +80,7 @@ def test_the_streams_gradient_kernel_equals_its_formula(dtype):
     T, J, D = 70, 24, 300
     gr, fn, s = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((T, J), (J, D), (T, 1)))
     x = torch.randn(T, D, generator=g).to(DEVICE, dtype)
-    assert spt.applies(x, fn)
+    assert spt.applies(x, fn) == (DEVICE == "cuda" and dtype == torch.bfloat16)
     got = spt.streams_grad(gr, fn, s, x)
     want = gr.double() @ fn.double() - s.double() * x.double()
     assert got.dtype == dtype

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import grouped_gemm_triton, moe_combine_triton
+from . import grouped_gemm_triton, moe_combine_triton, swiglu_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
@@ -259,8 +259,10 @@ class Experts(Switched, nn.Module):
             offs = torch.cumsum(counts, 0).to(torch.int32)
             act = grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, self.limit)
             return grouped_gemm_triton.grouped_mm(act, down, offs)
-        gate, up = grouped_mm(xs, gate_up, counts).chunk(2, dim=-1)
-        return grouped_mm(swiglu_clamped(gate, up, self.limit), down, counts)
+        h = grouped_mm(xs, gate_up, counts)
+        if swiglu_triton.applies(h):  # the trainer's: one kernel each way (swiglu_triton.py)
+            return grouped_mm(swiglu_triton.swiglu_clamped(h, self.limit), down, counts)
+        return grouped_mm(swiglu_clamped(*h.chunk(2, dim=-1), self.limit), down, counts)
 
 
 class SharedExpert(nn.Module):
