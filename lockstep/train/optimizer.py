@@ -167,7 +167,12 @@ class MasterAdamW:
         kernel: one pass over w, m, v and g where the op-by-op update took ten per tensor (a 1b
         train step on an H200 went from 0.411 to 0.357 s), agreeing with it within fp32 roundings
         (tests/train/test_optimizer.py)."""
-        g = [_local(s.param.grad).float() for s in slots]
+        grads = [_local(s.param.grad) for s in slots]
+        # the fp32 gradients the kernel reads: bf16 ones cast in one multi-tensor copy, not one cast each
+        g = [t if t.dtype == torch.float32 else torch.empty_like(t, dtype=torch.float32) for t in grads]
+        casts = [(dst, src) for dst, src in zip(g, grads) if dst is not src]
+        if casts:
+            torch._foreach_copy_([dst for dst, _ in casts], [src for _, src in casts])
         if scale != 1.0:
             torch._foreach_mul_(g, scale)
         step = torch.full((), float(self.step_count), device=w[0].device)  # read by the kernel, not advanced
