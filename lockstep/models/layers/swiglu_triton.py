@@ -71,13 +71,19 @@ if triton is not None:
     _bf16, _swiglu = _gt._bf16, _gt._swiglu_clamped
 
     @triton.jit
-    def _forward_kernel(h_ptr, out_ptr, limit, F, ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
-                        BLOCK: tl.constexpr):
+    def _gate_up_tile(h_ptr, F, BLOCK: tl.constexpr):
+        """This program's row, its BLOCK columns of F (and which exist), their gate and up values in fp32."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         ok = cols < F
         gate = tl.load(h_ptr + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(h_ptr + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
+        return row, cols, ok, gate, up
+
+    @triton.jit
+    def _forward_kernel(h_ptr, out_ptr, limit, F, ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
+                        BLOCK: tl.constexpr):
+        row, cols, ok, gate, up = _gate_up_tile(h_ptr, F, BLOCK)
         if ROUND:
             out = _swiglu(gate, up, limit, INTERPRETED)
         else:  # fp32 (the interpreter's tests): the same formula, no roundings
@@ -90,11 +96,7 @@ if triton is not None:
     @triton.jit
     def _backward_kernel(h_ptr, g_ptr, dh_ptr, limit, F, ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
                          BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        ok = cols < F
-        gate = tl.load(h_ptr + row * 2 * F + cols, mask=ok, other=0.0).to(tl.float32)
-        up = tl.load(h_ptr + row * 2 * F + F + cols, mask=ok, other=0.0).to(tl.float32)
+        row, cols, ok, gate, up = _gate_up_tile(h_ptr, F, BLOCK)
         g = tl.load(g_ptr + row * F + cols, mask=ok, other=0.0).to(tl.float32)
         lim = limit
         if ROUND:  # torch's bf16 clamp compares with the bound rounded to bf16
