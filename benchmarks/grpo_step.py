@@ -44,7 +44,7 @@ import torch
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING, DeepseekV4Config
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
-from lockstep.models.layers.kernel_switch import TRAINER_ONLY
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY, trainer_kernels
 
 EOS = 1
 
@@ -115,14 +115,14 @@ def _engine(bench: Bench, model):
         device=bench.device, eos_token_ids=(EOS,), true_on_policy=False))  # as _train_config says
 
 
-def _train_config(bench: Bench, compile_backend: str | None = None, kernels: tuple[str, ...] = ()):
+def _train_config(bench: Bench, compile_backend: str | None = None, kernels: tuple[str, ...] | None = None):
     from lockstep.train.config import TrainConfig
 
     # the default forward on both sides, as the ratio to TRL has been measured since the first run
     # (on CUDA `lockstep train` now runs the true-on-policy forward unless --no-true-on-policy:
     # README, its cost as ratios)
     return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
-                       **{k: True for k in kernels},
+                       **({} if kernels is None else trainer_kernels(kernels)),  # None: the defaults
                        max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens),
                        true_on_policy=False)
 
@@ -161,7 +161,7 @@ def _record(metrics: dict, samples: list) -> dict:
 
 
 def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
-                 compile_backend: str | None = None, seeded: bool = False, kernels: tuple[str, ...] = ()) -> dict:
+                 compile_backend: str | None = None, seeded: bool = False, kernels: tuple[str, ...] | None = None) -> dict:
     from lockstep.train.trainer import Trainer
 
     model = make_model(bench).to(bench.device)
@@ -276,9 +276,9 @@ def main() -> None:
                         help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
-    parser.add_argument("--trainer-kernels", nargs="+", default=[], choices=TRAINER_ONLY,
-                        help="TrainConfig kernel switches to turn on (the trainer's Triton attention, RMSNorm, "
-                             "RoPE, MoE combine)")
+    parser.add_argument("--trainer-kernels", nargs="+", default=None, choices=("none",) + TRAINER_ONLY,
+                        help="exactly these TrainConfig kernel switches on (the trainer's Triton attention, RMSNorm, "
+                             "RoPE, MoE combine, logprobs; none: the eager ops); default: all (TrainConfig's)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default=None, help="override the config's device (cpu, cuda)")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="override the config's dtype")
@@ -303,7 +303,8 @@ def main() -> None:
     t = time.perf_counter()
     ours = run_lockstep(bench, prompts, profile=args.profile,
                         compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated,
-                        kernels=tuple(args.trainer_kernels))
+                        kernels=None if args.trainer_kernels is None
+                        else tuple(k for k in args.trainer_kernels if k != "none"))
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "

@@ -4,8 +4,8 @@
     python benchmarks/train_throughput.py --config 1b                            # one H200: 8 x 2048, bf16
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
-    python benchmarks/train_throughput.py --config 1b --kernel-rows flash_attention triton_norm triton_rope \
-        triton_combine flash_attention+triton_norm+triton_rope+triton_combine   # + rows with the trainer's kernels
+    python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
+        triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
 
 What is timed (after --warmup untimed steps, CUDA synchronised around the --steps timed ones):
@@ -14,8 +14,9 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   GRPO loss (PPO-clip, token mean, on-policy so the ratio is 1), backward, gradient clipping at
   1.0, AdamW on fp32 masters (bf16 compute), plus the step's metrics. `--compile-backend` sets
   TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
-  TrainConfig kernel switches turned on (flash_attention, triton_norm, triton_rope,
-  triton_combine; '+' joins several), eager layers.
+  TrainConfig kernel switches, exactly those on (flash_attention, triton_norm, triton_rope,
+  triton_combine, fused_logprobs; '+' joins several; `none`: the eager ops; the default row has
+  all five on), eager layers.
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
   the same weights (lockstep's state dict loads into it as is) in the dtypes `from_pretrained(dtype=)`
   gives (bf16, its fp32-kept modules fp32), the same token batch as [batch, seq_len], loss = the
@@ -64,7 +65,7 @@ from rollout_throughput import bench_config, sync  # noqa: E402  (the 1b config 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 from lockstep.models.deepseek_v4_config import CSA, HCA, DeepseekV4Config  # noqa: E402
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config  # noqa: E402
-from lockstep.models.layers.kernel_switch import TRAINER_ONLY  # noqa: E402
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY, trainer_kernels  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
 from lockstep.plan.compute import train_flops_per_token  # noqa: E402
 from lockstep.plan.hf_config import spec_from_config  # noqa: E402
@@ -73,8 +74,9 @@ from lockstep.train.config import TrainConfig  # noqa: E402
 from lockstep.train.trainer import Trainer  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# --kernel-rows values: the trainer's kernel switches (TrainConfig fields), alone and together
-KERNEL_ROWS = TRAINER_ONLY + ("+".join(TRAINER_ONLY),)
+# --kernel-rows values: exactly these of the trainer's kernel switches (TrainConfig fields) on: none,
+# each alone, all (the default's)
+KERNEL_ROWS = ("none",) + TRAINER_ONLY + ("+".join(TRAINER_ONLY),)
 # per config: defaults of (batch, seq_len, prompt_len, steps, warmup, device, dtype)
 DEFAULTS = {
     "cpu-tiny": dict(batch=4, seq_len=256, prompt_len=32, steps=3, warmup=1, device="cpu", dtype="float32"),
@@ -155,11 +157,12 @@ def timed(step, args) -> tuple[float, object]:
 
 
 def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
-                     true_on_policy: bool = False, kernels: tuple[str, ...] = ()) -> Trainer:
+                     true_on_policy: bool = False, kernels: tuple[str, ...] | None = None) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
-    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **{k: True for k in kernels},
+    switches = {} if kernels is None else trainer_kernels(kernels)  # None: the defaults
+    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches,
                                       max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
 
 
@@ -190,7 +193,7 @@ def print_profile(step, args) -> None:
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 kernels: tuple[str, ...] = ()) -> dict:
+                 kernels: tuple[str, ...] | None = None) -> dict:
     reset_peak(args.device)
     trainer = lockstep_trainer(config, state, args, backend, kernels=kernels)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
@@ -293,8 +296,8 @@ def parse_args(argv=None):
                     help="TrainConfig.compile_backend of the lockstep side (none, inductor, ...); "
                          "several: one row each")
     ap.add_argument("--kernel-rows", nargs="+", default=[], choices=KERNEL_ROWS, metavar="SWITCHES",
-                    help="one more row per value: these TrainConfig kernel switches on, eager layers "
-                         f"({', '.join(KERNEL_ROWS)})")
+                    help="one more row per value: exactly these TrainConfig kernel switches on ('+' joins "
+                         f"several; none: the eager ops), eager layers ({', '.join(KERNEL_ROWS)})")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "
@@ -339,7 +342,8 @@ def main(argv=None) -> None:
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
     for switches in args.kernel_rows:
-        run = run_lockstep(config, state, samples, args, None, kernels=tuple(switches.split("+")))
+        run = run_lockstep(config, state, samples, args, None,
+                           kernels=() if switches == "none" else tuple(switches.split("+")))
         result["lockstep"][switches] = f = figures(run, args, flops_per_token, peak_tflops)
         print(line(f"lockstep train_step ({switches})", f, args, peak_tflops), flush=True)
     if args.true_on_policy:

@@ -33,9 +33,14 @@ def load_triton() -> ModuleType | None:
     return triton
 
 
-def trainer_kernel_takes(x: torch.Tensor) -> bool:
-    """The trainer's Triton kernels with a backward (flash attention, RMSNorm, RoPE, MoE combine)
-    can take x by device and dtype: bf16 on CUDA, or bf16 / fp32 under the interpreter (the CPU
-    tests). Not fp32 on a GPU: tl.dot would multiply its tiles in tf32."""
-    return (x.is_cuda and x.dtype == torch.bfloat16) or (interpreted() and x.dtype in (torch.bfloat16,
-                                                                                       torch.float32))
+def trainer_kernel_takes(x: torch.Tensor, enabled: bool | None) -> bool:
+    """The trainer's Triton kernels with a backward (flash attention, RMSNorm, RoPE, MoE combine,
+    logprobs) can take x, by their switch (kernel_switch.KernelSwitches) and x's device and dtype:
+    False: never; None (the default): bf16 on CUDA; True: also bf16 / fp32 under the interpreter
+    (the CPU tests; elsewhere on the CPU the eager ops run). Not fp32 on a GPU: tl.dot would
+    multiply its tiles in tf32."""
+    if enabled is False:
+        return False
+    if x.is_cuda:
+        return x.dtype == torch.bfloat16
+    return enabled is True and interpreted() and x.dtype in (torch.bfloat16, torch.float32)

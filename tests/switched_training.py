@@ -1,6 +1,7 @@
 """A kernel switch's whole-model check: a tiny DeepSeek-V4 trained one step with the switch off and
 on must give the same loss and gradients to fp32 rounding (the trainer's Triton kernels' tests)."""
 
+import pytest
 import torch
 
 from devices import DEVICE
@@ -20,7 +21,11 @@ def _loss_and_grads(model, ids, switches: KernelSwitches):
 
 def assert_switch_changes_nothing(switch: str, seed: int, shape: tuple[int, int]) -> dict:
     """Train the tiny config (fp32, on the test device) on random ids of `shape` with `switch` off,
-    then on; assert equal losses and gradients; return the gradients (switched off)."""
+    then on; assert equal losses and gradients; return the gradients (switched off). The interpreter's
+    check: on a GPU the kernels take bf16 only, where train_throughput.py's first-step gradient norms
+    (each kernel row against transformers) compare the whole model."""
+    if DEVICE != "cpu":
+        pytest.skip("fp32 whole-model check: the trainer's kernels take bf16 only on a GPU")
     config = tiny_config()  # C4 at rate 2, C128-style at 4: many compressed entries in a few dozen positions
     model = DeepseekV4ForCausalLM(config)
     init_deepseek_v4_(model, seed)

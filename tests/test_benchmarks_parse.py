@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from lockstep.models.layers.kernel_switch import TRAINER_ONLY
+from lockstep.models.layers.kernel_switch import TRAINER_ONLY, trainer_kernels
 from lockstep.train.config import TrainConfig
 
 BENCH_DIR = Path(__file__).parent.parent / "benchmarks"
@@ -28,10 +28,13 @@ def test_the_kernel_rows_name_train_config_switches():
     finally:
         sys.path.pop(0)
     fields = TrainConfig.__dataclass_fields__
-    for row in train_throughput.KERNEL_ROWS:
-        assert all(name in fields and fields[name].default is False for name in row.split("+")), row
-    args = train_throughput.parse_args(["--config", "cpu-tiny", "--kernel-rows", "triton_norm"])
-    assert args.kernel_rows == ["triton_norm"]
+    for row in train_throughput.KERNEL_ROWS[1:]:
+        assert all(name in fields and fields[name].default is None for name in row.split("+")), row  # on CUDA
+    args = train_throughput.parse_args(["--config", "cpu-tiny", "--kernel-rows", "none", "triton_norm"])
+    assert args.kernel_rows == ["none", "triton_norm"]
+    assert trainer_kernels(["triton_norm"]) == {name: name == "triton_norm" for name in TRAINER_ONLY}
+    with pytest.raises(ValueError, match="unknown trainer kernel switches"):
+        trainer_kernels(["flash"])
 
 
 def test_grpo_step_takes_the_same_switches():

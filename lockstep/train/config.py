@@ -118,34 +118,34 @@ class TrainConfig:
     (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The engine's Triton
     switches, triton_moe and triton_hc, act on single-token steps, which the trainer's forward never takes;
     the trainer's own are below.)"""
-    flash_attention: bool = False
+    # The trainer's Triton kernels (below), each with its backward. Measured on one H200 (1b config,
+    # 8 x 2048 tokens, benchmarks/train_throughput.py, one run): each alone 0.99-1.13x of the eager ops'
+    # step, all five 1.64x (58.5k -> 95.7k tok/s; 3.0x transformers), peak memory 49.3 -> 29.0 GiB.
+    # None (the default): on CUDA; False: off; True: also under Triton's interpreter (the CPU tests;
+    # elsewhere on the CPU the eager ops run). LOCKSTEP_<NAME>=0 / 1, when set, overrides (kernel_switch.py).
+    flash_attention: bool | None = None
     """On CUDA in bf16, the attention of the eager forward runs as flash-style Triton kernels, forward
-    and backward (models/layers/flash_sink_attention_triton.py): no score matrix in memory. Off until
-    measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_FLASH_ATTENTION=0 / 1, when
-    set, overrides."""
-    triton_norm: bool = False
+    and backward (models/layers/flash_sink_attention_triton.py): no score matrix in memory (alone:
+    1.13x, peak 49.3 -> 44.4 GiB)."""
+    triton_norm: bool | None = None
     """On CUDA in bf16, the RMSNorms of the eager forward run as Triton kernels, forward and backward
-    (models/layers/rms_norm_grad_triton.py): one launch forward, two backward, no fp32 copy kept.
-    Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_NORM=0 / 1,
-    when set, overrides."""
-    triton_rope: bool = False
+    (models/layers/rms_norm_grad_triton.py): one launch forward, two backward, no fp32 copy kept
+    (alone 0.99x; with the other four on, 1.16x of those four)."""
+    triton_rope: bool | None = None
     """On CUDA in bf16, the rotary embeddings of the eager forward (the attention's q, kv and output,
     the compressors' entries, the indexer's queries) run as one Triton kernel each way
-    (models/layers/rope_triton.py) instead of ~10 element-wise kernels forward and ~15 backward. Off
-    until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_ROPE=0 / 1, when
-    set, overrides."""
-    triton_combine: bool = False
+    (models/layers/rope_triton.py) instead of ~10 element-wise kernels forward and ~15 backward
+    (alone 1.05x)."""
+    triton_combine: bool | None = None
     """On CUDA in bf16, the routed experts' combine (each token's k outputs weighted and added in
     order) in the eager forward runs as one Triton kernel each way, reading the grouped GEMMs'
-    outputs in place (models/layers/moe_combine_triton.py): the same forward bits as the eager ops.
-    Off until measured on a GPU (CPU-tested under Triton's interpreter); LOCKSTEP_TRITON_COMBINE=0 / 1,
-    when set, overrides."""
-    fused_logprobs: bool = False
+    outputs in place (models/layers/moe_combine_triton.py): the same forward bits as the eager ops
+    (alone 1.10x)."""
+    fused_logprobs: bool | None = None
     """On CUDA, the token logprobs and entropies of the loss (and of `Trainer.logprobs`) come from the
     fp32 logits in one Triton kernel each way (models/layers/logprob_entropy_triton.py): the logits
-    read once forward and once backward, where the eager ops walk them ~8 times. Same values to fp32
-    rounding, not bitwise: off in the true-on-policy forward. Off until measured on a GPU (CPU-tested
-    under Triton's interpreter); LOCKSTEP_FUSED_LOGPROBS=0 / 1, when set, overrides."""
+    read once forward and once backward, where the eager ops walk them ~8 times (alone 1.07x, peak
+    49.3 -> 39.4 GiB). Same values to fp32 rounding, not bitwise: off in the true-on-policy forward."""
     true_on_policy: bool | None = None
     """The true-on-policy forward (models/deepseek_v4_rows.py, DeepSeek-V4 only), in the trainer and the
     engine alike: the trainer's logprob of a rollout token has the same bits as the engine's, so

@@ -97,10 +97,11 @@ def pack_microbatches(samples: Sequence[Sample], max_tokens_per_gpu: int) -> lis
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                   fused: bool = False) -> torch.Tensor:
+                   fused: bool | None = False) -> torch.Tensor:
     """log softmax(logits / temperature)[targets] in float32; logits [T, V], targets [T] -> [T].
-    fused: one Triton kernel where it runs (KernelSwitches.fused_logprobs; logprob_entropy_triton.py)."""
-    if fused and logprob_entropy_triton.applies(logits):
+    fused: the fused_logprobs switch (KernelSwitches: None on CUDA, True also the interpreter): one
+    Triton kernel where it runs (logprob_entropy_triton.py)."""
+    if logprob_entropy_triton.applies(logits, fused):
         return logprob_entropy_triton.token_logprobs_and_entropy(logits, targets, temperature)[0]
     z = logits.float() / temperature
     return torch.log_softmax(z, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -108,11 +109,11 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 def token_logprobs_and_entropy(
     logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, with_entropy_grad: bool = False,
-    fused: bool = False,
+    fused: bool | None = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(logp [T], entropy [T]) of the temperature-scaled distribution; the entropy carries a
     gradient only when with_entropy_grad (an entropy bonus is being trained). fused: as token_logprobs."""
-    if fused and logprob_entropy_triton.applies(logits):
+    if logprob_entropy_triton.applies(logits, fused):
         return logprob_entropy_triton.token_logprobs_and_entropy(logits, targets, temperature, with_entropy_grad)
     logp = token_logprobs(logits, targets, temperature)
     if with_entropy_grad:

@@ -97,8 +97,9 @@ class Trainer:
         for m in (model, ref_model):  # the model imports no config (kernel_switch.py)
             if m is not None:
                 set_kernel_switches(m, switches)
-        # the loss's logprobs are the trainer's own (train/logprobs.py), not the model's: it keeps the switch
-        self.fused_logprobs = bool(switches.on("fused_logprobs"))
+        # the loss's logprobs are the trainer's own (train/logprobs.py), not the model's: it keeps the
+        # switch (None: on CUDA; off in the true-on-policy forward)
+        self.fused_logprobs = switches.on("fused_logprobs")
         if config.true_on_policy and not hasattr(model, "true_on_policy"):
             raise ValueError(f"TrainConfig.true_on_policy: {type(model).__name__} has no true-on-policy forward "
                              "(DeepSeek-V4 has)")

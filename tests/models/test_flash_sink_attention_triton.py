@@ -6,7 +6,7 @@ LOCKSTEP_TEST_DEVICE=cuda."""
 import pytest
 import torch
 
-from devices import DEVICE
+from devices import DEVICE, KERNEL_DTYPES
 from lockstep.models.layers import flash_sink_attention_triton as flash
 from lockstep.models.layers.sink_attention import banded_sink_attention, closed_block_bias
 from switched_training import assert_switch_changes_nothing
@@ -39,7 +39,7 @@ def _grads(fn, q, kv, sinks, entries, bias, w, window, scale, *rate):
     return out, torch.autograd.grad((out.to(w.dtype) * w).sum(), leaves)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("case", ["window", "closed-blocks", "top-k", "top-k, every entry tile"])
 def test_forward_and_gradients_equal_the_torch_form(dtype, case):
     """Values and the gradients of q, kv, the sinks and the entries, against the torch form in fp64:
@@ -65,7 +65,8 @@ def test_rows_past_a_program_and_tiles_past_the_keys():
     """More positions than one program's rows and one tile's keys (S * H = 80 * 4 rows, 16-row programs
     and 16-key tiles set below): every row and key tile boundary is crossed, in the forward and both
     backward kernels; the program of positions 64..67 sees entry 16 (closed at 67), the first of a tile."""
-    q, kv, sinks, entries, bias = _inputs(torch.float32, N=1, S=80, H=4, E=20, topk=False, seed=4)
+    dtype = KERNEL_DTYPES[0]
+    q, kv, sinks, entries, bias = _inputs(dtype, N=1, S=80, H=4, E=20, topk=False, seed=4)
     w = torch.randn(q.shape, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.float64)
     old = flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT
     flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT = 16, 16, 3
@@ -75,15 +76,17 @@ def test_rows_past_a_program_and_tiles_past_the_keys():
         flash.BLOCK_M, flash.BLOCK_N, flash.SPLIT = old
     want, want_grads = _grads(banded_sink_attention, q.double(), kv.double(), sinks.double(), entries.double(),
                               bias.double(), w, 24, 0.25)
-    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol * want.abs().max().item())
     for a, b in zip(got_grads, want_grads):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
+        torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
 def test_the_trainer_takes_it_only_where_it_should():
     x = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.randn(1, 4, 16, dtype=torch.bfloat16, device=DEVICE)
     assert flash.runs(x, kv, enabled=True) and not flash.runs(x, kv, enabled=False)
+    assert flash.runs(x, kv, enabled=None) == (DEVICE == "cuda")  # the default: CUDA only, not the interpreter
     with torch.no_grad():
         assert not flash.runs(x, kv, enabled=True)  # no gradient wanted: the engine's prefill
     assert not flash.runs(x[..., :8], kv[..., :8], enabled=True)  # head dim below tl.dot's 16

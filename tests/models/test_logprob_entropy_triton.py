@@ -67,7 +67,9 @@ def test_token_logprobs_takes_it_only_where_asked():
         assert calls
     finally:
         fused.LogprobEntropy.apply = apply
-    assert not fused.applies(logits.bfloat16())  # the head's logits are fp32
+    assert not fused.applies(logits.bfloat16(), True)  # the head's logits are fp32
+    # the default (None): CUDA only; the CPU trainer keeps torch's ops even under the interpreter
+    assert fused.applies(logits, None) == (DEVICE == "cuda") and not fused.applies(logits, False)
 
 
 def _gradients(fused_logprobs: bool, true_on_policy: bool = False):

@@ -5,7 +5,7 @@ interpreter here (TRITON_INTERPRET=1, conftest.py), compiled on a GPU with LOCKS
 import pytest
 import torch
 
-from devices import DEVICE
+from devices import DEVICE, KERNEL_DTYPES
 from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.layers import moe_combine_triton
 from lockstep.models.layers.moe import _combine, dispatch_order
@@ -14,7 +14,7 @@ from switched_training import assert_switch_changes_nothing
 pytestmark = pytest.mark.skipif(moe_combine_triton.triton is None, reason="Triton is not installed")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("H", [40, 1100])  # one column tile, and two with a partial one (tiles of 1024)
 def test_the_eager_combines_bits_and_gradients(dtype, H):
     g = torch.Generator().manual_seed(H)

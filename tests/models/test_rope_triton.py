@@ -5,7 +5,7 @@ here (TRITON_INTERPRET=1, conftest.py), compiled on a GPU with LOCKSTEP_TEST_DEV
 import pytest
 import torch
 
-from devices import DEVICE
+from devices import DEVICE, KERNEL_DTYPES
 from lockstep.models.deepseek_v4_config import CSA, SLIDING
 from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.layers import rope_triton
@@ -20,7 +20,7 @@ def _angles(positions, rope_dim):
     return cos.to(DEVICE), sin.to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("case", ["q per head", "kv", "undo (-sin)", "all channels rotate"])
 def test_values_and_gradients_equal_the_eager_ops(dtype, case):
     g = torch.Generator().manual_seed(1)
@@ -54,6 +54,7 @@ def test_other_broadcasts_take_the_eager_ops():
     with torch.no_grad():
         assert not rope_triton.applies(x, per_head, True)  # no gradient wanted
     assert rope_triton.applies(x, per_head, True) == (DEVICE == "cpu")  # fp32: the interpreter only
+    assert not rope_triton.applies(x, per_head, None)  # the default: bf16 on CUDA only
 
 
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):

@@ -55,11 +55,11 @@ BLOCK_N = 64  # keys per tile
 SPLIT = 16  # programs per entry tile in the backward: an entry's rows are all S * H
 
 
-def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool) -> bool:
+def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool | None) -> bool:
     """Whether the trainer's attention takes these kernels (see the module docstring)."""
-    if not enabled or triton is None or q.shape[-1] < 16 or q.dtype != kv.dtype:
+    if triton is None or q.shape[-1] < 16 or q.dtype != kv.dtype:
         return False
-    return trainer_kernel_takes(q) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    return trainer_kernel_takes(q, enabled) and torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 def flash_banded_sink_attention(q: torch.Tensor, kv: torch.Tensor, window: int, sinks: torch.Tensor, scale: float,

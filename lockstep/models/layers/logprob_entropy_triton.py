@@ -32,9 +32,12 @@ if triton is not None:
     import triton.language as tl
 
 
-def applies(logits: torch.Tensor) -> bool:
-    """Triton present and fp32 logits on CUDA (or under the interpreter: the CPU tests)."""
-    return triton is not None and logits.dtype == torch.float32 and (logits.is_cuda or interpreted())
+def applies(logits: torch.Tensor, enabled: bool | None) -> bool:
+    """Triton present and fp32 logits, on CUDA unless the switch is off, or under the interpreter
+    (the CPU tests) where it is explicitly on (triton_support.trainer_kernel_takes' rule)."""
+    if triton is None or logits.dtype != torch.float32 or enabled is False:
+        return False
+    return logits.is_cuda or (enabled is True and interpreted())
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,

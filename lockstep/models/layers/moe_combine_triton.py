@@ -33,11 +33,11 @@ if triton is not None:
     import triton.language as tl
 
 
-def applies(ys: torch.Tensor, weights: torch.Tensor, enabled: bool) -> bool:
+def applies(ys: torch.Tensor, weights: torch.Tensor, enabled: bool | None) -> bool:
     """Whether Experts.forward combines with these kernels (module docstring)."""
-    if not enabled or triton is None or torch.compiler.is_compiling() or not grad_wanted(ys, weights):
+    if triton is None or torch.compiler.is_compiling() or not grad_wanted(ys, weights):
         return False
-    return trainer_kernel_takes(ys)
+    return trainer_kernel_takes(ys, enabled)
 
 
 def combine(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from .kernel_switch import Switched
 from .whole_rows import in_whole_rows
 
 
-def rms_norm(x: torch.Tensor, eps: float, triton: bool = False) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, eps: float, triton: bool | None = False) -> torch.Tensor:
     """Unweighted RMSNorm over the last dim, computed in fp32, returned in x's dtype. triton: the
     caller's `triton_norm` switch (rms_norm_grad_triton.py: the trainer's kernels)."""
     if in_whole_rows():  # the same formula with the sum of squares in a fixed order (whole_rows.py)

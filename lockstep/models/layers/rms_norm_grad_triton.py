@@ -39,11 +39,11 @@ if triton is not None:
 ROW_SHARES = 64  # programs per column tile of d w: the rows split in this many shares
 
 
-def applies(x: torch.Tensor, weight: torch.Tensor | None, enabled: bool) -> bool:
+def applies(x: torch.Tensor, weight: torch.Tensor | None, enabled: bool | None) -> bool:
     """Whether norm.py's RMSNorm / rms_norm take these kernels (module docstring)."""
-    if not enabled or triton is None or in_whole_rows() or torch.compiler.is_compiling():
+    if triton is None or in_whole_rows() or torch.compiler.is_compiling():
         return False
-    return trainer_kernel_takes(x) and grad_wanted(x, *([] if weight is None else [weight]))
+    return trainer_kernel_takes(x, enabled) and grad_wanted(x, *([] if weight is None else [weight]))
 
 
 def trained_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:

@@ -54,7 +54,7 @@ def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor) -> tuple[torch
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, triton: bool = False) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, triton: bool | None = False) -> torch.Tensor:
     """Rotate the trailing 2*cos.shape[-1] channels of x in adjacent pairs, in fp32.
 
     cos/sin broadcast against x[..., :half]: callers insert the head axis themselves. triton: the

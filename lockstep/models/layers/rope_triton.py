@@ -50,11 +50,11 @@ def _row_groups(x: torch.Tensor, cos: torch.Tensor) -> tuple[int, int] | None:
     return math.prod(lead[:k]), math.prod(lead[k:])
 
 
-def applies(x: torch.Tensor, cos: torch.Tensor, enabled: bool) -> bool:
+def applies(x: torch.Tensor, cos: torch.Tensor, enabled: bool | None) -> bool:
     """Whether apply_rope takes the kernel (module docstring)."""
-    if not enabled or triton is None or torch.compiler.is_compiling() or not grad_wanted(x):
+    if triton is None or torch.compiler.is_compiling() or not grad_wanted(x):
         return False
-    return trainer_kernel_takes(x) and 2 * cos.shape[-1] <= x.shape[-1] and _row_groups(x, cos) is not None
+    return trainer_kernel_takes(x, enabled) and 2 * cos.shape[-1] <= x.shape[-1] and _row_groups(x, cos) is not None
 
 
 def rope_with_grad(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
