@@ -34,8 +34,9 @@ fp64). The true-on-policy forward does not use it (its bits are tiled_attention_
 
 Where it runs (`runs`): CUDA, bf16, a gradient wanted (the trainer's eager forward), not under
 torch.compile (a compiled trainer fuses the torch form); and the kernel switch `flash_attention`
-(TrainConfig.flash_attention, kernel_switch.py; LOCKSTEP_FLASH_ATTENTION=0 / 1 overrides), off
-until measured on a GPU. CPU tests run the kernels under TRITON_INTERPRET=1 in fp32 and bf16.
+(TrainConfig.flash_attention, kernel_switch.py; LOCKSTEP_FLASH_ATTENTION=0 / 1 overrides), on by
+default on CUDA (an H200, 1b config: 1.13x the train step alone, peak 49.3 -> 44.4 GiB). CPU tests
+run the kernels under TRITON_INTERPRET=1 in fp32 and bf16, the switch set to True.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ Here one kernel each way, reading the outputs where the grouped GEMMs left them 
 The forward and d ys are eager's bits (the same fp32 products and one rounding each, in the same
 order); d w sums over h in another order (fp32 rounding).
 
-Where it runs (`applies`): CUDA bf16 (or the interpreter: the CPU tests, bf16 or fp32), a gradient
-wanted, eager, and the `triton_combine` switch (kernel_switch.py; TrainConfig.triton_combine),
-off until measured on a GPU.
+Where it runs (`applies`): CUDA bf16 (or the interpreter with the switch set to True: the CPU tests,
+bf16 or fp32), a gradient wanted, eager, and the `triton_combine` switch (kernel_switch.py;
+TrainConfig.triton_combine), on by default on CUDA (an H200, 1b config: 1.10x the train step alone).
 """
 
 from __future__ import annotations

@@ -14,9 +14,10 @@ their gradients).
 d w: each program of the second kernel sums a column tile over a share of the rows; torch adds
 the shares in index order (no atomics: the same bits every run).
 
-Where it runs (`applies`): CUDA bf16 (or the interpreter: the CPU tests, bf16 or fp32), a
-gradient wanted, eager, not over whole rows, and the `triton_norm` switch (kernel_switch.py;
-TrainConfig.triton_norm), off until measured on a GPU.
+Where it runs (`applies`): CUDA bf16 (or the interpreter with the switch set to True: the CPU
+tests, bf16 or fp32), a gradient wanted, eager, not over whole rows, and the `triton_norm` switch
+(kernel_switch.py; TrainConfig.triton_norm), on by default on CUDA (an H200, 1b config: 0.99x the
+train step alone, 1.16x with the other four kernels on).
 """
 
 from __future__ import annotations
