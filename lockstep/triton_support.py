@@ -33,14 +33,19 @@ def load_triton() -> ModuleType | None:
     return triton
 
 
-def trainer_kernel_takes(x: torch.Tensor, enabled: bool | None) -> bool:
-    """The trainer's Triton kernels with a backward (flash attention, RMSNorm, RoPE, MoE combine,
-    logprobs) can take x, by their switch (kernel_switch.KernelSwitches) and x's device and dtype:
-    False: never; None (the default): bf16 on CUDA; True: also bf16 / fp32 under the interpreter
-    (the CPU tests; elsewhere on the CPU the eager ops run). Not fp32 on a GPU: tl.dot would
-    multiply its tiles in tf32."""
+def trainer_kernel_runs(x: torch.Tensor, enabled: bool | None) -> bool:
+    """Where the trainer's Triton kernels with a backward (flash attention, RMSNorm, RoPE, MoE
+    combine, logprobs) run, by their switch (kernel_switch.KernelSwitches): False: never; None (the
+    default): on CUDA; True: also under the interpreter (the CPU tests; elsewhere on the CPU the
+    eager ops run)."""
     if enabled is False:
         return False
-    if x.is_cuda:
-        return x.dtype == torch.bfloat16
-    return enabled is True and interpreted() and x.dtype in (torch.bfloat16, torch.float32)
+    return x.is_cuda or (enabled is True and interpreted())
+
+
+def trainer_kernel_takes(x: torch.Tensor, enabled: bool | None) -> bool:
+    """`trainer_kernel_runs`, and x's dtype one they take: bf16 on CUDA (not fp32: tl.dot would
+    multiply its tiles in tf32), bf16 or fp32 under the interpreter."""
+    if not trainer_kernel_runs(x, enabled):
+        return False
+    return x.dtype == torch.bfloat16 if x.is_cuda else x.dtype in (torch.bfloat16, torch.float32)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.triton_support import interpreted
+from lockstep.triton_support import trainer_kernel_runs
 
 from . import grouped_gemm_triton as _gt
 
@@ -33,11 +33,9 @@ if triton is not None:
 
 
 def applies(logits: torch.Tensor, enabled: bool | None) -> bool:
-    """Triton present and fp32 logits, on CUDA unless the switch is off, or under the interpreter
-    (the CPU tests) where it is explicitly on (triton_support.trainer_kernel_takes' rule)."""
-    if triton is None or logits.dtype != torch.float32 or enabled is False:
-        return False
-    return logits.is_cuda or (enabled is True and interpreted())
+    """Triton present, fp32 logits (the head's), where the switch lets the trainer's kernels run
+    (triton_support.trainer_kernel_runs: None on CUDA, True also under the interpreter)."""
+    return triton is not None and logits.dtype == torch.float32 and trainer_kernel_runs(logits, enabled)
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
