@@ -67,6 +67,7 @@ def test_token_logprobs_takes_it_only_where_asked():
         assert calls
     finally:
         fused.LogprobEntropy.apply = apply
+    assert torch.isnan(fused.token_logprobs_and_entropy(logits, torch.tensor([1, 50, -1], device=DEVICE))[0][1:]).all()
     assert not fused.applies(logits.bfloat16(), True)  # the head's logits are fp32
     # the default (None): CUDA only; the CPU trainer keeps torch's ops even under the interpreter
     assert fused.applies(logits, None) == (DEVICE == "cuda") and not fused.applies(logits, False)

@@ -16,7 +16,7 @@ log-sum-exp the backward needs; the backward reads the row once and writes its g
 Values as torch's ops to fp32 rounding (logp = (z_y - max) - log(sum), as log_softmax forms it;
 the sums in another order), not bit for bit: so the true-on-policy forward, whose trainer logprobs
 must be the engine's bits, does not take it (kernel_switch: off there). One program per row; the
-tile width follows V only.
+tile width follows V only. A target outside [0, V) gives a NaN logprob (torch's gather raises).
 """
 
 from __future__ import annotations
@@ -116,8 +116,9 @@ if triton is not None:
         weighted = tl.sum(c * (w + s * shift), axis=0)  # sum exp(z - m) * (z - m)
         log_total = tl.log(total)
         y = tl.load(y_ptr + row)
-        zy = tl.math.div_rn(tl.load(z_row + y), temperature)
-        tl.store(logp_ptr + row, (zy - m) - log_total)
+        y_ok = (y >= 0) & (y < V)  # an id outside the vocabulary: NaN, not a read out of bounds
+        zy = tl.math.div_rn(tl.load(z_row + tl.where(y_ok, y, 0)), temperature)
+        tl.store(logp_ptr + row, tl.where(y_ok, (zy - m) - log_total, float("nan")))
         tl.store(entropy_ptr + row, log_total - weighted / total)
         tl.store(lse_ptr + row, m + log_total)
 
