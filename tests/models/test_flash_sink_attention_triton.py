@@ -94,8 +94,8 @@ def test_the_trainer_takes_it_only_where_it_should():
 
 
 def test_a_model_with_the_switch_on_trains_as_with_the_torch_form(monkeypatch):
-    """Whole DeepSeek-V4 model (window, C4 top-k and C128 layers), fp32: the loss and every
-    parameter's gradient with the kernels equal the torch form's to fp32 rounding."""
+    """Whole DeepSeek-V4 model (window, C4 top-k and C128 layers; fp32 here, bf16 on a GPU): the loss
+    and every parameter's gradient with the kernels equal the torch form's to the dtype's rounding."""
     calls = []
     forward = flash._forward
     monkeypatch.setattr(flash, "_forward", lambda *a: calls.append(a[3] is not None) or forward(*a))

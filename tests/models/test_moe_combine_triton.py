@@ -36,7 +36,7 @@ def test_the_eager_combines_bits_and_gradients(dtype, H):
 
 
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):
-    """Whole DeepSeek-V4 model, fp32: loss and gradients as with the eager ops, every routed MoE
+    """Whole DeepSeek-V4 model (fp32 here, bf16 on a GPU): loss and gradients as with the eager ops, every routed MoE
     layer (top-k and hash) through the kernels."""
     calls = []
     apply = moe_combine_triton.Combine.apply

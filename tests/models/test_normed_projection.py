@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from devices import DEVICE
+from lockstep.models.layers import scaled_projection_triton as spt
 from lockstep.models.layers.hyper_connection import NormedProjection, _mixes, _normed_projection
 
 
@@ -68,14 +69,11 @@ def test_scaled_projection_is_the_normed_one_to_rounding(fn_dtype):
         torch.testing.assert_close(a.double(), b, rtol=4 * tol, atol=tol * b.abs().max().item())
 
 
+@pytest.mark.skipif(spt.triton is None, reason="Triton is not installed")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_streams_gradient_kernel_equals_its_formula(dtype):
     """scaled_projection_triton.streams_grad (ScaledProjection's d x on a GPU): gr @ fn - s x against
     fp64, over rows and columns past one program's tile (32 x 128)."""
-    from lockstep.models.layers import scaled_projection_triton as spt
-
-    if spt.triton is None:
-        pytest.skip("Triton is not installed")
     g = torch.Generator().manual_seed(8)
     T, J, D = 70, 24, 300
     gr, fn, s = (torch.randn(*shape, generator=g).to(DEVICE) for shape in ((T, J), (J, D), (T, 1)))

@@ -60,8 +60,8 @@ def test_the_modules_take_it_only_when_switched_on():
 
 
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_norms(monkeypatch):
-    """Whole DeepSeek-V4 model, fp32: the loss and every parameter's gradient with the kernels equal
-    the eager norms' to fp32 rounding, and every norm of the forward took them."""
+    """Whole DeepSeek-V4 model (fp32 here, bf16 on a GPU): the loss and every parameter's gradient
+    with the kernels equal the eager norms' to the dtype's rounding, and every norm took them."""
     calls = []
     apply = grad_kernels.TrainedRMSNorm.apply
     monkeypatch.setattr(grad_kernels.TrainedRMSNorm, "apply", lambda *a: calls.append(a[1] is None) or apply(*a))

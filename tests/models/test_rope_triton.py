@@ -58,7 +58,7 @@ def test_other_broadcasts_take_the_eager_ops():
 
 
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):
-    """Whole DeepSeek-V4 model, fp32: loss and gradients as with the eager ops; each attention's q,
+    """Whole DeepSeek-V4 model (fp32 here, bf16 on a GPU): loss and gradients as with the eager ops; each attention's q,
     kv and output, each compressor's entries and each indexer's queries took the kernel."""
     calls = []
     apply = rope_triton.RotaryEmbedding.apply
