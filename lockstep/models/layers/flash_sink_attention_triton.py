@@ -187,13 +187,15 @@ if triton is not None:
         return end
 
     @triton.jit
-    def _query_block(S, W, H: tl.constexpr, BLOCK_M: tl.constexpr):
-        """This program's rows of q as [S * H, D] (position-major), their positions, the first
-        window key any of them sees and the last position among them (within S)."""
+    def _query_block(S, W, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's sequence n, its rows of q as [S * H, D] (position-major), their positions,
+        the first window key any of them sees, the last position among them (within S) and the
+        head-dim offsets: the query-major kernels' prologue."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         p_first = tl.program_id(0) * BLOCK_M // H
         p_last = tl.minimum((tl.program_id(0) * BLOCK_M + BLOCK_M - 1) // H, S - 1)
-        return rows, rows // H, tl.maximum(p_first - W + 1, 0), p_last
+        n = tl.program_id(1).to(tl.int64)
+        return n, rows, rows // H, tl.maximum(p_first - W + 1, 0), p_last, tl.arange(0, BLOCK_D)
 
     @triton.jit
     def _rows(ptr, n, S, rows, rd, H: tl.constexpr, D: tl.constexpr):
@@ -213,9 +215,7 @@ if triton is not None:
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
                     INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
-        n = tl.program_id(1).to(tl.int64)
-        rows, pos, k_first, p_last = _query_block(S, W, H, BLOCK_M)
-        rd = tl.arange(0, BLOCK_D)
+        n, rows, pos, k_first, p_last, rd = _query_block(S, W, H, BLOCK_M, BLOCK_D)
         q = _rows(q_ptr, n, S, rows, rd, H, D)
         m = tl.load(sinks_ptr + rows % H, mask=rows < S * H, other=0.0)  # the sink folded in first
         s_sum = tl.full((BLOCK_M,), 1.0, dtype=tl.float32)
@@ -250,9 +250,7 @@ if triton is not None:
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_ENTRIES: tl.constexpr, BF16: tl.constexpr,
                    INTERPRETED: tl.constexpr):
         scale = tl.cast(scale, tl.float32)
-        n = tl.program_id(1).to(tl.int64)
-        rows, pos, k_first, p_last = _query_block(S, W, H, BLOCK_M)
-        rd = tl.arange(0, BLOCK_D)
+        n, rows, pos, k_first, p_last, rd = _query_block(S, W, H, BLOCK_M, BLOCK_D)
         ok = rows < S * H
         q, do = _rows(q_ptr, n, S, rows, rd, H, D), _rows(do_ptr, n, S, rows, rd, H, D)
         lse = tl.load(lse_ptr + n * S * H + rows, mask=ok, other=0.0)

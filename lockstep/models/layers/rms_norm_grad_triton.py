@@ -86,6 +86,15 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
+    def _gu_x_tile(x_row, g_row, w_ptr, d0, cols, D, HAS_WEIGHT: tl.constexpr):
+        """The tile at d0 of a row: which columns exist, g w (g alone unweighted) and x, in fp32."""
+        ok = d0 + cols < D
+        gu = tl.load(g_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            gu = gu * tl.load(w_ptr + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+        return ok, gu, tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _rms_norm_dx_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, r_ptr, D, d_float, eps, HAS_WEIGHT: tl.constexpr,
                             BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         """One row: r (the forward's), c = r sum(g w x) / D, d x = r (g w - x r c); r kept for d w."""
@@ -95,18 +104,12 @@ if triton is not None:
         r = _row_inverse_rms(x_row, 1, D, d_float, eps, INTERPRETED, BLOCK)
         acc = tl.zeros((BLOCK,), dtype=tl.float32)
         for d0 in range(0, D, BLOCK):
-            ok = d0 + cols < D
-            gu = tl.load(g_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                gu = gu * tl.load(w_ptr + d0 + cols, mask=ok, other=0.0).to(tl.float32)
-            acc += gu * tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
+            _, gu, x = _gu_x_tile(x_row, g_row, w_ptr, d0, cols, D, HAS_WEIGHT)
+            acc += gu * x
         c = r * tl.sum(acc, axis=0) / tl.cast(d_float, tl.float32)
-        for d0 in range(0, D, BLOCK):
-            ok = d0 + cols < D
-            gu = tl.load(g_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
-            if HAS_WEIGHT:
-                gu = gu * tl.load(w_ptr + d0 + cols, mask=ok, other=0.0).to(tl.float32)
-            dx = r * (gu - tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32) * r * c)
+        for d0 in range(0, D, BLOCK):  # the row read again: its tiles are not kept between the passes
+            ok, gu, x = _gu_x_tile(x_row, g_row, w_ptr, d0, cols, D, HAS_WEIGHT)
+            dx = r * (gu - x * r * c)
             if BF16:
                 dx = _bf16(dx, INTERPRETED)
             tl.store(dx_row + d0 + cols, dx, mask=ok)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import trainer_kernel_takes
+
 from . import grouped_gemm_triton as _gt
 
 triton = _gt.triton
@@ -27,7 +29,7 @@ BLOCK_M, BLOCK_D = 32, 128
 def applies(x: torch.Tensor, fn: torch.Tensor) -> bool:
     """Triton present, bf16 streams on CUDA, at most 64 mixes. (The tests run `streams_grad` itself
     under the interpreter; the CPU trainer keeps the eager ops.)"""
-    return triton is not None and x.is_cuda and x.dtype == torch.bfloat16 and fn.shape[0] <= 64
+    return triton is not None and trainer_kernel_takes(x, None) and fn.shape[0] <= 64
 
 
 def streams_grad(gr: torch.Tensor, fn: torch.Tensor, s: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:

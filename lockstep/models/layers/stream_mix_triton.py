@@ -103,10 +103,10 @@ def stream_combine_reference(comb: torch.Tensor, streams: torch.Tensor, post: to
 
 
 def combine_kernels_take(streams: torch.Tensor) -> bool:
-    """StreamCombine's kernels can take these streams: this file's kernels run, n and K powers of 2
-    (the backward's tiles), bf16 or fp32."""
+    """StreamCombine's kernels can take these streams: this file's kernels run, n (= K) a power of 2
+    (the backward's tiles)."""
     n = streams.shape[-2]
-    return _kernel_runs(streams) and n & (n - 1) == 0 and streams.dtype in (torch.bfloat16, torch.float32)
+    return _kernel_runs(streams) and n & (n - 1) == 0
 
 
 def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):

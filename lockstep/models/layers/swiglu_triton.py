@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.triton_support import trainer_kernel_takes
+
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import grad_wanted
 
@@ -33,7 +35,7 @@ BLOCK = 1024
 def applies(h: torch.Tensor) -> bool:
     """Where moe.Experts.mlp takes it: Triton present, bf16 on CUDA, a gradient wanted (the trainer),
     eager (a compiled caller fuses the ops itself). The tests run the kernels under the interpreter."""
-    return (triton is not None and h.is_cuda and h.dtype == torch.bfloat16 and grad_wanted(h)
+    return (triton is not None and trainer_kernel_takes(h, None) and grad_wanted(h)
             and not torch.compiler.is_compiling())
 
 
