@@ -4,6 +4,7 @@
     python benchmarks/train_throughput.py --config 1b                            # one H200: 8 x 2048, bf16
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
+    python benchmarks/train_throughput.py --config 1b --cuda-graphs             # + forward / backward graphed
     python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
         triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
@@ -16,7 +17,9 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
   TrainConfig kernel switches, exactly those on (flash_attention, triton_norm, triton_rope,
   triton_combine, fused_logprobs; '+' joins several; `none`: the eager ops; the default row has
-  all five on), eager layers.
+  all five on), eager layers. `--cuda-graphs` adds a row with TrainConfig.cuda_graphs: the forward
+  and backward replayed from the CUDA graphs recorded in the first step (the batch is the same
+  every step: one shape, recorded once, in the warm-up).
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
   the same weights (lockstep's state dict loads into it as is) in the dtypes `from_pretrained(dtype=)`
   gives (bf16, its fp32-kept modules fp32), the same token batch as [batch, seq_len], loss = the
@@ -157,12 +160,13 @@ def timed(step, args) -> tuple[float, object]:
 
 
 def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
-                     true_on_policy: bool = False, kernels: tuple[str, ...] | None = None) -> Trainer:
+                     true_on_policy: bool = False, kernels: tuple[str, ...] | None = None,
+                     cuda_graphs: bool = False) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
     switches = {} if kernels is None else trainer_kernels(kernels)  # None: the defaults
-    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches,
+    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches, cuda_graphs=cuda_graphs,
                                       max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
 
 
@@ -193,9 +197,9 @@ def print_profile(step, args) -> None:
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 kernels: tuple[str, ...] | None = None) -> dict:
+                 kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False) -> dict:
     reset_peak(args.device)
-    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels)
+    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)
@@ -298,6 +302,8 @@ def parse_args(argv=None):
     ap.add_argument("--kernel-rows", nargs="+", default=[], choices=KERNEL_ROWS, metavar="SWITCHES",
                     help="one more row per value: exactly these TrainConfig kernel switches on ('+' joins "
                          f"several; none: the eager ops), eager layers ({', '.join(KERNEL_ROWS)})")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="one more row: TrainConfig.cuda_graphs (forward and backward replayed from CUDA graphs)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "
@@ -337,14 +343,22 @@ def main(argv=None) -> None:
               "seq_len": args.seq_len, "prompt_len": args.prompt_len, "steps": args.steps, "warmup": args.warmup,
               "params": n_params, "flops_per_token": flops_per_token, "gemm_size": args.gemm_size,
               "gemm_tflops": peak_tflops, "lockstep": {}}
+    labels = {}  # result["lockstep"] key -> the row's name
     for backend in args.compile_backend:
         run = run_lockstep(config, state, samples, args, None if backend == "none" else backend)
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels[backend] = f"compile {backend}"
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
+    if args.cuda_graphs:
+        run = run_lockstep(config, state, samples, args, None, cuda_graphs=True)
+        result["lockstep"]["cuda_graphs"] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels["cuda_graphs"] = "cuda graphs"
+        print(line("lockstep train_step (cuda graphs)", f, args, peak_tflops), flush=True)
     for switches in args.kernel_rows:
         run = run_lockstep(config, state, samples, args, None,
                            kernels=() if switches == "none" else tuple(switches.split("+")))
         result["lockstep"][switches] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels[switches] = switches
         print(line(f"lockstep train_step ({switches})", f, args, peak_tflops), flush=True)
     if args.true_on_policy:
         default, exact, pair_ratios = run_true_on_policy_pair(config, state, samples, args)
@@ -365,8 +379,7 @@ def main(argv=None) -> None:
             ratio = f["tokens_per_s"] / hf["tokens_per_s"]
             result["ratio_lockstep_over_transformers"][backend] = ratio
             # same weights, batch and objective: the first step's gradient norms agree to rounding
-            label = backend if backend in args.kernel_rows else f"compile {backend}"
-            print(f"ratio lockstep ({label}) / transformers: {ratio:.2f}x tok/s, "
+            print(f"ratio lockstep ({labels.get(backend, backend)}) / transformers: {ratio:.2f}x tok/s, "
                   f"{f['peak_gib'] / hf['peak_gib']:.2f}x peak memory; first-step gradient norm "
                   f"{f['first_grad_norm']:.5g} vs {hf['first_grad_norm']:.5g}")
     print("JSON " + json.dumps(result))

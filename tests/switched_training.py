@@ -1,6 +1,7 @@
 """A kernel switch's whole-model check: a tiny DeepSeek-V4 trained one step with the switch off and
 on must give the same loss and gradients: to fp32 rounding in fp32 under the interpreter (the CPU
-tests), to bf16 rounding in bf16 on a GPU (where the trainer's kernels take bf16 only)."""
+tests); in bf16 on a GPU (where the trainer's kernels take bf16 only), no further from the fp32
+run than the eager bf16 ops are."""
 
 import torch
 
@@ -21,27 +22,38 @@ def _loss_and_grads(model, ids, switches: KernelSwitches):
 
 
 def assert_switch_changes_nothing(switch: str, seed: int, shape: tuple[int, int]) -> dict:
-    """Train the tiny config on the test device (fp32 on the CPU, bf16 on a GPU) on random ids of
-    `shape` with `switch` off, then on; assert equal losses and gradients (fp32: to fp32 rounding;
-    bf16: the loss within 1%, each gradient within 5% of its norm); return the gradients (switched off)."""
+    """Train the tiny config on the test device on random ids of `shape` with `switch` off, then on,
+    and assert the kernels change nothing but rounding. On the CPU (fp32, the interpreter): equal
+    losses and gradients to fp32 rounding. On a GPU (bf16, where the trainer's kernels take bf16
+    only) the eager bf16 ops round differently from a kernel that sums in fp32, so both runs are
+    measured against the same model in fp32 (switch off): the kernel's loss and each of its
+    gradients no further from it than twice the eager bf16 run's distance (plus 1% of the norm).
+    Returns the gradients with the switch off."""
     config = tiny_config()  # C4 at rate 2, C128-style at 4: many compressed entries in a few dozen positions
     model = DeepseekV4ForCausalLM(config)
     init_deepseek_v4_(model, seed)
     model.to(DEVICE)
-    bf16 = DEVICE != "cpu"
-    if bf16:
-        cast_model(model, torch.bfloat16)
     ids = torch.randint(2, config.vocab_size, shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+    if DEVICE != "cpu":
+        return _assert_bf16_no_worse(model, ids, switch)
     loss0, grads0 = _loss_and_grads(model, ids, KernelSwitches(**{switch: False}))
     loss1, grads1 = _loss_and_grads(model, ids, KernelSwitches(**{switch: True}))
     assert grads0.keys() == grads1.keys()
-    if bf16:
-        torch.testing.assert_close(loss1, loss0, rtol=1e-2, atol=0.0)
-        for k in grads0:
-            assert (grads1[k] - grads0[k]).norm() <= 5e-2 * grads0[k].norm() + 1e-6, k
-        return grads0
     torch.testing.assert_close(loss1, loss0, rtol=1e-6, atol=1e-6)
     for k in grads0:
         torch.testing.assert_close(grads1[k], grads0[k], rtol=1e-4, atol=1e-5 * grads0[k].abs().max().item() + 1e-9,
                                    msg=k)
+    return grads0
+
+
+def _assert_bf16_no_worse(model, ids, switch: str) -> dict:
+    loss_ref, grads_ref = _loss_and_grads(model, ids, KernelSwitches(**{switch: False}))  # fp32: the kernels stay out
+    cast_model(model, torch.bfloat16)
+    loss0, grads0 = _loss_and_grads(model, ids, KernelSwitches(**{switch: False}))
+    loss1, grads1 = _loss_and_grads(model, ids, KernelSwitches(**{switch: True}))
+    assert grads0.keys() == grads1.keys() == grads_ref.keys()
+    assert (loss1 - loss_ref).abs() <= 2 * (loss0 - loss_ref).abs() + 1e-2 * loss_ref.abs(), (loss_ref, loss0, loss1)
+    for k, ref in grads_ref.items():
+        eager, kernel = (grads0[k] - ref).norm(), (grads1[k] - ref).norm()
+        assert kernel <= 2 * eager + 1e-2 * ref.norm() + 1e-6, (k, kernel.item(), eager.item(), ref.norm().item())
     return grads0

@@ -144,6 +144,23 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
+def padded_inputs(ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                  logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed ids [T] of sequences starting at cu_seqlens [b + 1] -> (the right-padded batch [b, S]
+    on ids' device, rows [T] (or [len(logit_index)]): each (wanted) packed position's row of the
+    padded [b * S]). Rows start at position 0 and are causal: padding never reaches a real token.
+    The lengths and rows are worked out on the host from cu_seqlens and logit_index (a caller's CPU
+    copies: no device sync), then copied over once."""
+    cu = cu_seqlens.cpu()
+    lens = (cu[1:] - cu[:-1]).tolist()
+    padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
+    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [T] sequence of each position
+    rows = seq * padded.shape[1] + torch.arange(int(cu[-1])) - cu[:-1][seq]
+    if logit_index is not None:
+        rows = rows[logit_index.cpu()]
+    return padded, rows.to(ids.device)
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     config_class = DeepseekV4Config
     # kept in fp32 whatever the model dtype (as DeepSeek ships them); matched as precision.py says
@@ -214,12 +231,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         return fp32_logits(hidden, self.lm_head.weight)
 
     def _forward_packed(self, ids: torch.Tensor, cu_seqlens: torch.Tensor, routing, logit_index) -> torch.Tensor:
-        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
-        keep = torch.arange(padded.shape[1], device=ids.device) < torch.tensor(lens, device=ids.device).unsqueeze(1)
-        rows = keep.flatten().nonzero().squeeze(1)  # packed position -> row of the padded [B * S]
-        if logit_index is not None:
-            rows = rows[logit_index.to(ids.device)]
+        return self.padded_logits(*padded_inputs(ids, cu_seqlens, logit_index), routing)
+
+    def padded_logits(self, padded: torch.Tensor, rows: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
+        """Logits [len(rows), V] of the rows `rows` of a right-padded batch padded [b, S] (flattened
+        [b * S]; `padded_inputs` builds both from packed sequences). Reads no host value: the same
+        shapes run the same kernels (what a CUDA graph of the trainer's forward needs, train/cuda_graphs.py)."""
         return self._logits(padded, routing, lambda hidden: hidden.reshape(-1, hidden.shape[-1])[rows])
 
     @torch.no_grad()

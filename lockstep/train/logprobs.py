@@ -136,8 +136,8 @@ def forward_packed(model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.
     if accepts(model, "cu_seqlens"):
         kwargs = {"routing": routing} if routing is not None else {}
         if logit_index is not None and accepts(model, "logit_index"):
-            return model(input_ids, cu_seqlens=cu_seqlens.to(input_ids.device), logit_index=logit_index, **kwargs)
-        logits = model(input_ids, cu_seqlens=cu_seqlens.to(input_ids.device), **kwargs)
+            return model(input_ids, cu_seqlens=cu_seqlens, logit_index=logit_index, **kwargs)
+        logits = model(input_ids, cu_seqlens=cu_seqlens, **kwargs)
     else:
         if routing is not None:
             raise ValueError(f"{type(model).__name__} does not take a routing argument")
@@ -150,4 +150,5 @@ def forward_packed(model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.
 
 def microbatch_logits(model: nn.Module, mb: MicroBatch, device, routing=None) -> torch.Tensor:
     """Logits [T_r, V] that predict the micro-batch's response tokens."""
-    return forward_packed(model, mb.input_ids.to(device), mb.cu_seqlens, routing, mb.logit_index.to(device))
+    # cu_seqlens and logit_index stay on the host: the model reads lengths and rows from them
+    return forward_packed(model, mb.input_ids.to(device), mb.cu_seqlens, routing, mb.logit_index)

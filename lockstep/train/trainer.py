@@ -64,6 +64,7 @@ from lockstep.sample import Sample
 from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig
+from lockstep.train.cuda_graphs import GraphedLogprobs, detach_grads
 from lockstep.train.data_parallel import DataParallel, gather_full, local_part
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
@@ -108,6 +109,7 @@ class Trainer:
             apply_quant_aware(model, config.quant_aware_forward)
         if config.recompute_activations:
             apply_recompute(model)
+        self.graphs = self._graphs() if config.cuda_graphs else None
         if config.compile_backend is not None:
             if not hasattr(getattr(model, "model", None), "call_layer"):
                 raise ValueError(f"compile_backend: {type(model).__name__} has no compilable decoder layers")
@@ -122,6 +124,14 @@ class Trainer:
                 self.optimizer.slots[name].master.copy_(value.to_local() if isinstance(value, DTensor) else value)
 
     # ---- setup ----------------------------------------------------------------------------
+
+    def _graphs(self) -> GraphedLogprobs:
+        if self.device.type != "cuda":
+            raise ValueError(f"TrainConfig.cuda_graphs: CUDA graphs need the model on a CUDA device, not {self.device}")
+        if self.sharded:
+            raise ValueError("TrainConfig.cuda_graphs: FSDP gathers parameters inside the forward; not recorded yet")
+        c = self.config
+        return GraphedLogprobs(self.model, c.temperature, c.entropy_coef > 0, self.fused_logprobs)
 
     def _setup_determinism(self) -> None:
         torch.manual_seed(self.config.seed)
@@ -252,12 +262,15 @@ class Trainer:
         no routing replay nor reference model there yet); None: this model's forward."""
         c, dev = self.config, self.device
         routing = None
-        if logits is None:
-            routing = self._routing(mb, samples)
-            logits = microbatch_logits(self.model, mb, dev, routing)
-        logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
-                                                   with_entropy_grad=c.entropy_coef > 0, fused=self.fused_logprobs)
-        del logits
+        if logits is None and self.graphs is not None:  # no routing replay with graphs (TrainConfig)
+            logp, entropy = self.graphs(mb, dev)
+        else:
+            if logits is None:
+                routing = self._routing(mb, samples)
+                logits = microbatch_logits(self.model, mb, dev, routing)
+            logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
+                                                       with_entropy_grad=c.entropy_coef > 0, fused=self.fused_logprobs)
+            del logits
         mask, cu = mb.loss_mask.to(dev), mb.response_cu_seqlens
         rollout = mb.gather([s.rollout_logprobs for s in samples], dev)
         before = mb.gather(old_logprobs, dev) if old_logprobs is not None else logp.detach()
@@ -317,7 +330,9 @@ class Trainer:
         mbs = self._microbatches(samples)
         totals: dict[str, torch.Tensor] = {}
         before: list[torch.Tensor | None] = [None] * len(samples)
-        for mb in mbs:
+        for i, mb in enumerate(mbs):
+            if i == 1 and self.graphs is not None:  # the first one's gradients are a graph's buffers
+                detach_grads(self.model.parameters())
             if mb is None:  # a zero-weight pass: this rank's share of FSDP's collectives, no gradient
                 (self._microbatch_loss(mbs[0], samples, norms, old_logprobs)[0] * 0.0).backward()
                 continue

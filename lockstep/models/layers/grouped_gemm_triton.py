@@ -113,12 +113,19 @@ if triton is not None:
     def _bf16(x, INTERPRETED: tl.constexpr):
         # round to nearest even; the interpreter's own cast truncates
         if INTERPRETED:
-            bits = x.to(tl.uint32, bitcast=True)
-            rounded = tl.where(x == x, bits + 0x7FFF + ((bits >> 16) & 1), bits)  # NaN stays NaN
-            y = (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            y = _bf16_bits(x)
         else:
             y = x.to(tl.bfloat16)
         return y
+
+    @triton.jit
+    def _bf16_bits(x):
+        """fp32 -> bf16, nearest even, in integer ops. Also where a rounding must survive the GPU
+        compiler: it narrows a cast product of bf16 values and a following add of bf16 values to bf16
+        ops, then contracts them into one fma.rn.bf16 (a single rounding where eager rounds twice)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = tl.where(x == x, bits + 0x7FFF + ((bits >> 16) & 1), bits)  # NaN stays NaN
+        return (rounded >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
     @triton.jit
     def _swiglu_clamped(acc_gate, acc_up, limit, INTERPRETED: tl.constexpr):

@@ -128,6 +128,7 @@ MIX_BLOCK = 1024  # hidden elements per program
 
 if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
+    _bf16_bits = _gt._bf16_bits
 
     @triton.jit
     def _stream_mix_kernel(comb_ptr, x_ptr, post_ptr, y_ptr, out_ptr, D, N: tl.constexpr, K: tl.constexpr,
@@ -147,8 +148,8 @@ if triton is not None:
                 acc += c * x
             if POST:
                 p = tl.load(post_ptr + t * K + k).to(tl.float32)
-                if ROUND:
-                    acc = _bf16(acc, INTERPRETED).to(tl.float32) + _bf16(p * y, INTERPRETED).to(tl.float32)
+                if ROUND:  # p * y rounded by integer ops: a cast would be contracted into the add (_bf16_bits)
+                    acc = _bf16(acc, INTERPRETED).to(tl.float32) + _bf16_bits(p * y).to(tl.float32)
                 else:
                     acc = acc + p * y
             if ROUND:

@@ -1,0 +1,73 @@
+"""TrainConfig.cuda_graphs: the forward and backward replayed from CUDA graphs (train/cuda_graphs.py)
+train as the eager ones do. The graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda runs those tests there);
+here on the CPU: what they build on (the padded layout that reads no device value, the same in the
+eager forward) and the settings they refuse."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from devices import DEVICE
+from lockstep.models.deepseek_v4 import padded_inputs
+from lockstep.models.precision import cast_model
+from lockstep.train.config import TrainConfig
+from lockstep.train.trainer import Trainer
+from tests.train.trainer_fixtures import make_samples, tiny_model
+
+on_gpu = pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs: LOCKSTEP_TEST_DEVICE=cuda runs this on a GPU")
+
+
+def test_padded_inputs_put_each_packed_position_on_its_row():
+    ids = torch.arange(10, 19)  # sequences of 2, 4, 3 tokens
+    cu = torch.tensor([0, 2, 6, 9])
+    padded, rows = padded_inputs(ids, cu)
+    assert padded.tolist() == [[10, 11, 0, 0], [12, 13, 14, 15], [16, 17, 18, 0]]
+    assert torch.equal(padded.flatten()[rows], ids)
+    logit_index = torch.tensor([1, 3, 4, 7])
+    assert torch.equal(padded_inputs(ids, cu, logit_index)[1], rows[logit_index])
+
+
+@pytest.mark.parametrize("field, value", [("compile_backend", "eager"), ("recompute_activations", True),
+                                          ("quant_aware_forward", "fp8"), ("use_rollout_routing_replay", True),
+                                          ("expert_model_parallel_size", 2), ("pipeline_model_parallel_size", 2)])
+def test_settings_a_graph_cannot_record_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"cuda_graphs: not combined with {field}"):
+        TrainConfig(cuda_graphs=True, **{field: value})
+
+
+def test_true_on_policy_is_refused_and_decided_off_with_graphs():
+    with pytest.raises(ValueError, match="true_on_policy"):
+        TrainConfig(cuda_graphs=True, true_on_policy=True)
+    assert TrainConfig(cuda_graphs=True).true_on_policy_excluded_by() == "cuda_graphs"
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's refusal")
+def test_graphs_on_the_cpu_are_an_error_naming_the_field():
+    with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs need the model on a CUDA device"):
+        Trainer(tiny_model(), TrainConfig(cuda_graphs=True))
+
+
+def _pair(max_tokens: int):
+    model = tiny_model()
+    model.to(DEVICE)
+    cast_model(model, torch.bfloat16)
+    base = dict(dtype="bfloat16", max_tokens_per_gpu=max_tokens, true_on_policy=False)
+    return Trainer(copy.deepcopy(model), TrainConfig(**base)), Trainer(model, TrainConfig(cuda_graphs=True, **base))
+
+
+@on_gpu
+@pytest.mark.parametrize("max_tokens", [4096, 30])  # one micro-batch; several (gradients accumulated)
+def test_graphed_steps_equal_eager_steps(max_tokens):
+    eager, graphed = _pair(max_tokens)
+    batches = [make_samples(6, seed=1), make_samples(6, seed=1), make_samples(5, seed=2), make_samples(6, seed=1)]
+    for step, samples in enumerate(batches):  # a shape again (replayed), a new one (recorded), the first again
+        a, b = eager.train_step(samples), graphed.train_step(samples)
+        for key in ("train/loss", "train/grad_norm", "train/entropy", "train/pg_clipfrac"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
+    for (name, x), (_, y) in zip(eager.named_weights(), graphed.named_weights()):
+        assert torch.equal(x, y), name
+    if max_tokens == 4096:  # two shapes: each recorded once, replayed after
+        assert graphed.graphs.recorded == 2
