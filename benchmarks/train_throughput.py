@@ -190,9 +190,13 @@ def print_profile(step, args) -> None:
     # a step of many small kernels is bound by their launches, not by their device time
     by_op = [e for e in prof.key_averages() if e.key.startswith("aten::")]
     calls = sorted(by_op, key=lambda e: -e.count)[:12]
-    if cuda:
-        kernels = sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-        print(f"{kernels} device kernels in the step")
+    if cuda:  # every kernel, the Triton ones too (the aten table above does not hold them)
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in kernels) / 1e3
+        print(f"{sum(e.count for e in kernels)} device kernels in the step, {busy:.1f} ms of kernel time; the "
+              f"{args.profile} longest (kernel, launches, ms):")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.profile]:
+            print(f"  {e.key[:60]:60s} {e.count:6d} {e.self_device_time_total / 1e3:9.2f}")
     print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
 
 
