@@ -144,16 +144,21 @@ def _call_layer(layer, *args):
     return layer(*args)
 
 
-def padded_inputs(ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                  logit_index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def padded_inputs(ids: torch.Tensor, cu_seqlens: torch.Tensor, logit_index: torch.Tensor | None = None,
+                  shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed ids [T] of sequences starting at cu_seqlens [b + 1] -> (the right-padded batch [b, S]
     on ids' device, rows [T] (or [len(logit_index)]): each (wanted) packed position's row of the
     padded [b * S]). Rows start at position 0 and are causal: padding never reaches a real token.
-    The lengths and rows are worked out on the host from cu_seqlens and logit_index (a caller's CPU
-    copies: no device sync), then copied over once."""
+    `shape`: pad to this [b', S'] instead (at least [b, S]; rows of padding only past b). The lengths
+    and rows are worked out on the host from cu_seqlens and logit_index (a caller's CPU copies: no
+    device sync), then copied over once."""
     cu = cu_seqlens.cpu()
     lens = (cu[1:] - cu[:-1]).tolist()
     padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
+    if shape is not None:
+        if shape[0] < padded.shape[0] or shape[1] < padded.shape[1]:
+            raise ValueError(f"padded_inputs: shape {tuple(shape)} is smaller than the batch's {tuple(padded.shape)}")
+        padded = nn.functional.pad(padded, (0, shape[1] - padded.shape[1], 0, shape[0] - padded.shape[0]))
     seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [T] sequence of each position
     rows = seq * padded.shape[1] + torch.arange(int(cu[-1])) - cu[:-1][seq]
     if logit_index is not None:

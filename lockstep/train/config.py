@@ -115,10 +115,13 @@ class TrainConfig:
     recompute_activations or quant_aware_forward. None: eager layers."""
     cuda_graphs: bool = False
     """On CUDA, the forward (model and token logprobs) and its backward replay CUDA graphs recorded per
-    micro-batch shape (train/cuda_graphs.py): the eager step is bound by its ~4,400 launches. Pays off
-    where shapes repeat; a new shape records anew (~3 eager steps). Not with compile_backend,
-    recompute_activations, quant_aware_forward, rollout routing replay, FSDP, expert or pipeline
-    parallelism; true_on_policy None decides off with it."""
+    micro-batch shape bucket (train/cuda_graphs.py): the eager step is bound by its ~4,400 launches.
+    A new bucket records anew (~3 eager steps). Not with compile_backend, recompute_activations,
+    quant_aware_forward, rollout routing replay, FSDP, expert or pipeline parallelism;
+    true_on_policy None decides off with it."""
+    cuda_graph_shapes: int = 4
+    """cuda_graphs: the shape buckets whose graphs are kept (the most recently used); each holds the
+    activations' memory of its shape."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
     (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The engine's Triton
@@ -242,6 +245,8 @@ class TrainConfig:
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
+        if self.cuda_graph_shapes < 1:
+            _fail("cuda_graph_shapes", f"must be >= 1, got {self.cuda_graph_shapes}")
         if self.cuda_graphs and self.cuda_graphs_excluded_by():
             _fail("cuda_graphs", f"not combined with {self.cuda_graphs_excluded_by()} (train/cuda_graphs.py)")
         if self.true_on_policy and self.true_on_policy_excluded_by() == "expert_model_parallel_size":

@@ -1,8 +1,9 @@
 """The trainer's forward and backward as CUDA graphs (TrainConfig.cuda_graphs).
 
 Why: on one H200 the eager 1b train step (8 x 2048 tokens) spends ~95 ms of host time launching
-its forward and ~90 ms its backward (~4,400 kernels), while the GPU needs ~75 ms for all of it:
-the step is bound by the host. A CUDA graph replays the recorded kernels with one launch.
+its forward and 60-90 ms its backward (~4,400 kernels), the GPU waiting on the host: the step is
+bound by the host. A CUDA graph replays the recorded kernels with one launch (measured there: the
+step went from 196 to 150 ms, now bound by its ~114 ms of kernels; README, "Speed").
 
 What is recorded: the model's padded forward (DeepseekV4ForCausalLM.padded_logits, which reads no
 host value) and the token logprobs and entropies of the response positions (the [T_r, V] fp32
@@ -11,11 +12,13 @@ logits stay inside the graph), and the backward of both, through torch.cuda.make
 its statistics and the optimiser stay eager: a few dozen launches, and the host reads some of
 their values.
 
-A graph holds the shapes it was recorded with: one per micro-batch shape key (padded [b, S],
-response tokens), the last `MAX_GRAPHS` kept (each keeps its activations' memory pool). A new key
-records anew: a warm-up forward and backward plus the capture, ~3 eager steps' worth, so graphs pay
-off where shapes repeat (fixed-length packing, a benchmark, SFT on equal-length rows); an RL batch of
-new lengths every step records every step and is slower than eager.
+A graph holds the shapes it was recorded with. So that batches of other lengths replay one, the
+padded batch [b, S] and the response tokens T_r are rounded up to shape buckets (`bucket`: four
+per octave, at most 25% over; the extra rows are padding, the extra response rows are sliced
+away), and the graphs of the last `keep` buckets are kept (TrainConfig.cuda_graph_shapes; each
+holds its activations' memory). A new bucket records anew: a warm-up forward and backward plus the
+capture, ~3 eager steps' worth. Bucket padding changes the GEMMs' shapes, so a graphed step
+equals the eager one to rounding, not bit for bit (it does where no padding is added).
 
 Gradients: make_graphed_callables hands the backward graph's static gradient buffers to autograd,
 which takes a first gradient without a copy, so a parameter's .grad aliases the graph's buffer until
@@ -33,7 +36,11 @@ from torch import nn
 from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.train.logprobs import MicroBatch, token_logprobs_and_entropy
 
-MAX_GRAPHS = 2  # recorded shape keys kept (each with its own memory pool)
+
+def bucket(n: int) -> int:
+    """n rounded up to a multiple of 2^(bits(n) - 3): four buckets per octave (n <= 8 stays n)."""
+    step = 1 << max(n.bit_length() - 3, 0)
+    return -(-n // step) * step
 
 
 class _PaddedLogprobs(nn.Module):
@@ -55,28 +62,35 @@ class GraphedLogprobs:
     """token_logprobs_and_entropy(model's logits of a micro-batch) with gradients, replayed from CUDA
     graphs recorded per micro-batch shape."""
 
-    def __init__(self, model: nn.Module, temperature: float, with_entropy_grad: bool, fused: bool | None):
+    def __init__(self, model: nn.Module, temperature: float, with_entropy_grad: bool, fused: bool | None,
+                 keep: int):
         if not hasattr(model, "padded_logits"):
             raise ValueError(f"TrainConfig.cuda_graphs: {type(model).__name__} has no padded_logits "
                              "(a forward that reads no host value; DeepSeek-V4 has)")
         self._args = (model, temperature, with_entropy_grad, fused)
+        self.keep = keep
         self.graphs: OrderedDict[tuple, nn.Module] = OrderedDict()
-        self.recorded = 0  # shape keys recorded so far (a new key records anew)
+        self.recorded = 0  # shape buckets recorded so far (a new one records anew)
 
     def __call__(self, mb: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logprobs [T_r], entropies [T_r]) of the micro-batch's response tokens. The outputs are
-        the graph's buffers: the next replay of the same shape overwrites them."""
-        padded, rows = padded_inputs(mb.input_ids.to(device), mb.cu_seqlens, mb.logit_index)
-        args = (padded, rows, mb.targets.to(device))
+        """-> (logprobs [T_r], entropies [T_r]) of the micro-batch's response tokens: views of the
+        graph's buffers, which the next replay of the same bucket overwrites."""
+        lens = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
+        shape = (bucket(lens.numel()), bucket(int(lens.max())))
+        padded, rows = padded_inputs(mb.input_ids.to(device), mb.cu_seqlens, mb.logit_index, shape)
+        n = rows.numel()
+        extra = bucket(n) - n  # response rows past n: row 0's logits, target 0, sliced away below
+        args = (padded, nn.functional.pad(rows, (0, extra)), nn.functional.pad(mb.targets.to(device), (0, extra)))
         key = tuple(tuple(a.shape) for a in args)
         graphed = self.graphs.get(key)
         if graphed is None:
             graphed = self._record(key, args)
         self.graphs.move_to_end(key)
-        return graphed(*args)
+        logp, entropy = graphed(*args)
+        return logp[:n], entropy[:n]
 
     def _record(self, key: tuple, args: tuple[torch.Tensor, ...]) -> nn.Module:
-        while len(self.graphs) >= MAX_GRAPHS:
+        while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)  # its pool goes with the last reference to its graphs
         module = _PaddedLogprobs(*self._args)
         # one warm-up: the Triton kernels and cuBLAS plans of these shapes were made by it or before

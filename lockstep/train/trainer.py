@@ -131,7 +131,7 @@ class Trainer:
         if self.sharded:
             raise ValueError("TrainConfig.cuda_graphs: FSDP gathers parameters inside the forward; not recorded yet")
         c = self.config
-        return GraphedLogprobs(self.model, c.temperature, c.entropy_coef > 0, self.fused_logprobs)
+        return GraphedLogprobs(self.model, c.temperature, c.entropy_coef > 0, self.fused_logprobs, c.cuda_graph_shapes)
 
     def _setup_determinism(self) -> None:
         torch.manual_seed(self.config.seed)

@@ -14,6 +14,7 @@ from devices import DEVICE
 from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.models.precision import cast_model
 from lockstep.train.config import TrainConfig
+from lockstep.train.cuda_graphs import bucket
 from lockstep.train.trainer import Trainer
 from tests.train.trainer_fixtures import make_samples, tiny_model
 
@@ -50,6 +51,22 @@ def test_graphs_on_the_cpu_are_an_error_naming_the_field():
         Trainer(tiny_model(), TrainConfig(cuda_graphs=True))
 
 
+def test_buckets_cover_n_by_at_most_a_quarter_in_four_steps_per_octave():
+    values = [bucket(n) for n in range(1, 5000)]
+    assert all(n <= b <= max(n, 1.25 * n) for n, b in zip(range(1, 5000), values))
+    assert values == sorted(values) and bucket(2048) == 2048 and bucket(2049) == 2560
+    assert len({bucket(n) for n in range(1025, 2049)}) == 4  # batches of other lengths share a graph
+
+
+def test_padded_inputs_pad_to_a_bucket_shape():
+    ids, cu = torch.arange(10, 19), torch.tensor([0, 2, 6, 9])
+    padded, rows = padded_inputs(ids, cu, shape=(4, 6))
+    assert padded.shape == (4, 6) and not padded[3].any() and not padded[:, 4:].any()
+    assert torch.equal(padded.flatten()[rows], ids)
+    with pytest.raises(ValueError, match=r"shape \(2, 6\) is smaller than the batch's \(3, 4\)"):
+        padded_inputs(ids, cu, shape=(2, 6))
+
+
 def _pair(max_tokens: int):
     model = tiny_model()
     model.to(DEVICE)
@@ -59,15 +76,28 @@ def _pair(max_tokens: int):
 
 
 @on_gpu
-@pytest.mark.parametrize("max_tokens", [4096, 30])  # one micro-batch; several (gradients accumulated)
-def test_graphed_steps_equal_eager_steps(max_tokens):
+@pytest.mark.parametrize("max_tokens", [4096, 16])  # one micro-batch; two (gradients accumulated)
+def test_graphed_steps_on_bucket_shapes_equal_eager_steps_bit_for_bit(max_tokens):
+    """Samples of 4 + 4 tokens: [4, 8] padded, 16 response rows (or [2, 8] and 8 twice) are buckets
+    already, so the graphs run the eager kernels on the eager shapes."""
     eager, graphed = _pair(max_tokens)
-    batches = [make_samples(6, seed=1), make_samples(6, seed=1), make_samples(5, seed=2), make_samples(6, seed=1)]
-    for step, samples in enumerate(batches):  # a shape again (replayed), a new one (recorded), the first again
+    for step in range(3):
+        samples = make_samples(4, seed=step, prompt_len=(4, 4), response_len=(4, 4))
         a, b = eager.train_step(samples), graphed.train_step(samples)
         for key in ("train/loss", "train/grad_norm", "train/entropy", "train/pg_clipfrac"):
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (step, key)
+            assert a[key] == b[key], (step, key)
     for (name, x), (_, y) in zip(eager.named_weights(), graphed.named_weights()):
         assert torch.equal(x, y), name
-    if max_tokens == 4096:  # two shapes: each recorded once, replayed after
-        assert graphed.graphs.recorded == 2
+    assert graphed.graphs.recorded == 1  # one bucket, replayed after its first step
+
+
+@on_gpu
+def test_graphed_steps_on_padded_buckets_agree_with_eager_steps():
+    eager, graphed = _pair(4096)
+    # [6, 11] -> [6, 12] padded, 31 -> 32 response rows; [5, 11] -> [5, 12], 19 -> 20
+    batches = [make_samples(6, seed=1), make_samples(5, seed=2), make_samples(6, seed=1)]
+    for step, samples in enumerate(batches):  # the last one replays the first one's graphs
+        a, b = eager.train_step(samples), graphed.train_step(samples)
+        for key in ("train/loss", "train/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=2e-2), (step, key)
+    assert graphed.graphs.recorded == 2
