@@ -240,8 +240,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def padded_logits(self, padded: torch.Tensor, rows: torch.Tensor, routing: Routing | None = None) -> torch.Tensor:
         """Logits [len(rows), V] of the rows `rows` of a right-padded batch padded [b, S] (flattened
-        [b * S]; `padded_inputs` builds both from packed sequences). Reads no host value: the same
-        shapes run the same kernels (what a CUDA graph of the trainer's forward needs, train/cuda_graphs.py)."""
+        [b * S]; `padded_inputs` builds both from packed sequences). The default forward reads no
+        device value on the host here: the same shapes launch the same kernels, which is what a CUDA
+        graph of the trainer's forward needs (train/cuda_graphs.py)."""
         return self._logits(padded, routing, lambda hidden: hidden.reshape(-1, hidden.shape[-1])[rows])
 
     @torch.no_grad()
