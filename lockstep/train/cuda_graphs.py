@@ -43,7 +43,17 @@ def bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-class _PaddedLogprobs(nn.Module):
+def bucketed_inputs(mb: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(padded ids [b', S'], rows [T_r'], targets [T_r']) of a micro-batch on `device`, each size
+    rounded up to its bucket: rows and targets past T_r are row 0 and target 0 (outputs to slice away)."""
+    lens = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
+    shape = (bucket(lens.numel()), bucket(int(lens.max())))
+    padded, rows = padded_inputs(mb.input_ids.to(device), mb.cu_seqlens, mb.logit_index, shape)
+    extra = bucket(rows.numel()) - rows.numel()
+    return padded, nn.functional.pad(rows, (0, extra)), nn.functional.pad(mb.targets.to(device), (0, extra))
+
+
+class PaddedLogprobs(nn.Module):
     """(padded ids [b, S], rows [T_r], targets [T_r]) -> (logprobs [T_r], entropies [T_r]): what is
     recorded. A module holding the model, so that make_graphed_callables differentiates its parameters."""
 
@@ -75,24 +85,20 @@ class GraphedLogprobs:
     def __call__(self, mb: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logprobs [T_r], entropies [T_r]) of the micro-batch's response tokens: views of the
         graph's buffers, which the next replay of the same bucket overwrites."""
-        lens = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
-        shape = (bucket(lens.numel()), bucket(int(lens.max())))
-        padded, rows = padded_inputs(mb.input_ids.to(device), mb.cu_seqlens, mb.logit_index, shape)
-        n = rows.numel()
-        extra = bucket(n) - n  # response rows past n: row 0's logits, target 0, sliced away below
-        args = (padded, nn.functional.pad(rows, (0, extra)), nn.functional.pad(mb.targets.to(device), (0, extra)))
+        args = bucketed_inputs(mb, device)
         key = tuple(tuple(a.shape) for a in args)
         graphed = self.graphs.get(key)
         if graphed is None:
             graphed = self._record(key, args)
         self.graphs.move_to_end(key)
         logp, entropy = graphed(*args)
+        n = mb.logit_index.numel()
         return logp[:n], entropy[:n]
 
     def _record(self, key: tuple, args: tuple[torch.Tensor, ...]) -> nn.Module:
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)  # its pool goes with the last reference to its graphs
-        module = _PaddedLogprobs(*self._args)
+        module = PaddedLogprobs(*self._args)
         # one warm-up: the Triton kernels and cuBLAS plans of these shapes were made by it or before
         graphed = torch.cuda.make_graphed_callables(module, args, num_warmup_iters=1, allow_unused_input=True)
         self.graphs[key] = graphed

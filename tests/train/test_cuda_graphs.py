@@ -14,7 +14,8 @@ from devices import DEVICE
 from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.models.precision import cast_model
 from lockstep.train.config import TrainConfig
-from lockstep.train.cuda_graphs import bucket
+from lockstep.train.cuda_graphs import PaddedLogprobs, bucket, bucketed_inputs
+from lockstep.train.logprobs import microbatch_logits, pack_microbatches, token_logprobs_and_entropy
 from lockstep.train.trainer import Trainer
 from tests.train.trainer_fixtures import make_samples, tiny_model
 
@@ -65,6 +66,20 @@ def test_padded_inputs_pad_to_a_bucket_shape():
     assert torch.equal(padded.flatten()[rows], ids)
     with pytest.raises(ValueError, match=r"shape \(2, 6\) is smaller than the batch's \(3, 4\)"):
         padded_inputs(ids, cu, shape=(2, 6))
+
+
+def test_what_a_graph_records_gives_the_eager_logprobs_on_bucket_shapes():
+    """The recorded function on a micro-batch's bucketed inputs (batch rows and positions padded,
+    response rows padded with row 0), sliced, against the trainer's eager forward: equal to rounding
+    (a CPU GEMM's sums depend on its row count)."""
+    model = tiny_model()
+    mb = pack_microbatches(make_samples(6, seed=1), 4096)[0]  # [6, 11] -> [6, 12]; 31 rows -> 32
+    args = bucketed_inputs(mb, "cpu")
+    assert [tuple(a.shape) for a in args] == [(6, 12), (32,), (32,)]
+    logp, entropy = PaddedLogprobs(model, 1.0, False, None)(*args)
+    want_logp, want_entropy = token_logprobs_and_entropy(microbatch_logits(model, mb, "cpu"), mb.targets, 1.0)
+    torch.testing.assert_close(logp[:31], want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy[:31], want_entropy, rtol=1e-5, atol=1e-5)
 
 
 def _pair(max_tokens: int):
