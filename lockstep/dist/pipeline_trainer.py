@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.dist.pipeline_checkpoint import load_pipeline, save_pipeline
 from lockstep.dist.pipeline_parallel import PipelineParallel
+from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
 from lockstep.train.routing_replay import forced_experts
 
@@ -50,12 +51,11 @@ def step_microbatches(trainer, samples) -> tuple[list[MicroBatch], int, torch.Te
     return mbs, real, ids, b, S
 
 
-def _response_logits(logits: torch.Tensor, mb: MicroBatch, S: int) -> torch.Tensor:
+def _response_logits(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """A micro-batch's padded [b, S, V] logits -> [T_r, V], those predicting its response tokens (the
-    rows and positions `microbatch_logits` takes from the one-process forward)."""
-    lens = (mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).to(logits.device)
-    keep = torch.arange(S, device=logits.device) < lens.unsqueeze(1)
-    return logits[:len(mb.indices)][keep][mb.logit_index.to(logits.device)]
+    rows the one-process forward takes: `padded_inputs`, here on the step's [b, S])."""
+    _, rows = padded_inputs(mb.input_ids, mb.cu_seqlens, mb.logit_index, shape=tuple(logits.shape[:2]))
+    return logits.reshape(-1, logits.shape[-1])[rows.to(logits.device)]
 
 
 def _from_last(pipe: PipelineParallel, obj, what: str):
@@ -80,7 +80,7 @@ def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Te
     out: list[torch.Tensor | None] = [None] * len(samples)
     if pipe.stage.is_last:
         for i, mb in enumerate(mbs[:real]):
-            packed = _response_logits(logits[i * b:(i + 1) * b], mb, S)
+            packed = _response_logits(logits[i * b:(i + 1) * b], mb)
             logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature,
                                   trainer.fused_logprobs)
             for j, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
@@ -164,7 +164,7 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
     def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         index = int(rows[0]) // b
         mb = mbs[index]
-        packed = _response_logits(logits, mb, S)
+        packed = _response_logits(logits, mb)
         loss, stats, mb_before = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
         if index >= real:  # a repeat for the other pipelines' count (step_microbatches): no weight, no stats
             return loss * 0.0
