@@ -3,7 +3,8 @@
     stage = split_model(model, pp_rank, pp_size, last_stage_layers=None)     # in place, per rank
     pipe = PipelineParallel(stage, pp_group, device, streams_dtype=torch.float32, collective=ctx.collective)
     losses = pipe.train(input_ids, loss_fn, n_microbatches, forced=None)   # losses on the last stage
-    logits = pipe.forward(input_ids, n_microbatches)                       # no grad, last stage
+    hidden = pipe.forward(input_ids, n_microbatches)                       # no grad, last stage
+    logits = stage.logits(hidden, rows)                                    # of the rows wanted only
 
     # the Trainer through it (pipeline_trainer.py):
     trainer = Trainer(stage, config)              # config.pipeline_model_parallel_size == pp_size
@@ -28,10 +29,13 @@ What travels between stages, per micro-batch [b, S] (fixed shapes, see below):
     ids      [b, S] int64   the input ids: hash-routed MoE layers route by token id
     forced   [b, S, L, k]   routing replay only: the experts to use, every layer (no gradient)
 
-The first stage takes (ids[, forced]) as the schedule's inputs; the last returns fp32 logits
-[b, S, V], and `loss_fn(logits, rows)` turns them into the micro-batch's loss, where `rows` [b] are
-the micro-batch's row indices into the step's [n_mb * b, S] batch: the loss looks up whatever
-per-token values it needs (targets, masks, advantages, normalisers) by row, so any loss the
+The first stage takes (ids[, forced]) as the schedule's inputs; the last returns the final hidden
+states [b, S, H] (a true-on-policy training step: the fp32 logits [b, S, V], which carry the
+row-block forward's values), and `loss_fn(out, rows)` turns them into the micro-batch's loss,
+where `rows` [b] are the micro-batch's row indices into the step's [n_mb * b, S] batch: the loss
+looks up whatever per-token values it needs (targets, masks, advantages, normalisers) by row, and
+takes the logits of the positions it scores with `stage.logits(out, positions)`, so the [b, S, V]
+fp32 logits of every position (GBs per micro-batch at V = 129k) are never made; any loss the
 one-process trainer computes from a micro-batch's logits fits the schedule's (output, target)
 loss signature.
 
@@ -52,8 +56,8 @@ CPU GEMM's rows depend on its row count). Measured, 6 samples in 4 micro-batches
 tokens, all padded to [2, 14]: train_step's metrics within 5.5e-7 relative of the one process's,
 weights after a step (lr 1e-2) within 9.3e-7.
 
-`forward` runs the stages without gradients (GPipe's eval under no_grad) and returns the logits on
-the last stage: logprobs and scoring.
+`forward` runs the stages without gradients (GPipe's eval under no_grad) and returns the final
+hidden states on the last stage [n_mb * b, S, H]: logprobs and scoring, through `stage.logits`.
 
 Proof (tests/dist/test_pipeline_parallel.py, CPU, gloo, tiny DeepSeek-V4): PP=2 forward logits, losses
 and every parameter's gradient bitwise equal to one process on the same micro-batches, split 2 + 2 and
@@ -182,7 +186,8 @@ class PipelineStageModule(nn.Module):
 
     def forward(self, *tensors: torch.Tensor):
         """First stage: (ids[, forced]); others: (streams[, exact streams], ids[, forced]). Returns
-        (streams[, exact streams], ids[, forced]), or the last stage's fp32 logits [b, S, V]."""
+        (streams[, exact streams], ids[, forced]), or the last stage's final hidden states [b, S, H]
+        (fp32 logits [b, S, V] in a true-on-policy training step; `logits` takes either)."""
         if self.is_first:
             ids, *rest = tensors
             streams = exact = self.model.embed_streams(ids)
@@ -203,8 +208,20 @@ class PipelineStageModule(nn.Module):
         if self.recorded is not None:
             self.recorded.append(routing.stacked())
         if self.is_last:
-            return self._compute_logits(final_rows(self.model, streams) if rows else self.model.final_hidden(streams))
+            return final_rows(self.model, streams) if rows else self.model.final_hidden(streams)
         return self._send(streams, ids, *rest)
+
+    def outputs_logits(self) -> bool:
+        """The last stage returns logits [b, S, V] (a true-on-policy training step), not hidden states."""
+        return self.carries_exact_streams()
+
+    def logits(self, out: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The last stage's output for micro-batches [n, S, ...] -> fp32 logits [n, S, V], or
+        [len(positions), V] of the flattened [n * S] positions `positions`: the head runs on those
+        rows only (its rows are independent: the same bits as picking them from all positions')."""
+        if self.outputs_logits():
+            return out if positions is None else out.reshape(-1, out.shape[-1])[positions]
+        return self._compute_logits(out if positions is None else out.reshape(-1, out.shape[-1])[positions])
 
     def _exact_values_step(self, streams, exact, ids, rest):
         """This stage of a true-on-policy training step: the row-block layers without autograd, then the
@@ -283,12 +300,16 @@ class PipelineParallel:
         if grad and self.stage.true_on_policy:  # the row-block forward's streams travel too, without gradient
             streams.append(_meta((b, S, c.hc_mult, c.hidden_size), self.streams_dtype))
         inputs = tuple(passed) if self.stage.is_first else (*streams, *passed)
-        outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=grad) if self.stage.is_last \
-            else (*streams, *passed)
+        if not self.stage.is_last:
+            outputs = (*streams, *passed)
+        elif grad and self.stage.true_on_policy:  # PipelineStageModule.outputs_logits
+            outputs = _meta((b, S, c.vocab_size), torch.float32, requires_grad=True)
+        else:  # the final hidden states, in the streams' dtype
+            outputs = _meta((b, S, c.hidden_size), self.streams_dtype, requires_grad=grad)
         return inputs, outputs
 
     def _run(self, input_ids, n_microbatches: int, microbatch_shape, forced, replay: bool, loss_fn):
-        """One schedule step: (losses on the last stage, last-stage outputs merged [n_mb b, S, V] or None)."""
+        """One schedule step: (losses on the last stage, last-stage outputs merged [n_mb b, S, H] or None)."""
         if self.stage.is_first:
             if input_ids is None or input_ids.shape[0] % n_microbatches:
                 raise ValueError(f"pipeline parallel: {n_microbatches} micro-batches of equal size need input_ids "
@@ -333,7 +354,7 @@ class PipelineParallel:
     def forward(self, input_ids: torch.Tensor | None, n_microbatches: int, *,
                 microbatch_shape: tuple[int, int] | None = None, forced: torch.Tensor | None = None,
                 replay: bool = False) -> torch.Tensor | None:
-        """Forward only, no gradient (logprobs, scoring): the logits [n_mb * b, S, V] on the last stage,
-        None elsewhere; arguments as `train`'s."""
-        _, logits = self._run(input_ids, n_microbatches, microbatch_shape, forced, replay, None)
-        return logits if self.stage.is_last else None
+        """Forward only, no gradient (logprobs, scoring): the final hidden states [n_mb * b, S, H] on the
+        last stage (`stage.logits` makes logits of them), None elsewhere; arguments as `train`'s."""
+        _, hidden = self._run(input_ids, n_microbatches, microbatch_shape, forced, replay, None)
+        return hidden if self.stage.is_last else None

@@ -51,11 +51,11 @@ def step_microbatches(trainer, samples) -> tuple[list[MicroBatch], int, torch.Te
     return mbs, real, ids, b, S
 
 
-def _response_logits(logits: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """A micro-batch's padded [b, S, V] logits -> [T_r, V], those predicting its response tokens (the
-    rows the one-process forward takes: `padded_inputs`, here on the step's [b, S])."""
-    _, rows = padded_inputs(mb.input_ids, mb.cu_seqlens, mb.logit_index, shape=tuple(logits.shape[:2]))
-    return logits.reshape(-1, logits.shape[-1])[rows.to(logits.device)]
+def _response_logits(stage, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """The last stage's output of a micro-batch padded to [b, S] -> logits [T_r, V], those predicting
+    its response tokens (the rows the one-process forward takes: `padded_inputs`, here on [b, S])."""
+    _, rows = padded_inputs(mb.input_ids, mb.cu_seqlens, mb.logit_index, shape=tuple(out.shape[:2]))
+    return stage.logits(out, rows.to(out.device))
 
 
 def _from_last(pipe: PipelineParallel, obj, what: str):
@@ -75,12 +75,12 @@ def pipeline_logprobs(trainer, pipe: PipelineParallel, samples) -> list[torch.Te
     replay = trainer.config.use_rollout_routing_replay
     forced = _replay_forced(pipe, mbs, samples, b, S, trainer.dp.enabled) if replay else None
     first = pipe.stage.is_first
-    logits = pipe.forward(ids if first else None, len(mbs), microbatch_shape=(b, S),
+    hidden = pipe.forward(ids if first else None, len(mbs), microbatch_shape=(b, S),
                           forced=forced if first else None, replay=replay)
     out: list[torch.Tensor | None] = [None] * len(samples)
     if pipe.stage.is_last:
         for i, mb in enumerate(mbs[:real]):
-            packed = _response_logits(logits[i * b:(i + 1) * b], mb)
+            packed = _response_logits(pipe.stage, hidden[i * b:(i + 1) * b], mb)
             logp = token_logprobs(packed, mb.targets.to(packed.device), trainer.config.temperature,
                                   trainer.fused_logprobs)
             for j, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
@@ -161,10 +161,10 @@ def trainer_forward_backward(trainer, pipe: PipelineParallel, samples, old_logpr
     norms = trainer._normalisers(samples) if pipe.stage.is_last else None
     trainer.model.train()
 
-    def loss_fn(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def loss_fn(out: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         index = int(rows[0]) // b
         mb = mbs[index]
-        packed = _response_logits(logits, mb)
+        packed = _response_logits(pipe.stage, out, mb)
         loss, stats, mb_before = trainer._microbatch_loss(mb, samples, norms, old_logprobs, logits=packed)
         if index >= real:  # a repeat for the other pipelines' count (step_microbatches): no weight, no stats
             return loss * 0.0

@@ -98,8 +98,12 @@ def _pp_rank(rank: int) -> dict:
         pipe = PipelineParallel(stage, ctx.trainer_group, ctx.device, streams_dtype=getattr(torch, dtype),
                                 collective=ctx.collective)
         first = {"microbatch_shape": (B, S), "forced": forced if replay and rank == 0 else None, "replay": replay}
-        logits = pipe.forward(ids if rank == 0 else None, n_mb, **first)
-        losses = pipe.train(ids if rank == 0 else None, _loss_fn(ids, weights), n_mb, **first)
+        hidden = pipe.forward(ids if rank == 0 else None, n_mb, **first)
+        with torch.no_grad():
+            logits = None if hidden is None else stage.logits(hidden)
+        loss_fn = _loss_fn(ids, weights)
+        losses = pipe.train(ids if rank == 0 else None, lambda out, rows: loss_fn(stage.logits(out), rows), n_mb,
+                            **first)
         out[name] = {"losses": losses, "logits": logits, "layers": list(stage.layer_ids),
                      "grads": {n: p.grad for n, p in stage.named_parameters() if p.grad is not None},
                      "params": [n for n, _ in stage.named_parameters()]}
