@@ -125,7 +125,7 @@ def _train_config(bench: Bench, compile_backend: str | None = None, kernels: tup
     return TrainConfig(lr=1e-6, clip_grad=1.0, dtype=bench.dtype, temperature=1.0, compile_backend=compile_backend,
                        **({} if kernels is None else trainer_kernels(kernels)),  # None: the defaults
                        max_tokens_per_gpu=bench.num_prompts * bench.n * (bench.prompt_len + bench.max_new_tokens),
-                       true_on_policy=False, cuda_graphs=cuda_graphs)
+                       true_on_policy=False, train_cuda_graphs=cuda_graphs)
 
 
 def _rollout(engine, bench: Bench, batch: list[list[int]], step: int, seeded: bool, advantage_fn: str) -> list:
@@ -278,9 +278,9 @@ def main() -> None:
                         help="CUDA: print the kernels of one more rollout and the host profile of one more step")
     parser.add_argument("--compile-trainer", action="store_true",
                         help="the trainer's decoder layers compiled with inductor (TrainConfig.compile_backend)")
-    parser.add_argument("--cuda-graphs", action="store_true",
+    parser.add_argument("--train-cuda-graphs", action="store_true",
                         help="the trainer's forward and backward replayed from CUDA graphs per shape bucket "
-                             "(TrainConfig.cuda_graphs)")
+                             "(TrainConfig.train_cuda_graphs)")
     parser.add_argument("--trainer-kernels", nargs="+", default=None, choices=("none",) + TRAINER_ONLY,
                         help="exactly these TrainConfig kernel switches on (the trainer's Triton attention, RMSNorm, "
                              "RoPE, MoE combine, logprobs; none: the eager ops); default: all (TrainConfig's)")
@@ -309,7 +309,7 @@ def main() -> None:
     ours = run_lockstep(bench, prompts, profile=args.profile,
                         compile_backend="inductor" if args.compile_trainer else None, seeded=args.disaggregated,
                         kernels=None if args.trainer_kernels is None
-                        else tuple(k for k in args.trainer_kernels if k != "none"), cuda_graphs=args.cuda_graphs)
+                        else tuple(k for k in args.trainer_kernels if k != "none"), cuda_graphs=args.train_cuda_graphs)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
           f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "

@@ -17,7 +17,7 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
   TrainConfig kernel switches, exactly those on (flash_attention, triton_norm, triton_rope,
   triton_combine, fused_logprobs; '+' joins several; `none`: the eager ops; the default row has
-  all five on), eager layers. `--cuda-graphs` adds a row with TrainConfig.cuda_graphs: the forward
+  all five on), eager layers. `--cuda-graphs` adds a row with TrainConfig.train_cuda_graphs: the forward
   and backward replayed from the CUDA graphs recorded in the first step (the batch is the same
   every step: one shape, recorded once, in the warm-up).
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
@@ -166,7 +166,7 @@ def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str 
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
     switches = {} if kernels is None else trainer_kernels(kernels)  # None: the defaults
-    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches, cuda_graphs=cuda_graphs,
+    return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches, train_cuda_graphs=cuda_graphs,
                                       max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
 
 
@@ -203,7 +203,7 @@ def print_profile(step, args) -> None:
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
                  kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False) -> dict:
     reset_peak(args.device)
-    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs)
+    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, train_cuda_graphs=cuda_graphs)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)
@@ -307,7 +307,7 @@ def parse_args(argv=None):
                     help="one more row per value: exactly these TrainConfig kernel switches on ('+' joins "
                          f"several; none: the eager ops), eager layers ({', '.join(KERNEL_ROWS)})")
     ap.add_argument("--cuda-graphs", action="store_true",
-                    help="one more row: TrainConfig.cuda_graphs (forward and backward replayed from CUDA graphs)")
+                    help="one more row: TrainConfig.train_cuda_graphs (forward and backward replayed from CUDA graphs)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "

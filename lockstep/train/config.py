@@ -113,14 +113,14 @@ class TrainConfig:
     """torch.compile backend for the decoder layers, compiled as the engine's decode step is
     (models/compiled_layers.py): inductor (CUDA), eager / aot_eager (trace only). Not with
     recompute_activations or quant_aware_forward. None: eager layers."""
-    cuda_graphs: bool = False
+    train_cuda_graphs: bool = False
     """On CUDA, the forward (model and token logprobs) and its backward replay CUDA graphs recorded per
     micro-batch shape bucket (train/cuda_graphs.py): the eager step is bound by its ~4,400 launches.
     A new bucket records anew (~3 eager steps). Not with compile_backend, recompute_activations,
     quant_aware_forward, rollout routing replay, FSDP, expert or pipeline parallelism;
     true_on_policy None decides off with it."""
-    cuda_graph_shapes: int = 4
-    """cuda_graphs: the shape buckets whose graphs are kept (the most recently used); each holds the
+    train_cuda_graph_shapes: int = 4
+    """train_cuda_graphs: the shape buckets whose graphs are kept (the most recently used); each holds the
     activations' memory of its shape."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
@@ -245,19 +245,19 @@ class TrainConfig:
         if self.compile_backend is not None and (self.recompute_activations or self.quant_aware_forward):
             _fail("compile_backend", "compiled layers do not trace under recompute_activations or "
                   "quant_aware_forward (checkpointing and the fake-quant autograd.Function); use None")
-        if self.cuda_graph_shapes < 1:
-            _fail("cuda_graph_shapes", f"must be >= 1, got {self.cuda_graph_shapes}")
-        if self.cuda_graphs and self.cuda_graphs_excluded_by():
-            _fail("cuda_graphs", f"not combined with {self.cuda_graphs_excluded_by()} (train/cuda_graphs.py)")
+        if self.train_cuda_graph_shapes < 1:
+            _fail("train_cuda_graph_shapes", f"must be >= 1, got {self.train_cuda_graph_shapes}")
+        if self.train_cuda_graphs and self.train_cuda_graphs_excluded_by():
+            _fail("train_cuda_graphs", f"not combined with {self.train_cuda_graphs_excluded_by()} (train/cuda_graphs.py)")
         if self.true_on_policy and self.true_on_policy_excluded_by() == "expert_model_parallel_size":
             _fail("true_on_policy", "the true-on-policy forward runs every routed expert on each rank: "
                   "not with expert_model_parallel_size > 1")
-        if self.true_on_policy and self.true_on_policy_excluded_by() == "cuda_graphs":
-            _fail("true_on_policy", "the true-on-policy forward is not recorded in CUDA graphs (cuda_graphs) yet")
+        if self.true_on_policy and self.true_on_policy_excluded_by() == "train_cuda_graphs":
+            _fail("true_on_policy", "the true-on-policy forward is not recorded in CUDA graphs (train_cuda_graphs) yet")
         if not self.temperature > 0:
             _fail("temperature", f"must be > 0 (the rollout's sampling temperature), got {self.temperature}")
 
-    def cuda_graphs_excluded_by(self) -> str | None:
+    def train_cuda_graphs_excluded_by(self) -> str | None:
         """The first set field whose forward a CUDA graph cannot record (yet), or None."""
         for name in ("compile_backend", "recompute_activations", "quant_aware_forward", "use_rollout_routing_replay"):
             if getattr(self, name):
@@ -272,7 +272,7 @@ class TrainConfig:
         it is None), or None."""
         if self.expert_model_parallel_size > 1:
             return "expert_model_parallel_size"
-        return "cuda_graphs" if self.cuda_graphs else None
+        return "train_cuda_graphs" if self.train_cuda_graphs else None
 
     # ---- derived values --------------------------------------------------------------------
 

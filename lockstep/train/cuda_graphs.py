@@ -1,4 +1,4 @@
-"""The trainer's forward and backward as CUDA graphs (TrainConfig.cuda_graphs).
+"""The trainer's forward and backward as CUDA graphs (TrainConfig.train_cuda_graphs).
 
 Why: on one H200 the eager 1b train step (8 x 2048 tokens) spends ~95 ms of host time launching
 its forward and 60-90 ms its backward (~4,400 kernels), the GPU waiting on the host: the step is
@@ -15,7 +15,7 @@ their values.
 A graph holds the shapes it was recorded with. So that batches of other lengths replay one, the
 padded batch [b, S] and the response tokens T_r are rounded up to shape buckets (`bucket`: four
 per octave, at most 25% over; the extra rows are padding, the extra response rows are sliced
-away), and the graphs of the last `keep` buckets are kept (TrainConfig.cuda_graph_shapes; each
+away), and the graphs of the last `keep` buckets are kept (TrainConfig.train_cuda_graph_shapes; each
 holds its activations' memory). A new bucket records anew: a warm-up forward and backward plus the
 capture, ~3 eager steps' worth. Bucket padding changes the GEMMs' shapes, so a graphed step
 equals the eager one to rounding, not bit for bit (it does where no padding is added).
@@ -75,7 +75,7 @@ class GraphedLogprobs:
     def __init__(self, model: nn.Module, temperature: float, with_entropy_grad: bool, fused: bool | None,
                  keep: int):
         if not hasattr(model, "padded_logits"):
-            raise ValueError(f"TrainConfig.cuda_graphs: {type(model).__name__} has no padded_logits "
+            raise ValueError(f"TrainConfig.train_cuda_graphs: {type(model).__name__} has no padded_logits "
                              "(a forward that reads no host value; DeepSeek-V4 has)")
         self._args = (model, temperature, with_entropy_grad, fused)
         self.keep = keep

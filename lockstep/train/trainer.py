@@ -109,7 +109,7 @@ class Trainer:
             apply_quant_aware(model, config.quant_aware_forward)
         if config.recompute_activations:
             apply_recompute(model)
-        self.graphs = self._graphs() if config.cuda_graphs else None
+        self.graphs = self._graphs() if config.train_cuda_graphs else None
         if config.compile_backend is not None:
             if not hasattr(getattr(model, "model", None), "call_layer"):
                 raise ValueError(f"compile_backend: {type(model).__name__} has no compilable decoder layers")
@@ -127,11 +127,11 @@ class Trainer:
 
     def _graphs(self) -> GraphedLogprobs:
         if self.device.type != "cuda":
-            raise ValueError(f"TrainConfig.cuda_graphs: CUDA graphs need the model on a CUDA device, not {self.device}")
+            raise ValueError(f"TrainConfig.train_cuda_graphs: CUDA graphs need the model on a CUDA device, not {self.device}")
         if self.sharded:
-            raise ValueError("TrainConfig.cuda_graphs: FSDP gathers parameters inside the forward; not recorded yet")
+            raise ValueError("TrainConfig.train_cuda_graphs: FSDP gathers parameters inside the forward; not recorded yet")
         c = self.config
-        return GraphedLogprobs(self.model, c.temperature, c.entropy_coef > 0, self.fused_logprobs, c.cuda_graph_shapes)
+        return GraphedLogprobs(self.model, c.temperature, c.entropy_coef > 0, self.fused_logprobs, c.train_cuda_graph_shapes)
 
     def _setup_determinism(self) -> None:
         torch.manual_seed(self.config.seed)

@@ -1,4 +1,4 @@
-"""TrainConfig.cuda_graphs: the forward and backward replayed from CUDA graphs (train/cuda_graphs.py)
+"""TrainConfig.train_cuda_graphs: the forward and backward replayed from CUDA graphs (train/cuda_graphs.py)
 train as the eager ones do. The graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda runs those tests there);
 here on the CPU: what they build on (the padded layout that reads no device value, the same in the
 eager forward) and the settings they refuse."""
@@ -36,20 +36,20 @@ def test_padded_inputs_put_each_packed_position_on_its_row():
                                           ("quant_aware_forward", "fp8"), ("use_rollout_routing_replay", True),
                                           ("expert_model_parallel_size", 2), ("pipeline_model_parallel_size", 2)])
 def test_settings_a_graph_cannot_record_are_refused(field, value):
-    with pytest.raises(ValueError, match=f"cuda_graphs: not combined with {field}"):
-        TrainConfig(cuda_graphs=True, **{field: value})
+    with pytest.raises(ValueError, match=f"train_cuda_graphs: not combined with {field}"):
+        TrainConfig(train_cuda_graphs=True, **{field: value})
 
 
 def test_true_on_policy_is_refused_and_decided_off_with_graphs():
     with pytest.raises(ValueError, match="true_on_policy"):
-        TrainConfig(cuda_graphs=True, true_on_policy=True)
-    assert TrainConfig(cuda_graphs=True).true_on_policy_excluded_by() == "cuda_graphs"
+        TrainConfig(train_cuda_graphs=True, true_on_policy=True)
+    assert TrainConfig(train_cuda_graphs=True).true_on_policy_excluded_by() == "train_cuda_graphs"
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the CPU's refusal")
 def test_graphs_on_the_cpu_are_an_error_naming_the_field():
-    with pytest.raises(ValueError, match="cuda_graphs: CUDA graphs need the model on a CUDA device"):
-        Trainer(tiny_model(), TrainConfig(cuda_graphs=True))
+    with pytest.raises(ValueError, match="train_cuda_graphs: CUDA graphs need the model on a CUDA device"):
+        Trainer(tiny_model(), TrainConfig(train_cuda_graphs=True))
 
 
 def test_buckets_cover_n_by_at_most_a_quarter_in_four_steps_per_octave():
@@ -87,7 +87,7 @@ def _pair(max_tokens: int):
     model.to(DEVICE)
     cast_model(model, torch.bfloat16)
     base = dict(dtype="bfloat16", max_tokens_per_gpu=max_tokens, true_on_policy=False)
-    return Trainer(copy.deepcopy(model), TrainConfig(**base)), Trainer(model, TrainConfig(cuda_graphs=True, **base))
+    return Trainer(copy.deepcopy(model), TrainConfig(**base)), Trainer(model, TrainConfig(train_cuda_graphs=True, **base))
 
 
 @on_gpu
