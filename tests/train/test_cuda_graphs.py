@@ -82,6 +82,24 @@ def test_what_a_graph_records_gives_the_eager_logprobs_on_bucket_shapes():
     torch.testing.assert_close(entropy[:31], want_entropy, rtol=1e-5, atol=1e-5)
 
 
+@on_gpu
+def test_the_recorded_function_never_syncs_with_the_host():
+    """What a graph records must not read a device value on the host (a capture would fail on it):
+    the padded forward and backward of a bf16 model under sync_debug_mode "error"."""
+    model = tiny_model()
+    model.to(DEVICE)
+    cast_model(model, torch.bfloat16)
+    mb = pack_microbatches(make_samples(6, seed=1), 4096)[0]
+    args = bucketed_inputs(mb, DEVICE)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        logp, _ = PaddedLogprobs(model, 1.0, False, None)(*args)
+        logp.sum().backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def _pair(max_tokens: int):
     model = tiny_model()
     model.to(DEVICE)
