@@ -203,7 +203,7 @@ def print_profile(step, args) -> None:
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
                  kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False) -> dict:
     reset_peak(args.device)
-    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, train_cuda_graphs=cuda_graphs)
+    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)

@@ -43,3 +43,20 @@ def test_grpo_step_takes_the_same_switches():
     assert out.returncode == 0, out.stderr
     for name in TRAINER_ONLY:
         assert name in out.stdout and name in TrainConfig.__dataclass_fields__
+
+
+def test_the_cuda_graphs_rows_reach_the_train_config():
+    """train_throughput --cuda-graphs and grpo_step --train-cuda-graphs set TrainConfig.train_cuda_graphs
+    (on the CPU the trainer refuses it by name)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import grpo_step
+        import train_throughput
+    finally:
+        sys.path.pop(0)
+    args = train_throughput.parse_args(["--config", "cpu-tiny", "--cuda-graphs"])
+    config = train_throughput.model_config("cpu-tiny")
+    with pytest.raises(ValueError, match="train_cuda_graphs: CUDA graphs need the model on a CUDA device"):
+        train_throughput.lockstep_trainer(config, train_throughput.initial_weights(config, 0), args, None,
+                                          cuda_graphs=True)
+    assert grpo_step._train_config(grpo_step._configs()["cpu-tiny"], cuda_graphs=True).train_cuda_graphs
