@@ -202,6 +202,7 @@ def run_lockstep(bench: Bench, prompts: list[list[int]], profile: bool = False,
                                                                seeded, cfg.advantage_fn))))
     peak = torch.cuda.max_memory_allocated() if bench.device.startswith("cuda") else None
     return {"step": times, **{k: statistics.median(v) for k, v in parts.items()},
+            "train_range": (min(parts["train"]), max(parts["train"])),  # a compile or a recording shows here
             "tokens": sum(s.response_len for s in samples), "steps": steps, "peak_bytes": peak}
 
 
@@ -312,7 +313,8 @@ def main() -> None:
                         else tuple(k for k in args.trainer_kernels if k != "none"), cuda_graphs=args.train_cuda_graphs)
     ours_s = statistics.median(ours["step"])
     print(f"lockstep  {ours_s:.3f} s/step (median of {len(ours['step'])}; rollout {ours['rollout']:.3f}, "
-          f"train {ours['train']:.3f}, weight sync {ours['sync']:.3f}; whole run with compilation "
+          f"train {ours['train']:.3f} ({ours['train_range'][0]:.3f}-{ours['train_range'][1]:.3f}), "
+          f"weight sync {ours['sync']:.3f}; whole run with compilation "
           f"{time.perf_counter() - t:.0f} s)")
     if args.disaggregated:
         _disaggregated(bench, prompts, ours)
