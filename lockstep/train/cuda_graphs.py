@@ -28,6 +28,8 @@ micro-batch; with more, `detach_grads` copies them out before the next micro-bat
 
 from __future__ import annotations
 
+import sys
+import time
 from collections import OrderedDict
 
 import torch
@@ -99,10 +101,18 @@ class GraphedLogprobs:
         while len(self.graphs) >= self.keep:
             self.graphs.popitem(last=False)  # its pool goes with the last reference to its graphs
         module = PaddedLogprobs(*self._args)
-        # one warm-up: the Triton kernels and cuBLAS plans of these shapes were made by it or before
-        graphed = torch.cuda.make_graphed_callables(module, args, num_warmup_iters=1, allow_unused_input=True)
+        what = f"padded batch {list(key[0])}, {key[1][0]} response rows"
+        start = time.perf_counter()
+        try:  # one warm-up: the Triton kernels and cuBLAS plans of these shapes were made by it or before
+            graphed = torch.cuda.make_graphed_callables(module, args, num_warmup_iters=1, allow_unused_input=True)
+        except Exception as e:
+            raise RuntimeError(f"TrainConfig.train_cuda_graphs: recording the forward and backward of a {what} "
+                               f"failed ({type(e).__name__}: {e}); train_cuda_graphs=False runs them eagerly") from e
         self.graphs[key] = graphed
         self.recorded += 1
+        # a new bucket costs ~3 eager steps: say so, as the engine does for its graphs
+        print(f"lockstep trainer: CUDA graphs recorded for a {what} in {time.perf_counter() - start:.1f} s "
+              f"({self.recorded} recorded, {len(self.graphs)} of {self.keep} kept)", file=sys.stderr)
         return graphed
 
 

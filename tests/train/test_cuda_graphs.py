@@ -14,7 +14,7 @@ from devices import DEVICE
 from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.models.precision import cast_model
 from lockstep.train.config import TrainConfig
-from lockstep.train.cuda_graphs import PaddedLogprobs, bucket, bucketed_inputs
+from lockstep.train.cuda_graphs import GraphedLogprobs, PaddedLogprobs, bucket, bucketed_inputs
 from lockstep.train.logprobs import microbatch_logits, pack_microbatches, token_logprobs_and_entropy
 from lockstep.train.trainer import Trainer
 from tests.train.trainer_fixtures import make_samples, tiny_model
@@ -98,6 +98,20 @@ def test_the_recorded_function_never_syncs_with_the_host():
         logp.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)
+
+
+def test_a_failed_recording_is_an_error_naming_the_field_and_the_shape(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "make_graphed_callables", refuse)
+    graphs = GraphedLogprobs(tiny_model(), 1.0, False, None, keep=2)
+    mb = pack_microbatches(make_samples(6, seed=1), 4096)[0]
+    with pytest.raises(RuntimeError, match=r"train_cuda_graphs: recording the forward and backward of a padded "
+                                           r"batch \[6, 12\], 32 response rows failed \(RuntimeError: operation "
+                                           r"not permitted.*train_cuda_graphs=False runs them eagerly"):
+        graphs(mb, "cpu")
+    assert graphs.recorded == 0 and not graphs.graphs
 
 
 def _pair(max_tokens: int):
