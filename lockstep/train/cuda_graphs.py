@@ -20,6 +20,10 @@ holds its activations' memory). A new bucket records anew: a warm-up forward and
 capture, ~3 eager steps' worth. Bucket padding changes the GEMMs' shapes, so a graphed step
 equals the eager one to rounding, not bit for bit (it does where no padding is added).
 
+Parameters: a graph reads them where they were when it was recorded. The optimiser and
+Trainer.load write them in place; anything that gives a parameter new storage afterwards
+(load_state_dict(assign=True), .to()) would leave the graphs reading the old tensors.
+
 Gradients: make_graphed_callables hands the backward graph's static gradient buffers to autograd,
 which takes a first gradient without a copy, so a parameter's .grad aliases the graph's buffer until
 the next replay overwrites it. The trainer's optimiser consumes them before that in a step of one
