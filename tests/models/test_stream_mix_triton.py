@@ -4,10 +4,6 @@ GEMM it replaces (to rounding), and StreamCombine's forward bits and gradients. 
 Triton's interpreter here (TRITON_INTERPRET=1, conftest.py); LOCKSTEP_TEST_DEVICE=cuda runs it on a GPU."""
 
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -71,33 +67,16 @@ def test_the_combine_keeps_the_eager_bits_and_its_gradients_are_fp32_accurate():
     torch.testing.assert_close(d[3].double(), c64.grad, rtol=1e-5, atol=1e-5 * c64.grad.abs().max().item())
 
 
-_PTX_SCRIPT = """
-import torch
-torch.version.cuda = "13.0"  # a CUDA build as far as lockstep can tell: its kernels get defined to be compiled
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from lockstep.models.layers import stream_mix_triton as sm
-k = sm._stream_mix_kernel
-consts = dict(N=4, K=4, ROUND=True, POST=True, INTERPRETED=False, BLOCK=1024)
-sig = {n: "*bf16" if n.endswith("_ptr") else "i32" if n == "D" else "constexpr" for n in k.arg_names}
-constexprs = {(k.arg_names.index(n),): v for n, v in consts.items()}
-compiled = triton.compile(ASTSource(fn=k, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, enable_fp_fusion=True))
-print(compiled.asm["ptx"])
-"""
-
-
 @pytest.mark.skipif(sm.triton is None, reason="triton is not installed")
 def test_the_combine_keeps_two_roundings_in_the_gpu_code():
     """The interpreter cannot see what the GPU compiler does: with FP fusion on (Triton 3.6's
     default, the GPU image's) LLVM narrowed the rounded post * y and the add to bf16 ops and fused
-    them into one fma.rn.bf16, one rounding where eager has two. Compiled here to sm_90 PTX (Triton's
-    own ptxas, no GPU needed): no bf16 fma, and the bf16 rounding of the sums is there."""
-    out = subprocess.run([sys.executable, "-c", _PTX_SCRIPT], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "TRITON_INTERPRET": "0"})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "cvt.rn.bf16" in out.stdout and "fma.rn.bf16" not in out.stdout
+    them into one fma.rn.bf16, one rounding where eager has two. Compiled here to sm_90 PTX
+    (tests/gpu_compile.py): no bf16 fma, and the bf16 rounding of the sums is there."""
+    from test_kernels_compile_for_gpu import compile_for_gpu
+
+    code = compile_for_gpu("stream-mix")
+    assert "cvt.rn.bf16" in code and "fma.rn.bf16" not in code
 
 
 def test_without_triton_the_reference_runs(monkeypatch):

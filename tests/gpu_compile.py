@@ -1,0 +1,122 @@
+"""Compile the trainer's Triton kernels to sm_90 PTX on a machine without a GPU (Triton's own
+ptxas), one line per kernel variant: `ok NAME`, or the error. The interpreter (the CPU tests)
+runs Python where the GPU compiler would refuse the kernel (a tuple indexed by a non-constexpr
+cost a GPU call once), and cannot see what that compiler does to roundings: `ptx(...)` hands the
+PTX to a test that looks (test_stream_mix_triton.py).
+
+Run as a script (tests/models/test_kernels_compile_for_gpu.py): it tells lockstep that torch is a
+CUDA build, so that the kernels get defined, which no test process should believe."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"
+import torch  # noqa: E402
+
+torch.version.cuda = "13.0"  # lockstep.triton_support: a CUDA build defines the kernels
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)  # an H200
+BF, FP, I64 = "*bf16", "*fp32", "*i64"
+
+
+def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), **constexprs) -> str:
+    """PTX of `kernel` with these pointer types, int32 / fp32 scalars and constexpr values; FP fusion on,
+    as Triton 3.6 (the GPU image's) compiles by default."""
+    signature, values = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in ints:
+            signature[name] = "i32"
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name], values[(i,)] = "constexpr", constexprs[name]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=values)
+    return triton.compile(source, target=TARGET, options=dict(num_warps=4, enable_fp_fusion=True)).asm["ptx"]
+
+
+def variants():
+    """(name, thunk) of every kernel variant the trainer launches on a GPU."""
+    from lockstep.models.layers import flash_sink_attention_triton as fa
+    from lockstep.models.layers import fixed_order_rmsnorm as fo
+    from lockstep.models.layers import logprob_entropy_triton as le
+    from lockstep.models.layers import moe_combine_triton as mc
+    from lockstep.models.layers import rms_norm_grad_triton as rn
+    from lockstep.models.layers import rope_triton as rt
+    from lockstep.models.layers import scaled_projection_triton as sp
+    from lockstep.models.layers import stream_mix_triton as sm
+    from lockstep.models.layers import swiglu_triton as sw
+
+    flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
+    yield "flash forward", lambda: ptx(fa._fwd_kernel, dict(q_ptr=BF, kv_ptr=BF, ent_ptr=BF, ebias_ptr=FP, sinks_ptr=FP,
+                                                            out_ptr=BF, lse_ptr=FP), "SEWM", {"scale"},
+                                       HAS_ENTRIES=True, **flash)
+    yield "flash dq", lambda: ptx(fa._dq_kernel, dict(q_ptr=BF, kv_ptr=BF, ent_ptr=BF, ebias_ptr=FP, do_ptr=BF, lse_ptr=FP,
+                                                      delta_ptr=FP, dq_ptr=BF), "SEWM", {"scale"},
+                                  HAS_ENTRIES=True, **flash)
+    for entries in (False, True):
+        yield f"flash dkv entries={entries}", lambda e=entries: ptx(
+            fa._dkv_kernel, dict(q_ptr=BF, k_ptr=BF, ebias_ptr=FP, do_ptr=BF, lse_ptr=FP, delta_ptr=FP,
+                                 dk_ptr=FP if e else BF), "SLEWM", {"scale"}, ENTRIES=e, **flash)
+    for weight in (True, False):
+        yield f"rmsnorm dx weight={weight}", lambda w=weight: ptx(
+            rn._rms_norm_dx_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, r_ptr=FP), {"D"},
+            {"d_float", "eps"}, HAS_WEIGHT=w, BF16=True, INTERPRETED=False, BLOCK=1024)
+    yield "rmsnorm dw", lambda: ptx(rn._rms_norm_dw_kernel, dict(x_ptr=BF, g_ptr=BF, r_ptr=FP, partial_ptr=FP), {"R", "D"},
+                                    INTERPRETED=False, BLOCK=1024)
+    yield "rmsnorm", lambda: ptx(fo._fixed_order_rms_norm_kernel, dict(x_ptr=BF, w_ptr=FP, out_ptr=BF),
+                                 {"D", "stride_xm", "stride_xd", "stride_om", "stride_od"}, {"d_float", "eps"},
+                                 HAS_WEIGHT=True, BF16=True, INTERPRETED=False, BLOCK=1024)
+    yield "rope", lambda: ptx(rt._rope_kernel, dict(x_ptr=BF, cos_ptr=FP, sin_ptr=FP, out_ptr=BF), {"rows", "G"},
+                              D=128, HALF=32, BLOCK_D=128, BLOCK_R=16, BF16=True, INTERPRETED=False)
+    combine = dict(K=6, K_PAD=8, BLOCK=1024, BF16=True, INTERPRETED=False)
+    yield "moe combine", lambda: ptx(mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"},
+                                     **combine)
+    yield "moe combine backward", lambda: ptx(mc._combine_backward_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, g_ptr=BF,
+                                                                                d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
+    yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
+                                                                   lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
+                                          BLOCK=4096)
+    for entropy in (False, True):
+        yield f"logprobs backward entropy={entropy}", lambda e=entropy: ptx(
+            le._backward_kernel, dict(z_ptr=FP, y_ptr=I64, lse_ptr=FP, entropy_ptr=FP, g_logp_ptr=FP, g_entropy_ptr=FP,
+                                      dz_ptr=FP), {"V", "stride_zm", "stride_dm"}, {"temperature"}, BLOCK=4096, ENTROPY=e)
+    for post in (False, True):
+        yield f"stream mix post={post}", lambda p=post: stream_mix_ptx(p)
+    yield "stream combine backward", lambda: ptx(
+        sm._stream_combine_backward_kernel, dict(comb_ptr=BF, x_ptr=BF, post_ptr=BF, y_ptr=BF, g_ptr=BF, dx_ptr=BF,
+                                                 dy_ptr=BF, dpost_ptr=FP, dcomb_ptr=FP), {"D"},
+        N=4, K=4, ROUND=True, INTERPRETED=False, BLOCK=256)
+    yield "projection streams grad", lambda: ptx(sp._streams_grad_kernel, dict(gr_ptr=FP, fn_ptr=FP, s_ptr=FP, x_ptr=BF,
+                                                                                out_ptr=BF), {"T", "D"},
+                                                 J=24, J_PAD=32, ROUND=True, INTERPRETED=False, BLOCK_M=32, BLOCK_D=128)
+    yield "swiglu forward", lambda: ptx(sw._forward_kernel, dict(h_ptr=BF, out_ptr=BF), {"F"}, {"limit"},
+                                        ROUND=True, INTERPRETED=False, BLOCK=1024)
+    yield "swiglu backward", lambda: ptx(sw._backward_kernel, dict(h_ptr=BF, g_ptr=BF, dh_ptr=BF), {"F"}, {"limit"},
+                                         ROUND=True, INTERPRETED=False, BLOCK=1024)
+
+
+def stream_mix_ptx(post: bool = True) -> str:
+    """mHC's stream mix (with StreamCombine's post_k y where `post`) in bf16."""
+    from lockstep.models.layers import stream_mix_triton as sm
+
+    return ptx(sm._stream_mix_kernel, dict(comb_ptr=BF, x_ptr=BF, post_ptr=BF, y_ptr=BF, out_ptr=BF), {"D"},
+               N=4, K=4, ROUND=True, POST=post, INTERPRETED=False, BLOCK=1024)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["stream-mix"]:
+        print(stream_mix_ptx())
+        sys.exit(0)
+    for name, compile_it in variants():
+        try:
+            compile_it()
+            print(f"ok {name}", flush=True)
+        except Exception as e:  # every variant reported, not only the first failure
+            print(f"FAILED {name}: {type(e).__name__}: {str(e)[:400]}", flush=True)
