@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.dist.pipeline_checkpoint import load_pipeline, save_pipeline
 from lockstep.dist.pipeline_parallel import PipelineParallel
-from lockstep.models.deepseek_v4 import padded_inputs
+from lockstep.models.deepseek_v4 import padded_ids, padded_rows
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
 from lockstep.train.routing_replay import forced_experts
 
@@ -26,11 +26,7 @@ def pad_microbatches(mbs: list[MicroBatch], at_least: tuple[int, int] = (1, 1)) 
     are the [b, S] batches the one-process model pads them to (`forward_packed`)."""
     lens = [(mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist() for mb in mbs]
     b, S = max(at_least[0], *(len(x) for x in lens)), max(at_least[1], *(max(x) for x in lens))
-    ids = torch.zeros(len(mbs) * b, S, dtype=torch.int64)
-    for i, (mb, n) in enumerate(zip(mbs, lens)):
-        for j, row in enumerate(mb.input_ids.split(n)):
-            ids[i * b + j, :len(row)] = row
-    return ids, b, S
+    return torch.cat([padded_ids(mb.input_ids, mb.cu_seqlens, (b, S)) for mb in mbs]), b, S
 
 
 def step_microbatches(trainer, samples) -> tuple[list[MicroBatch], int, torch.Tensor, int, int]:
@@ -53,9 +49,8 @@ def step_microbatches(trainer, samples) -> tuple[list[MicroBatch], int, torch.Te
 
 def _response_logits(stage, out: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """The last stage's output of a micro-batch padded to [b, S] -> logits [T_r, V], those predicting
-    its response tokens (the rows the one-process forward takes: `padded_inputs`, here on [b, S])."""
-    _, rows = padded_inputs(mb.input_ids, mb.cu_seqlens, mb.logit_index, shape=tuple(out.shape[:2]))
-    return stage.logits(out, rows.to(out.device))
+    its response tokens (the rows the one-process forward takes: `padded_rows`, here of [b, S])."""
+    return stage.logits(out, padded_rows(mb.cu_seqlens, out.shape[1], mb.logit_index).to(out.device))
 
 
 def _from_last(pipe: PipelineParallel, obj, what: str):

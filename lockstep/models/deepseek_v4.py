@@ -146,24 +146,34 @@ def _call_layer(layer, *args):
 
 def padded_inputs(ids: torch.Tensor, cu_seqlens: torch.Tensor, logit_index: torch.Tensor | None = None,
                   shape: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ids [T] of sequences starting at cu_seqlens [b + 1] -> (the right-padded batch [b, S]
-    on ids' device, rows [T] (or [len(logit_index)]): each (wanted) packed position's row of the
-    padded [b * S]). Rows start at position 0 and are causal: padding never reaches a real token.
-    `shape`: pad to this [b', S'] instead (at least [b, S]; rows of padding only past b). The lengths
-    and rows are worked out on the host from cu_seqlens and logit_index (a caller's CPU copies: no
-    device sync), then copied over once."""
+    """Packed ids [T] of sequences starting at cu_seqlens [b + 1] -> (`padded_ids`, `padded_rows` on
+    ids' device): the right-padded batch and each (wanted) packed position's row of it. Rows start at
+    position 0 and are causal: padding never reaches a real token. The lengths and rows are worked
+    out on the host from cu_seqlens and logit_index (a caller's CPU copies: no device sync), then
+    copied over once."""
+    padded = padded_ids(ids, cu_seqlens, shape)
+    return padded, padded_rows(cu_seqlens, padded.shape[1], logit_index).to(ids.device)
+
+
+def padded_ids(ids: torch.Tensor, cu_seqlens: torch.Tensor, shape: tuple[int, int] | None = None) -> torch.Tensor:
+    """Packed ids [T] -> the right-padded batch [b, S] (with 0; S the longest sequence), or padded to
+    `shape` [b', S'] instead (at least [b, S]; rows of padding only past b)."""
     cu = cu_seqlens.cpu()
-    lens = (cu[1:] - cu[:-1]).tolist()
-    padded = nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
-    if shape is not None:
-        if shape[0] < padded.shape[0] or shape[1] < padded.shape[1]:
-            raise ValueError(f"padded_inputs: shape {tuple(shape)} is smaller than the batch's {tuple(padded.shape)}")
-        padded = nn.functional.pad(padded, (0, shape[1] - padded.shape[1], 0, shape[0] - padded.shape[0]))
-    seq = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))  # [T] sequence of each position
-    rows = seq * padded.shape[1] + torch.arange(int(cu[-1])) - cu[:-1][seq]
-    if logit_index is not None:
-        rows = rows[logit_index.cpu()]
-    return padded, rows.to(ids.device)
+    padded = nn.utils.rnn.pad_sequence(list(ids.split((cu[1:] - cu[:-1]).tolist())), batch_first=True)
+    if shape is None:
+        return padded
+    if shape[0] < padded.shape[0] or shape[1] < padded.shape[1]:
+        raise ValueError(f"padded_ids: shape {tuple(shape)} is smaller than the batch's {tuple(padded.shape)}")
+    return nn.functional.pad(padded, (0, shape[1] - padded.shape[1], 0, shape[0] - padded.shape[0]))
+
+
+def padded_rows(cu_seqlens: torch.Tensor, S: int, logit_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Each packed position's row of the padded [b * S] (or those of `logit_index`'s positions), on
+    the host."""
+    cu = cu_seqlens.cpu()
+    seq = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu[1:] - cu[:-1])  # [T] sequence of each position
+    rows = seq * S + torch.arange(int(cu[-1])) - cu[:-1][seq]
+    return rows if logit_index is None else rows[logit_index.cpu()]
 
 
 class DeepseekV4ForCausalLM(nn.Module):
