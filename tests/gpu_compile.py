@@ -24,9 +24,9 @@ TARGET = GPUTarget("cuda", 90, 32)  # an H200
 BF, FP, I64 = "*bf16", "*fp32", "*i64"
 
 
-def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), **constexprs) -> str:
-    """PTX of `kernel` with these pointer types, int32 / fp32 scalars and constexpr values; FP fusion on,
-    as Triton 3.6 (the GPU image's) compiles by default."""
+def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4, **constexprs) -> str:
+    """PTX of `kernel` with these pointer types, int32 / fp32 scalars and constexpr values, launched
+    with num_warps; FP fusion on, as Triton 3.6 (the GPU image's) compiles by default."""
     signature, values = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in pointers:
@@ -38,7 +38,7 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), **constexprs) -> s
         else:
             signature[name], values[(i,)] = "constexpr", constexprs[name]
     source = ASTSource(fn=kernel, signature=signature, constexprs=values)
-    return triton.compile(source, target=TARGET, options=dict(num_warps=4, enable_fp_fusion=True)).asm["ptx"]
+    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, enable_fp_fusion=True)).asm["ptx"]
 
 
 def variants():
@@ -80,6 +80,8 @@ def variants():
                                      **combine)
     yield "moe combine backward", lambda: ptx(mc._combine_backward_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, g_ptr=BF,
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
+    yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),
+                                               {"H"}, K=6, BLOCK=1024, BF16=True, INTERPRETED=False)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)
@@ -92,7 +94,8 @@ def variants():
     yield "stream combine backward", lambda: ptx(
         sm._stream_combine_backward_kernel, dict(comb_ptr=BF, x_ptr=BF, post_ptr=BF, y_ptr=BF, g_ptr=BF, dx_ptr=BF,
                                                  dy_ptr=BF, dpost_ptr=FP, dcomb_ptr=FP), {"D"},
-        N=4, K=4, ROUND=True, INTERPRETED=False, BLOCK=256)
+        N=4, K=4, R=16, ROUND=True, INTERPRETED=False, BLOCK=sm.COMBINE_BACKWARD_BLOCK,
+        num_warps=sm.COMBINE_BACKWARD_WARPS)
     yield "projection streams grad", lambda: ptx(sp._streams_grad_kernel, dict(gr_ptr=FP, fn_ptr=FP, s_ptr=FP, x_ptr=BF,
                                                                                 out_ptr=BF), {"T", "D"},
                                                  J=24, J_PAD=32, ROUND=True, INTERPRETED=False, BLOCK_M=32, BLOCK_D=128)

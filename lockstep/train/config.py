@@ -149,7 +149,7 @@ class TrainConfig:
     """On CUDA in bf16, the routed experts' combine (each token's k outputs weighted and added in
     order) in the eager forward runs as one Triton kernel each way, reading the grouped GEMMs'
     outputs in place (models/layers/moe_combine_triton.py): the same forward bits as the eager ops
-    (alone 1.10x)."""
+    (alone 1.10x); the dispatch's gradient (a token's k rows added) is one kernel too."""
     fused_logprobs: bool | None = None
     """On CUDA, the token logprobs and entropies of the loss (and of `Trainer.logprobs`) come from the
     fp32 logits in one Triton kernel each way (models/layers/logprob_entropy_triton.py): the logits

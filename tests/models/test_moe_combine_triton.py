@@ -1,5 +1,6 @@
 """The trainer's MoE combine kernels (models/layers/moe_combine_triton.py) against moe._combine of
-the unsorted outputs: the forward's bits and d ys's bits, d w to fp32 rounding; under Triton's
+the unsorted outputs: the forward's bits and d ys's bits, d w to fp32 rounding; the dispatch's
+gradient against the fp64 sum; under Triton's
 interpreter here (TRITON_INTERPRET=1, conftest.py), compiled on a GPU with LOCKSTEP_TEST_DEVICE=cuda."""
 
 import pytest
@@ -35,11 +36,37 @@ def test_the_eager_combines_bits_and_gradients(dtype, H):
     torch.testing.assert_close(got_grads[1], want_grads[1], rtol=1e-5, atol=1e-5 * want_grads[1].abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("H", [40, 1100])
+def test_the_dispatch_gradient_adds_a_tokens_rows_once_rounded(dtype, H):
+    """Dispatch: forward x[order // k]; d x[t] = the sum of its k rows' gradients, the fp32 sum rounded
+    once (against fp64: within half a unit in the last place of x's dtype, where the eager index_put may
+    round each add) and the eager gradient within those roundings."""
+    g = torch.Generator().manual_seed(H + 1)
+    T, k, E = 9, 3, 5
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    order, _ = dispatch_order(experts.flatten(), E, counting=False)
+    x = (torch.randn(T, H, generator=g) * 3).to(DEVICE, dtype).requires_grad_()
+    w = torch.randn(T * k, H, generator=g).to(DEVICE, dtype)
+    xs = moe_combine_triton.dispatch(x, order, k)
+    assert torch.equal(xs, x[order // k])
+    (got,) = torch.autograd.grad(xs, x, w)
+    (eager,) = torch.autograd.grad(x[order // k], x, w)
+    exact = torch.zeros(T, H, dtype=torch.float64, device=DEVICE).index_add_(0, order // k, w.double())
+    assert got.dtype == dtype
+    # one rounding to x's dtype (at most eps |value| / 2) after k fp32 adds (each within 2^-24 of the running sum)
+    magnitude = torch.zeros_like(exact).index_add_(0, order // k, w.double().abs())
+    bound = torch.finfo(dtype).eps / 2 * exact.abs() + k * 2.0 ** -24 * magnitude
+    assert ((got.double() - exact).abs() <= bound).all()
+    # the eager gradient may round each add: within k roundings of it
+    assert ((got.double() - eager.double()).abs() <= k * torch.finfo(dtype).eps * magnitude).all()
+
+
 def test_a_model_with_the_switch_on_trains_as_with_the_eager_ops(monkeypatch):
     """Whole DeepSeek-V4 model (fp32 here, bf16 on a GPU): loss and gradients as with the eager ops, every routed MoE
-    layer (top-k and hash) through the kernels."""
+    layer (top-k and hash) through the kernels, the dispatch and the combine."""
     calls = []
-    apply = moe_combine_triton.Combine.apply
-    monkeypatch.setattr(moe_combine_triton.Combine, "apply", lambda *a: calls.append(1) or apply(*a))
+    for fn in (moe_combine_triton.Combine, moe_combine_triton.Dispatch):
+        monkeypatch.setattr(fn, "apply", lambda *a, apply=fn.apply: calls.append(1) or apply(*a))
     assert_switch_changes_nothing("triton_combine", seed=9, shape=(1, 24))
-    assert len(calls) == tiny_config().num_hidden_layers
+    assert len(calls) == 2 * tiny_config().num_hidden_layers

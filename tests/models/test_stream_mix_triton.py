@@ -40,11 +40,13 @@ def test_a_token_alone_gets_the_same_bits():
 
 
 @needs_triton
-def test_the_combine_keeps_the_eager_bits_and_its_gradients_are_fp32_accurate():
+@pytest.mark.parametrize("n", [4, 3])
+def test_the_combine_keeps_the_eager_bits_and_its_gradients_are_fp32_accurate(n):
     """StreamCombine (hc_combine's post_k y + comb^T X): bf16 forward equal to the eager ops, gradients
-    against fp64 autograd of the same formula (d X, d y rounded to bf16 once; d post, d comb fp32)."""
-    T, n, D = 6, 4, 600  # D over the backward's 256-element passes: a partial third
-    comb, streams = _operands(T=T, D=D)
+    against fp64 autograd of the same formula (d X, d y rounded to bf16 once; d post, d comb fp32).
+    n = 3: the backward's padded rows take any number of streams."""
+    T, D = 6, 600  # D over the backward's 128-element passes: a partial fifth
+    comb, streams = _operands(T=T, n=n, D=D)
     g = torch.Generator().manual_seed(3)
     y = (torch.randn(T, D, generator=g) * 2).to(DEVICE, torch.bfloat16)
     post = (torch.rand(T, n, generator=g) * 2).to(DEVICE, torch.bfloat16)

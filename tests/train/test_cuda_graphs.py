@@ -85,16 +85,20 @@ def test_what_a_graph_records_gives_the_eager_logprobs_on_bucket_shapes():
 @on_gpu
 def test_the_recorded_function_never_syncs_with_the_host():
     """What a graph records must not read a device value on the host (a capture would fail on it):
-    the padded forward and backward of a bf16 model under sync_debug_mode "error"."""
+    the padded forward and backward of a bf16 model under sync_debug_mode "error", after one warm-up
+    call as make_graphed_callables makes before it records (the first call compiles the mHC
+    coefficients, and inductor's compilation reads the device)."""
     model = tiny_model()
     model.to(DEVICE)
     cast_model(model, torch.bfloat16)
     mb = pack_microbatches(make_samples(6, seed=1), 4096)[0]
     args = bucketed_inputs(mb, DEVICE)
+    padded = PaddedLogprobs(model, 1.0, False, None)
+    padded(*args)[0].sum().backward()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        logp, _ = PaddedLogprobs(model, 1.0, False, None)(*args)
+        logp, _ = padded(*args)
         logp.sum().backward()
     finally:
         torch.cuda.set_sync_debug_mode(0)

@@ -100,8 +100,8 @@ class KernelSwitches:
     (rope_triton.py; TrainConfig.triton_rope)."""
     triton_combine: bool | None = None
     """The trainer's routed-expert combine (eager forward with gradients, CUDA bf16) as one Triton
-    kernel each way, reading the grouped GEMMs' outputs in place (moe_combine_triton.py;
-    TrainConfig.triton_combine)."""
+    kernel each way, reading the grouped GEMMs' outputs in place, and the dispatch's gradient as one
+    (moe_combine_triton.py; TrainConfig.triton_combine)."""
     fused_logprobs: bool | None = None
     """The trainer's token logprobs and entropies from the fp32 logits (CUDA) as one Triton kernel each
     way (logprob_entropy_triton.py; TrainConfig.fused_logprobs); read by the trainer, not the model.

@@ -209,9 +209,11 @@ class Experts(Switched, nn.Module):
             return self.rows_mlp(x, experts, weights)
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
-        ys = self.sorted_mlp(x[order // k], counts, decode)
-        if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, self.kernels.on("triton_combine")):
-            return moe_combine_triton.combine(ys, order, weights)  # the trainer's, when switched on
+        kernels = self.kernels.on("triton_combine")  # the trainer's, when switched on
+        xs = moe_combine_triton.dispatch(x, order, k) if moe_combine_triton.applies(x, x, kernels) else x[order // k]
+        ys = self.sorted_mlp(xs, counts, decode)
+        if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, kernels):
+            return moe_combine_triton.combine(ys, order, weights)
         return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
 
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
