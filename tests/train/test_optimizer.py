@@ -124,3 +124,22 @@ def test_state_dict_round_trip():
             assert torch.equal(getattr(a.slots[name], field), getattr(b.slots[name], field))
         assert torch.equal(a.slots[name].param, b.slots[name].param)
     assert b.step_count == 1
+
+
+def test_grad_norm_of_mixed_dtypes_is_the_fp64_norm_from_one_dtype_groups(monkeypatch):
+    """bf16 and fp32 gradients (a bf16 model keeps some parameters in fp32): the fp64 norm of them all,
+    each multi-tensor norm called on gradients of one dtype (a mixed list takes torch's per-tensor
+    fallback on CUDA: a cast and a reduction per tensor)."""
+    net = _net()
+    net[0].to(torch.bfloat16)
+    net[2].to(torch.bfloat16)
+    opt = MasterAdamW(net.named_parameters())
+    for p in net.parameters():
+        p.grad = torch.randn(p.shape).to(p.dtype)
+    calls = []
+    foreach_norm = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts, *a, **k: calls.append({t.dtype for t in ts}) or
+                        foreach_norm(ts, *a, **k))
+    want = torch.cat([p.grad.double().flatten() for p in net.parameters()]).norm()
+    assert float(opt.grad_norm()) == float(want.float())
+    assert sorted(map(sorted, calls), key=str) == [[torch.bfloat16], [torch.float32]]
