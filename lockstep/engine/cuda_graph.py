@@ -41,7 +41,7 @@ import contextlib
 
 import torch
 
-from lockstep.engine.transfer import copy_into
+from lockstep.transfer import copy_into
 from lockstep.models.compiled_layers import CompiledLayers
 
 

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from lockstep.engine.request import Sequence
-from lockstep.engine.transfer import to_device
+from lockstep.transfer import to_device
 
 
 class CacheManager(Protocol):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.engine.sampler import draw_plan
-from lockstep.engine.transfer import to_device, to_host_async
+from lockstep.transfer import to_device, to_host_async
 
 
 def window_steps(seqs, max_steps: int, max_model_len: int) -> int:

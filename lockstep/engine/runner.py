@@ -29,7 +29,7 @@ import torch
 from lockstep.config import EngineConfig
 from lockstep.engine.kv_cache import CacheManager, SlotCacheManager
 from lockstep.engine.request import Sequence
-from lockstep.engine.transfer import to_device, to_host_async
+from lockstep.transfer import to_device, to_host_async
 
 
 class ModelAdapter(Protocol):

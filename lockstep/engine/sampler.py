@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine.transfer import to_device
+from lockstep.transfer import to_device
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio, odd)
 _M64 = (1 << 64) - 1

@@ -24,6 +24,8 @@ from typing import Sequence
 
 import torch
 
+from lockstep.transfer import to_device
+
 AGGREGATIONS = ("token_mean", "sequence_mean", "constant")
 
 
@@ -45,14 +47,14 @@ def segment_ids(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 def segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-sample sum of packed values, [B]; differentiable."""
-    ids = segment_ids(cu_seqlens).to(values.device)
+    ids = to_device(segment_ids(cu_seqlens), values.device)
     out = torch.zeros(len(cu_seqlens) - 1, dtype=values.dtype, device=values.device)
     return out.index_add(0, ids, values)
 
 
 def broadcast_to_tokens(per_sample: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Per-sample values [B] (e.g. advantages) repeated over each sample's tokens, [T]."""
-    return per_sample[segment_ids(cu_seqlens).to(per_sample.device)]
+    return per_sample[to_device(segment_ids(cu_seqlens), per_sample.device)]
 
 
 def _normaliser(x: int | float | torch.Tensor) -> float | torch.Tensor:

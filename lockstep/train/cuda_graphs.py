@@ -41,6 +41,7 @@ from torch import nn
 
 from lockstep.models.deepseek_v4 import padded_inputs
 from lockstep.train.logprobs import MicroBatch, token_logprobs_and_entropy
+from lockstep.transfer import to_device
 
 
 def bucket(n: int) -> int:
@@ -54,9 +55,9 @@ def bucketed_inputs(mb: MicroBatch, device) -> tuple[torch.Tensor, torch.Tensor,
     rounded up to its bucket: rows and targets past T_r are row 0 and target 0 (outputs to slice away)."""
     lens = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
     shape = (bucket(lens.numel()), bucket(int(lens.max())))
-    padded, rows = padded_inputs(mb.input_ids.to(device), mb.cu_seqlens, mb.logit_index, shape)
+    padded, rows = padded_inputs(to_device(mb.input_ids, device), mb.cu_seqlens, mb.logit_index, shape)
     extra = bucket(rows.numel()) - rows.numel()
-    return padded, nn.functional.pad(rows, (0, extra)), nn.functional.pad(mb.targets.to(device), (0, extra))
+    return padded, nn.functional.pad(rows, (0, extra)), nn.functional.pad(to_device(mb.targets, device), (0, extra))
 
 
 class PaddedLogprobs(nn.Module):

@@ -29,6 +29,7 @@ from lockstep.models.layers import logprob_entropy_triton
 from lockstep.sample import Sample
 from lockstep.train.aggregation import pack
 from lockstep.train.losses import entropy_from_logits
+from lockstep.transfer import to_device
 
 
 @dataclass
@@ -60,7 +61,7 @@ class MicroBatch:
     def gather(self, per_sample: Sequence[torch.Tensor], device=None) -> torch.Tensor:
         """Per-sample [R_i] tensors of the global batch -> this micro-batch's packed [T_r]."""
         flat, _ = pack([torch.as_tensor(per_sample[i]).reshape(-1) for i in self.indices])
-        return flat.to(device) if device is not None else flat
+        return to_device(flat, device, flat.dtype) if device is not None else flat
 
 
 def _make_microbatch(samples: Sequence[Sample], indices: list[int]) -> MicroBatch:
@@ -151,4 +152,4 @@ def forward_packed(model: nn.Module, input_ids: torch.Tensor, cu_seqlens: torch.
 def microbatch_logits(model: nn.Module, mb: MicroBatch, device, routing=None) -> torch.Tensor:
     """Logits [T_r, V] that predict the micro-batch's response tokens."""
     # cu_seqlens and logit_index stay on the host: the model reads lengths and rows from them
-    return forward_packed(model, mb.input_ids.to(device), mb.cu_seqlens, routing, mb.logit_index)
+    return forward_packed(model, to_device(mb.input_ids, device), mb.cu_seqlens, routing, mb.logit_index)

@@ -10,9 +10,11 @@ order of operations, so the two agree to rounding), with g the (clipped) gradien
     v <- b2 v + (1 - b2) g^2
     w <- w - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-Gradient clipping: total = || all grads ||_2; if total > max_norm every gradient is scaled by
-max_norm / (total + 1e-6). A non-finite total skips the update (nothing changes, gradients are
-cleared) and `step` reports it. The squares are summed in fp64 and the norm rounded to fp32, so
+Gradient clipping: total = || all grads ||_2; if total > max_norm every gradient is divided by
+(total + 1e-6) / max_norm. A non-finite total skips the update (nothing changes, gradients are
+cleared) and `step` reports it. The norm, the clipping and the skip are worked out on the
+gradients' device (`launch`) and read back once the update is queued (`finish`): a one-process
+CUDA step queues its optimiser behind the backward instead of waiting for it to end. The squares are summed in fp64 and the norm rounded to fp32, so
 the total does not depend (short of an fp64 rounding landing on an fp32 rounding boundary) on how
 the sum was split: over parameters here, over FSDP shards across ranks (`data_parallel`: the
 squares of sharded (DTensor) gradients are summed over ranks, those of replicated ones counted once).
@@ -28,7 +30,6 @@ the accelerator holds at most one tensor's optimiser state at a time.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -51,6 +52,12 @@ class _Slot:
     exp_avg_sq: torch.Tensor
     decay: bool
     aliased: bool
+
+
+@dataclass
+class PendingStep:
+    """A launched optimiser step: [grad norm, skipped (1.0) or not (0.0)] where the gradients were."""
+    result: torch.Tensor
 
 
 def _groups(slots: list[_Slot]) -> list[list[_Slot]]:
@@ -101,6 +108,10 @@ class MasterAdamW:
 
     def grad_norm(self) -> torch.Tensor:
         """Total L2 norm of all gradients (over every rank's shards), fp32 scalar on the CPU."""
+        return self._grad_norm().cpu()
+
+    def _grad_norm(self) -> torch.Tensor:
+        """`grad_norm` where the gradients are: read by the host only where a collective needs it."""
         grads: dict[tuple, list[torch.Tensor]] = {}  # (sharded?, device, dtype) -> local gradients
         for s in self.slots.values():
             g = s.param.grad
@@ -118,53 +129,70 @@ class MasterAdamW:
         for (sharded, _, _), group in grads.items():
             norms = torch.stack(torch._foreach_norm(group, 2, dtype=torch.float64))
             squares[sharded].append((norms * norms).sum())
-        total = torch.zeros((), dtype=torch.float64)
+        device = next(iter(grads))[1] if grads else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
         if self.dp.enabled or squares[True]:  # every rank joins the sum, with or without shards of its own
             sharded = torch.stack(squares[True]).sum() if squares[True] else torch.zeros((), dtype=torch.float64)
-            total += self.dp.sum(sharded.to(self.dp.device), "gradient norm").cpu()
+            total += self.dp.sum(sharded.to(self.dp.device), "gradient norm").to(device)
         if squares[False]:
-            total += torch.stack([t.to(squares[False][0].device) for t in squares[False]]).sum().cpu()
+            total += torch.stack([t.to(device) for t in squares[False]]).sum()
         if self.stage_sum is not None:
-            total = self.stage_sum(total)
+            total = self.stage_sum(total).to(device)
         return total.sqrt().float()
 
     # ---- update ---------------------------------------------------------------------------
 
-    def step(self, max_grad_norm: float | None = None) -> tuple[float, bool]:
+    def step(self, max_grad_norm: float | None = None, skip: bool = False) -> tuple[float, bool]:
         """Clip, then update every parameter that has a gradient. Returns (grad_norm, stepped);
-        a non-finite norm leaves weights and state untouched and returns stepped = False."""
-        total = float(self.grad_norm())
-        if not math.isfinite(total):
-            self.zero_grad()
-            return total, False
-        scale = 1.0
-        if max_grad_norm is not None and total > max_grad_norm:
-            scale = max_grad_norm / (total + 1e-6)
-        self.step_count += 1
+        a non-finite norm (or `skip`) leaves weights and state untouched and returns stepped = False."""
+        return self.finish(self.launch(max_grad_norm, skip))
+
+    def launch(self, max_grad_norm: float | None = None, skip: bool | torch.Tensor = False) -> "PendingStep":
+        """`step` up to its result: the norm, the clipping and the update queued on the gradients'
+        device, nothing read back (a one-process CUDA step does not wait for the backward), the
+        skip decided there too (`skip`: also skip where this bool tensor is true, e.g. a non-finite
+        loss). `finish` reads the result; the gradients are cleared."""
+        norm = self._grad_norm()
+        skipped = ~torch.isfinite(norm) | (skip.to(norm.device) if isinstance(skip, torch.Tensor) else skip)
+        found_inf = skipped.float()  # the fused AdamW kernel's skip flag: 1.0 leaves everything as it is
+        # clipping: every gradient times max / (norm + 1e-6) where norm > max, applied as a division
+        # by its inverse (the fused kernel's grad_scale)
+        inv_scale = None
+        if max_grad_norm is not None:
+            norm64 = norm.double()
+            inv_scale = torch.where(norm64 > max_grad_norm, (norm64 + 1e-6) / max_grad_norm, 1.0).float()
+        self.step_count += 1  # taken back by `finish` if the update was skipped
         live = [s for s in self.slots.values() if s.param.grad is not None]
         if self.offload:
             for s in live:  # one tensor's state on the device at a time
-                self._update_offloaded(s, scale)
+                self._update_offloaded(s, inv_scale, found_inf)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         else:
             for group in _groups(live):
                 self._adamw(group, [s.master for s in group], [s.exp_avg for s in group],
-                            [s.exp_avg_sq for s in group], scale)
+                            [s.exp_avg_sq for s in group], inv_scale, found_inf)
         self.zero_grad()
-        return total, True
+        return PendingStep(torch.stack([norm, found_inf]))
+
+    def finish(self, pending: "PendingStep") -> tuple[float, bool]:
+        """(grad_norm, stepped) of a launched step: the host's one read of it."""
+        norm, skipped = pending.result.tolist()
+        if skipped:
+            self.step_count -= 1
+        return norm, not skipped
 
     @torch.no_grad()
-    def _update_offloaded(self, s: _Slot, scale: float) -> None:
+    def _update_offloaded(self, s: _Slot, inv_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
         dev = s.param.device
         w, m, v = (t.to(dev, non_blocking=True) for t in (s.master, s.exp_avg, s.exp_avg_sq))
-        self._adamw([s], [w], [m], [v], scale)
+        self._adamw([s], [w], [m], [v], inv_scale, found_inf)
         for src, dst in ((w, s.master), (m, s.exp_avg), (v, s.exp_avg_sq)):
             dst.copy_(src, non_blocking=True)
 
     @torch.no_grad()
     def _adamw(self, slots: list[_Slot], w: list[torch.Tensor], m: list[torch.Tensor], v: list[torch.Tensor],
-               scale: float) -> None:
+               inv_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
         """The update of the module docstring for slots sharing a device and decay, with w, m, v
         their state where it is updated (on the parameters' device), in torch's fused AdamW
         kernel: one pass over w, m, v and g where the op-by-op update took ten per tensor (a 1b
@@ -176,12 +204,15 @@ class MasterAdamW:
         casts = [(dst, src) for dst, src in zip(g, grads) if dst is not src]
         if casts:
             torch._foreach_copy_([dst for dst, _ in casts], [src for _, src in casts])
-        if scale != 1.0:
-            torch._foreach_mul_(g, scale)
-        step = torch.full((), float(self.step_count), device=w[0].device)  # read by the kernel, not advanced
+        dev = w[0].device
+        grad_scale = None if inv_scale is None else inv_scale.to(dev)
+        if grad_scale is not None and dev.type != "cuda":  # torch's CPU kernel ignores grad_scale
+            torch._foreach_div_(g, grad_scale)
+            grad_scale = None
+        step = torch.full((), float(self.step_count), device=dev)  # read by the kernel, not advanced
         torch._fused_adamw_(w, g, m, v, [], [step] * len(w), lr=self.lr, beta1=self.betas[0], beta2=self.betas[1],
                             weight_decay=self.weight_decay if slots[0].decay else 0.0, eps=self.eps,
-                            amsgrad=False, maximize=False)
+                            amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf.to(dev))
         rounded = [(_local(s.param), master) for s, master in zip(slots, w) if not s.aliased]
         if rounded:
             torch._foreach_copy_([p for p, _ in rounded], [master for _, master in rounded])

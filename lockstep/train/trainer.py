@@ -74,6 +74,7 @@ from lockstep.train.optimizer import MasterAdamW
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name
 from lockstep.train.recompute import apply_recompute
 from lockstep.train.routing_replay import replay_routing, response_experts
+from lockstep.transfer import to_device, to_host_async
 
 
 class Trainer:
@@ -190,7 +191,7 @@ class Trainer:
             ref_routing = type(routing)(forced=routing.forced)
         with torch.no_grad():
             logits = microbatch_logits(self.ref_model, mb, self.device, ref_routing)
-            return token_logprobs(logits, mb.targets.to(self.device), self.config.temperature, self.fused_logprobs)
+            return token_logprobs(logits, to_device(mb.targets, self.device), self.config.temperature, self.fused_logprobs)
 
     def _microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch | None]:
         """The samples' micro-batches, then None for each one another data-parallel rank has more:
@@ -220,7 +221,7 @@ class Trainer:
                 self._padding_forward(mbs[0], samples)
                 continue
             logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
-            logp = token_logprobs(logits, mb.targets.to(self.device), self.config.temperature, self.fused_logprobs)
+            logp = token_logprobs(logits, to_device(mb.targets, self.device), self.config.temperature, self.fused_logprobs)
             for i, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
                 out[i] = lp
         return out
@@ -268,10 +269,10 @@ class Trainer:
             if logits is None:
                 routing = self._routing(mb, samples)
                 logits = microbatch_logits(self.model, mb, dev, routing)
-            logp, entropy = token_logprobs_and_entropy(logits, mb.targets.to(dev), c.temperature,
+            logp, entropy = token_logprobs_and_entropy(logits, to_device(mb.targets, dev), c.temperature,
                                                        with_entropy_grad=c.entropy_coef > 0, fused=self.fused_logprobs)
             del logits
-        mask, cu = mb.loss_mask.to(dev), mb.response_cu_seqlens
+        mask, cu = to_device(mb.loss_mask, dev, mb.loss_mask.dtype), mb.response_cu_seqlens
         rollout = mb.gather([s.rollout_logprobs for s in samples], dev)
         before = mb.gather(old_logprobs, dev) if old_logprobs is not None else logp.detach()
         old = rollout if c.use_rollout_logprobs else before
@@ -323,6 +324,12 @@ class Trainer:
                          old_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
         """Accumulate the gradient of the step's loss over micro-batches (no optimiser step).
         Returns the loss metrics; `train/loss_finite` is 1.0 or 0.0."""
+        return self._loss_metrics(*self._accumulate(samples, old_logprobs))
+
+    def _accumulate(self, samples: Sequence[Sample], old_logprobs: Sequence[torch.Tensor] | None):
+        """forward_backward's work with nothing read back: the arguments of `_loss_metrics` (the
+        micro-batches' summed loss stats where they were computed; the logprobs before the update as
+        host copies queued behind the backward, read after a sync: `_loss_metrics`' first read is one)."""
         if not samples:
             raise ValueError("train_step needs at least one sample")
         self.model.train()
@@ -340,10 +347,10 @@ class Trainer:
             loss.backward()
             for k, v in stats.items():
                 totals[k] = totals.get(k, 0.0) + v
-            for i, lp in zip(mb.indices, mb.split_responses(mb_before.cpu())):
+            for i, lp in zip(mb.indices, mb.split_responses(to_host_async(mb_before))):
                 before[i] = lp
         self.dp.sum_grads(p for p in self.model.parameters() if not isinstance(p, DTensor))
-        return self._loss_metrics(totals, samples, before, norms, sum(mb is not None for mb in mbs))
+        return totals, samples, before, norms, sum(mb is not None for mb in mbs)
 
     def _loss_metrics(self, totals: dict[str, torch.Tensor], samples: Sequence[Sample], before: list[torch.Tensor],
                       norms: dict, num_microbatches: int) -> dict[str, float]:
@@ -370,17 +377,34 @@ class Trainer:
 
     def train_step(self, samples: Sequence[Sample],
                    old_logprobs: Sequence[torch.Tensor] | None = None) -> dict[str, float]:
-        """One optimiser step on `samples` (advantages filled in). Returns DESIGN.md-named metrics."""
-        return self.optimiser_step(self.forward_backward(samples, old_logprobs))
+        """One optimiser step on `samples` (advantages filled in). Returns DESIGN.md-named metrics.
+        The update is queued before anything is read back (its skip decided on the device), so on a
+        GPU the host issues the optimiser while the backward still runs; the metrics are read after."""
+        work = self._accumulate(samples, old_logprobs)
+        totals, norms = work[0], work[3]
+        loss = totals["train/loss"].detach().reshape(())
+        if self.dp.enabled:  # every rank skips alike
+            loss = self.dp.sum(loss.clone().to(self.dp.device), "the loss's finiteness").to(loss.device)
+        pending = self.optimizer.launch(self.config.clip_grad, skip=self._skip_update(loss, norms["num_tokens"]))
+        return self._finish_step(self._loss_metrics(*work), pending)
 
     def optimiser_step(self, metrics: dict[str, float]) -> dict[str, float]:
         """train_step after forward_backward (`metrics` its metrics, completed and returned): clip, step
         (skipped when the loss is not finite or no token counts), count the step."""
-        if metrics["train/loss_finite"] and metrics["train/num_tokens"] > 0:
-            grad_norm, stepped = self.optimizer.step(self.config.clip_grad)
-        else:
-            grad_norm, stepped = float(self.optimizer.grad_norm()), False
-            self.optimizer.zero_grad()
+        skip = self._skip_update(metrics["train/loss"], metrics["train/num_tokens"])
+        return self._finish_step(metrics, self.optimizer.launch(self.config.clip_grad, skip=skip))
+
+    @staticmethod
+    def _skip_update(loss: float | torch.Tensor, num_tokens: float) -> bool | torch.Tensor:
+        """No update when no token counts or the step's loss (a float, or a tensor where it was
+        computed: the answer stays there) is not finite."""
+        if not num_tokens > 0:
+            return True
+        return ~torch.isfinite(loss) if isinstance(loss, torch.Tensor) else not math.isfinite(loss)
+
+    def _finish_step(self, metrics: dict[str, float], pending) -> dict[str, float]:
+        """The launched update's result read back into the metrics; the step counted."""
+        grad_norm, stepped = self.optimizer.finish(pending)
         nonfinite = not (metrics["train/loss_finite"] and math.isfinite(grad_norm))
         self.num_steps += int(stepped)
         metrics.update({"train/grad_norm": grad_norm, "train/skipped": float(not stepped),

@@ -59,17 +59,17 @@ def _model(device) -> torch.nn.Module:
 def _run(trainer: Trainer, samples) -> dict:
     """STEPS train steps; the full gradients at the first step, the full weights after each."""
     grads: dict[str, torch.Tensor] = {}
-    step = trainer.optimizer.step
+    launch = trainer.optimizer.launch  # what train_step and optimiser_step call
 
-    def recording_step(*args):
+    def recording_launch(*args, **kwargs):
         if not grads:
             for name, p in trainer.model.named_parameters():
                 g = p.grad  # None for the indexer (its top-k is not differentiable), on every rank
                 g = gather_full(g) if isinstance(g, DTensor) else g
                 grads[name] = None if g is None else g.float().clone()
-        return step(*args)
+        return launch(*args, **kwargs)
 
-    trainer.optimizer.step = recording_step
+    trainer.optimizer.launch = recording_launch
     out = {"metrics": [], "weights": [], "grads": grads}
     for _ in range(STEPS):
         out["metrics"].append(trainer.train_step(samples))

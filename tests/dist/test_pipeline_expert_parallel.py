@@ -75,17 +75,17 @@ def _record_grads(stage_trainer, grads: dict) -> None:
     over the ep group, whose ranks step together)."""
     from lockstep.train.data_parallel import gather_full
 
-    step = stage_trainer.optimizer.step
+    launch = stage_trainer.optimizer.launch  # what train_step and optimiser_step call
 
-    def recording_step(*args):
+    def recording_launch(*args, **kwargs):
         if not grads:
             for name, p in stage_trainer.model.named_parameters():
                 g = p.grad
                 if g is not None:
                     grads[name] = (gather_full(g) if isinstance(g, DTensor) else g).clone()
-        return step(*args)
+        return launch(*args, **kwargs)
 
-    stage_trainer.optimizer.step = recording_step
+    stage_trainer.optimizer.launch = recording_launch
 
 
 def _trace(trainer, samples) -> dict:

@@ -62,9 +62,9 @@ def test_fused_update_agrees_with_the_op_by_op_one():
         _grads(net, step)
         grads = {n: p.grad.float() for n, p in net.named_parameters()}
         norm, _ = opt.step(max_grad_norm=0.5)
-        scale = 0.5 / (norm + 1e-6) if norm > 0.5 else 1.0
+        inv_scale = torch.tensor((norm + 1e-6) / 0.5 if norm > 0.5 else 1.0, dtype=torch.float32)
         for n, (w, m, v) in ref.items():
-            _op_by_op(w, m, v, grads[n] * scale, step, 1e-2, 0.9, 0.98, 1e-8, 0.1 if w.dim() >= 2 else 0.0)
+            _op_by_op(w, m, v, grads[n] / inv_scale, step, 1e-2, 0.9, 0.98, 1e-8, 0.1 if w.dim() >= 2 else 0.0)
     for n, p in net.named_parameters():
         for ours, theirs in zip((opt.slots[n].master, opt.slots[n].exp_avg, opt.slots[n].exp_avg_sq), ref[n]):
             torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-10)
@@ -143,3 +143,40 @@ def test_grad_norm_of_mixed_dtypes_is_the_fp64_norm_from_one_dtype_groups(monkey
     want = torch.cat([p.grad.double().flatten() for p in net.parameters()]).norm()
     assert float(opt.grad_norm()) == float(want.float())
     assert sorted(map(sorted, calls), key=str) == [[torch.bfloat16], [torch.float32]]
+
+
+def test_the_device_side_clip_and_skip_match_torch_and_read_nothing_back():
+    """On DEVICE (a GPU with LOCKSTEP_TEST_DEVICE=cuda: the fused kernel's grad_scale and found_inf):
+    clipped updates as torch.optim.AdamW after clip_grad_norm_, a non-finite gradient skipped with
+    nothing changed, and on CUDA `launch` queues it all without a host read (sync debug mode)."""
+    from devices import DEVICE
+
+    ours_net, ref_net = _net().to(DEVICE), _net().to(DEVICE)
+    ours = MasterAdamW(ours_net.named_parameters(), lr=1e-2, weight_decay=0.0)
+    ref = torch.optim.AdamW(ref_net.parameters(), lr=1e-2, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.0,
+                            foreach=False)
+    x = torch.randn(5, 8, device=DEVICE)
+    for step in range(3):
+        for net in (ours_net, ref_net):
+            (net(x * (step + 1)).pow(2).sum() * 10).backward()  # norms well above 0.5: clipped
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref_net.parameters(), 0.5)
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            pending = ours.launch(0.5)
+        finally:
+            if DEVICE == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+        norm, stepped = ours.finish(pending)
+        ref.step()
+        ref.zero_grad()
+        assert stepped and norm > 0.5 and abs(norm - float(ref_norm)) <= 1e-6 * norm
+    for a, b in zip(ours_net.parameters(), ref_net.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    before = [p.detach().clone() for p in ours_net.parameters()]
+    for p in ours_net.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    norm, stepped = ours.step(0.5)
+    assert not stepped and norm != norm and ours.step_count == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, ours_net.parameters()))
