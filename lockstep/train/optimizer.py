@@ -13,11 +13,12 @@ order of operations, so the two agree to rounding), with g the (clipped) gradien
 Gradient clipping: total = || all grads ||_2; if total > max_norm every gradient is divided by
 (total + 1e-6) / max_norm. A non-finite total skips the update (nothing changes, gradients are
 cleared) and `step` reports it. The norm, the clipping and the skip are worked out on the
-gradients' device (`launch`) and read back once the update is queued (`finish`): a one-process
-CUDA step queues its optimiser behind the backward instead of waiting for it to end. The squares are summed in fp64 and the norm rounded to fp32, so
-the total does not depend (short of an fp64 rounding landing on an fp32 rounding boundary) on how
-the sum was split: over parameters here, over FSDP shards across ranks (`data_parallel`: the
-squares of sharded (DTensor) gradients are summed over ranks, those of replicated ones counted once).
+gradients' device (`launch`) and read back once the update is queued (`finish`): a one-process CUDA
+step queues its optimiser behind the backward instead of waiting for it to end. The squares are
+summed in fp64 and the norm rounded to fp32, so the total does not depend (short of an fp64
+rounding landing on an fp32 rounding boundary) on how the sum was split: over parameters here, over
+FSDP shards across ranks (`data_parallel`: the squares of sharded (DTensor) gradients are summed
+over ranks, those of replicated ones counted once).
 
 FSDP2 (lockstep/dist/fsdp.py): a parameter may be a DTensor whose local shard is this rank's part
 of the fp32 master; the update runs on the local shards, elementwise, so N ranks together compute

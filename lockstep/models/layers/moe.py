@@ -210,7 +210,8 @@ class Experts(Switched, nn.Module):
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         kernels = self.kernels.on("triton_combine")  # the trainer's, when switched on
-        xs = moe_combine_triton.dispatch(x, order, k) if moe_combine_triton.applies(x, x, kernels) else x[order // k]
+        dispatched = moe_combine_triton.applies(x, x, kernels)  # the kernel where x's gradient is wanted
+        xs = moe_combine_triton.dispatch(x, order, k) if dispatched else x[order // k]
         ys = self.sorted_mlp(xs, counts, decode)
         if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, kernels):
             return moe_combine_triton.combine(ys, order, weights)

@@ -24,10 +24,11 @@ autograd did, and d pre_i = sum_d g X_i in fp32, per token in one program.
 X_j (hyper_connection.hc_combine), for the trainer: the forward is the mix kernel with the block
 output added in the eager ops' roundings (post_k y rounded, the mix rounded, their sum rounded: the
 same bits), the backward one program per token reading g, X and y once, its sums as two small
-tensor-core products per pass (d X, d y rounded to their dtype; d comb, d post in fp32). Eagerly the product, the sum and their gradients (two broadcast
-products and two reductions) moved ~3x the bytes (estimated from the tensor sizes: ~2.2 vs ~0.75 GB
-per call on the 1b config at 8 x 2048 tokens; in the train step measured on an H200 only together
-with this session's other changes: README).
+tensor-core products per pass (d X, d y rounded to their dtype; d comb, d post in fp32). Eagerly
+the product, the sum and their gradients (two broadcast products and two reductions) moved ~3x the
+bytes (estimated from the tensor sizes: ~2.2 vs ~0.75 GB per call on the 1b config at 8 x 2048
+tokens; in the train step measured on an H200 only together with this session's other changes:
+README).
 """
 
 from __future__ import annotations
