@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import tempfile
 import time
@@ -144,9 +145,29 @@ class RankResult:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port for a world's TCPStore, drawn below the kernel's ephemeral range: a port the
+    kernel hands out (bind to 0) is free when this returns, but the outgoing connections that gloo's
+    ranks of another world open take ephemeral ports and took one before the store bound it
+    (EADDRINUSE in CI); those never use a port outside that range."""
+    low = _ephemeral_range()[0]
+    draw = random.SystemRandom()
+    for _ in range(200):
+        port = draw.randrange(10_000, max(low, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port found in [10000, {low}) after 200 draws")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = map(int, open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    except OSError:  # not Linux: IANA's dynamic range
+        low, high = 49152, 65535
+    return low, high
 
 
 def _entry(fn, rank: int, world_size: int, port: int, out: str, args: tuple, env: dict) -> None:
