@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
     python benchmarks/train_throughput.py --config 1b --cuda-graphs             # + forward / backward graphed
+    python benchmarks/train_throughput.py --config 1b --cuda-graphs --triton-adamw   # + the one-pass optimiser
     python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
         triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
@@ -161,13 +162,14 @@ def timed(step, args) -> tuple[float, object]:
 
 def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
                      true_on_policy: bool = False, kernels: tuple[str, ...] | None = None,
-                     cuda_graphs: bool = False) -> Trainer:
+                     cuda_graphs: bool = False, triton_adamw: bool = False) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
     switches = {} if kernels is None else trainer_kernels(kernels)  # None: the defaults
     return Trainer(model, TrainConfig(dtype=args.dtype, compile_backend=backend, **switches, train_cuda_graphs=cuda_graphs,
-                                      max_tokens_per_gpu=args.batch * args.seq_len, true_on_policy=true_on_policy))
+                                      triton_adamw=triton_adamw, max_tokens_per_gpu=args.batch * args.seq_len,
+                                      true_on_policy=true_on_policy))
 
 
 def print_profile(step, args) -> None:
@@ -201,9 +203,10 @@ def print_profile(step, args) -> None:
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False) -> dict:
+                 kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False, triton_adamw: bool = False) -> dict:
     reset_peak(args.device)
-    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs)
+    trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs,
+                               triton_adamw=triton_adamw)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)
@@ -308,6 +311,8 @@ def parse_args(argv=None):
                          f"several; none: the eager ops), eager layers ({', '.join(KERNEL_ROWS)})")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="one more row: TrainConfig.train_cuda_graphs (forward and backward replayed from CUDA graphs)")
+    ap.add_argument("--triton-adamw", action="store_true",
+                    help="one more row: TrainConfig.triton_adamw (with the CUDA graphs where --cuda-graphs is given)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "
@@ -358,6 +363,11 @@ def main(argv=None) -> None:
         result["lockstep"]["cuda_graphs"] = f = figures(run, args, flops_per_token, peak_tflops)
         labels["cuda_graphs"] = "cuda graphs"
         print(line("lockstep train_step (cuda graphs)", f, args, peak_tflops), flush=True)
+    if args.triton_adamw:
+        run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs, triton_adamw=True)
+        result["lockstep"]["triton_adamw"] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels["triton_adamw"] = ("cuda graphs + " if args.cuda_graphs else "") + "triton adamw"
+        print(line(f"lockstep train_step ({labels['triton_adamw']})", f, args, peak_tflops), flush=True)
     for switches in args.kernel_rows:
         run = run_lockstep(config, state, samples, args, None,
                            kernels=() if switches == "none" else tuple(switches.split("+")))

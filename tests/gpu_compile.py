@@ -52,6 +52,7 @@ def variants():
     from lockstep.models.layers import scaled_projection_triton as sp
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
+    from lockstep.train import adamw_triton as aw
 
     flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
     yield "flash forward", lambda: ptx(fa._fwd_kernel, dict(q_ptr=BF, kv_ptr=BF, ent_ptr=BF, ebias_ptr=FP, sinks_ptr=FP,
@@ -82,6 +83,10 @@ def variants():
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
     yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),
                                                {"H"}, K=6, BLOCK=1024, BF16=True, INTERPRETED=False)
+    yield "adamw", lambda: ptx(aw._adamw_kernel, dict(w_ptr=FP, g_ptr=BF, m_ptr=FP, v_ptr=FP, p_ptr=BF,
+                                                      found_inf_ptr=FP, inv_scale_ptr=FP), {"n"},
+                               {"lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt"},
+                               num_warps=8, HAS_P=True, SCALED=True, P_BF16=True, INTERPRETED=False, BLOCK=aw.BLOCK)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)

@@ -60,3 +60,18 @@ def test_the_cuda_graphs_rows_reach_the_train_config():
         train_throughput.lockstep_trainer(config, train_throughput.initial_weights(config, 0), args, None,
                                           cuda_graphs=True)
     assert grpo_step._train_config(grpo_step._configs()["cpu-tiny"], cuda_graphs=True).train_cuda_graphs
+
+
+def test_the_triton_adamw_row_reaches_the_optimizer():
+    """train_throughput --triton-adamw builds its trainer with TrainConfig.triton_adamw, which the
+    optimiser takes."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import train_throughput
+    finally:
+        sys.path.pop(0)
+    args = train_throughput.parse_args(["--config", "cpu-tiny", "--triton-adamw"])
+    config = train_throughput.model_config("cpu-tiny")
+    trainer = train_throughput.lockstep_trainer(config, train_throughput.initial_weights(config, 0), args, None,
+                                                triton_adamw=args.triton_adamw)
+    assert trainer.config.triton_adamw and trainer.optimizer.triton

@@ -54,6 +54,11 @@ class TrainConfig:
     """AdamW beta2."""
     adam_eps: float = 1e-8
     """AdamW epsilon."""
+    triton_adamw: bool = False
+    """On CUDA, the optimiser's update as one Triton kernel per parameter reading the gradient in its
+    own dtype and writing the bf16 parameter (train/adamw_triton.py) instead of three multi-tensor
+    passes (cast, fused AdamW, write-back): 28 bytes a parameter instead of 40. Off until measured on
+    a GPU (`benchmarks/train_throughput.py --triton-adamw`)."""
     clip_grad: float | None = 1.0
     """Clip the global gradient L2 norm to this; None: no clipping."""
     # batching

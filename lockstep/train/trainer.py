@@ -119,7 +119,8 @@ class Trainer:
         # FSDP's CPUOffloadPolicy already keeps the sharded masters on the host
         self.optimizer = MasterAdamW(self._named_parameters(), lr=c.lr, betas=(c.adam_beta1, c.adam_beta2),
                                      eps=c.adam_eps, weight_decay=c.weight_decay,
-                                     offload=c.optimizer_offload and not self.sharded, data_parallel=self.dp)
+                                     offload=c.optimizer_offload and not self.sharded, data_parallel=self.dp,
+                                     triton=c.triton_adamw)
         with torch.no_grad():
             for name, value in masters.items():  # fp32 values from before the bf16 cast
                 self.optimizer.slots[name].master.copy_(value.to_local() if isinstance(value, DTensor) else value)

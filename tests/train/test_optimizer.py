@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch import nn
 
+from lockstep.train import adamw_triton
 from lockstep.train.optimizer import MasterAdamW
 
 
@@ -180,3 +182,32 @@ def test_the_device_side_clip_and_skip_match_torch_and_read_nothing_back():
     norm, stepped = ours.step(0.5)
     assert not stepped and norm != norm and ours.step_count == 3
     assert all(torch.equal(a, b) for a, b in zip(before, ours_net.parameters()))
+
+
+@pytest.mark.skipif(adamw_triton.triton is None, reason="Triton is not installed")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_triton_update_agrees_with_the_fused_passes(dtype):
+    """TrainConfig.triton_adamw: masters and moments as the cast + fused AdamW + write-back passes give
+    them, to fp32 rounding, with clipping and decay; a bf16 parameter holds its master rounded; a
+    skipped step (non-finite gradient) writes nothing. On DEVICE (the interpreter on the CPU)."""
+    from devices import DEVICE
+
+    nets = [_net(dtype=dtype).to(DEVICE) for _ in range(2)]
+    opts = [MasterAdamW(net.named_parameters(), lr=1e-2, weight_decay=0.1, triton=triton)
+            for net, triton in zip(nets, (False, True))]
+    x = torch.randn(5, 8, device=DEVICE, dtype=dtype)
+    for step in range(3):
+        for net, opt in zip(nets, opts):
+            (net(x * (step + 1)).float().pow(2).sum() * 5).backward()
+            opt.step(max_grad_norm=0.5)
+    for (name, a), b in zip(nets[0].named_parameters(), nets[1].parameters()):
+        for want, got in zip(*((o.slots[name].master, o.slots[name].exp_avg, o.slots[name].exp_avg_sq) for o in opts)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+        assert torch.equal(b, opts[1].slots[name].master.to(dtype))
+    before = [p.detach().clone() for p in nets[1].parameters()]
+    moments = [s.exp_avg.clone() for s in opts[1].slots.values()]
+    for p in nets[1].parameters():
+        p.grad = torch.full_like(p, float("inf"))
+    assert opts[1].step(0.5)[1] is False
+    assert all(torch.equal(a, b) for a, b in zip(before, nets[1].parameters()))
+    assert all(torch.equal(a, s.exp_avg) for a, s in zip(moments, opts[1].slots.values()))
