@@ -144,22 +144,26 @@ class RankResult:
         return self.error_type is None and not self.hung and self.exitcode == 0
 
 
+FIRST_PORT = 20_000  # above Ray's default worker ports (free_port)
+
+
 def free_port() -> int:
     """A free port for a world's TCPStore, drawn below the kernel's ephemeral range: a port the
     kernel hands out (bind to 0) is free when this returns, but the outgoing connections that gloo's
     ranks of another world open take ephemeral ports and took one before the store bound it
-    (EADDRINUSE in CI); those never use a port outside that range."""
+    (EADDRINUSE in CI); those never use a port outside that range. Above Ray's worker ports
+    (10002-19999 by default): a Ray head given one of those as its port refuses to start."""
     low = _ephemeral_range()[0]
     draw = random.SystemRandom()
     for _ in range(200):
-        port = draw.randrange(10_000, max(low, 10_001))
+        port = draw.randrange(FIRST_PORT, max(low, FIRST_PORT + 1))
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise RuntimeError(f"no free port found in [10000, {low}) after 200 draws")
+    raise RuntimeError(f"no free port found in [{FIRST_PORT}, {low}) after 200 draws")
 
 
 def _ephemeral_range() -> tuple[int, int]:
