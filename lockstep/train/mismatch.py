@@ -57,7 +57,7 @@ from typing import Sequence
 
 import torch
 
-from lockstep.train.aggregation import pack, segment_ids, segment_sum
+from lockstep.train.aggregation import broadcast_to_tokens, pack, segment_sum
 from lockstep.train.losses import kl_penalty
 
 MIS_LEVELS = ("token", "sequence", "geometric")
@@ -132,7 +132,7 @@ def _level_log_weights(delta: torch.Tensor, maskf: torch.Tensor, cu: torch.Tenso
         seq_sum = seq_sum / segment_sum(maskf, cu).clamp_min(1.0)
     elif level != "sequence":
         raise ValueError(f"unknown MIS level {level!r}; choose one of {MIS_LEVELS}")
-    return seq_sum[segment_ids(cu)]
+    return broadcast_to_tokens(seq_sum, cu)
 
 
 def _ess(weights: torch.Tensor) -> float:
@@ -155,27 +155,10 @@ def importance_weights(
     veto_threshold: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """General TIS / MIS weights [T] (detached) and metrics; see the module docstring."""
-    if mode not in MIS_MODES:
-        raise ValueError(f"unknown MIS mode {mode!r}; choose one of {MIS_MODES}")
-    if not 0.0 <= lower < upper:
-        raise ValueError(f"need 0 <= lower < upper, got lower={lower}, upper={upper}")
     lt, lr, m, cu = _unpack(logp_train, logp_rollout, mask, cu_seqlens)
-    maskf = m.float()
     delta = lt - lr
-    log_w = _level_log_weights(delta, maskf, cu, level)
-    log_lo = math.log(lower) if lower > 0 else -math.inf
-    log_hi = math.log(upper)
-    outside = (log_w < log_lo) | (log_w > log_hi)
-    if mode == "truncate":
-        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
-    else:
-        w = torch.where(outside, torch.zeros_like(log_w), torch.exp(log_w.clamp(max=log_hi)))
-    vetoed = torch.zeros(len(cu) - 1, dtype=torch.bool)
-    if veto_threshold is not None:
-        low_token = (m & (delta < math.log(veto_threshold))).float()
-        vetoed = segment_sum(low_token, cu) > 0
-        w = torch.where(vetoed[segment_ids(cu)], torch.zeros_like(w), w)
-    w = w * maskf
+    w, outside, vetoed = _weights(delta, m, cu, level, mode, lower, upper, veto_threshold)
+    maskf = m.float()
     if level == "token":
         ess = _ess(w[m])
     else:  # one weight per sample: the value at any of its tokens (samples without tokens excluded)
@@ -191,6 +174,39 @@ def importance_weights(
         "train/ess": ess,
     }
     return w.detach(), metrics
+
+
+def importance_weights_only(logp_train: torch.Tensor, logp_rollout: torch.Tensor, mask: torch.Tensor,
+                            cu_seqlens: torch.Tensor, **config) -> torch.Tensor:
+    """`importance_weights`' weights alone (`config`: its keyword arguments), computed where the
+    logprobs are with nothing read back: the loss's call, once per micro-batch (on a GPU a host read
+    there would wait for the forward); the metrics come from `importance_weights` once per step."""
+    lt, lr, m, cu = _unpack(logp_train, logp_rollout, mask, cu_seqlens)
+    return _weights(lt - lr, m, cu, **config)[0].detach()
+
+
+def _weights(delta: torch.Tensor, m: torch.Tensor, cu: torch.Tensor, level: str = "token", mode: str = "truncate",
+             lower: float = 0.0, upper: float = 2.0, veto_threshold: float | None = None):
+    """(weights [T], outside [T], vetoed [B]) from delta = logp_train - logp_rollout, on delta's device."""
+    if mode not in MIS_MODES:
+        raise ValueError(f"unknown MIS mode {mode!r}; choose one of {MIS_MODES}")
+    if not 0.0 <= lower < upper:
+        raise ValueError(f"need 0 <= lower < upper, got lower={lower}, upper={upper}")
+    maskf = m.float()
+    log_w = _level_log_weights(delta, maskf, cu, level)
+    log_lo = math.log(lower) if lower > 0 else -math.inf
+    log_hi = math.log(upper)
+    outside = (log_w < log_lo) | (log_w > log_hi)
+    if mode == "truncate":
+        w = torch.exp(log_w.clamp(min=log_lo, max=log_hi))
+    else:
+        w = torch.where(outside, torch.zeros_like(log_w), torch.exp(log_w.clamp(max=log_hi)))
+    vetoed = torch.zeros(len(cu) - 1, dtype=torch.bool, device=delta.device)
+    if veto_threshold is not None:
+        low_token = (m & (delta < math.log(veto_threshold))).float()
+        vetoed = segment_sum(low_token, cu) > 0
+        w = torch.where(broadcast_to_tokens(vetoed, cu), torch.zeros_like(w), w)
+    return w * maskf, outside, vetoed
 
 
 def tis_weights(

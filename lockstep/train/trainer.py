@@ -69,7 +69,7 @@ from lockstep.train.data_parallel import DataParallel, gather_full, local_part
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
-from lockstep.train.mismatch import importance_weights, metric_ratio, mismatch_metrics
+from lockstep.train.mismatch import importance_weights, importance_weights_only, metric_ratio, mismatch_metrics
 from lockstep.train.optimizer import MasterAdamW
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name
 from lockstep.train.recompute import apply_recompute
@@ -192,7 +192,8 @@ class Trainer:
             ref_routing = type(routing)(forced=routing.forced)
         with torch.no_grad():
             logits = microbatch_logits(self.ref_model, mb, self.device, ref_routing)
-            return token_logprobs(logits, to_device(mb.targets, self.device), self.config.temperature, self.fused_logprobs)
+            targets = to_device(mb.targets, self.device)
+            return token_logprobs(logits, targets, self.config.temperature, self.fused_logprobs)
 
     def _microbatches(self, samples: Sequence[Sample]) -> list[MicroBatch | None]:
         """The samples' micro-batches, then None for each one another data-parallel rank has more:
@@ -222,7 +223,8 @@ class Trainer:
                 self._padding_forward(mbs[0], samples)
                 continue
             logits = microbatch_logits(self.model, mb, self.device, self._routing(mb, samples))
-            logp = token_logprobs(logits, to_device(mb.targets, self.device), self.config.temperature, self.fused_logprobs)
+            targets = to_device(mb.targets, self.device)
+            logp = token_logprobs(logits, targets, self.config.temperature, self.fused_logprobs)
             for i, lp in zip(mb.indices, mb.split_responses(logp.cpu())):
                 out[i] = lp
         return out
@@ -278,7 +280,9 @@ class Trainer:
         before = mb.gather(old_logprobs, dev) if old_logprobs is not None else logp.detach()
         old = rollout if c.use_rollout_logprobs else before
         advantages = mb.gather([s.token_advantages() for s in samples], dev)
-        is_weights = self._is_weights(before, rollout, mask, cu)[0] if c.importance_sampling else None
+        is_weights = None
+        if c.importance_sampling:
+            is_weights = importance_weights_only(before, rollout, mask, cu, **self._is_config())
         log_ratio = gspo_log_ratio(logp, old, mask, cu) if c.advantage_estimator == "gspo" else logp - old
         pg = ppo_policy_loss(log_ratio, advantages, eps_clip=c.eps_clip, eps_clip_high=c.clip_high,
                              clip_c=c.dual_clip_c, is_weights=is_weights)
@@ -309,15 +313,13 @@ class Trainer:
         stats["train/loss"] = loss.detach()
         return loss, stats, before
 
-    def _is_weights(self, before, rollout, mask, cu) -> tuple[torch.Tensor, dict]:
+    def _is_config(self) -> dict:
+        """The TIS / MIS settings as importance_weights' keyword arguments."""
         c = self.config
         if c.use_tis:
-            level, mode, lower, upper = "token", "truncate", c.tis_clip_low, c.tis_clip
-        else:
-            level, mode, lower, upper = c.mis, c.mis_mode, c.mis_lower, c.mis_upper
-        w, metrics = importance_weights(before.cpu(), rollout.cpu(), mask.cpu(), cu, level=level, mode=mode,
-                                        lower=lower, upper=upper, veto_threshold=c.veto_threshold)
-        return w.to(before.device), metrics
+            return dict(level="token", mode="truncate", lower=c.tis_clip_low, upper=c.tis_clip,
+                        veto_threshold=c.veto_threshold)
+        return dict(level=c.mis, mode=c.mis_mode, lower=c.mis_lower, upper=c.mis_upper, veto_threshold=c.veto_threshold)
 
     # ---- step -----------------------------------------------------------------------------
 
@@ -373,7 +375,8 @@ class Trainer:
         metrics = mismatch_metrics(before, rollout, masks)
         if self.config.importance_sampling:
             flat_before, cu = pack(before)
-            metrics.update(self._is_weights(flat_before, pack(rollout)[0], pack(masks)[0], cu)[1])
+            rollout_flat, masks_flat = pack(rollout)[0], pack(masks)[0]
+            metrics.update(importance_weights(flat_before, rollout_flat, masks_flat, cu, **self._is_config())[1])
         return metrics
 
     def train_step(self, samples: Sequence[Sample],

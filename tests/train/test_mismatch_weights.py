@@ -5,6 +5,7 @@ import torch
 
 from lockstep.train.mismatch import (
     importance_weights,
+    importance_weights_only,
     mis_weights,
     mismatch_metrics,
     tis_weights,
@@ -122,3 +123,21 @@ def test_bad_arguments():
         importance_weights(torch.zeros(2), torch.zeros(2), torch.ones(2), level="chunk")
     with pytest.raises(ValueError, match="cu_seqlens"):
         tis_weights(torch.zeros(3), torch.zeros(3), torch.ones(3), torch.tensor([0, 2]))
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_the_losss_weights_alone_are_the_weights_with_metrics(level):
+    """importance_weights_only (the loss's call, on the logprobs' device, nothing read back) gives
+    importance_weights' weights, vetoes included; on DEVICE (a GPU with LOCKSTEP_TEST_DEVICE=cuda)."""
+    from devices import DEVICE
+
+    g = torch.Generator().manual_seed(5)
+    cu = torch.tensor([0, 4, 9, 15])
+    train, rollout = torch.randn(15, generator=g) * 0.3, torch.randn(15, generator=g) * 0.3
+    mask = torch.rand(15, generator=g) > 0.2
+    config = dict(level=level, mode="mask", lower=0.5, upper=2.0, veto_threshold=0.6)
+    want, _ = importance_weights(train, rollout, mask, cu, **config)
+    got = importance_weights_only(train.to(DEVICE), rollout.to(DEVICE), mask.to(DEVICE), cu, **config)
+    assert got.device.type == torch.device(DEVICE).type
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=0)
+    assert (want == 0).any() and (want > 0).any()  # some vetoed or masked, some kept
