@@ -34,8 +34,8 @@ Measured against lockstep's model by tests/plan/test_plan_activations_measured.p
 The gpu-848m config (benchmarks/grpo_step.py: 8 layers, 144-token sequences) keeps 1.971 MB per
 token over its layers (that test's probe on the CPU, bf16, the GPU's Sinkhorn); these terms give
 1.969 MB; x 9,216 tokens = 18.1 GB, where an H200 measured a 19.2 GB transient of the whole train
-step over its set-up state (issue 18; of the other 1.1 GB the plan has the head's 0.56 GB and not the
-backward's working set).
+step over its set-up state (issue 18; of the other 1.1 GB the plan then had the head's 0.56 GB, counting
+six fp32 logit rows a token, and not the backward's working set).
 
 With full recomputation (TrainConfig.recompute_activations: torch.utils.checkpoint per decoder
 layer, lockstep/train/recompute.py) a layer keeps only its input: n*H*2 bytes per token (the n
@@ -173,25 +173,34 @@ def recompute_bytes_per_token(m: ModelSpec, tp: int) -> float:
     return m.hc_mult * m.hidden_size * A / tp
 
 
+HEAD_FP32_ROWS = 2  # fp32 [V/TP] rows per token at the head's peak: the logits and their gradient
+
+
 def head_bytes_per_token(m: ModelSpec, tp: int) -> float:
-    """Last stage, per token, read from the code (the test measures the layers only). DeepSeek-V4:
-    mHC's head collapse (a sub-block's first three mHC terms, n*H*(4+4+2)), the final RMSNorm 2*H*4
-    and the fp32 hidden state the fp32 LM head keeps H*4 (deepseek_v4.compute_logits: training takes
-    the fp32 GEMM); Llama: the final RMSNorm H*4 + H*2 and the head's bf16 input H*2. Then V/TP fp32
-    logits x 6 at the loss's peak: the logits, the kept log-softmax and the entropy's four fp32
-    temporaries (z - max, p, the zeroed z, p * z: train/losses.entropy_from_logits, every step)."""
+    """Last stage, per token, as a GPU trainer runs the head (fp32 logits from bf16 operands:
+    layers/fp32_logits.py; logprobs and entropies in one Triton kernel: logprob_entropy_triton.py).
+    DeepSeek-V4: the bf16 streams n*H*2 that mHC's head collapse keeps (its fp32 mixing weights,
+    a few n*4, left out), the final RMSNorm's fp32 input (the collapse's output) and output 2*H*4,
+    and the bf16 rows the head GEMM keeps H*2; Llama: the final RMSNorm H*4 + H*2 and the head's
+    bf16 input H*2. Then V/TP fp32 x 2: the logits the kernel keeps, and their gradient,
+    which its backward writes while they are alive. Every token counts as a response row: the head
+    runs on response rows only, and how many of a micro-batch's tokens are prompt the plan does not
+    know (an upper bound by the prompt's share). Measured on the forward's side by
+    tests/plan/test_plan_activations_measured.py. The CPU's eager path keeps more (log_softmax's
+    output, the entropy's temporaries); the plan is for GPUs."""
     H = m.hidden_size
     if m.family == "deepseek_v4":
-        hidden = m.hc_mult * H * (F + F + A) + 2 * H * F + H * F
+        hidden = m.hc_mult * H * A + 2 * H * F + H * A
     else:
         hidden = H * F + H * A + H * A
-    return hidden + m.vocab_size / tp * F * 6
+    return hidden + m.vocab_size / tp * F * HEAD_FP32_ROWS
 
 
-def head_weight_fp32_bytes(m: ModelSpec, tp: int) -> float:
-    """DeepSeek-V4's fp32 LM head GEMM keeps an fp32 copy of the weight for the backward: V/TP * H * 4
-    (Llama's head runs in bf16 and casts the logits: nothing)."""
-    return m.vocab_size / tp * m.hidden_size * F if m.family == "deepseek_v4" else 0.0
+def head_weight_grad_bytes(m: ModelSpec, tp: int) -> float:
+    """DeepSeek-V4's head backward forms the weight's gradient as an fp32 GEMM output, then rounds
+    it to the bf16 .grad: V/TP * H * (4 + 2) at once, transient (Llama's bf16 head writes its bf16
+    gradient directly: counted with the gradients)."""
+    return m.vocab_size / tp * m.hidden_size * (F + A) if m.family == "deepseek_v4" else 0.0
 
 
 def dispatch_bytes_per_token(m: ModelSpec, tp: int) -> float:

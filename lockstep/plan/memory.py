@@ -17,7 +17,7 @@ the terms are
               t = max_tokens_per_gpu and inflight = min(PP - stage, micro-batches) under 1F1B
   recompute working set   t * max layer bytes_per_token        (one layer rebuilt in backward)
   MoE dispatch buffers    t * 2 * k * H * 2 / TP   (EP > 1 only: with EP 1 no rows are exchanged)
-  logits (last stage)     t * head_bytes_per_token + the fp32 head weight V/TP * H * 4 (activations.py)
+  logits (last stage)     t * head_bytes_per_token + the head weight's fp32 gradient V/TP * H * (4 + 2) (activations.py)
 The peak is the sum, except that with one micro-batch per GPU the gradients and the activation
 terms are phases (`peak_gpu_bytes`): lockstep's backward allocates the gradients as it frees the
 activations, so the peak holds the larger of the two.
@@ -160,9 +160,9 @@ def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage:
     if disp and full and layout.ep > 1:  # EP 1 exchanges nothing: its rows are moe.dispatched
         terms.append(MemoryTerm("MoE dispatch buffers", t * disp, f"{t} tok x {disp / 1e3:.1f} KB (send + recv)"))
     if stage == layout.pp - 1:
-        lg, w = act.head_bytes_per_token(model, tp), act.head_weight_fp32_bytes(model, tp)
+        lg, w = act.head_bytes_per_token(model, tp), act.head_weight_grad_bytes(model, tp)
         terms.append(MemoryTerm("logits", t * lg + w, f"{t} tok x {lg / 1e3:.1f} KB (head, V/TP {model.vocab_size // tp}"
-                                f" fp32 x 6) + fp32 head weight {w / 1e9:.2f} GB"))
+                                f" fp32 x {act.HEAD_FP32_ROWS}) + head weight gradient {w / 1e9:.2f} GB"))
     if mbs == 1:  # see _state_terms
         terms = [replace(x, phase="activations") for x in terms]
     return terms

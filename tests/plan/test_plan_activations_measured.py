@@ -7,7 +7,10 @@ no gradient reaches, the C4 indexer's top-k, is freed as soon as the forward lea
 at pack time would charge it). Two batches of the same length, 1 and 2 sequences: their difference
 is one sequence's bytes, so what does not scale with the batch (fp32 copies of weights) cancels.
 Sinkhorn runs as on a GPU, where the fused kernel keeps only its input (sinkhorn_triton.py); the
-CPU loop keeps every step, which the plan, made for GPU runs, does not count.
+CPU loop keeps every step, which the plan, made for GPU runs, does not count. The head, measured
+alike (what is saved after the last layer), runs as a GPU trainer runs it too: DeepSeek-V4's fp32
+logits from the bf16 GEMM (Fp32Logits), the logprobs and entropies from the Triton kernel (under
+the interpreter here), every position a response row.
 """
 
 from __future__ import annotations
@@ -18,7 +21,10 @@ import torch
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
+from lockstep.models import deepseek_v4
 from lockstep.models.layers import hyper_connection
+from lockstep.models.layers.fp32_logits import Fp32Logits
+from lockstep.models.layers.logprob_entropy_triton import token_logprobs_and_entropy
 from lockstep.models.layers.sinkhorn import sinkhorn_backward, sinkhorn_reference
 from lockstep.models.llama import LlamaForCausalLM
 from lockstep.models.llama_config import LlamaConfig
@@ -65,8 +71,15 @@ class _GpuSinkhorn(torch.autograd.Function):
         return sinkhorn_backward(ctx.saved_tensors[0], grad, ctx.iters, ctx.eps), None, None
 
 
+def _gpu_head(hidden, weight):
+    """fp32_logits as on a GPU: the bf16 GEMM with fp32 output, which keeps the bf16 rows only."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return Fp32Logits.apply(flat, weight).view(*hidden.shape[:-1], weight.shape[0])
+
+
 def _saved_bytes_per_layer(model, ids) -> list[int]:
-    """Bytes of the storages saved by each decoder layer's forward and alive when it ends."""
+    """Bytes of the storages saved by each decoder layer's forward and alive when it ends, then (one
+    more entry) those saved after the last layer: the head, and the logprob kernel over its logits."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     live: dict[tuple[int, int], list] = {}  # storage -> [references, bytes, layer]
     current = [None]
@@ -88,16 +101,20 @@ def _saved_bytes_per_layer(model, ids) -> list[int]:
         live.setdefault(key, [0, st.nbytes(), current[0]])[0] += 1
         return Ref(t, key)
 
-    hooks = []
-    for i, layer in enumerate(model.model.layers):
+    hooks, layers = [], model.model.layers
+    for i, layer in enumerate(layers):
         hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: current.__setitem__(0, i)))
-        hooks.append(layer.register_forward_hook(lambda m, a, o: current.__setitem__(0, None)))
+        # after the last layer, what is saved is the head's
+        hooks.append(layer.register_forward_hook(
+            lambda m, a, o, i=i: current.__setitem__(0, len(layers) if i == len(layers) - 1 else None)))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda r: r.t if isinstance(r, Ref) else r):
-        out = model(ids)
-    per_layer = [0] * len(model.model.layers)
+        logits = model(ids)
+        logits = logits.reshape(-1, logits.shape[-1])
+        out = token_logprobs_and_entropy(logits, ids.reshape(-1), with_entropy_grad=True)
+    per_layer = [0] * (len(layers) + 1)
     for _, nbytes, layer in live.values():
         per_layer[layer] += nbytes
-    del out
+    del out, logits
     for h in hooks:
         h.remove()
     return per_layer
@@ -106,6 +123,7 @@ def _saved_bytes_per_layer(model, ids) -> list[int]:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_plan_activations_match_lockstep_forward(name, monkeypatch):
     monkeypatch.setattr(hyper_connection, "sinkhorn", _GpuSinkhorn.apply)
+    monkeypatch.setattr(deepseek_v4, "fp32_logits", _gpu_head)
     cfg = CONFIGS[name]
     torch.manual_seed(0)
     llama = isinstance(cfg, LlamaConfig)
@@ -123,3 +141,7 @@ def test_plan_activations_match_lockstep_forward(name, monkeypatch):
         measured = (two[i] - one[i]) / SEQ
         planned = act.layer_bytes_per_token(spec, i, 1, SEQ)
         assert abs(planned - measured) <= TOLERANCE * measured + SCRAPS, (name, i, planned, measured)
+    # the head: the plan adds the logits' fp32 gradient, which the backward writes while they live
+    measured = (two[-1] - one[-1]) / SEQ + cfg.vocab_size * act.F
+    planned = act.head_bytes_per_token(spec, 1)
+    assert abs(planned - measured) <= TOLERANCE * measured + SCRAPS, (name, "head", planned, measured)

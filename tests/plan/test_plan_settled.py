@@ -24,16 +24,19 @@ def test_settled_layout_fits(v4_flash_cluster, flash_train, serving_rollout):
     p = _settled(v4_flash_cluster, flash_train(), serving_rollout)
     assert p.feasible and p.reason == ""
     assert [len(s.layers) for s in p.stages] == [11, 11, 11, 10]
-    # the last stage, though it has 10 layers and 1 micro-batch in flight: the head's fp32 logits
-    # (6 copies of 129,280 x 4 B per token, 25 GB at 8,192 tokens) outweigh stage 0's 3 more layer inputs
-    assert p.worst.stage == 3 and _terms(p, 3)["logits"] > 25 * GB
+    # the last stage's head (fp32 logits and their gradient, 129,280 x 8 B per token: 8.5 GB at 8,192
+    # tokens, + 3.2 GB of the head weight's fp32 gradient) nearly makes up for its one layer fewer
+    # and its single micro-batch in flight: stage 0, with 4 in flight, stays the worst by ~6 GB
+    logits = _terms(p, 3)["logits"]
+    assert 12 * GB < logits < 13 * GB and p.worst.stage == 0
+    assert 0 < p.stages[0].gpu_bytes - p.stages[3].gpu_bytes < logits
     t = _terms(p)
     dense = t["weights"] / 2 - EXPERTS_PER_GPU
     assert dense == pytest.approx(2.116e9, rel=1e-3)  # 11 layers' attention/shared/mHC + embedding
     assert t["gradients"] == pytest.approx((dense + EXPERTS_PER_GPU) * 4)
     assert t["host: optimizer states"] == pytest.approx((dense / 4 + EXPERTS_PER_GPU / 1) * 12)
     assert t["activations (recompute: layer inputs)"] == 4 * 11 * 8192 * 4 * 4096 * 2
-    assert 150 * GB < p.actor_bytes < 0.7 * p.usable_bytes
+    assert 140 * GB < p.actor_bytes < 0.7 * p.usable_bytes
     # the engine GPU's peak is the push it stages (the serving format, every tensor), not the workspace
     staged = {t.name: t.bytes for t in p.rollout.terms}["weight push staging"]
     assert staged == p.comm_term("weight push").bytes
