@@ -29,7 +29,8 @@ runs every format a second time through the true-on-policy forward (fp8 dequanti
 graphs) and prints `ratio true-on-policy / default (FORMAT) tokens/s`. On CUDA the engine decodes
 through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
 kernels and syncs of one decode step on a CPU. Each engine's start is printed as `engine start S s
-(compile cache: hit|miss|off)`; --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py).
+(compile cache: hit|miss|off; compiling C s (tracing T, backend B, guards G))` (engine/compile_clock.py
+says what each covers); --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py).
 
 `--config 1b`: 8 layers, hidden 1024, 64 routed experts top-6 (moe_intermediate 512) + 1 shared,
 16 heads x head_dim 128, q_lora 512, 4 output groups of rank 256, vocab 32768: about 0.9B params,
@@ -284,7 +285,8 @@ def start_engine(args, fmt: str, true_on_policy: bool = False) -> Engine:
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
     status = {"nothing": "nothing to cache"}.get(engine.compile_cache.status, engine.compile_cache.status)
-    print(f"engine start {engine.start_seconds:.1f} s (compile cache: {status})")
+    phases = f"; {engine.compile_phases}" if engine.compile_phases else ""
+    print(f"engine start {engine.start_seconds:.1f} s (compile cache: {status}{phases})")
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
     print(f"weight bytes {fmt} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")

@@ -58,6 +58,8 @@ def run(args) -> int:
     cache = engine.compile_cache
     print(f"lockstep compile: engine start {engine.start_seconds:.1f} s ({total:.1f} s with loading the model); "
           f"{engine.serving_path}")
+    if engine.compile_phases:  # where the start's seconds went (engine/compile_clock.py)
+        print(f"lockstep compile: {engine.compile_phases}")
     print(f"lockstep compile: {cache.describe()}")
     if cache.saved_bytes:
         print(f"lockstep compile: artifact {cache.path} ({cache.saved_bytes / 1e6:.1f} MB); its settings: "

@@ -29,6 +29,7 @@ import torch
 
 from lockstep.config import EngineConfig
 from lockstep.engine import compile_cache
+from lockstep.engine.compile_clock import CompileClock
 from lockstep.engine.background import BackgroundLoop
 from lockstep.engine.decode_path import compile_backend_for, describe, start_graphs
 from lockstep.engine.model_adapter import make_adapter
@@ -97,6 +98,7 @@ class Engine:
         on_cuda = torch.device(config.device).type == "cuda"
         # compiled graphs from earlier starts, here or on another machine (compile_cache.py)
         self.compile_cache = compile_cache.StartCache(config.compile_cache_dir, self.model.config, config)
+        self.compile_phases = ""  # where a compiling start's seconds went (_capture_graphs)
         if config.cuda_graph and on_cuda:
             self._capture_graphs()
         self.serving_path = describe(self.adapter, self.kernels)  # what serves, for the log and the tests
@@ -119,7 +121,7 @@ class Engine:
             # bf16; other dtypes take a fallback that copies the group offsets to the host
             return
         # a failure is an error naming its stage, unless config.compile_fallback (decode_path.py)
-        start, compiled_before = time.perf_counter(), compiled_graph_count()
+        start, compiled_before, clock = time.perf_counter(), compiled_graph_count(), CompileClock()
         if compile_backend_for(self.config):
             self.compile_cache.load()  # save() below writes only after a load(): nothing compiles without it
             print("lockstep engine: compiling the decoder layers for decode and prefill, capturing decode graphs: "
@@ -127,8 +129,10 @@ class Engine:
                   "holds them", file=sys.stderr)
         start_graphs(self.adapter, self.config)
         self.compile_cache.save()
+        self.compile_phases = clock.describe()  # "" when nothing compiled (compile_clock.py)
+        phases = f"{self.compile_phases}; " if self.compile_phases else ""
         print(f"lockstep engine: decode graphs ready in {time.perf_counter() - start:.0f} s "
-              f"({compiled_graph_count() - compiled_before} graphs compiled; {self.compile_cache.describe()})",
+              f"({compiled_graph_count() - compiled_before} graphs compiled; {phases}{self.compile_cache.describe()})",
               file=sys.stderr)
 
     def _fuse_projections(self) -> None:
