@@ -43,6 +43,17 @@ def agreed_run_dir(ctx, run_dir):
     return box[0]
 
 
+def gather_to_every_rank(ctx):
+    """callable(obj) -> every rank's obj in rank order, over the control group (RLRun.gather)."""
+    def gather(obj):
+        out = [None] * ctx.world_size
+        with ctx.collective("all_gather_object of the step's per-rank metrics"):
+            dist.all_gather_object(out, obj, group=ctx.control_group)
+        return out
+
+    return gather
+
+
 def pipeline_refusal(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> str | None:
     """Why this pipeline-parallel run cannot run yet, or None (also None without PP)."""
     pp = train_cfg.pipeline_model_parallel_size

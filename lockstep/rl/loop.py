@@ -6,6 +6,7 @@
         train num_steps_per_rollout optimizer steps on the samples
         push the new weights into the engine (re-quantised to its serving format)
         evaluate every eval_interval, save every save_interval, log one metrics line
+        (with each phase's peak memory: metrics/phase_memory.py)
 
 The rollout's samples are split into num_steps_per_rollout nearly equal consecutive slices (sizes
 differ by at most one; every sample is trained on). A non-finite loss or gradient makes the trainer
@@ -15,7 +16,9 @@ of the rollout changed them, so the engine never serves a policy older than the 
 On N processes (lockstep/rl/data_parallel.py) every rank runs this same loop: the engine is the
 world's replicas (each generates its block of the requests, every rank gets all samples), the
 trainer each rank's FSDP shard, so rewards, advantages and filter decisions are computed on the same
-batch everywhere. Only the primary process (rank 0) writes metrics, progress and the run state.
+batch everywhere. Only the primary process (rank 0) writes metrics, progress and the run state;
+the phases' peak memory of every rank reaches it through `gather` (perf/memory/rankR/..., and the
+largest over the ranks under the plain names).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 import torch
 
 from .evaluate import evaluate
+from ..metrics.phase_memory import PhaseMemory, per_rank
 from ..metrics.sinks import make_sinks
 from .advantages import compute_advantages
 from .config import RunConfig
@@ -63,6 +67,8 @@ class RLRun:
     progress: object = None  # callable(rollout_id, metrics) for progress display
     start_metrics: dict = field(default_factory=dict)  # logged with the first line (e.g. data/skipped_rows)
     primary: bool = True  # writes metrics and run state; False on ranks other than 0 of a multi-process run
+    device: str = "cpu"  # whose memory the phases' peaks measure (this process's GPU, or its RSS on a CPU)
+    gather: object = None  # on N processes: callable(dict) -> every rank's dict, in rank order (every rank calls it)
 
     def __post_init__(self):
         c = self.config
@@ -73,6 +79,7 @@ class RLRun:
         self.eval_spec = RolloutSpec(c.n_samples_per_eval_prompt, c.eval_temperature, 1.0,
                                      c.eval_max_response_len, c.apply_chat_template, c.seed)
         self.sinks = make_sinks(self.run_dir, tensorboard=c.tensorboard, wandb=c.wandb) if self.primary else None
+        self.memory = PhaseMemory(self.device)
 
     # ---- the algorithm ------------------------------------------------------------------
 
@@ -80,17 +87,23 @@ class RLRun:
         c = self.config
         if self.rollout_id == 0 and self.eval_sets:
             self.log(self.evaluate(), step=0)
+        phase = self.memory.phase
         while self.rollout_id < c.num_rollout:
-            samples, metrics = self.generate()
+            with phase("rollout"):
+                samples, metrics = self.generate()
             self.add_advantages(samples)
-            metrics.update(self.train(samples))
+            with phase("train"):
+                metrics.update(self.train(samples))
             if metrics["train/optimizer_steps"] > 0:
-                metrics.update(self.sync_weights())
+                with phase("weight_sync"):
+                    metrics.update(self.sync_weights())
             self.rollout_id += 1
             if self.eval_sets and (self.rollout_id % c.eval_interval == 0 or self.rollout_id == c.num_rollout):
-                metrics.update(self.evaluate())
+                with phase("eval"):
+                    metrics.update(self.evaluate())
             if c.save and (c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout):
                 self.save(c.save)
+            metrics.update(self.memory_metrics())
             self.log(metrics, step=self.rollout_id)
         if self.sinks is not None:
             self.sinks.close()
@@ -142,6 +155,11 @@ class RLRun:
         metrics = evaluate(self.engine, self.eval_sets, self.eval_spec, tag=("eval", self.rollout_id))
         metrics["perf/eval_time"] = time.perf_counter() - start
         return metrics
+
+    def memory_metrics(self) -> dict[str, float]:
+        """This step's peak memory per phase: this process's, or on N processes every rank's."""
+        mine = self.memory.metrics()
+        return per_rank(self.gather(mine)) if self.gather is not None else mine
 
     def log(self, metrics: dict, step: int) -> None:
         metrics, self.start_metrics = {**self.start_metrics, **metrics}, {}

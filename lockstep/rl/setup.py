@@ -152,9 +152,15 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
             {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
              "eval_rewards": {name: s.reward for name, s in held_out.items()},
              "world_size": dist_ctx.world_size if dist_ctx is not None else 1}, indent=1, default=str))
+    gather = None
+    if dist_ctx is not None:
+        from .data_parallel import gather_to_every_rank
+
+        gather = gather_to_every_rank(dist_ctx)
     rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
                advantage_estimator=train_cfg.advantage_fn, progress=progress if primary else None,
-               start_metrics={"data/skipped_rows": float(skipped)}, primary=primary)
+               start_metrics={"data/skipped_rows": float(skipped)}, primary=primary,
+               device=str(dist_ctx.device) if dist_ctx is not None else engine_cfg.device, gather=gather)
     if run.load:
         rl.load(run.load)
     return rl

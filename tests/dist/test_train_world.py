@@ -115,6 +115,12 @@ def test_two_processes_log_the_metrics_of_one(one_process, two_processes):
     assert [line["train/num_microbatches"] for line in two if "train/step" in line] == [2.0] * 2
     assert _first_difference(one, two) is None, _first_difference(one, two)
     assert {k for k in one[-1] if k.startswith("eval/")}  # the last line carries an eval
+    # each phase's peak memory (a CPU process's peak RSS here): every rank's, the largest under the plain name
+    for line in (line for line in two if "train/step" in line):
+        for phase in ("rollout", "train", "weight_sync"):
+            ranks = [line[f"perf/memory/rank{r}/{phase}_peak_gb"] for r in range(2)]
+            assert line[f"perf/memory/{phase}_peak_gb"] == max(ranks) and min(ranks) > 0.1, (phase, line)
+    assert all(line["perf/memory/train_peak_gb"] > 0.1 for line in one if "train/step" in line)
 
 
 # one run for three claims (each `lockstep train` start is ~20 s): its flags come from a --layout file,
