@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     c.add_argument("--gpu-memory-gb", type=float, default=288.0, help="memory per GPU, GB (default: 288)")
     c.add_argument("--actor-nodes", type=int, default=None, help="default: half the nodes")
     c.add_argument("--rollout-nodes", type=int, default=None, help="default: the other nodes")
+    c.add_argument("--colocate", action="store_true",
+                   help="every GPU trains and serves (lockstep train's default world): a GPU holds its actor stage "
+                        "and its engine; not with --actor-nodes / --rollout-nodes")
     c.add_argument("--intra-node-bandwidth-gbs", type=float, default=400.0, help="GB/s per GPU per direction")
     c.add_argument("--inter-node-bandwidth-gbs", type=float, default=50.0, help="GB/s per GPU per direction")
     c.add_argument("--host-link-bandwidth-gbs", type=float, default=50.0, help="GPU<->host GB/s (offload)")
@@ -93,9 +96,13 @@ def _specs(args):
     from lockstep.plan.cluster import ClusterSpec, RolloutSpec, TrainSpec
     from lockstep.plan.hf_config import load_model
 
+    if args.colocate and (args.actor_nodes is not None or args.rollout_nodes is not None):
+        raise ValueError("--colocate: every node trains and serves; drop --actor-nodes / --rollout-nodes")
     actor = args.actor_nodes if args.actor_nodes is not None else max(1, args.nodes // 2)
     rollout = args.rollout_nodes if args.rollout_nodes is not None else max(1, args.nodes - actor)
-    cluster = ClusterSpec(
+    if args.colocate:
+        actor = rollout = args.nodes
+    cluster = ClusterSpec(colocate=args.colocate,
         nodes=args.nodes, gpus_per_node=args.gpus_per_node, gpu_memory_gb=args.gpu_memory_gb, actor_nodes=actor,
         rollout_nodes=rollout, intra_node_gbs=args.intra_node_bandwidth_gbs,
         inter_node_gbs=args.inter_node_bandwidth_gbs, host_link_gbs=args.host_link_bandwidth_gbs,

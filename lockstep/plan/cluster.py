@@ -35,7 +35,10 @@ def _positive(obj, *names):
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:
-    """Nodes of identical GPUs, split into actor (training) and rollout (serving) nodes."""
+    """Nodes of identical GPUs, split into actor (training) and rollout (serving) nodes, or, with
+    `colocate`, every GPU both (slime's --colocate; lockstep's colocated runs: each rank trains its
+    part and serves): actor_nodes = rollout_nodes = nodes, and a GPU holds its actor stage's state and
+    its engine's weights and caches at once (planner.colocated_stage)."""
 
     nodes: int
     gpus_per_node: int
@@ -48,11 +51,16 @@ class ClusterSpec:
     host_memory_gb: float | None = HOST_MEMORY_GB  # per node; None = not checked
     gpu_tflops: float = 400.0
     reserve_fraction: float = 0.10
+    colocate: bool = False
 
     def __post_init__(self):
         _positive(self, "nodes", "gpus_per_node", "gpu_memory_gb", "actor_nodes", "rollout_nodes")
         _positive(self, "intra_node_gbs", "inter_node_gbs", "host_link_gbs", "gpu_tflops")
-        if self.actor_nodes + self.rollout_nodes > self.nodes:
+        if self.colocate:
+            if not self.actor_nodes == self.rollout_nodes == self.nodes:
+                raise ValueError(f"ClusterSpec: colocated, actor_nodes ({self.actor_nodes}) and rollout_nodes "
+                                 f"({self.rollout_nodes}) must both be the {self.nodes} nodes (every GPU trains and serves)")
+        elif self.actor_nodes + self.rollout_nodes > self.nodes:
             raise ValueError(
                 f"ClusterSpec: actor_nodes ({self.actor_nodes}) + rollout_nodes ({self.rollout_nodes}) "
                 f"exceeds nodes ({self.nodes})"

@@ -16,7 +16,10 @@ splits its bytes by destination and takes max(intra / intra_bw, inter / inter_bw
   offload  gradient shard to host (4 B) and updated bf16 shard back, over the host link
   weight push  each pipeline stage's first rank gathers its stage (TP peers, then EP peers) and
       broadcasts it to the rollout engines over its NIC; stages send in parallel, so the push
-      takes the slowest stage: gather + stage_bytes / inter_bw.
+      takes the slowest stage: gather + stage_bytes / inter_bw. Colocated (ClusterSpec.colocate),
+      every GPU's engine takes the whole model from the trainers beside it: a GPU receives every
+      other stage (the stages broadcast in turn over the PP ring) and its EP peers' experts of its
+      own stage: (total - own stage) / PP ring bw + own experts * (EP-1)/EP over the EP group.
 """
 
 from __future__ import annotations
@@ -128,6 +131,28 @@ def weight_push_term(m, cluster, rollout: RolloutSpec, layout: Layout, stages: l
                     f"{rollout.push_format}: {layout.pp} stage senders in parallel, gather + stage bytes / NIC")
 
 
+def colocated_update_term(m, cluster, rollout: RolloutSpec, layout: Layout, stages: list[range]) -> CommTerm:
+    """Colocated: the whole model gathered on every GPU for its engine (module docstring); the
+    slowest stage's GPU decides."""
+    per_stage = []
+    for s, layers in enumerate(stages):
+        groups = stage_groups(m, layout, s, layers)
+        per_stage.append((sum(g.count * push_bytes_per_param(g, rollout) for g in groups),
+                          sum(g.count * push_bytes_per_param(g, rollout) for g in groups if g.shard == "expert")))
+    total = buffer_bytes(m) + sum(stage for stage, _ in per_stage)
+    pp_bw = cluster.inter_node_gbs if pp_crosses_nodes(layout, cluster.gpus_per_node) else cluster.intra_node_gbs
+    received, worst = 0.0, 0.0
+    for stage, experts in per_stage:
+        others, peers_experts = total - stage, experts * (layout.ep - 1) / layout.ep
+        seconds = others / (pp_bw * 1e9)  # nothing when PP is 1: the GPU holds its whole stage
+        seconds += _a2a_seconds(peers_experts, layout, "ep", cluster)
+        if seconds >= worst:
+            received, worst = others + peers_experts, seconds
+    return CommTerm("weight push", received, worst,
+                    f"{rollout.push_format}, colocated: the other stages over PP {layout.pp} + EP {layout.ep} peers' "
+                    "experts, gathered on every GPU")
+
+
 def step_comm(m: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rollout: RolloutSpec, layout: Layout,
               stages: list[range]) -> list[CommTerm]:
     """Every communication term of one step (the largest stage for the per-layer ones)."""
@@ -139,5 +164,6 @@ def step_comm(m: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rollout: Rol
     terms = [tp_term(m, cluster, train, layout, mb, L, passes), ep_term(m, cluster, train, layout, mb, L, passes),
              pp_term(m, cluster, train, layout, mb), cp_term(m, cluster, train, layout, mb, L, passes)]
     terms += dp_terms(m, cluster, train, layout, pd, pe)
-    terms.append(weight_push_term(m, cluster, rollout, layout, stages))
+    push = colocated_update_term if cluster.colocate else weight_push_term
+    terms.append(push(m, cluster, rollout, layout, stages))
     return terms

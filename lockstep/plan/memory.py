@@ -20,7 +20,9 @@ the terms are
   logits (last stage)     t * head_bytes_per_token + the head weight's fp32 gradient V/TP * H * (4 + 2) (activations.py)
 The peak is the sum, except that with one micro-batch per GPU the gradients and the activation
 terms are phases (`peak_gpu_bytes`): lockstep's backward allocates the gradients as it frees the
-activations, so the peak holds the larger of the two.
+activations, so the peak holds the larger of the two. Colocated (ClusterSpec.colocate), the GPU
+also serves between train steps: gradients and activations are then a "train" phase (with one
+micro-batch, its two sub-phases), which never meets the engine's generation or weight update.
 A layout fits when the worst stage's peak is within gpu_memory * (1 - reserve).
 """
 
@@ -107,7 +109,13 @@ def per_gpu_params(groups: list[ParamGroup], layout: Layout) -> tuple[float, flo
     return dense, expert
 
 
-def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list[MemoryTerm]:
+def _transient(single: bool, sub_phase: str, colocate: bool) -> str:
+    """The phase of a term that only the train step holds: with one micro-batch its own sub-phase
+    (gradients vs activations); else, colocated, the train step's ("train"); else always held ("")."""
+    return sub_phase if single else ("train" if colocate else "")
+
+
+def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout, colocate: bool = False) -> list[MemoryTerm]:
     pb, gb, ob = DTYPE_BYTES[train.param_dtype], DTYPE_BYTES[train.grad_dtype], train.optimizer_bytes_per_param
     p = pd + pe
     # lockstep's trainer keeps no gradient buffer: the backward allocates each gradient as it frees
@@ -118,7 +126,8 @@ def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list
     terms = [
         MemoryTerm("weights", p * pb, f"({pd / 1e9:.3f}B dense + {pe / 1e9:.3f}B expert) params x {pb:g} B"),
         MemoryTerm("gradients", p * gb, f"{p / 1e9:.3f}B params x {gb:g} B ({train.grad_dtype})"
-                   + ("; 1 micro-batch: max with the activations" if single else ""), phase="gradients" if single else ""),
+                   + ("; 1 micro-batch: max with the activations" if single else ""),
+                   phase=_transient(single, "gradients", colocate)),
     ]
     if train.use_kl_loss:
         terms.append(MemoryTerm("reference weights", p * pb, f"{p / 1e9:.3f}B params x {pb:g} B (KL reference)"))
@@ -139,7 +148,7 @@ def _state_terms(pd: float, pe: float, train: TrainSpec, layout: Layout) -> list
 
 
 def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage: int,
-                      layers: range) -> list[MemoryTerm]:
+                      layers: range, colocate: bool = False) -> list[MemoryTerm]:
     t, tp = train.max_tokens_per_gpu, layout.tp
     mbs = train.micro_batches(layout.dp, layout.cp)
     inflight = min(layout.pp - stage, mbs)
@@ -163,17 +172,16 @@ def _activation_terms(model: ModelSpec, train: TrainSpec, layout: Layout, stage:
         lg, w = act.head_bytes_per_token(model, tp), act.head_weight_grad_bytes(model, tp)
         terms.append(MemoryTerm("logits", t * lg + w, f"{t} tok x {lg / 1e3:.1f} KB (head, V/TP {model.vocab_size // tp}"
                                 f" fp32 x {act.HEAD_FP32_ROWS}) + head weight gradient {w / 1e9:.2f} GB"))
-    if mbs == 1:  # see _state_terms
-        terms = [replace(x, phase="activations") for x in terms]
-    return terms
+    phase = _transient(mbs == 1, "activations", colocate)  # see _state_terms
+    return [replace(x, phase=phase) for x in terms]
 
 
 def stage_memory(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, layout: Layout, stage: int,
                  layers: range) -> StageMemory:
     """All memory terms of one GPU of pipeline stage `stage`."""
     pd, pe = per_gpu_params(stage_groups(model, layout, stage, layers), layout)
-    terms = _state_terms(pd, pe, train, layout)
-    terms += _activation_terms(model, train, layout, stage, layers)
+    terms = _state_terms(pd, pe, train, layout, cluster.colocate)
+    terms += _activation_terms(model, train, layout, stage, layers, cluster.colocate)
     return StageMemory(stage=stage, layers=tuple(layers), terms=tuple(terms))
 
 

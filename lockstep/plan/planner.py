@@ -4,11 +4,13 @@ Estimated step seconds = compute * (1 + pipeline bubble) + every communication t
 with no overlap between them (an upper bound; real systems hide part of TP / EP / DP traffic).
 Infeasible layouts sort after feasible ones, least over-budget first, each with the reason:
 which side (actor stage, host, rollout) breaks, by how much, and its largest memory term.
+Colocated (ClusterSpec.colocate), every GPU holds its actor stage's terms and its engine's
+(`colocated_stage`), so the stages carry the rollout side and no rollout GPU is checked apart.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from lockstep.plan.cluster import GB, ClusterSpec, RolloutSpec, TrainSpec
 from lockstep.plan.comm import CommTerm, step_comm
@@ -56,6 +58,12 @@ class LayoutPlan:
         return next(c for c in self.comm if c.name == name)
 
 
+def colocated_stage(stage: StageMemory, engine: RolloutMemory) -> StageMemory:
+    """A colocated GPU: its actor stage's terms and its engine's ("engine: ..."); the engine's
+    phases (generation, weight update) never meet the train step's (memory.py)."""
+    return replace(stage, terms=stage.terms + tuple(replace(t, name=f"engine: {t.name}") for t in engine.terms))
+
+
 def _reason(worst: StageMemory, rollout: RolloutMemory, usable: float, host_node: float,
             cluster: ClusterSpec) -> str:
     reasons = []
@@ -65,7 +73,7 @@ def _reason(worst: StageMemory, rollout: RolloutMemory, usable: float, host_node
                        f"({big.name} {big.bytes / GB:.1f} GB)")
     if cluster.host_memory_gb is not None and host_node > cluster.host_memory_gb * GB:
         reasons.append(f"host: {host_node / GB:.0f} > {cluster.host_memory_gb:.0f} GB per node")
-    if rollout.gpu_bytes > usable:
+    if rollout.gpu_bytes > usable and not cluster.colocate:  # colocated: counted in the stages
         big = rollout.largest()
         reasons.append(f"rollout: {rollout.gpu_bytes / GB:.1f} GB > {usable / GB:.1f} GB usable "
                        f"({big.name} {big.bytes / GB:.1f} GB)")
@@ -78,6 +86,8 @@ def evaluate(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, rollout: 
     stages = actor_memory(model, cluster, train, layout)
     ranges = stage_layer_indices(model, layout, train.decoder_last_pipeline_num_layers)
     rmem = rollout_mem or rollout_memory(model, cluster, rollout, train.seq_len)
+    if cluster.colocate:
+        stages = [colocated_stage(s, rmem) for s in stages]
     comm = step_comm(model, cluster, train, rollout, layout, ranges)
     compute, bubble = compute_seconds(model, cluster, train, layout, ranges)
     host_node = max(s.host_bytes for s in stages) * cluster.gpus_per_node

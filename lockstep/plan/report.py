@@ -31,12 +31,18 @@ def _r(x: float, nd: int = 3) -> float:
     return round(float(x), nd)
 
 
+def plan_flags(p: LayoutPlan, cluster: ClusterSpec, train: TrainSpec) -> tuple[list[str] | None, str]:
+    """train_flags of a planned layout: its engines' GPUs and last stage's layers from the plan."""
+    return train_flags(p.layout, cluster, train, engine_gpus=cluster.rollout_gpus // p.rollout.engines,
+                       last_stage_layers=len(p.stages[-1].layers))
+
+
 def plan_dict(p: LayoutPlan, cluster: ClusterSpec | None = None, train: TrainSpec | None = None) -> dict:
     lay, worst, push = p.layout, p.worst, p.comm_term("weight push")
-    flags, not_runnable = train_flags(lay, cluster, train) if cluster and train else (None, "")
+    flags, not_runnable = plan_flags(p, cluster, train) if cluster and train else (None, "")
     return {
         "tp": lay.tp, "pp": lay.pp, "ep": lay.ep, "cp": lay.cp, "dp": lay.dp, "edp": lay.edp,
-        "feasible": p.feasible,
+        "feasible": p.feasible, "colocate": bool(cluster and cluster.colocate),
         **({"train_flags": flags, "not_runnable": not_runnable} if cluster and train else {}),
         "actor_gb_per_gpu": _r(p.actor_bytes / GB),
         "rollout_gb_per_gpu": _r(p.rollout.gpu_bytes / GB),
@@ -81,7 +87,7 @@ def formats_table(model: ModelSpec) -> Table:
 
 def flags_line(p: LayoutPlan, cluster: ClusterSpec, train: TrainSpec) -> str:
     """`lockstep train ...` for the layout, or why lockstep cannot run it yet."""
-    flags, why = train_flags(p.layout, cluster, train)
+    flags, why = plan_flags(p, cluster, train)
     if flags is None:
         return f"lockstep train cannot run {p.layout.label()} yet: {why}"
     return f"Run {p.layout.label()} with: lockstep train --model DIR {' '.join(flags)}"
@@ -177,6 +183,10 @@ def assumptions(model: ModelSpec, cluster: ClusterSpec, train: TrainSpec, plans:
         splits = ", ".join(f"PP{pp} {'/'.join(map(str, n))}" for pp, n in sorted(uneven.items()))
         out.append(f"Pipeline stages: PP that does not divide the {model.num_layers} layers gets a lighter last stage "
                    f"({splits}); --decoder-last-pipeline-num-layers K fixes the last stage at K layers.")
+    if cluster.colocate:
+        out.append("Colocated: every GPU holds its actor stage and its engine (the \"engine: ...\" terms); the train "
+                   "step's transient terms and the engine's generation or weight update never peak together. The "
+                   "rollout GPU rows show the engine's part alone.")
     if cluster.host_memory_gb is None:
         out.append("Host memory: not checked.")
     elif train.optimizer_offload:

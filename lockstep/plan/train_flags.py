@@ -6,7 +6,11 @@ Only flags `lockstep train` has: the planner's actor / rollout nodes become a di
 spec gives --max-tokens-per-gpu, --recompute-activations and --optimizer-offload. TP > 1, CP > 1,
 PP (colocated only in lockstep, the planner's layout is disaggregated), EP smaller than the trainer
 ranks and optimizer offload with EP have no lockstep implementation: `not_runnable` names them.
---model, --node-rank and --master-addr are the user's, per run and per node.
+--model, --node-rank and --master-addr are the user's, per run and per node. A colocated plan
+(ClusterSpec.colocate) is lockstep's default world, every rank training and serving: FSDP over all
+ranks, or --expert-model-parallel-size = all ranks, or --pipeline-model-parallel-size PP with
+PP x EP = all ranks (the plan's last stage given by --decoder-last-pipeline-num-layers); engines of
+one GPU each, or one expert-parallel engine over all ranks (--rollout-expert-parallel-size).
 
 `chosen_layout` reads them back from a `lockstep plan --json` file for `lockstep train --layout`.
 """
@@ -18,8 +22,12 @@ from lockstep.plan.cluster import ClusterSpec, TrainSpec
 from lockstep.plan.layout import Layout
 
 
-def train_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec) -> tuple[list[str] | None, str]:
-    """(flags, "") when `lockstep train` can run `layout`, else (None, why not)."""
+def train_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec, engine_gpus: int = 1,
+                last_stage_layers: int | None = None) -> tuple[list[str] | None, str]:
+    """(flags, "") when `lockstep train` can run `layout`, else (None, why not). engine_gpus: the
+    plan's GPUs per engine; last_stage_layers: its last pipeline stage's layers (colocated PP)."""
+    if cluster.colocate:
+        return _colocated_flags(layout, cluster, train, engine_gpus, last_stage_layers)
     why = []
     if layout.tp > 1:
         why.append(f"TP {layout.tp}: lockstep has no tensor parallel")
@@ -42,6 +50,44 @@ def train_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec) -> tuple
              "--max-tokens-per-gpu", str(train.max_tokens_per_gpu)]
     if layout.ep > 1:
         flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if train.recompute:
+        flags.append("--recompute-activations")
+    if train.optimizer_offload:
+        flags.append("--optimizer-offload")
+    return flags, ""
+
+
+def _colocated_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec, engine_gpus: int,
+                     last_stage_layers: int | None) -> tuple[list[str] | None, str]:
+    world, why = cluster.actor_gpus, []
+    if layout.tp > 1:
+        why.append(f"TP {layout.tp}: lockstep has no tensor parallel")
+    if layout.cp > 1:
+        why.append(f"CP {layout.cp}: lockstep has no context parallel")
+    if layout.pp > 1 and layout.pp * layout.ep != world:
+        why.append(f"PP {layout.pp} x EP {layout.ep} != the {world} ranks: lockstep's pipelines run one stage per "
+                   "rank, more than one pipeline only with the experts sharded over them")
+    if layout.pp == 1 and layout.ep > 1 and layout.ep != world:
+        why.append(f"EP {layout.ep} < the {world} ranks: lockstep's EP spans every trainer rank")
+    if layout.ep > 1 and train.optimizer_offload:
+        why.append("optimizer offload with EP > 1: the expert-parallel trainer does not offload")
+    if engine_gpus not in (1, world):
+        why.append(f"engines of {engine_gpus} GPUs: lockstep's colocated engines take one GPU each or all {world} "
+                   "(one expert-parallel engine)")
+    if not train.distributed_optimizer:
+        why.append("an unsharded optimizer: lockstep's trainer always shards it")
+    if why:
+        return None, "; ".join(why)
+    flags = ["--nnodes", str(cluster.nodes), "--nproc-per-node", str(cluster.gpus_per_node),
+             "--max-tokens-per-gpu", str(train.max_tokens_per_gpu)]
+    if layout.pp > 1:
+        flags += ["--pipeline-model-parallel-size", str(layout.pp)]
+        if last_stage_layers is not None:
+            flags += ["--decoder-last-pipeline-num-layers", str(last_stage_layers)]
+    if layout.ep > 1:
+        flags += ["--expert-model-parallel-size", str(layout.ep)]
+    if engine_gpus > 1:
+        flags += ["--rollout-expert-parallel-size", str(engine_gpus)]
     if train.recompute:
         flags.append("--recompute-activations")
     if train.optimizer_offload:

@@ -64,6 +64,7 @@ import time
 import pytest
 
 from dist_world import free_port, run_world
+from lockstep.rl.embedded import ASSET_DIR  # lockstep train's default model
 from processes import cli_env
 
 # 4 eval prompts: 2 a rank, still sharded (an eval of 8 cost ~1.6 s at step 0 and after the last rollout)
@@ -208,6 +209,24 @@ def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process
     # the same two micro-batches, padded to the same [8, 22] on both sides (module docstring)
     assert [line["train/num_microbatches"] for line in pipeline_two if "train/step" in line] == [2.0] * 2
     assert _first_difference(one_process, pipeline_two) is None, _first_difference(one_process, pipeline_two)
+
+
+def test_a_colocated_plan_gives_the_pipeline_run_its_flags(tmp_path, capsys, pipeline_two):
+    """`lockstep plan --colocate` for the embedded model on 1 node of 2 GPUs (PP 2 fixed): its flags are
+    the pipeline run's, and `lockstep train --layout` with that JSON runs it (the same metrics)."""
+    from lockstep.cli import main
+
+    assert main(["plan", "--model", str(ASSET_DIR), "--colocate", "--nodes", "1", "--gpus-per-node", "2",
+                 "--seq-len", "64", "--max-tokens-per-gpu", "172", "--rollout-gpus-per-engine", "1",
+                 "--decoder-last-pipeline-num-layers", "1", "--tp", "1", "--pp", "2", "--ep", "1", "--cp", "1",
+                 "--json"]) == 0
+    plan = capsys.readouterr().out
+    (entry,) = json.loads(plan)
+    assert entry["colocate"] and entry["feasible"] and entry["stage_layers"] == [3, 1]
+    assert entry["train_flags"] == ["--nnodes", "1", *PIPELINE[:2], "--max-tokens-per-gpu", "172", *PIPELINE[2:]]
+    (tmp_path / "plan.json").write_text(plan)
+    lines = _train(tmp_path / "run", "--layout", str(tmp_path / "plan.json"), "--master-port", str(free_port()))
+    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in pipeline_two]
 
 
 def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_two):
