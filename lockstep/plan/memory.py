@@ -46,15 +46,22 @@ class MemoryTerm:
     phase: str = ""  # "" always held; terms of different named phases are never held at once
 
 
-def peak_gpu_bytes(terms) -> float:
-    """The GPU's peak: every always-held term plus the largest phase's terms (the one rule for the
-    phases: the actor's forward/backward vs its gradients, the engine's generation vs its push)."""
+def phase_gpu_bytes(terms) -> dict[str, float]:
+    """The GPU's bytes in each phase: {"held": the always-held terms, phase: held + that phase's terms}
+    (the one rule for the phases: the actor's forward/backward vs its gradients, the engine's
+    generation vs its push, colocated the train step vs the engine's)."""
     gpu = [t for t in terms if t.where == "gpu"]
-    phases: dict[str, float] = {}
+    held = sum(t.bytes for t in gpu if not t.phase)
+    out = {"held": held}
     for t in gpu:
         if t.phase:
-            phases[t.phase] = phases.get(t.phase, 0.0) + t.bytes
-    return sum(t.bytes for t in gpu if not t.phase) + max(phases.values(), default=0.0)
+            out[t.phase] = out.get(t.phase, held) + t.bytes
+    return out
+
+
+def peak_gpu_bytes(terms) -> float:
+    """The GPU's peak: every always-held term plus the largest phase's terms."""
+    return max(phase_gpu_bytes(terms).values())
 
 
 @dataclass(frozen=True)

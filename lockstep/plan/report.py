@@ -20,6 +20,7 @@ from rich.table import Table
 
 from lockstep.plan import activations as act
 from lockstep.plan.cluster import GB, HOST_MEMORY_GB, ClusterSpec, TrainSpec
+from lockstep.plan.memory import phase_gpu_bytes
 from lockstep.plan.model import ModelSpec
 from lockstep.plan.params import active_params, total_params
 from lockstep.plan.planner import LayoutPlan
@@ -51,6 +52,8 @@ def plan_dict(p: LayoutPlan, cluster: ClusterSpec | None = None, train: TrainSpe
         "reason": p.reason,
         "worst_stage": worst.stage,
         "stage_layers": [len(s.layers) for s in p.stages],
+        # per stage, the GPU's GB in each phase (memory.phase_gpu_bytes): what a run's per-phase peaks meet
+        "stage_phase_gb": [{k: _r(v / GB) for k, v in phase_gpu_bytes(s.terms).items()} for s in p.stages],
         "step_seconds": _r(p.step_seconds),
         "compute_seconds": _r(p.compute_s),
         "pipeline_bubble": _r(p.bubble),

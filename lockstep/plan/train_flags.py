@@ -4,8 +4,10 @@ Only flags `lockstep train` has: the planner's actor / rollout nodes become a di
 (--nnodes, --nproc-per-node, --actor-num-gpus, --rollout-num-gpus), EP becomes
 --expert-model-parallel-size (lockstep's EP spans every trainer rank: EP = DP), and the training
 spec gives --max-tokens-per-gpu, --recompute-activations and --optimizer-offload. TP > 1, CP > 1,
-PP (colocated only in lockstep, the planner's layout is disaggregated), EP smaller than the trainer
-ranks and optimizer offload with EP have no lockstep implementation: `not_runnable` names them.
+PP (colocated only in lockstep, the planner's layout is disaggregated) and EP smaller than the
+trainer ranks have no lockstep implementation: `not_runnable` names them. Optimizer offload runs
+with every trainer (FSDP's CPUOffloadPolicy; MasterAdamW's offload under EP and PP: the PP 2 x EP 2
+run with recompute and offload logs the one-process run's metrics, tests/dist).
 --model, --node-rank and --master-addr are the user's, per run and per node. A colocated plan
 (ClusterSpec.colocate) is lockstep's default world, every rank training and serving: FSDP over all
 ranks, or --expert-model-parallel-size = all ranks, or --pipeline-model-parallel-size PP with
@@ -38,8 +40,6 @@ def train_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec, engine_g
                    "no EP), the plan is disaggregated")
     if layout.ep > 1 and layout.ep != cluster.actor_gpus:
         why.append(f"EP {layout.ep} < the {cluster.actor_gpus} trainer ranks: lockstep's EP spans every trainer rank")
-    if layout.ep > 1 and train.optimizer_offload:
-        why.append("optimizer offload with EP > 1: the expert-parallel trainer does not offload")
     if not train.distributed_optimizer:
         why.append("an unsharded optimizer: lockstep's trainer always shards it")
     if why:
@@ -69,8 +69,6 @@ def _colocated_flags(layout: Layout, cluster: ClusterSpec, train: TrainSpec, eng
                    "rank, more than one pipeline only with the experts sharded over them")
     if layout.pp == 1 and layout.ep > 1 and layout.ep != world:
         why.append(f"EP {layout.ep} < the {world} ranks: lockstep's EP spans every trainer rank")
-    if layout.ep > 1 and train.optimizer_offload:
-        why.append("optimizer offload with EP > 1: the expert-parallel trainer does not offload")
     if engine_gpus not in (1, world):
         why.append(f"engines of {engine_gpus} GPUs: lockstep's colocated engines take one GPU each or all {world} "
                    "(one expert-parallel engine)")

@@ -266,8 +266,9 @@ def test_refusals():
 
 
 def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process(tmp_path, one_process):
-    """`lockstep train --nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2`,
-    test_train_world.py's 2-rollout run, against its one-process run (tests/dist/conftest.py, run once a
+    """`lockstep train --nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2`
+    with recompute and optimizer offload (issue 19's layout, smaller), test_train_world.py's 2-rollout
+    run, against its one-process run (tests/dist/conftest.py, run once a
     session), metrics.jsonl line by line bitwise (perf/* aside). test_train_world.py's RUN makes it so: a
     batch-invariant engine (4 replicas sample what one engine samples), and a budget that packs each
     pipeline's block of 8 samples into one micro-batch, one process the 16 into the same two, each
@@ -279,9 +280,10 @@ def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process(tmp_path, one_pr
     one = one_process
     grid = _train(tmp_path / "pp-ep", "--nproc-per-node", "4", "--pipeline-model-parallel-size",
                   "2", "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
-                  "--master-port", str(free_port()))
+                  "--recompute-activations", "--optimizer-offload", "--master-port", str(free_port()))
     config = __import__("json").loads((tmp_path / "pp-ep" / "config.json").read_text())
-    assert (config["world_size"], config["train"]["pipeline_model_parallel_size"],
-            config["train"]["expert_model_parallel_size"]) == (4, 2, 2)
+    train = config["train"]
+    assert (config["world_size"], train["pipeline_model_parallel_size"], train["expert_model_parallel_size"],
+            train["recompute_activations"], train["optimizer_offload"]) == (4, 2, 2, True, True)
     assert [line["train/num_microbatches"] for line in grid if "train/step" in line] == [2.0] * 2
     assert len(grid) == len(one) == 3 and _first_difference(one, grid) is None, _first_difference(one, grid)

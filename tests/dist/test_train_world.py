@@ -64,6 +64,7 @@ import time
 import pytest
 
 from dist_world import free_port, run_world
+from lockstep.plan.measured import compare
 from lockstep.rl.embedded import ASSET_DIR  # lockstep train's default model
 from processes import cli_env
 
@@ -227,6 +228,16 @@ def test_a_colocated_plan_gives_the_pipeline_run_its_flags(tmp_path, capsys, pip
     (tmp_path / "plan.json").write_text(plan)
     lines = _train(tmp_path / "run", "--layout", str(tmp_path / "plan.json"), "--master-port", str(free_port()))
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in pipeline_two]
+    # the plan per stage and phase against the run's per-rank peaks (stage s on rank s here)
+    rows = compare(entry, lines)
+    assert [(r.stage, r.phase, r.ranks) for r in rows] == [
+        (s, phase, (s,)) for s in (0, 1) for phase in ("rollout", "train", "weight_sync")]
+    for r in rows:
+        assert r.measured_gb == max(line[f"perf/memory/rank{r.stage}/{r.phase}_peak_gb"] for line in lines
+                                    if f"perf/memory/rank{r.stage}/{r.phase}_peak_gb" in line)
+        phases = entry["stage_phase_gb"][r.stage]
+        train = max(v for k, v in phases.items() if k in ("train", "activations", "gradients"))
+        assert r.planned_gb == {"rollout": phases["generate"], "weight_sync": phases["push"], "train": train}[r.phase]
 
 
 def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_two):

@@ -55,14 +55,15 @@ COLOCATED = ClusterSpec(nodes=1, gpus_per_node=8, gpu_memory_gb=80, actor_nodes=
 
 
 def test_colocated_pipeline_flags_parse_as_the_issue_19_layout():
-    """PP 4 x EP 2 on 8 colocated GPUs, one expert-parallel engine over them: lockstep's default world."""
-    train = TrainSpec(seq_len=4096, max_tokens_per_gpu=8192, recompute=True)
+    """PP 4 x EP 2 on 8 colocated GPUs with recompute and optimizer offload, one expert-parallel engine
+    over them: lockstep's default world."""
+    train = TrainSpec(seq_len=4096, max_tokens_per_gpu=8192, recompute=True, optimizer_offload=True)
     flags, why = train_flags(Layout(tp=1, pp=4, ep=2, cp=1, dp=2), COLOCATED, train, engine_gpus=8,
                              last_stage_layers=5)
     assert why == ""
     dist, parsed = _parse(flags)
     assert (dist.nnodes, dist.nproc_per_node, dist.actor_num_gpus, dist.rollout_num_gpus) == (1, 8, None, None)
-    assert dist.rollout_expert_parallel_size == 8 and parsed.recompute_activations
+    assert dist.rollout_expert_parallel_size == 8 and parsed.recompute_activations and parsed.optimizer_offload
     assert (parsed.pipeline_model_parallel_size, parsed.expert_model_parallel_size,
             parsed.decoder_last_pipeline_num_layers) == (4, 2, 5)
 
@@ -74,9 +75,9 @@ def test_colocated_layouts_lockstep_cannot_run_say_why():
     assert "engines of 4 GPUs" in train_flags(Layout(tp=1, pp=1, ep=1, cp=1, dp=8), COLOCATED, train,
                                               engine_gpus=4)[1]
     offload = TrainSpec(seq_len=4096, max_tokens_per_gpu=8192, optimizer_offload=True)
-    assert "offload" in train_flags(Layout(tp=1, pp=1, ep=8, cp=1, dp=8), COLOCATED, offload)[1]
-    flags, why = train_flags(Layout(tp=1, pp=1, ep=1, cp=1, dp=8), COLOCATED, offload)  # FSDP over all 8
-    assert why == "" and _parse(flags)[1].optimizer_offload
+    for ep in (1, 8):  # FSDP over all 8, or EP over all 8: both offload
+        flags, why = train_flags(Layout(tp=1, pp=1, ep=ep, cp=1, dp=8), COLOCATED, offload)
+        assert why == "" and _parse(flags)[1].optimizer_offload
 
 
 # ---- lockstep train --layout FILE: the plan's JSON read back --------------------------------------
