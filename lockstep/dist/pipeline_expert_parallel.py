@@ -48,7 +48,7 @@ import torch
 
 from lockstep.dist.expert_parallel import Collective, apply_expert_parallel, ep_mesh
 from lockstep.dist.pipeline_grid import PipelineGrid
-from lockstep.dist.pipeline_parallel import PipelineParallel, split_model
+from lockstep.dist.pipeline_parallel import PipelineParallel, PipelineStageModule, split_model
 from lockstep.dist.pipeline_trainer import PipelineTrainer
 from lockstep.dist.trainer_shard import TrainerShard
 from lockstep.train.data_parallel import DataParallel
@@ -57,7 +57,8 @@ from lockstep.train.trainer import Trainer
 
 def pipeline_expert_trainer(model: torch.nn.Module, config, grid: PipelineGrid, device: torch.device,
                             collective: Collective | None = None, ctx=None) -> TrainerShard:
-    """This rank's stage of `model` (the whole policy, as loaded on every rank; cut in place), its
+    """This rank's stage of `model` (the whole policy, cut in place; or the stage itself, as
+    pipeline_parallel.load_stage reads it, its experts all or this pipeline's window), its
     experts sharded over the grid's ep group, in a PipelineTrainer whose Trainer sums over that group,
     behind TrainerShard (the loop's whole-batch seam). `config.expert_model_parallel_size` must be the
     grid's ep: EP is carved out of the pipelines' data parallel, as without PP. `ctx`: TrainerShard's."""
@@ -65,7 +66,11 @@ def pipeline_expert_trainer(model: torch.nn.Module, config, grid: PipelineGrid, 
         raise ValueError(f"pipeline parallel {grid.pp} over {grid.pp * grid.ep} trainer ranks makes {grid.ep} "
                          f"pipelines, expert_model_parallel_size is {config.expert_model_parallel_size}: the "
                          "experts are sharded over the pipelines (data parallel without EP is not built)")
-    stage = split_model(model, grid.stage, grid.pp, config.decoder_last_pipeline_num_layers)
+    stage = model if isinstance(model, PipelineStageModule) else split_model(
+        model, grid.stage, grid.pp, config.decoder_last_pipeline_num_layers)
+    if stage.stage_index != grid.stage or stage.num_stages != grid.pp:
+        raise ValueError(f"pipeline stage {stage.stage_index} of {stage.num_stages} given to the rank of stage "
+                         f"{grid.stage} of {grid.pp}")
     if grid.ep > 1:
         apply_expert_parallel(stage, ep_mesh(grid.ep_group, device.type), collective)
     dp = DataParallel(grid.ep_group, device=device, collective=collective)

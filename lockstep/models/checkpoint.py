@@ -246,14 +246,15 @@ def load_state_dict(path, model_type_or_config=None, *, dtype: torch.dtype | Non
     return dest
 
 
-def load_into(model: torch.nn.Module, path, model_type: str | None = None) -> None:
+def load_into(model: torch.nn.Module, path, model_type: str | None = None, absent: frozenset = frozenset()) -> None:
     """Copy a checkpoint into an existing model's parameters and buffers, validating everything;
-    experts built in an expert window read only their rows (module docstring)."""
+    experts built in an expert window read only their rows (module docstring). `absent`: lockstep
+    names of tensors the model lacks on purpose (a part of the model: `load_part`), never read."""
     path = Path(path)
     model_type = model_type or model.config.model_type
     key_map = KEY_MAPS[registry.entry(model_type).key_map]
     entries, where = _read_headers(path)
-    plan = _plan(entries, key_map)
+    plan = [e for e in _plan(entries, key_map) if e.mapped.name not in absent]
     dest, aliases = model_tensors(model)
     windows = _expert_windows(model)
     _validate(plan, dest, aliases, key_map, where, windows)
@@ -295,6 +296,33 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu",
         raise CheckpointError(f"{e} (the model was built from {config_file}: do its fields match the weights?)") from e
     model.source_dir = str(path)  # save_pretrained copies the tokenizer from here
     return model.eval()
+
+
+def load_part(path, cut, dtype: torch.dtype | None = None, device="cpu", experts: range | None = None) -> torch.nn.Module:
+    """The part of a model one process holds, and only its tensors read: the model config.json names
+    is built on the meta device (no memory), `cut(model)` returns the part to keep (e.g. a pipeline
+    stage: lockstep/dist/pipeline_parallel.split_model), which is then made on `device` and filled
+    from the checkpoint; the tensors of what the cut dropped are never opened, so no process holds
+    the whole model. `dtype` and `experts` as load_pretrained's."""
+    path = Path(path)
+    config_file = _config_file(path)
+    config = registry.config_from_file(config_file)
+    from lockstep.models.layers.moe import expert_window
+
+    with torch.device("meta"), expert_window(experts):
+        model = registry.model_class(config.model_type)(config)
+    if dtype is not None:
+        cast_model(model, dtype)
+    whole = set(model_tensors(model)[0])
+    part = cut(model)
+    absent = frozenset(whole - set(model_tensors(part)[0]))
+    part.to_empty(device=device)
+    try:
+        load_into(part, path, config.model_type, absent=absent)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e} (the model was built from {config_file}: do its fields match the weights?)") from e
+    part.source_dir = str(path)
+    return part.eval()
 
 
 from lockstep.models.checkpoint_save import save_pretrained, save_state_dict  # noqa: E402,F401  (re-export)

@@ -19,9 +19,10 @@ Every rank runs the same loop (lockstep/rl/loop.py) on its part of the world (lo
 
 Pipeline parallel (--pipeline-model-parallel-size PP, colocated, PP x EP = the trainer ranks, EP =
 --expert-model-parallel-size): the trainer ranks form EP pipelines of PP stages (lockstep/dist/
-pipeline_grid.py: each stage's EP ranks consecutive); each rank loads the policy as one process does
-(TrainConfig.dtype), keeps its stage (split_model: --decoder-last-pipeline-num-layers decides the cut),
-its routed experts sharded over the stage's EP ranks, and is driven through PipelineTrainer behind
+pipeline_grid.py: each stage's EP ranks consecutive); each rank reads its stage of the checkpoint and
+nothing else (pipeline_parallel.load_stage, in TrainConfig.dtype: --decoder-last-pipeline-num-layers
+decides the cut; under EP only its block of the routed experts, sharded over the stage's EP ranks),
+and is driven through PipelineTrainer behind
 TrainerShard (lockstep/dist/pipeline_expert_parallel.py): pipeline p trains block p of the batch (EP 1:
 one pipeline, the whole batch); named_weights gathers the whole model on every rank, so each colocated
 engine serves the full policy. Rollouts are sharded over the engines as without PP. `pipeline_refusal`
@@ -30,6 +31,8 @@ known).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -85,13 +88,20 @@ def check_pipeline(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> N
 def _pipeline_trainer(ctx, path, train_cfg):
     """This rank's stage of the policy, experts sharded over the pipelines, behind TrainerShard (module
     docstring). Every rank makes the grid's groups, before anything else of the trainer."""
+    from ..dist.engine_expert_parallel import expert_window
     from ..dist.pipeline_expert_parallel import pipeline_expert_trainer
     from ..dist.pipeline_grid import pipeline_grid
-    from ..models import load_pretrained
+    from ..dist.pipeline_parallel import load_stage
+    from ..models.registry import config_from_file
 
     grid = pipeline_grid(ctx, train_cfg.pipeline_model_parallel_size)
-    policy = load_pretrained(path, dtype=getattr(torch, train_cfg.dtype), device=ctx.device)
-    return pipeline_expert_trainer(policy, train_cfg, grid, ctx.device, ctx.collective, ctx)
+    # only this rank's stage and, under EP, its pipeline's block of the experts is read: no rank holds
+    # the whole model, as the reference layout's 284B model requires
+    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
+    experts = expert_window(n_experts, grid.ep, grid.pipeline) if grid.ep > 1 else None
+    stage = load_stage(path, grid.stage, grid.pp, train_cfg.decoder_last_pipeline_num_layers,
+                       dtype=getattr(torch, train_cfg.dtype), device=ctx.device, experts=experts)
+    return pipeline_expert_trainer(stage, train_cfg, grid, ctx.device, ctx.collective, ctx)
 
 
 def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):

@@ -21,8 +21,15 @@ import torch
 from . import rope_triton
 
 
+def _real_device() -> str | None:
+    """Where the frequencies are computed: as before wherever the model is built, but on the CPU when it
+    is built on the meta device (a part of a model materialised later: checkpoint.load_part), since
+    they are no tensor a checkpoint fills."""
+    return "cpu" if torch.get_default_device().type == "meta" else None
+
+
 def default_inv_freq(rope_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
+    return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32, device=_real_device()) / rope_dim))
 
 
 def yarn_inv_freq(rope_dim: int, theta: float, factor: float, original_max_position_embeddings: int,
@@ -35,7 +42,7 @@ def yarn_inv_freq(rope_dim: int, theta: float, factor: float, original_max_posit
     high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32, device=_real_device()) - low) / (high - low)).clamp(0, 1)
     extrapolation = default_inv_freq(rope_dim, theta)
     interpolation = extrapolation / factor
     keep = 1.0 - ramp  # 1 where the original frequency is kept
