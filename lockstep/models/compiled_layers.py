@@ -33,6 +33,7 @@ import torch
 
 from .deepseek_v4 import Routing
 from .layers.compiled_rows import trace_settings as _trace_settings  # no duck shaping, floats as constants
+from .layers.fixed_shapes import fixed_shape
 
 
 def _layer_with_experts(layer, streams, input_ids, forced, attend):
@@ -50,6 +51,12 @@ def _final_hidden(model, streams):
 # layer kind (attention x router: up to 6 in DeepSeek-V4), per grad mode and dtype, so an engine and
 # a compiling trainer in one process pass 8; the tail of their layers would run uncompiled.
 RECOMPILE_LIMIT = 64
+
+
+def _token_dims_only(streams: torch.Tensor) -> None:
+    """streams [B, S, n, H]: the mHC streams and hidden size are the model's, constants to the
+    compiled region; only the token dimensions are symbols (layers/fixed_shapes.py: tracing time)."""
+    fixed_shape(streams, range(2, streams.dim()))
 
 
 class CompiledLayers:
@@ -70,6 +77,7 @@ class CompiledLayers:
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
+        _token_dims_only(streams)
         with _trace_settings():
             streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
         if routing is not None:
@@ -79,6 +87,7 @@ class CompiledLayers:
     def final_hidden(self, model, streams):
         """`model.final_hidden(streams)` (mHC's head collapse and the final norm) compiled too:
         eagerly it was ~20 small kernels at the end of every decode step."""
+        _token_dims_only(streams)
         with _trace_settings():
             return self._compiled_final(model, streams)
 

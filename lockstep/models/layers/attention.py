@@ -20,6 +20,7 @@ from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .attention_rows import attention_rows
+from .fixed_shapes import fixed_shape
 from .compressor import Compressor, CompressorState
 from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
 from .fused_linear import project
@@ -130,14 +131,14 @@ class DeepseekV4Attention(Switched, nn.Module):
         scaling = c.compress_rope_scaling if compressed else None
         # deliberately not a buffer: model.to(bfloat16) would round the frequencies (and did: a
         # bf16 engine and a trainer with fp32 frequencies disagreed by ~0.06 logprob per token)
-        self._inv_freq = inv_freq_for(c.rope_head_dim, theta, scaling)
+        self._inv_freq = fixed_shape(inv_freq_for(c.rope_head_dim, theta, scaling))
 
     @property
     def inv_freq(self) -> torch.Tensor:
         """Rotary frequencies, fp32, on the module's device."""
         device = self.q_a_proj.weight.device
         if self._inv_freq.device != device:  # parameters moved without .to (load_state_dict(assign=True))
-            self._inv_freq = self._inv_freq.to(device)
+            self._inv_freq = fixed_shape(self._inv_freq.to(device))
         return self._inv_freq
 
     def _apply(self, fn, recurse=True):
@@ -147,7 +148,7 @@ class DeepseekV4Attention(Switched, nn.Module):
         # already on the GPU (a graph guarded on their device: 9 graphs instead of 6, tiny model)
         super()._apply(fn, recurse)
         device = fn(torch.empty(0, device=self._inv_freq.device)).device
-        self._inv_freq = self._inv_freq.to(device)
+        self._inv_freq = fixed_shape(self._inv_freq.to(device))
         return self
 
     # ---- shared pieces ----------------------------------------------------------------
@@ -254,4 +255,6 @@ class DeepseekV4Attention(Switched, nn.Module):
             cache.compressor = CompressorState(num_slots, n, self.compressor, dtype, device)
             if self.layer_type == CSA:
                 cache.indexer = CompressorState(num_slots, n, self.compressor.indexer, dtype, device)
+        for t in cache.tensors():  # allocated once per engine: constants to the compiled layers
+            fixed_shape(t)
         return cache
