@@ -33,6 +33,14 @@ reported apart.
 
     python benchmarks/scaling.py --config cpu-tiny                    # CPU smoke: 1 vs 2 gloo processes
     python benchmarks/scaling.py --config gpu-848m                    # 1 .. torch.cuda.device_count() GPUs
+    python benchmarks/scaling.py --config gpu-848m --gpus 2,8 --rollouts 20 \
+        --plan "--pp 4 --ep 2 --recompute --optimizer-offload"        # issue 19: the planned layouts
+
+With `--plan ARGS`, each count N > 1 first runs `lockstep plan --colocate --model MODEL --nodes 1
+--gpus-per-node N ... --json ARGS` for this benchmark's batch (ARGS fix the layout, e.g. "--pp 2" for the
+2-GPU run and "--pp 4 --ep 2" for 8: `N=ARGS;M=ARGS` gives each count its own), and `lockstep train
+--layout` runs the layout the plan picks; the run is then set against the plan per pipeline stage and
+phase (lockstep/plan/measured.py: planned GB, the stage's largest measured peak, the error in %).
 
 Measured on 2 H200s (README, "Running on N processes / GPUs"): 1.62x the 1-GPU tokens/s at 2 GPUs.
 
@@ -107,16 +115,61 @@ def write_prompts(path: Path) -> None:
             f.write(json.dumps({"prompt": p.prompt, "label": p.label}) + "\n")
 
 
-def train_command(args, n_gpus: int, model_dir: Path, prompts: Path, run_dir: Path) -> list[str]:
+def plan_args_for(spec: str, n_gpus: int) -> list[str] | None:
+    """--plan's arguments for a count: "ARGS" for every count, or "N=ARGS;M=ARGS" per count (None: no plan)."""
+    if "=" not in spec.split(";")[0].split()[0]:
+        return spec.split()
+    per_count = dict(part.split("=", 1) for part in spec.split(";") if part.strip())
+    args = per_count.get(str(n_gpus))
+    return args.split() if args is not None else None
+
+
+def plan_layout(args, n_gpus: int, model_dir: Path, work: Path) -> tuple[Path, dict] | None:
+    """`lockstep plan --colocate` for this run's batch on N GPUs of one node -> (its JSON file, the layout
+    `lockstep train --layout` will run); None where --plan gives this count nothing."""
+    from lockstep.plan.train_flags import chosen_layout
+
+    extra = plan_args_for(args.plan, n_gpus)
+    if extra is None or n_gpus == 1:
+        return None
+    memory_gb = torch.cuda.get_device_properties(0).total_memory / 1e9 if args.device == "cuda" else 24.0
+    cmd = [sys.executable, "-m", "lockstep.cli", "plan", "--model", str(model_dir), "--colocate", "--nodes", "1",
+           "--gpus-per-node", str(n_gpus), "--gpu-memory-gb", f"{memory_gb:.1f}", "--rollout-gpus-per-engine", "1",
+           "--seq-len", str(args.max_response_len + 128), "--max-tokens-per-gpu", str(tokens_per_gpu(args)),
+           "--rollout-batch-size", str(args.prompts_per_gpu * n_gpus), "--n-samples-per-prompt", str(args.n),
+           "--json", *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"lockstep plan for {n_gpus} GPUs failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    path = work / f"plan-{n_gpus}.json"
+    path.write_text(proc.stdout)
+    index, entry, passed = chosen_layout(path)
+    label = " ".join(f"{d.upper()}{entry[d]}" for d in ("tp", "pp", "ep", "cp"))
+    print(f"[{n_gpus} GPUs] lockstep plan {' '.join(extra)}: layout #{index} {label}, stage layers "
+          f"{entry['stage_layers']}, actor {entry['actor_gb_per_gpu']} + engine {entry['rollout_gb_per_gpu']} GB per GPU; "
+          f"flags {' '.join(entry['train_flags'])}", flush=True)
+    for note in passed:
+        print(f"  passed over: {note}", flush=True)
+    return path, entry
+
+
+def tokens_per_gpu(args) -> int:
+    """One micro-batch per rank and step: each rank packs its whole block."""
+    return args.prompts_per_gpu * args.n * (args.max_response_len + 128)
+
+
+def train_command(args, n_gpus: int, model_dir: Path, prompts: Path, run_dir: Path,
+                  layout: Path | None = None) -> list[str]:
     per_gpu = args.prompts_per_gpu * args.n
     cmd = ["-m", "lockstep.cli", "train", "--model", str(model_dir), "--prompt-data", str(prompts),
            "--num-rollout", str(args.rollouts), "--rollout-batch-size", str(args.prompts_per_gpu * n_gpus),
            "--n-samples-per-prompt", str(args.n), "--rollout-max-response-len", str(args.max_response_len),
            "--max-model-len", str(args.max_response_len + 128), "--max-num-seqs", str(per_gpu),
-           # one micro-batch per rank and step: each rank packs its whole block
-           "--max-tokens-per-gpu", str(per_gpu * (args.max_response_len + 128)),
+           "--max-tokens-per-gpu", str(tokens_per_gpu(args)),
            "--device", args.device, "--dtype", args.dtype, "--no-plot", "--run-dir", str(run_dir),
            *[f"--{'' if args.compile else 'no-'}compile-{k}" for k in ("decode", "prefill", "hc")], *args.extra]
+    if layout is not None:
+        cmd += ["--layout", str(layout)]
     if n_gpus > 1:
         return [sys.executable, *cmd, "--nproc-per-node", str(n_gpus), "--master-port", str(free_port())]
     if args.baseline == "launched":
@@ -127,7 +180,8 @@ def train_command(args, n_gpus: int, model_dir: Path, prompts: Path, run_dir: Pa
 
 def run_one(args, n_gpus: int, model_dir: Path, prompts: Path, work: Path, deadline: float) -> dict:
     run_dir = work / f"run-{n_gpus}"
-    cmd = train_command(args, n_gpus, model_dir, prompts, run_dir)
+    planned = plan_layout(args, n_gpus, model_dir, work) if args.plan else None
+    cmd = train_command(args, n_gpus, model_dir, prompts, run_dir, planned[0] if planned else None)
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -159,9 +213,16 @@ def run_one(args, n_gpus: int, model_dir: Path, prompts: Path, work: Path, deadl
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     med.update(n_gpus=n_gpus, wall=wall, startup=wall - sum(r["step"] for r in rows), timed_steps=len(timed),
                rollout_tok_s=statistics.median(s["perf/tokens_per_s"] for s in steps[args.warmup:] or steps[-1:]),
-               reward=statistics.mean(s["rollout/raw_reward"] for s in steps))
+               reward=statistics.mean(s["rollout/raw_reward"] for s in steps),
+               abs_diff=statistics.mean(s.get("train/train_rollout_logprob_abs_diff", float("nan")) for s in steps))
     print(f"  done in {wall:.0f}s: step {med['step']:.3f}s (rollout {med['rollout']:.3f}, train {med['train']:.3f}, "
-          f"weight sync {med['weight_sync']:.3f}), {med['tok_s']:,.0f} tok/s", flush=True)
+          f"weight sync {med['weight_sync']:.3f}), {med['tok_s']:,.0f} tok/s, reward {med['reward']:.3f}, "
+          f"train/rollout logprob abs diff {med['abs_diff']:.4g}", flush=True)
+    if planned:
+        from lockstep.plan.measured import compare, report
+
+        for line in report(compare(planned[1], lines)):
+            print(f"  {line}", flush=True)
     return med
 
 
@@ -179,6 +240,12 @@ def main() -> None:
     parser.add_argument("--baseline", choices=["plain", "launched"], default="plain",
                         help="1 GPU as `lockstep train` runs it (plain) or as a 1-process launched world")
     parser.add_argument("--time-limit", type=float, default=330.0, help="seconds for the whole benchmark")
+    parser.add_argument("--plan", default=None, metavar="ARGS",
+                        help='run each count N > 1 in the layout `lockstep plan --colocate ... ARGS` picks, e.g. '
+                             '"--pp 4 --ep 2 --recompute", or per count "2=--pp 2;8=--pp 4 --ep 2" (module docstring)')
+    parser.add_argument("--model", default=None, metavar="DIR",
+                        help="a model directory (config.json, safetensors, tokenizer) instead of the config's "
+                             "random-init model, e.g. lockstep/assets/tiny-dsv4, whose shape `lockstep plan` takes")
     parser.add_argument("--work-dir", default=None, help="keep the model and runs here (default: a temp dir)")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="after --: more `lockstep train` flags")
     args = parser.parse_args()
@@ -200,7 +267,13 @@ def main() -> None:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="lockstep-scaling-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    n_params = write_model(config, args.device, args.dtype, work / "model")
+    model_dir = Path(args.model) if args.model else work / "model"
+    if args.model:
+        from lockstep.models import load_pretrained
+
+        n_params = sum(p.numel() for p in load_pretrained(model_dir).parameters())
+    else:
+        n_params = write_model(config, args.device, args.dtype, model_dir)
     write_prompts(work / "prompts.jsonl")
     compiled = "compiled" if args.compile else ("eager, CUDA graphs kept (--no-compile-decode --no-compile-prefill "
                                                 "--no-compile-hc: compiling costs 3-4 min per process)")
@@ -210,7 +283,7 @@ def main() -> None:
           f"per rollout, {args.rollouts} rollouts, median of the last {args.rollouts - args.warmup}; decode "
           f"{compiled}; "
           f"1-GPU baseline: {args.baseline}; model written in {time.perf_counter() - t0:.0f}s to {work}", flush=True)
-    results = [r for n in counts if (r := run_one(args, n, work / "model", work / "prompts.jsonl", work, deadline))]
+    results = [r for n in counts if (r := run_one(args, n, model_dir, work / "prompts.jsonl", work, deadline))]
     if not results:
         sys.exit("no run finished")
     base = next((r for r in results if r["n_gpus"] == 1), None)
@@ -233,6 +306,11 @@ def main() -> None:
                   f"train {growth['train']:+.3f}, weight sync {growth['weight_sync']:+.3f}); the largest growth is in "
                   f"{worst} (rollout includes the pickled sample gather on the gloo control group; train the FSDP "
                   f"all-gathers / reduce-scatters; weight sync each engine taking its trainer's gathered weights)")
+    two = next((r for r in results if r["n_gpus"] == 2), None)
+    for r in results:
+        if two and r["n_gpus"] > 2:  # issue 19's figure: the layout's tokens/s per GPU against the 2-GPU run's
+            print(f"{r['n_gpus']} {unit} vs 2: tok/s per {unit[:-1]} {r['tok_s'] / r['n_gpus']:,.0f} vs "
+                  f"{two['tok_s'] / 2:,.0f}, ratio {r['tok_s'] / r['n_gpus'] / (two['tok_s'] / 2):.2f}")
     print(f"total {time.perf_counter() - t0:.0f}s")
 
 

@@ -6,6 +6,7 @@ import py_compile
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -75,3 +76,25 @@ def test_the_triton_adamw_row_reaches_the_optimizer():
     trainer = train_throughput.lockstep_trainer(config, train_throughput.initial_weights(config, 0), args, None,
                                                 triton_adamw=args.triton_adamw)
     assert trainer.config.triton_adamw and trainer.optimizer.triton
+
+
+def test_scaling_plans_each_count_as_told(tmp_path):
+    """scaling.py --plan: one ARGS for every count or "N=ARGS;M=ARGS" per count; the plan's JSON and the
+    layout `lockstep train --layout` will run (the 4-GPU PP 2 x EP 2 layout of the embedded model)."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import scaling
+    finally:
+        sys.path.pop(0)
+    assert scaling.plan_args_for("--pp 4 --ep 2", 8) == ["--pp", "4", "--ep", "2"]
+    spec = "2=--pp 2;8=--pp 4 --ep 2 --recompute"
+    assert scaling.plan_args_for(spec, 2) == ["--pp", "2"]
+    assert scaling.plan_args_for(spec, 8) == ["--pp", "4", "--ep", "2", "--recompute"]
+    assert scaling.plan_args_for(spec, 4) is None
+    args = SimpleNamespace(plan="--pp 2 --ep 2", device="cpu", max_response_len=8, prompts_per_gpu=2, n=4)
+    from lockstep.rl.embedded import ASSET_DIR
+
+    path, entry = scaling.plan_layout(args, 4, ASSET_DIR, tmp_path)
+    assert path.is_file() and (entry["pp"], entry["ep"], entry["colocate"]) == (2, 2, True)
+    assert "--max-tokens-per-gpu" in entry["train_flags"] and str(scaling.tokens_per_gpu(args)) in entry["train_flags"]
+    assert scaling.plan_layout(args, 1, ASSET_DIR, tmp_path) is None  # one process: no layout to plan
