@@ -125,6 +125,35 @@ def test_every_error_has_openai_shape_and_no_internals(served, engine, monkeypat
     err = error(served.http.post("/generate", json={"input_ids": [5, 7]}), 500)
     assert "secret" not in err["message"] and "RuntimeError" not in err["message"]
     assert err["type"] == "internal_error"
+    # the connection stays open after a 500 (api_errors.InternalErrors): a second request on the same
+    # socket is answered, where a closed connection left a keep-alive client's next request reset
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as sock:
+        body = b'{"input_ids": [5, 7]}'
+        request = (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        sock.sendall(request)
+        first = _read_response(sock)
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        second = _read_response(sock)
+    assert first.startswith(b"HTTP/1.1 500") and second.startswith(b"HTTP/1.1 200"), (first, second)
+
+
+def _read_response(sock) -> bytes:
+    """One HTTP/1.1 response with a Content-Length body (b"" if the server closed the connection)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(rest) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        rest += chunk
+    return head + b"\r\n\r\n" + rest
 
 
 def test_openapi_documents_the_codes_sent(served):
