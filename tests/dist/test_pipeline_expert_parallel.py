@@ -287,3 +287,20 @@ def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process(tmp_path, one_pr
             train["recompute_activations"], train["optimizer_offload"]) == (4, 2, 2, True, True)
     assert [line["train/num_microbatches"] for line in grid if "train/step" in line] == [2.0] * 2
     assert len(grid) == len(one) == 3 and _first_difference(one, grid) is None, _first_difference(one, grid)
+
+
+def test_lockstep_train_pp2_ep2_resumes_where_one_process_goes_on(tmp_path, one_process):
+    """Issue 19's resume, smaller: the PP 2 x EP 2 run (each rank reading only its stage and its experts,
+    pipeline_parallel.load_stage) saved after its first rollout and resumed from that save logs the
+    second rollout of the unbroken one-process run, bitwise (perf/* aside)."""
+    from dist_world import free_port
+    from test_train_world import _perf_free, _train
+
+    layout = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+              "--decoder-last-pipeline-num-layers", "1"]
+    _train(tmp_path / "first", *layout, "--num-rollout", "1", "--save", str(tmp_path / "save"),
+           "--master-port", str(free_port()))
+    resumed = _train(tmp_path / "resumed", *layout, "--load", str(tmp_path / "save"), "--master-port", str(free_port()))
+    assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
+    assert resumed[0]["train/step"] == 2.0
+    assert _perf_free(resumed[0]) == _perf_free(one_process[-1])
