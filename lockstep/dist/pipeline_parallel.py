@@ -282,11 +282,12 @@ def load_stage(path, stage_index: int, num_stages: int, last_stage_layers: int |
     """This rank's stage read from checkpoint directory `path` and nothing else: the other stages'
     layers (and, with `experts`, the other ranks' routed experts) are never read nor allocated, so a
     model larger than one host's memory can be trained by stages (checkpoint.load_part). The same
-    tensors as split_model(load_pretrained(path, dtype), ...) (tests/dist/test_pipeline_checkpoint.py)."""
+    tensors as split_model(load_pretrained(path, dtype), ...) (tests/dist/test_load_stage.py)."""
     from lockstep.models.checkpoint import load_part
 
     return load_part(path, lambda model: split_model(model, stage_index, num_stages, last_stage_layers),
                      dtype=dtype, device=device, experts=experts)
+
 
 def _meta(shape, dtype, requires_grad=False) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="meta", requires_grad=requires_grad)

@@ -4,8 +4,8 @@
 
 `APIError` is what routes raise; `install_error_handlers` turns it, pydantic's validation errors
 (400, not FastAPI's 422), Starlette's 404 / 405 / 413 and any other exception (500, traceback to the
-log only, the connection kept open: `InternalErrors`) into that shape; `BodyLimit` answers 413 before a large body is read; `responses` and
-`document_errors` make the schema list exactly these answers.
+log only, the connection kept open: `InternalErrors`) into that shape; `BodyLimit` answers 413 before
+a large body is read; `responses` and `document_errors` make the schema list exactly these answers.
 """
 
 from __future__ import annotations
@@ -144,6 +144,7 @@ class InternalErrors:
 
 def install_error_handlers(app: FastAPI) -> None:
     app.add_middleware(InternalErrors)
+
     @app.exception_handler(APIError)
     async def api_error(_request, e: APIError):
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None

@@ -20,8 +20,8 @@ from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
 from .attention_rows import attention_rows
-from .fixed_shapes import fixed_shape
 from .compressor import Compressor, CompressorState
+from .fixed_shapes import fixed_shape
 from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
 from .fused_linear import project
 from .indexer import Indexer
