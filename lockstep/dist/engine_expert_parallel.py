@@ -120,6 +120,17 @@ def expert_window(n_experts: int, ep_size: int, ep_rank: int) -> range:
     return range(ep_rank * n_local, (ep_rank + 1) * n_local)
 
 
+def checkpoint_expert_window(path, ep_size: int, ep_rank: int) -> range:
+    """`expert_window` of the MoE model in checkpoint directory `path` (its config.json's
+    n_routed_experts): what a rank reads of it (load_pretrained's / load_stage's `experts`)."""
+    from lockstep.models.registry import config_from_file
+
+    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
+    if not n_experts:
+        raise ValueError(f"{path}: config.json names no n_routed_experts: expert parallelism needs a MoE model")
+    return expert_window(n_experts, ep_size, ep_rank)
+
+
 def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None,
                            ep_size: int | None = None):
     """This rank's ExpertParallelEngine over every engine rank, from a model on the host holding every
@@ -139,15 +150,11 @@ def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineCon
 def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: EngineConfig, ep_size: int | None = None):
     """The same from a checkpoint directory, reading only this rank's experts into host memory."""
     from lockstep.models import load_pretrained
-    from lockstep.models.registry import config_from_file
     from lockstep.models.tokenizer import has_tokenizer, load_tokenizer
 
     engines = _check_layout(ctx, ep_size)
-    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
-    if not n_experts:
-        raise ValueError(f"{path}: config.json names no n_routed_experts: expert parallelism needs a MoE model")
     # the mesh's rank order: the engine group's, i.e. the engine ranks' order
-    window = expert_window(n_experts, engines, ctx.layout.engine_ranks.index(ctx.rank))
+    window = checkpoint_expert_window(path, engines, ctx.layout.engine_ranks.index(ctx.rank))
     model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu", experts=window)
     return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None, ep_size)
 

@@ -276,12 +276,9 @@ def _skip_init():
             setattr(torch.nn.init, n, fn)
 
 
-def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu",
-                    experts: range | None = None) -> torch.nn.Module:
-    """Build the model config.json names and load its weights; `dtype` None keeps float32.
-    `experts`: hold and read only these routed experts of every MoE layer (module docstring); the
-    model then runs once they are sharded (lockstep/dist/engine_expert_parallel.py)."""
-    path = Path(path)
+def _build(path: Path, device, dtype: torch.dtype | None, experts: range | None) -> tuple[torch.nn.Module, Path]:
+    """The model config.json names, built on `device` without random initialisation, in `dtype`
+    (None: float32), holding experts `experts` -> (model, the config file)."""
     config_file = _config_file(path)
     config = registry.config_from_file(config_file)
     from lockstep.models.layers.moe import expert_window
@@ -290,12 +287,27 @@ def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu",
         model = registry.model_class(config.model_type)(config)
     if dtype is not None:
         cast_model(model, dtype)
+    return model, config_file
+
+
+def _filled(model: torch.nn.Module, path: Path, config_file: Path, absent: frozenset = frozenset()) -> torch.nn.Module:
+    """`model` (built from `config_file`) filled from the checkpoint in `path`, in eval mode."""
     try:
-        load_into(model, path, config.model_type)
+        load_into(model, path, model.config.model_type, absent=absent)
     except CheckpointError as e:  # the model was built from config.json: a wrong field shows up as a tensor
         raise CheckpointError(f"{e} (the model was built from {config_file}: do its fields match the weights?)") from e
     model.source_dir = str(path)  # save_pretrained copies the tokenizer from here
     return model.eval()
+
+
+def load_pretrained(path, dtype: torch.dtype | None = None, device="cpu",
+                    experts: range | None = None) -> torch.nn.Module:
+    """Build the model config.json names and load its weights; `dtype` None keeps float32.
+    `experts`: hold and read only these routed experts of every MoE layer (module docstring); the
+    model then runs once they are sharded (lockstep/dist/engine_expert_parallel.py)."""
+    path = Path(path)
+    model, config_file = _build(path, device, dtype, experts)
+    return _filled(model, path, config_file)
 
 
 def load_part(path, cut, dtype: torch.dtype | None = None, device="cpu", experts: range | None = None) -> torch.nn.Module:
@@ -305,24 +317,12 @@ def load_part(path, cut, dtype: torch.dtype | None = None, device="cpu", experts
     from the checkpoint; the tensors of what the cut dropped are never opened, so no process holds
     the whole model. `dtype` and `experts` as load_pretrained's."""
     path = Path(path)
-    config_file = _config_file(path)
-    config = registry.config_from_file(config_file)
-    from lockstep.models.layers.moe import expert_window
-
-    with torch.device("meta"), expert_window(experts):
-        model = registry.model_class(config.model_type)(config)
-    if dtype is not None:
-        cast_model(model, dtype)
+    model, config_file = _build(path, "meta", dtype, experts)
     whole = set(model_tensors(model)[0])
     part = cut(model)
     absent = frozenset(whole - set(model_tensors(part)[0]))
     part.to_empty(device=device)
-    try:
-        load_into(part, path, config.model_type, absent=absent)
-    except CheckpointError as e:
-        raise CheckpointError(f"{e} (the model was built from {config_file}: do its fields match the weights?)") from e
-    part.source_dir = str(path)
-    return part.eval()
+    return _filled(part, path, config_file, absent)
 
 
 from lockstep.models.checkpoint_save import save_pretrained, save_state_dict  # noqa: E402,F401  (re-export)

@@ -32,8 +32,6 @@ known).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 
@@ -88,17 +86,15 @@ def check_pipeline(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> N
 def _pipeline_trainer(ctx, path, train_cfg):
     """This rank's stage of the policy, experts sharded over the pipelines, behind TrainerShard (module
     docstring). Every rank makes the grid's groups, before anything else of the trainer."""
-    from ..dist.engine_expert_parallel import expert_window
+    from ..dist.engine_expert_parallel import checkpoint_expert_window
     from ..dist.pipeline_expert_parallel import pipeline_expert_trainer
     from ..dist.pipeline_grid import pipeline_grid
     from ..dist.pipeline_parallel import load_stage
-    from ..models.registry import config_from_file
 
     grid = pipeline_grid(ctx, train_cfg.pipeline_model_parallel_size)
     # only this rank's stage and, under EP, its pipeline's block of the experts is read: no rank holds
     # the whole model, as the reference layout's 284B model requires
-    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
-    experts = expert_window(n_experts, grid.ep, grid.pipeline) if grid.ep > 1 else None
+    experts = checkpoint_expert_window(path, grid.ep, grid.pipeline) if grid.ep > 1 else None
     stage = load_stage(path, grid.stage, grid.pp, train_cfg.decoder_last_pipeline_num_layers,
                        dtype=getattr(torch, train_cfg.dtype), device=ctx.device, experts=experts)
     return pipeline_expert_trainer(stage, train_cfg, grid, ctx.device, ctx.collective, ctx)
