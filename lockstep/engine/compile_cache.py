@@ -9,6 +9,9 @@ graphs with their Triton kernels, AOT autograd results, autotuning results), one
     DIR/KEY.bin    the artifacts, loaded (torch.compiler.load_cache_artifacts) before the engine
                    compiles and written after a start that compiled something new
     DIR/KEY.json   what the key covers, for people
+    DIR/KEY.regions/  the compiled layers precompiled (models/precompiled.py): dynamo's trace too,
+                   which the artifacts above do not hold (tracing was 40.9 s of a 60.1 s start
+                   with them hit)
 
 KEY hashes everything that decides which graphs a start compiles and whether another machine's
 artifacts apply: torch, Triton and Python versions, the device kind (GPU name and compute
@@ -16,8 +19,9 @@ capability, or "cpu"), the model's config, and the EngineConfig fields except th
 change no compiled graph (KEY_EXCLUDED). A stale file is therefore never looked up; inside a file,
 inductor checks each entry against its own key, so an entry that does not apply is a miss (a
 compilation), never a wrong graph. A damaged or unreadable file is a warning naming it, then a
-start that compiles as if there were none. Tracing (dynamo) and the CUDA graph capture still run
-on a hit; what the cache skips is inductor's lowering, code generation and Triton compilation.
+start that compiles as if there were none. The artifacts spare inductor's lowering, code generation
+and Triton compilation; the precompiled regions spare dynamo's tracing; the CUDA graph capture
+still runs.
 
 `lockstep compile MODEL` (commands/compile.py) fills MODEL/compile-cache once; train, serve and
 generate use that directory by default when it exists (`default_dir`, the one home of that rule).
@@ -42,6 +46,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from lockstep.models.precompiled import PrecompiledRegions
 
 CACHE_SUBDIR = "compile-cache"  # MODEL/compile-cache: where `lockstep compile MODEL` writes
 
@@ -183,12 +189,14 @@ class StartCache:
 
     def __init__(self, directory, model_config, config):
         self.directory = Path(directory) if directory else None
-        self.path = None
+        self.path = self.regions = None
         if self.directory is not None:
             self.key_fields = key_fields(model_config, config)
             self.path = self.directory / f"{_hash(self.key_fields)}.bin"
+            self.regions = PrecompiledRegions(self.path.with_suffix(".regions"))
         self.status = "off" if self.directory is None else "nothing"
         self.loaded = self.saved_bytes = self.others = 0  # others: artifacts of other settings in the directory
+        self.regions_saved = 0
         self._before: tuple[int, int] | None = None
 
     def load(self) -> None:
@@ -196,6 +204,7 @@ class StartCache:
         if self.path is None:
             return
         entries = load(self.path)
+        self.regions.load()
         if entries is not None:
             self.status, self.loaded = "hit", entries
         elif not self.path.exists() and self.directory.is_dir():
@@ -205,6 +214,7 @@ class StartCache:
         """Save when this start compiled what the file did not hold (or there was no usable file)."""
         if self.path is None or self._before is None:
             return
+        self.regions_saved += self.regions.save()
         (misses, compiled), (misses_before, compiled_before) = _counts(), self._before
         if compiled == compiled_before:
             return  # this start compiled nothing: nothing to cache
@@ -222,6 +232,12 @@ class StartCache:
         parts = []
         if self.status == "hit":
             parts.append(f"loaded {self.loaded} entries from {self.directory}")
+        if self.regions.loaded or self.regions.compiled:
+            parts.append(f"precompiled regions: {self.regions.loaded} loaded, {self.regions.compiled} compiled")
+        if self.regions_saved:
+            parts.append(f"saved {self.regions_saved} to {self.regions.directory}")
+        if self.regions.failure:
+            parts.append(f"precompiling failed ({self.regions.failure})")
         if self.others:
             parts.append(f"none of the {self.others} artifacts there is for these settings (their .json files "
                          "say what they were built for)")

@@ -72,7 +72,8 @@ def bucket_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, adapter, max_num_seqs: int, capture: bool = True, compile_backend="auto",
-                 compile_options: dict | None = None):
+                 compile_options: dict | None = None, regions=None):
+        """regions: PrecompiledRegions (models/precompiled.py) the compiled layers are filed in, or None."""
         from lockstep.models.deepseek_v4 import Routing, StepBatch
 
         self.adapter, self._Routing, self._StepBatch = adapter, Routing, StepBatch
@@ -90,7 +91,7 @@ class DecodeGraphs:
         if compile_backend:
             options = compile_options if compile_backend == "inductor" else None  # inductor's settings
             with stage("compiling the decoder layers"):
-                self.compiled_layers = CompiledLayers(compile_backend, options)
+                self.compiled_layers = CompiledLayers(compile_backend, options, regions)
         if self.capture:
             self.capture_all()
 

@@ -30,21 +30,22 @@ def compile_backend_for(config, requested="auto"):
     return requested if env_override("LOCKSTEP_COMPILE", config.compile_decode) else None
 
 
-def start_graphs(adapter, config, capture: bool = True, compile_backend="auto") -> None:
+def start_graphs(adapter, config, capture: bool = True, compile_backend="auto", regions=None) -> None:
     """Enable the adapter's decode graphs (capture=False: their eager stand-in, the CPU tests) and
-    compile the prefill step, as `config` says; StageError on a failure unless compile_fallback."""
+    compile the prefill step, as `config` says; StageError on a failure unless compile_fallback.
+    regions: PrecompiledRegions the compiled layers are filed in (compile_cache.py), or None."""
     backend = compile_backend_for(config, compile_backend)
     try:
-        _enable(adapter, config, capture, backend)
+        _enable(adapter, config, capture, backend, regions)
     except StageError as e:
         if not config.compile_fallback:
             raise StageError(e.stage, e.cause, FALLBACK_HINT) from e.cause
         _fall_back(adapter, config, capture, backend, e)
 
 
-def _enable(adapter, config, capture: bool, backend) -> None:
+def _enable(adapter, config, capture: bool, backend, regions=None) -> None:
     adapter.enable_graphs(config.max_num_seqs, capture=capture, compile_backend=backend,
-                          compile_options=config.compile_options)
+                          compile_options=config.compile_options, regions=regions)
     with stage("compiling the prefill step"):
         adapter.warm_up_prefill()
 

@@ -127,7 +127,7 @@ class Engine:
             print("lockstep engine: compiling the decoder layers for decode and prefill, capturing decode graphs: "
                   "minutes on a machine's first start, seconds once inductor's cache (or the compile cache) "
                   "holds them", file=sys.stderr)
-        start_graphs(self.adapter, self.config)
+        start_graphs(self.adapter, self.config, regions=self.compile_cache.regions)
         self.compile_cache.save()
         self.compile_phases = clock.describe()  # "" when nothing compiled (compile_clock.py)
         phases = f"{self.compile_phases}; " if self.compile_phases else ""

@@ -81,12 +81,12 @@ class DeepseekV4Adapter:
         return self.cache
 
     def enable_graphs(self, max_num_seqs: int, capture: bool = True, compile_backend="auto",
-                      compile_options: dict | None = None) -> None:
+                      compile_options: dict | None = None, regions=None) -> None:
         """Decode steps replay captured CUDA graphs (capture=False: their eager stand-in, for CPU tests)."""
         from lockstep.engine.cuda_graph import DecodeGraphs
 
         self.graphs = DecodeGraphs(self, max_num_seqs, capture=capture, compile_backend=compile_backend,
-                                   compile_options=compile_options)
+                                   compile_options=compile_options, regions=regions)
 
     @torch.no_grad()
     def warm_up_prefill(self) -> None:

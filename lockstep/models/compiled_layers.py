@@ -23,6 +23,9 @@ engine's decode step) or installed for every forward by `compile_layers(model)` 
 TrainConfig.compile_backend). The backend is torch.compile's (a name or a callable); "inductor"
 is the fast one (CUDA; on CPU it needs a C++ toolchain and minutes); "eager" / "aot_eager" trace
 the same region without code generation, which is what the CPU tests run.
+Given `PrecompiledRegions` (models/precompiled.py: the engine's compile cache directory), each
+region is precompiled instead: traced and compiled once, saved, and loaded by a later start without
+tracing again.
 Where the native grouped GEMM is unavailable (fp32, CPU backward) the region uses a gathered
 form instead of the reference loop over experts, which would break the graph.
 """
@@ -34,6 +37,7 @@ import torch
 from .deepseek_v4 import Routing
 from .layers.compiled_rows import trace_settings as _trace_settings  # no duck shaping, floats as constants
 from .layers.fixed_shapes import fixed_shape
+from .precompiled import PrecompiledRegions, precompilable
 
 
 def _layer_with_experts(layer, streams, input_ids, forced, attend):
@@ -53,17 +57,19 @@ def _final_hidden(model, streams):
 RECOMPILE_LIMIT = 64
 
 
-def _token_dims_only(streams: torch.Tensor) -> None:
+def _token_dims_only(streams: torch.Tensor, mark: bool) -> None:
     """streams [B, S, n, H]: the mHC streams and hidden size are the model's, constants to the
-    compiled region; only the token dimensions are symbols (layers/fixed_shapes.py: tracing time)."""
-    fixed_shape(streams, range(2, streams.dim()))
+    compiled region; only the token dimensions are symbols (layers/fixed_shapes.py: tracing time).
+    mark=False: registered for a precompilation to mark (fixed_shapes.marked)."""
+    fixed_shape(streams, range(2, streams.dim()), mark)
 
 
 class CompiledLayers:
-    def __init__(self, backend="inductor", options: dict | None = None):
+    def __init__(self, backend="inductor", options: dict | None = None, regions: PrecompiledRegions | None = None):
         """options: inductor settings on top of the defaults below (torch.compile's `options`,
-        e.g. {"coordinate_descent_tuning": True}); inductor only."""
-        self.backend, self.options = backend, dict(options or {})
+        e.g. {"coordinate_descent_tuning": True}); inductor only. regions: precompile each region
+        (module docstring)."""
+        self.backend, self.options, self.regions = backend, dict(options or {}), regions
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         if backend != "inductor" and self.options:
             raise ValueError(f"compile options {sorted(self.options)} need the inductor backend, not {backend!r}")
@@ -72,14 +78,19 @@ class CompiledLayers:
         # tiny model the compiled engine's mean |logprob gap| to the trainer was 4.2e-4 without
         # this, 4.8e-5 with it, 3.6e-5 for the eager engine.
         options = {"emulate_precision_casts": True, **self.options} if backend == "inductor" else None
-        self._compiled = torch.compile(_layer_with_experts, dynamic=True, backend=backend, options=options)
-        self._compiled_final = torch.compile(_final_hidden, dynamic=True, backend=backend, options=options)
+        # precompiling takes whole graphs only (the regions have no graph break: a test traces them so)
+        compile_ = torch.compile if regions is None else precompilable
+        self._compiled = compile_(_layer_with_experts, dynamic=True, backend=backend, options=options)
+        self._compiled_final = compile_(_final_hidden, dynamic=True, backend=backend, options=options)
+
+    def _run(self, compiled, name: str, *args):
+        return compiled(*args) if self.regions is None else self.regions.call(compiled, name, args)
 
     def __call__(self, layer, streams, input_ids, routing: Routing | None, attend):
         forced = routing.forced_for(layer.layer_idx) if routing is not None else None
-        _token_dims_only(streams)
+        _token_dims_only(streams, mark=self.regions is None)
         with _trace_settings():
-            streams, experts = self._compiled(layer, streams, input_ids, forced, attend)
+            streams, experts = self._run(self._compiled, "layer", layer, streams, input_ids, forced, attend)
         if routing is not None:
             routing.chosen.append(experts)
         return streams
@@ -87,12 +98,12 @@ class CompiledLayers:
     def final_hidden(self, model, streams):
         """`model.final_hidden(streams)` (mHC's head collapse and the final norm) compiled too:
         eagerly it was ~20 small kernels at the end of every decode step."""
-        _token_dims_only(streams)
+        _token_dims_only(streams, mark=self.regions is None)
         with _trace_settings():
-            return self._compiled_final(model, streams)
+            return self._run(self._compiled_final, "final", model, streams)
 
     def __deepcopy__(self, memo):  # a copied model compiles alike (dynamo's cache is per code)
-        return CompiledLayers(self.backend, self.options)
+        return CompiledLayers(self.backend, self.options)  # not the regions: they belong to one engine
 
 
 def compile_layers(model, backend: str = "inductor"):

@@ -7,17 +7,67 @@ symbolic arithmetic over them. Measured on the 1b config's five decode graphs (C
 bytecode tracing 18-24 s with every dimension a symbol, 6.5-10 s with none, 13-15 s with the marks
 here (142 symbols -> 47). A cache is allocated once per engine and lives as long: its dimensions are
 constants, and only the token dimensions of the layer's inputs stay symbols.
+
+Precompiled regions (models/precompiled.py) need the marks only while they compile: a function
+loaded from a file rebuilds its guards from tensors saved without their marks, so it refuses a
+marked tensor ("_has_dynamo_dim_marking is present on runtime tensor but was absent at compile
+time", torch 2.13), while a function compiled in this process takes an unmarked one. Every mark is
+therefore also registered: `unmark(tensors)` takes the marks off, `marked(tensors)` puts the
+registered ones back for the length of a compilation.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+
 import torch
 
+# id(tensor) -> (a weak reference to it, its fixed dims), of the live tensors only
+_registry: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+_marks_made = [0]  # how many marks were made so far: nothing to take off while it stands still
 
-def fixed_shape(t: torch.Tensor | None, dims: range | None = None) -> torch.Tensor | None:
+
+def fixed_shape(t: torch.Tensor | None, dims: range | None = None, mark: bool = True) -> torch.Tensor | None:
     """Mark dimensions `dims` (None: all) of `t` static for torch.compile (a no-op outside it); -> t.
-    A mark belongs to the tensor object: a copy (`.to`, `.clone`) must be marked again."""
+    A mark belongs to the tensor object: a copy (`.to`, `.clone`) must be marked again.
+    mark=False only registers the dims, for `marked` to mark them."""
     if t is not None:
-        for d in range(t.dim()) if dims is None else dims:
-            torch._dynamo.mark_static(t, d)
+        dims = tuple(range(t.dim()) if dims is None else dims)
+        key = id(t)
+        _registry[key] = (weakref.ref(t, lambda _, key=key: _registry.pop(key, None)), dims)
+        if mark:
+            _mark(t, dims)
     return t
+
+
+def _mark(t: torch.Tensor, dims: tuple[int, ...]) -> None:
+    for d in dims:
+        torch._dynamo.mark_static(t, d)
+    _marks_made[0] += 1
+
+
+def marks_made() -> int:
+    return _marks_made[0]
+
+
+def unmark(tensors) -> None:
+    """Take the marks off `tensors` (registered ones stay registered)."""
+    for t in tensors:
+        for name in ("_dynamo_static_indices", "_has_dynamo_dim_marking"):  # what mark_static sets
+            if hasattr(t, name):
+                delattr(t, name)
+
+
+@contextlib.contextmanager
+def marked(tensors):
+    """The registered ones among `tensors` marked inside (for a compilation), unmarked after."""
+    tensors = list(tensors)
+    for t in tensors:
+        entry = _registry.get(id(t))
+        if entry is not None and entry[0]() is t:
+            _mark(t, entry[1])
+    try:
+        yield
+    finally:
+        unmark(tensors)
