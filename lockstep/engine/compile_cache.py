@@ -237,8 +237,9 @@ class StartCache:
             parts.append(f"precompiled regions: {self.regions.loaded} loaded, {self.regions.compiled} compiled")
         if self.regions_saved:
             parts.append(f"saved {self.regions_saved} to {self.regions.directory}")
-        if self.regions.failure:
-            parts.append(f"precompiling failed ({self.regions.failure})")
+        if self.regions.failures:
+            parts.append(f"{len(self.regions.failures)} regions failed to precompile (first: "
+                         f"{next(iter(self.regions.failures.values()))})")
         if self.others:
             parts.append(f"none of the {self.others} artifacts there is for these settings (their .json files "
                          "say what they were built for)")

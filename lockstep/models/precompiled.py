@@ -17,7 +17,8 @@ told them apart when they were compiled); a call runs the first whose guards pas
 more when none does.
 
 Only serializable backends precompile: inductor (the engine on CUDA) and aot_eager (the CPU tests).
-Should precompiling fail, the region warns once and runs as an ordinary torch.compile region.
+Should precompiling a region fail, it warns once and runs as an ordinary torch.compile region
+(torch 2.11's aot_eager, for one, is not serializable; 2.13's is).
 The static dimensions (layers/fixed_shapes.py) are marked only while a region compiles.
 A directory holds one file per function, KEY-N.bin; a damaged file is a warning naming it, then a
 compilation, never a crash.
@@ -63,16 +64,16 @@ class PrecompiledRegions:
         self._clean_at: dict[int, int] = {}
         self.loaded = 0
         self.compiled = 0
-        self.failure: str | None = None  # why precompiling stopped, if it did
+        self.failures: dict[str, str] = {}  # key -> why that region could not precompile (it runs compiled lazily)
 
     # ---- calls ---------------------------------------------------------------------------------
 
     def call(self, compiled, name: str, args: tuple):
         """`compiled(*args)` through a precompiled function: `compiled` is the region's
         `precompilable` form, `name` tells regions apart."""
-        if self.failure is not None:
-            return compiled(*args)
         key = self.key(name, args)
+        if key in self.failures:
+            return compiled(*args)
         if fixed_shapes.marks_made() != self._clean_at.get(id(args[0])):  # a loaded function's guards refuse marks
             fixed_shapes.unmark(_tensors(args, REACH))
             self._clean_at[id(args[0])] = fixed_shapes.marks_made()
@@ -83,9 +84,9 @@ class PrecompiledRegions:
             with fixed_shapes.marked(_tensors(args, REACH)):
                 fn = compiled.aot_compile((args, {}))
         except Exception as e:  # the region still runs: compiled the ordinary way
-            self.failure = f"{type(e).__name__}: {e}"
-            warnings.warn(f"precompiling the {name} region failed ({self.failure}); compiling it without "
-                          "precompile (starts trace again)", RuntimeWarning, stacklevel=3)
+            self.failures[key] = f"{name}: {type(e).__name__}: {e}"
+            warnings.warn(f"precompiling the {name} region failed ({type(e).__name__}: {e}); compiling it "
+                          "without precompile (later starts trace it again)", RuntimeWarning, stacklevel=3)
             return compiled(*args)
         fn.disable_guard_check()  # checked once, above, on the next call
         self._functions.setdefault(key, []).append(fn)

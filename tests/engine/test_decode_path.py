@@ -14,7 +14,7 @@ from lockstep.models import compiled_layers
 from lockstep.models.deepseek_v4_config import SLIDING
 from lockstep.models.layers.kernel_switch import Switched
 
-from conftest import make_engine, tiny_dsv4
+from conftest import DEVICE, make_engine, tiny_dsv4
 
 
 def _start(engine, **config):
@@ -95,4 +95,4 @@ def test_the_engine_hands_its_kernel_switches_to_the_model(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
     assert "triton_hc off (LOCKSTEP_TRITON_HC=0)" in describe(engine.adapter, engine.kernels)
     with torch.no_grad():  # still serves
-        assert engine.model(torch.tensor([[1, 2, 3]])).shape[-1] == engine.model.config.vocab_size
+        assert engine.model(torch.tensor([[1, 2, 3]], device=DEVICE)).shape[-1] == engine.model.config.vocab_size
