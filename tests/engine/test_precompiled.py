@@ -18,7 +18,7 @@ import torch
 from lockstep.models.layers import fixed_shapes
 from lockstep.models.precompiled import PrecompiledRegions, precompilable
 
-from conftest import DEVICE, tiny_dsv4
+from conftest import DEVICE, make_engine, tiny_dsv4
 
 ROOT = Path(__file__).resolve().parents[2]
 # a serializable backend: torch 2.11's aot_eager (the GPU image's) is not, 2.13's is
@@ -27,21 +27,33 @@ BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 # one process: load DIR's regions, start the decode graphs' stand-in precompiling into them, decode, save
 CHILD = r"""
 import json, sys, torch
-from conftest import greedy, make_engine, prompts, requests
+from conftest import DEVICE, greedy, make_engine, prompts, requests
 from lockstep.engine.decode_path import start_graphs
 from lockstep.engine.engine import compiled_graph_count
-from lockstep.models.precompiled import PrecompiledRegions, precompilable
+from lockstep.models.precompiled import PrecompiledRegions
 
 torch.set_num_threads(1)
-engine = make_engine(max_num_seqs=2, compile_prefill=False)
+cuda = DEVICE == "cuda"
+backend = "inductor" if cuda else "aot_eager"  # serializable backends (BACKEND above)
+
+
+def decode(regions):
+    # cuda_graph off: the engine's own start would compile its layers first, without precompile;
+    # the graphs are captured below all the same
+    engine = make_engine(max_num_seqs=2, compile_prefill=False, dtype="bfloat16", cuda_graph=False)
+    start_graphs(engine.adapter, engine.config, capture=cuda, compile_backend=backend, regions=regions)
+    outs = engine.generate(requests(prompts(2), greedy(4)))
+    return [o.response_ids.tolist() for o in outs], [o.rollout_logprobs.tolist() for o in outs]
+
+
 regions = PrecompiledRegions(sys.argv[1])
 regions.load()
-start_graphs(engine.adapter, engine.config, capture=False, compile_backend="aot_eager", regions=regions)
-outs = engine.generate(requests(prompts(2), greedy(4)))
-print(json.dumps(dict(loaded=regions.loaded, compiled=regions.compiled, graphs=compiled_graph_count(),
-                      saved=regions.save(), failures=regions.failures,
-                      tokens=[o.response_ids.tolist() for o in outs],
-                      logprobs=[o.rollout_logprobs.tolist() for o in outs])))
+tokens, logprobs = decode(regions)
+result = dict(loaded=regions.loaded, compiled=regions.compiled, graphs=compiled_graph_count(),
+              saved=regions.save(), failures=regions.failures, tokens=tokens, logprobs=logprobs)
+if cuda and regions.loaded:  # the same engine, its layers compiled without precompile
+    result["ordinary"] = decode(None)
+print(json.dumps(result))
 """
 
 
@@ -133,7 +145,6 @@ def test_marks_are_off_outside_a_compilation_and_on_inside():
 
 
 def test_the_tensors_a_region_sees_are_found_through_closures_objects_and_modules():
-    from conftest import make_engine
     from lockstep.models.precompiled import REACH, _tensors
 
     engine = make_engine(max_num_seqs=2)
