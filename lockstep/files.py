@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -98,3 +100,17 @@ def check_positive(owner: str, values: dict[str, Any]) -> None:
     for name, value in values.items():
         if value is not None and value < 1:
             raise FieldError(owner, name, f"must be >= 1, got {value}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` whole or not at all: a temporary file in the same directory, then a
+    rename (a reader, or a process killed mid-write, never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

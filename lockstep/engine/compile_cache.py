@@ -42,12 +42,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
 import torch
 
+from lockstep.files import write_atomically
 from lockstep.models.precompiled import PrecompiledRegions
 
 CACHE_SUBDIR = "compile-cache"  # MODEL/compile-cache: where `lockstep compile MODEL` writes
@@ -155,20 +155,8 @@ def save(path: str | os.PathLike) -> int:
     if saved is None:
         return 0
     data = saved[0]
-    _write_atomically(Path(path), data)
+    write_atomically(Path(path), data)
     return len(data)
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _counts() -> tuple[int, int]:
@@ -224,7 +212,7 @@ class StartCache:
         self.status = "miss" if misses > misses_before or self.status != "hit" else self.status
         self.saved_bytes = save(self.path)
         if self.saved_bytes:
-            _write_atomically(self.path.with_suffix(".json"), json.dumps(self.key_fields, indent=1).encode())
+            write_atomically(self.path.with_suffix(".json"), json.dumps(self.key_fields, indent=1).encode())
 
     def describe(self) -> str:
         """e.g. "compile cache: loaded 12 entries from DIR" / "compile cache: saved DIR/KEY.bin (3.1 MB)"."""

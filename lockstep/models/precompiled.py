@@ -20,7 +20,7 @@ Only serializable backends precompile: inductor (the engine on CUDA) and aot_eag
 Should precompiling a region fail, it warns once and runs as an ordinary torch.compile region
 (torch 2.11's aot_eager, for one, is not serializable; 2.13's is).
 The static dimensions (layers/fixed_shapes.py) are marked only while a region compiles.
-A directory holds one file per function, KEY-N.bin; a damaged file is a warning naming it, then a
+A directory holds one file per function, KEY-ID.bin; a damaged file is a warning naming it, then a
 compilation, never a crash.
 """
 
@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
 import torch
+
+from lockstep.files import write_atomically
 
 from .layers import fixed_shapes
 
@@ -151,19 +153,12 @@ class PrecompiledRegions:
 
     def save(self) -> int:
         """Write the functions compiled since the last save -> how many files written."""
-        if self.directory is None or not self._new:
+        if self.directory is None:
             return 0
-        self.directory.mkdir(parents=True, exist_ok=True)
-        written = 0
-        for key, fn in self._new:
-            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f"{key}-", suffix=".tmp")
-            os.close(fd)
-            try:
-                fn.save_compiled_function(tmp)
-                os.replace(tmp, self.directory / f"{key}-{Path(tmp).stem.rsplit('-', 1)[1]}.bin")
-            finally:
-                Path(tmp).unlink(missing_ok=True)
-            written += 1
+        written = len(self._new)
+        for key, fn in self._new:  # a fresh name each: another process may save under the same key
+            data = type(fn).serialize(fn).serialized_data  # what save_compiled_function writes
+            write_atomically(self.directory / f"{key}-{uuid.uuid4().hex[:12]}.bin", data)
         self._new.clear()
         return written
 
