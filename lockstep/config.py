@@ -155,6 +155,10 @@ class EngineConfig:
     triton_hc: bool = True
     """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA); off: a torch GEMM.
     LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
+    triton_attention: bool = True
+    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel (CUDA, bf16;
+    models/layers/step_attention_triton.py); off: torch ops. LOCKSTEP_TRITON_ATTENTION=0 / 1, when set,
+    overrides."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
@@ -162,7 +166,7 @@ class EngineConfig:
     # the fields that choose the served path's kernels, offered as flags by every command that builds an
     # engine (train, serve, generate), so the path a measurement used can always be named
     PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
-                   "compile_hc", "true_on_policy")
+                   "triton_attention", "compile_hc", "true_on_policy")
 
     def __post_init__(self):
         name = "EngineConfig"

@@ -16,7 +16,8 @@ graphs with their Triton kernels, AOT autograd results, autotuning results), one
 KEY hashes everything that decides which graphs a start compiles and whether another machine's
 artifacts apply: torch, Triton and Python versions, the device kind (GPU name and compute
 capability, or "cpu"), the model's config, and the EngineConfig fields except the few that
-change no compiled graph (KEY_EXCLUDED). A stale file is therefore never looked up; inside a file,
+change no compiled graph (KEY_EXCLUDED), with the inductor settings the decode step compiles with
+(lockstep's defaults under compile_options: cuda_graph.decode_inductor_options). A stale file is therefore never looked up; inside a file,
 inductor checks each entry against its own key, so an entry that does not apply is a miss (a
 compilation), never a wrong graph. A damaged or unreadable file is a warning naming it, then a
 start that compiles as if there were none. The artifacts spare inductor's lowering, code generation
@@ -47,6 +48,7 @@ from pathlib import Path
 
 import torch
 
+from lockstep.engine.cuda_graph import decode_inductor_options
 from lockstep.files import write_atomically
 from lockstep.models.precompiled import PrecompiledRegions
 
@@ -107,6 +109,7 @@ def _model_fields(model_config) -> dict:
 def key_fields(model_config, config) -> dict:
     """Everything the key hashes (see the module docstring), as JSON-able values."""
     engine = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name not in KEY_EXCLUDED}
+    engine["compile_options"] = decode_inductor_options(config.compile_options)  # lockstep's defaults too
     return json.loads(json.dumps({
         "torch": torch.__version__, "triton": _triton_version(), "python": sys.version.split()[0],
         "device": device_kind(config.device), "model": _model_fields(model_config), "engine": engine,

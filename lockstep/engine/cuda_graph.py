@@ -44,6 +44,17 @@ import torch
 from lockstep.transfer import copy_into
 from lockstep.models.compiled_layers import CompiledLayers
 
+# Inductor settings of the decode step's compiled layers, under EngineConfig.compile_options (which
+# override them). combo_kernels fuses independent kernels side by side into one launch: a decode step
+# is hundreds of 1-5 us kernels back to back, latency-bound. Measured on an H200 (1b config, batch
+# 64, rollout_throughput.py --step-trace, 2026-12-03): 620 -> 480 kernels a step, 2.02 -> 1.76 ms.
+DECODE_INDUCTOR_OPTIONS = {"combo_kernels": True}
+
+
+def decode_inductor_options(configured: dict | None) -> dict:
+    """The inductor settings the decode step compiles with: DECODE_INDUCTOR_OPTIONS, then `configured`."""
+    return {**DECODE_INDUCTOR_OPTIONS, **(configured or {})}
+
 
 class StageError(RuntimeError):
     """A start-up stage of the compiled / captured decode path failed; `stage` names it."""
@@ -89,7 +100,7 @@ class DecodeGraphs:
         if compile_backend == "auto":
             compile_backend = "inductor" if self.capture else None
         if compile_backend:
-            options = compile_options if compile_backend == "inductor" else None  # inductor's settings
+            options = decode_inductor_options(compile_options) if compile_backend == "inductor" else None
             with stage("compiling the decoder layers"):
                 self.compiled_layers = CompiledLayers(compile_backend, options, regions)
         if self.capture:

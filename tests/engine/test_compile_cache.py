@@ -85,13 +85,15 @@ def _cache(directory, **config) -> StartCache:
 def test_the_key_covers_what_changes_the_graphs_and_nothing_else(tmp_path):
     base = _cache(tmp_path).path
     for changed in (dict(max_num_seqs=32), dict(dtype="bfloat16"), dict(compile_prefill=False),
-                    dict(compile_options={"combo_kernels": True}), dict(serving_format="fp8")):
+                    dict(compile_options={"combo_kernels": False}), dict(serving_format="fp8")):
         assert _cache(tmp_path, **changed).path != base, changed
     assert StartCache(tmp_path, tiny_config(hidden_size=64), EngineConfig()).path != base  # the model's config
     for unchanged in (dict(eos_token_ids=(3,)), dict(decode_steps=4), dict(cache_memory_bytes=123456)):
         assert _cache(tmp_path, **unchanged).path == base, unchanged
     fields = compile_cache.key_fields(tiny_config(), EngineConfig())
     assert fields["torch"] == torch.__version__ and fields["device"].startswith("cpu")
+    # the settings the decode step compiles with, lockstep's defaults included, not only those configured
+    assert fields["engine"]["compile_options"] == {"combo_kernels": True}
 
 
 def test_an_artifact_of_other_settings_is_not_loaded(tmp_path, monkeypatch):

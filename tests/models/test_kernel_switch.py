@@ -10,7 +10,7 @@ import torch
 
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM, StepBatch
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
-from lockstep.models.layers import hyper_connection, moe
+from lockstep.models.layers import attention, hyper_connection, moe
 from lockstep.models.layers.kernel_switch import (ENV, KernelSwitches, Switched, forward_kernel_allowed,
                                                   set_kernel_switches)
 
@@ -31,14 +31,15 @@ def test_the_environment_wins_when_set(monkeypatch):
     monkeypatch.setenv("LOCKSTEP_COMPILE", "0")
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == ("triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), "
-                                           "compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA, "
+                                           "triton_attention on, compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, fixed_order on CUDA, "
                                            "compile_rows on CUDA, flash_attention on CUDA, triton_norm on CUDA, "
                                            "triton_rope on CUDA, triton_combine on CUDA, fused_logprobs on CUDA")
 
 
 def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
     on = KernelSwitches(true_on_policy=True)
-    assert on.on("true_on_policy") and not any(on.on(k) for k in ("triton_moe", "triton_hc", "compile_hc"))
+    assert on.on("true_on_policy") and not any(on.on(k) for k in ("triton_moe", "triton_hc", "triton_attention",
+                                                                      "compile_hc"))
     monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")  # the environment cannot bring one back either
     assert not on.on("triton_moe")
     monkeypatch.setenv("LOCKSTEP_TRUE_ON_POLICY", "1")
@@ -57,9 +58,10 @@ def test_the_gate_needs_the_switch_cuda_and_no_gradient():
 
 def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
     """Run one decode step (one new token per row) and record what each switched layer asked."""
-    asked = {"triton_moe": set(), "triton_hc": set(), "compile_hc": set()}
+    asked = {"triton_moe": set(), "triton_hc": set(), "triton_attention": set(), "compile_hc": set()}
     triton_experts, triton_mixes, coefficients = moe.triton_experts, hyper_connection._triton_mixes, \
         hyper_connection.hc_coefficients
+    step_attention = attention.step_attention
 
     def experts_spy(x, gate_up, down, enabled):
         asked["triton_moe"].add(enabled)
@@ -69,6 +71,10 @@ def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
         asked["triton_hc"].add(enabled)
         return triton_mixes(streams, fn, enabled)
 
+    def attention_spy(*args):
+        asked["triton_attention"].add(args[-1])
+        return step_attention(*args)
+
     def coefficients_spy(*args, compiled):
         asked["compile_hc"].add(compiled)
         return coefficients(*args, compiled=compiled)
@@ -76,6 +82,7 @@ def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
     monkeypatch.setattr(moe, "triton_experts", experts_spy)
     monkeypatch.setattr(hyper_connection, "_triton_mixes", mixes_spy)
     monkeypatch.setattr(hyper_connection, "hc_coefficients", coefficients_spy)
+    monkeypatch.setattr(attention, "step_attention", attention_spy)
     cache = model.new_cache(num_slots=2, max_len=8)
     with torch.no_grad():
         model.forward_step(torch.tensor([[3], [5]]), StepBatch(slots=torch.tensor([0, 1]), start_pos=torch.tensor([0, 0]),
@@ -87,11 +94,13 @@ def test_the_switches_set_from_outside_reach_every_layer(monkeypatch):
     model = DeepseekV4ForCausalLM(tiny_config())
     init_deepseek_v4_(model, 0)
     assert _decode_step_asks(model.eval(), monkeypatch) == {"triton_moe": {True}, "triton_hc": {True},
+                                                            "triton_attention": {True},
                                                             "compile_hc": {True}}  # nobody configured it
-    switches = KernelSwitches(triton_moe=False, triton_hc=False, compile_hc=False)
+    switches = KernelSwitches(triton_moe=False, triton_hc=False, triton_attention=False, compile_hc=False)
     set_kernel_switches(model, switches)
     assert all(m.kernels is switches for m in model.modules() if isinstance(m, Switched))
-    assert _decode_step_asks(model, monkeypatch) == {"triton_moe": {False}, "triton_hc": {False}, "compile_hc": {False}}
+    assert _decode_step_asks(model, monkeypatch) == {"triton_moe": {False}, "triton_hc": {False},
+                                                     "triton_attention": {False}, "compile_hc": {False}}
     monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")
     assert _decode_step_asks(model, monkeypatch)["triton_moe"] == {True}
 

@@ -28,7 +28,8 @@ from .indexer import Indexer
 from .kernel_switch import Switched
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
-from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
+from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, window_bias
+from .step_attention_triton import step_attention
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window
 
@@ -232,7 +233,8 @@ class DeepseekV4Attention(Switched, nn.Module):
             comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         keys, bias = pad_keys(keys, bias)
-        return self._output(sink_attention(q, keys, bias, self.sinks, self.scale), cos, sin)
+        o = step_attention(q, keys, bias, self.sinks, self.scale, self.kernels.on("triton_attention"))
+        return self._output(o, cos, sin)
 
     def _step_compressors(self, x: InputProjections, batch, cache: LayerCache):
         # entries of positions < max_end (host int), or the whole capacity (masked by position)

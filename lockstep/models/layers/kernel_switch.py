@@ -1,21 +1,22 @@
 """Which of lockstep's optional kernels a model may run: the one place the switches are decided.
 
 The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
-hc_projection_triton.py: mHC's projection at decode) and the compiled mHC coefficients
-(hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are settings,
-not environment: `EngineConfig` carries one field each (triton_moe, triton_hc, compile_hc) and
+hc_projection_triton.py: mHC's projection at decode; step_attention_triton.py: the core attention
+at decode) and the compiled mHC coefficients (hyper_connection.hc_coefficients) change the rounding
+of a token's logprob, so they are settings, not environment: `EngineConfig` carries one field each
+(triton_moe, triton_hc, triton_attention, compile_hc) and
 `TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
 never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
 construction (the model imports neither config: DESIGN principle 3). A model nobody configured
 runs the defaults (the kernels on, true_on_policy off).
 
 `true_on_policy` (EngineConfig / TrainConfig.true_on_policy) selects the true-on-policy forward
-(deepseek_v4_rows.py), which engine and trainer must run alike: it switches the three side-specific
+(deepseek_v4_rows.py), which engine and trainer must run alike: it switches the four side-specific
 kernels and the trainer's fused logprobs off, whatever their setting or environment. The configs'
 None (their default) means `decide_true_on_policy`: on CUDA, where the model has that forward.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
-LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_TRITON_ATTENTION, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER,
 LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE,
 LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS ("0" off, anything else on; LOCKSTEP_COMPILE also
 switches off the engine's compiled decoder layers). The engine's startup line says which kernels are on.
@@ -35,14 +36,15 @@ import torch
 from torch import nn
 
 # each switch's environment override
-ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC", "compile_hc": "LOCKSTEP_COMPILE",
+ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
+       "triton_attention": "LOCKSTEP_TRITON_ATTENTION", "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
        "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS"}
 # the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
 # (the engine samples with torch's log_softmax): off in the true-on-policy forward
-_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "compile_hc", "fused_logprobs")
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "compile_hc", "fused_logprobs")
 # switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
 TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine", "fused_logprobs")
 
@@ -67,11 +69,14 @@ class KernelSwitches:
     """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused)."""
     triton_hc: bool = True
     """mHC's projection + RMSNorm of a decode step is one Triton kernel."""
+    triton_attention: bool = True
+    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel
+    (step_attention_triton.py)."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False
     """The true-on-policy forward (deepseek_v4_rows.py): a token's logprob has the same bits in the
-    engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the three above off."""
+    engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the four above off."""
     fixed_order: bool | None = None
     """In the true-on-policy forward, the mHC and norm steps run over all rows at once with the
     fixed-order kernels (whole_rows.py) instead of in row blocks. None: on CUDA (measured on an H200:
