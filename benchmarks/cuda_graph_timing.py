@@ -1,9 +1,9 @@
 """Timing kernels the way the engine runs them: captured back to back in one CUDA graph.
 
-    from cuda_graph_timing import capture, graph_us, kernel_us
+    from cuda_graph_timing import capture, graph_us, kernel_us, time_calls
 
-Shared by the kernel benchmarks (sinkhorn_kernel.py, hc_projection.py, moe_grouped_gemm.py):
-inside a graph there is no launch cost from Python (which for a custom op can exceed the
+Shared by the kernel benchmarks (sinkhorn_kernel.py, hc_projection.py, moe_grouped_gemm.py,
+step_attention.py): inside a graph there is no launch cost from Python (which for a custom op can exceed the
 kernel's own time), so the figures are what a decode step pays per call.
 """
 
@@ -51,3 +51,13 @@ def kernel_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int) -> float:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.device_time for e in kernels) / (reps * calls)
+
+
+def time_calls(calls: dict, xs, reps: int, warmup: int, profile_reps: int) -> dict[str, tuple[float, float]]:
+    """Each of `calls` (name -> call(x)) captured over xs -> name: (graph_us, kernel_us) per call."""
+    row = {}
+    for name, call in calls.items():
+        graph, _outputs = capture(call, xs)
+        row[name] = (graph_us(graph, len(xs), reps, warmup), kernel_us(graph, len(xs), profile_reps))
+        del graph, _outputs
+    return row

@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cuda_graph_timing import capture, graph_us, kernel_us
+from cuda_graph_timing import time_calls
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -85,12 +85,7 @@ def main(argv=None) -> None:
           f"{'torch: graph':>12} {'device':>7} | {'torch/triton':>12} | {'max|diff|':>9} {'max|torch|':>10}")
     for tokens in args.tokens:
         xs = inputs(tokens, args.K, args.graph_calls, dtype, args.seed, "cuda")
-        row = {}
-        for name, call in calls.items():
-            graph, _outputs = capture(call, xs)
-            row[name] = (graph_us(graph, args.graph_calls, args.reps, args.warmup),
-                         kernel_us(graph, args.graph_calls, args.profile_reps))
-            del graph, _outputs
+        row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
         ours, ref = calls["triton"](xs[0]), calls["torch"](xs[0])
         diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
         (tg, td), (kg, kd), (rg, rd) = row["triton"], row["kernel"], row["torch"]

@@ -42,7 +42,7 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 
 
 def variants():
-    """(name, thunk) of every kernel variant the trainer launches on a GPU."""
+    """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode attention."""
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
     from lockstep.models.layers import logprob_entropy_triton as le
@@ -50,6 +50,7 @@ def variants():
     from lockstep.models.layers import rms_norm_grad_triton as rn
     from lockstep.models.layers import rope_triton as rt
     from lockstep.models.layers import scaled_projection_triton as sp
+    from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
     from lockstep.train import adamw_triton as aw
@@ -108,6 +109,10 @@ def variants():
                                         ROUND=True, INTERPRETED=False, BLOCK=1024)
     yield "swiglu backward", lambda: ptx(sw._backward_kernel, dict(h_ptr=BF, g_ptr=BF, dh_ptr=BF), {"F"}, {"limit"},
                                          ROUND=True, INTERPRETED=False, BLOCK=1024)
+    # the engine's decode attention (forward only): not the trainer's, but the interpreter hides the same
+    yield "decode step attention", lambda: ptx(sa._step_kernel, dict(q_ptr=BF, kv_ptr=BF, bias_ptr=FP, sinks_ptr=FP,
+                                                                     out_ptr=BF), {"Sk"}, {"scale"}, H=16, D=128,
+                                               BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, BF16=True, INTERPRETED=False)
 
 
 def stream_mix_ptx(post: bool = True) -> str:
