@@ -243,7 +243,7 @@ def parse_args(argv=None):
     ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig.compile_prefill=False")
     ap.add_argument("--compile-option", action="append", default=[], type=compile_option, metavar="KEY=VALUE",
                     help="an inductor setting for the engine's compiled layers (EngineConfig.compile_options), "
-                         "e.g. combo_kernels=True; repeatable")
+                         "e.g. combo_kernels=False (on by default for the decode step); repeatable")
     ap.add_argument("--compile-cache-dir", metavar="DIR",
                     help="the engine's compiled graphs, loaded before compiling and saved after a start that "
                          "compiled (EngineConfig.compile_cache_dir): another machine's start skips the compilation")

@@ -136,7 +136,9 @@ class EngineConfig:
     (max_model_len / 4 compressed entries): more memory for the first chunks of long prompts."""
     compile_options: dict = field(default_factory=dict)
     """Inductor settings for the compiled decoder layers on top of lockstep's own (torch.compile's `options`;
-    names from torch._inductor.config, e.g. {"combo_kernels": True}). Not a flag."""
+    names from torch._inductor.config, e.g. {"coordinate_descent_tuning": True}); lockstep's include
+    combo_kernels=True for the decode step (engine/cuda_graph.DECODE_INDUCTOR_OPTIONS), which
+    {"combo_kernels": False} turns off. Not a flag."""
     compile_cache_dir: str | None = None
     """Directory of compiled-graph artifacts reused across processes and machines (engine/compile_cache.py):
     at start the engine loads the file matching this torch, GPU, model and engine config before compiling,

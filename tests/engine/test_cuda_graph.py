@@ -206,8 +206,12 @@ def test_compile_options_reach_the_compiled_layers_and_bad_ones_name_the_field()
         CompiledLayers("eager", {"combo_kernels": True})
     # inductor compiles lazily: building the graphs' compiled layers compiles nothing yet
     engine = graph_engine(37)
-    engine.adapter.enable_graphs(4, capture=False, compile_backend="inductor", compile_options={"combo_kernels": True})
-    assert engine.adapter.graphs.compiled_layers.options == {"combo_kernels": True}
+    engine.adapter.enable_graphs(4, capture=False, compile_backend="inductor",
+                                 compile_options={"coordinate_descent_tuning": True})
+    # the decode step's own defaults under those configured (cuda_graph.DECODE_INDUCTOR_OPTIONS)
+    assert engine.adapter.graphs.compiled_layers.options == {"combo_kernels": True, "coordinate_descent_tuning": True}
+    engine.adapter.enable_graphs(4, capture=False, compile_backend="inductor", compile_options={"combo_kernels": False})
+    assert engine.adapter.graphs.compiled_layers.options == {"combo_kernels": False}
     engine.adapter.enable_graphs(4, capture=False, compile_backend="eager", compile_options={"combo_kernels": True})
     assert engine.adapter.graphs.compiled_layers.options == {}  # settings of inductor's only
 
