@@ -110,9 +110,9 @@ def variants():
     yield "swiglu backward", lambda: ptx(sw._backward_kernel, dict(h_ptr=BF, g_ptr=BF, dh_ptr=BF), {"F"}, {"limit"},
                                          ROUND=True, INTERPRETED=False, BLOCK=1024)
     # the engine's decode attention (forward only): not the trainer's, but the interpreter hides the same
-    yield "decode step attention", lambda: ptx(sa._step_kernel, dict(q_ptr=BF, kv_ptr=BF, bias_ptr=FP, sinks_ptr=FP,
-                                                                     out_ptr=BF), {"Sk"}, {"scale"}, H=16, D=128,
-                                               BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, BF16=True, INTERPRETED=False)
+    yield "decode step attention", lambda: ptx(
+        sa._step_kernel, dict(q_ptr=BF, kv_ptr=BF, bias_ptr=FP, sinks_ptr=FP, out_ptr=BF), {"Sk"}, {"scale"},
+        H=16, D=128, BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, BF16=True, INTERPRETED=False)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

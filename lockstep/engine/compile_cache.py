@@ -17,9 +17,9 @@ KEY hashes everything that decides which graphs a start compiles and whether ano
 artifacts apply: torch, Triton and Python versions, the device kind (GPU name and compute
 capability, or "cpu"), the model's config, and the EngineConfig fields except the few that
 change no compiled graph (KEY_EXCLUDED), with the inductor settings the decode step compiles with
-(lockstep's defaults under compile_options: cuda_graph.decode_inductor_options). A stale file is therefore never looked up; inside a file,
-inductor checks each entry against its own key, so an entry that does not apply is a miss (a
-compilation), never a wrong graph. A damaged or unreadable file is a warning naming it, then a
+(lockstep's defaults under compile_options: cuda_graph.decode_inductor_options). A stale file is
+therefore never looked up; inside a file, inductor checks each entry against its own key, so an
+entry that does not apply is a miss (a compilation), never a wrong graph. A damaged or unreadable file is a warning naming it, then a
 start that compiles as if there were none. The artifacts spare inductor's lowering, code generation
 and Triton compilation; the precompiled regions spare dynamo's tracing; the CUDA graph capture
 still runs.
