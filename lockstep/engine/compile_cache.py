@@ -207,6 +207,7 @@ class StartCache:
         if self.path is None or self._before is None:
             return
         self.regions_saved += self.regions.save()
+        self.regions.save_on_compile = True  # what compiles after the start is saved as it compiles
         (misses, compiled), (misses_before, compiled_before) = _counts(), self._before
         if compiled == compiled_before:
             return  # this start compiled nothing: nothing to cache

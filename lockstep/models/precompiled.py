@@ -20,8 +20,9 @@ Only serializable backends precompile: inductor (the engine on CUDA) and aot_eag
 Should precompiling a region fail, it warns once and runs as an ordinary torch.compile region
 (torch 2.11's aot_eager, for one, is not serializable; 2.13's is).
 The static dimensions (layers/fixed_shapes.py) are marked only while a region compiles.
-A directory holds one file per function, KEY-ID.bin; a damaged file is a warning naming it, then a
-compilation, never a crash.
+A directory holds one file per function, KEY-ID.bin, written with the engine start's other
+artifacts, and after the start as each function compiles (a shape the start did not meet); a
+damaged file is a warning naming it, then a compilation, never a crash.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class PrecompiledRegions:
         self.loaded = 0
         self.compiled = 0
         self.failures: dict[str, str] = {}  # key -> why that region could not precompile (it runs compiled lazily)
+        # set once the engine's start has saved (StartCache.save): a region compiled later (a shape or
+        # guard the start did not meet) is written as it compiles, so the next start loads it too
+        self.save_on_compile = False
 
     # ---- calls ---------------------------------------------------------------------------------
 
@@ -94,6 +98,8 @@ class PrecompiledRegions:
         self._functions.setdefault(key, []).append(fn)
         self._new.append((key, fn))
         self.compiled += 1
+        if self.save_on_compile:
+            self.save()
         return fn(*args)
 
     def key(self, name: str, args: tuple) -> str:

@@ -106,6 +106,9 @@ def test_an_artifact_of_other_settings_is_not_loaded(tmp_path, monkeypatch):
     cache.load()
     assert loads == [] and cache.loaded == 0 and cache.status == "nothing"
     assert "none of the 1 artifacts there is for these settings" in cache.describe()
+    assert not cache.regions.save_on_compile
+    cache.save()  # the start's save: from here on a region is written as it compiles
+    assert cache.regions.save_on_compile
 
 
 def test_a_corrupt_file_warns_naming_it_and_is_left_alone(tmp_path):

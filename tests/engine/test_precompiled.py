@@ -132,6 +132,19 @@ def test_a_function_whose_guards_fail_is_not_run_another_is_compiled():
     assert torch.equal(regions.call(compiled, "toy", (b,)), b * 3) and regions.compiled == 2
 
 
+def test_after_the_start_a_region_is_saved_as_it_compiles(tmp_path):
+    compiled = precompilable(lambda x: x * 3, dynamic=True, backend=BACKEND)
+    regions = PrecompiledRegions(tmp_path)
+    regions.call(compiled, "toy", (torch.arange(4.0, device=DEVICE),))
+    assert not list(tmp_path.glob("*.bin"))  # during the start: saved with the start's other artifacts
+    assert regions.save() == 1 and len(list(tmp_path.glob("*.bin"))) == 1
+    regions.save_on_compile = True  # as StartCache.save leaves it
+    b = torch.arange(4, dtype=torch.float64, device=DEVICE)  # a dtype guard apart: one more function
+    assert torch.equal(regions.call(compiled, "toy", (b,)), b * 3)
+    assert len(list(tmp_path.glob("*.bin"))) == 2  # written at once, not at the next start's save
+    assert PrecompiledRegions(tmp_path).load() == 2
+
+
 def test_marks_are_off_outside_a_compilation_and_on_inside():
     t = fixed_shapes.fixed_shape(torch.zeros(2, 3))
     assert getattr(t, "_dynamo_static_indices", None) == {0, 1}
