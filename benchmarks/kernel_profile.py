@@ -58,9 +58,10 @@ def host_profile(fn, top: int = 25) -> str:
 
 
 def decode_step_trace(engine, requests) -> str:
-    """The kernels of a generate's last decode step in launch order (name, device us), one per line:
-    which op each of the step's several hundred kernels comes from. Run it with max_new_tokens=2
-    (prefill, then one decode step); the step is the kernels after the last gap of > 50 us."""
+    """The kernels of a generate's last decode step in launch order (device us, idle us before it,
+    name), one per line: which op each of the step's several hundred kernels comes from, and where
+    the device waited between them. Run it with max_new_tokens=2 (prefill, then one decode step);
+    the step is the kernels after the last gap of > 50 us."""
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(requests)
@@ -73,6 +74,8 @@ def decode_step_trace(engine, requests) -> str:
             start = i
     step = kernels[start:]
     total = step[-1].time_range.end - step[0].time_range.start
-    lines = [f"last step: {len(step)} kernels, {sum(e.device_time for e in step):.0f} us device, {total:.0f} us span"]
-    lines += [f"{e.device_time:7.1f}  {e.name[:150]}" for e in step]
+    idle = [0.0] + [max(b.time_range.start - a.time_range.end, 0.0) for a, b in zip(step, step[1:])]
+    lines = [f"last step: {len(step)} kernels, {sum(e.device_time for e in step):.0f} us device, {total:.0f} us span, "
+             f"{sum(idle):.0f} us idle between kernels"]
+    lines += [f"{e.device_time:7.1f} {gap:6.1f}  {e.name[:150]}" for e, gap in zip(step, idle)]
     return "\n".join(lines)

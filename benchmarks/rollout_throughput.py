@@ -251,7 +251,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
     ap.add_argument("--step-trace", metavar="PATH",
-                    help="CUDA: write the kernels of one decode step, in launch order, to PATH "
+                    help="CUDA: write the kernels of one decode step, in launch order, with the device's idle "
+                         "time before each, to PATH "
                          "(PATH.FORMAT when several engines run; PATH.FORMAT-true-on-policy for those rows)")
     ap.add_argument("--copy-mib", type=int, default=None,
                     help="size of the bandwidth probe (default 1024 cuda, 256 cpu)")
