@@ -19,10 +19,10 @@ capability, or "cpu"), the model's config, and the EngineConfig fields except th
 change no compiled graph (KEY_EXCLUDED), with the inductor settings the decode step compiles with
 (lockstep's defaults under compile_options: cuda_graph.decode_inductor_options). A stale file is
 therefore never looked up; inside a file, inductor checks each entry against its own key, so an
-entry that does not apply is a miss (a compilation), never a wrong graph. A damaged or unreadable file is a warning naming it, then a
-start that compiles as if there were none. The artifacts spare inductor's lowering, code generation
-and Triton compilation; the precompiled regions spare dynamo's tracing; the CUDA graph capture
-still runs.
+entry that does not apply is a miss (a compilation), never a wrong graph. A damaged or unreadable
+file is a warning naming it, then a start that compiles as if there were none. The artifacts spare
+inductor's lowering, code generation and Triton compilation; the precompiled regions spare dynamo's
+tracing; the CUDA graph capture still runs.
 
 `lockstep compile MODEL` (commands/compile.py) fills MODEL/compile-cache once; train, serve and
 generate use that directory by default when it exists (`default_dir`, the one home of that rule).
