@@ -1,6 +1,6 @@
 """Timing kernels the way the engine runs them: captured back to back in one CUDA graph.
 
-    from cuda_graph_timing import capture, graph_us, kernel_us, time_calls
+    from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us, time_calls
 
 Shared by the kernel benchmarks (sinkhorn_kernel.py, hc_projection.py, moe_grouped_gemm.py,
 step_attention.py): inside a graph there is no launch cost from Python (which for a custom op can exceed the
@@ -61,3 +61,12 @@ def time_calls(calls: dict, xs, reps: int, warmup: int, profile_reps: int) -> di
         row[name] = (graph_us(graph, len(xs), reps, warmup), kernel_us(graph, len(xs), profile_reps))
         del graph, _outputs
     return row
+
+
+def add_timing_arguments(ap, graph_calls: int, graph_calls_help: str, reps_help: str = "graph replays timed",
+                         profile_help: str = "graph replays under the profiler (device columns)") -> None:
+    """The timing flags the kernel benchmarks share: --graph-calls, --reps, --warmup, --profile-reps."""
+    ap.add_argument("--graph-calls", type=int, default=graph_calls, help=graph_calls_help)
+    ap.add_argument("--reps", type=int, default=200, help=reps_help)
+    ap.add_argument("--warmup", type=int, default=20)
+    ap.add_argument("--profile-reps", type=int, default=10, help=profile_help)

@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cuda_graph_timing import time_calls
+from cuda_graph_timing import add_timing_arguments, time_calls
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -49,10 +49,7 @@ def main(argv=None) -> None:
     ap.add_argument("--K", type=int, default=4096, help="n * hidden_size (DeepSeek-V4 1b-style: 4 * 1024)")
     ap.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="the streams' dtype (fn is fp32)")
     ap.add_argument("--eps", type=float, default=1e-6)
-    ap.add_argument("--graph-calls", type=int, default=16, help="calls per CUDA graph (decode step: 16-17)")
-    ap.add_argument("--reps", type=int, default=200, help="graph replays timed")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--profile-reps", type=int, default=10, help="graph replays under the profiler (device columns)")
+    add_timing_arguments(ap, 16, "calls per CUDA graph (decode step: 16-17)")
     ap.add_argument("--split", type=int, default=0, help="splits of K (0: default_split(K))")
     ap.add_argument("--block-t", type=int, default=0, help="rows per program (0: launch_config's)")
     ap.add_argument("--block-k", type=int, default=0, help="K per tile (0: launch_config's)")

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from cuda_graph_timing import capture, graph_us, kernel_us
+from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us
 
 from lockstep.models.layers.sinkhorn import sinkhorn_in_kernel_order
 
@@ -65,10 +65,8 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=4, help="matrix size (hc_mult; DeepSeek-V4: 4)")
     ap.add_argument("--iters", type=int, default=20, help="Sinkhorn iterations (DeepSeek-V4: 20)")
     ap.add_argument("--eps", type=float, default=1e-6)
-    ap.add_argument("--graph-calls", type=int, default=16, help="calls per CUDA graph (decode step: 16)")
-    ap.add_argument("--reps", type=int, default=200, help="timed calls (eager) or graph replays")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--profile-reps", type=int, default=10, help="graph replays under the profiler (kernel column)")
+    add_timing_arguments(ap, 16, "calls per CUDA graph (decode step: 16)", "timed calls (eager) or graph replays",
+                         "graph replays under the profiler (kernel column)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

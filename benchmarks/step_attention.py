@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from cuda_graph_timing import time_calls
+from cuda_graph_timing import add_timing_arguments, time_calls
 
 
 def inputs(batch: int, heads: int, dim: int, keys: int, count: int, seed: int) -> list[tuple]:
@@ -45,10 +45,7 @@ def main(argv=None) -> None:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--keys", type=int, nargs="+", default=[136, 184], help="keys per sequence (padded to 8)")
-    ap.add_argument("--graph-calls", type=int, default=8, help="calls per CUDA graph (decode step: one per layer)")
-    ap.add_argument("--reps", type=int, default=200, help="graph replays timed")
-    ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--profile-reps", type=int, default=10, help="graph replays under the profiler (device columns)")
+    add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
