@@ -138,8 +138,10 @@ def test_compiled_layers_trace_twice_per_layer_kind(monkeypatch):
     assert len(traced) == 2 * len(kinds) + 2
     stand_in_engine = graph_engine(33, model=tiny_dsv4(33, **FEW_SINKHORN), compile_backend=None, dtype="bfloat16")
     stand_in = stand_in_engine.generate(requests(ps, params_for))
-    same_outputs(out, stand_in, exact=True)
-    same_outputs(single, stand_in_engine.generate(requests(long_prompt, params_for)), exact=True)
+    # bitwise on the CPU; on CUDA the region and eager take different kernels for the same sums
+    # (hyper_connection.hc_combine's element-wise form compiled, a Triton kernel or cuBLAS eager)
+    same_outputs(out, stand_in, exact=DEVICE == "cpu", atol=2e-2)
+    same_outputs(single, stand_in_engine.generate(requests(long_prompt, params_for)), exact=DEVICE == "cpu", atol=2e-2)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a GPU (LOCKSTEP_TEST_DEVICE=cuda)")

@@ -39,8 +39,11 @@ backend = "inductor" if cuda else "aot_eager"  # serializable backends (BACKEND 
 
 def decode(regions):
     # cuda_graph off: the engine's own start would compile its layers first, without precompile;
-    # the graphs are captured below all the same
-    engine = make_engine(max_num_seqs=2, compile_prefill=False, dtype="bfloat16", cuda_graph=False)
+    # the graphs are captured below all the same. compile_hc off: on CUDA the eager prefill would
+    # compile mHC's coefficients outside the regions, a graph of its own that the count below
+    # would take for a region traced again
+    engine = make_engine(max_num_seqs=2, compile_prefill=False, dtype="bfloat16", cuda_graph=False,
+                         compile_hc=False)
     start_graphs(engine.adapter, engine.config, capture=cuda, compile_backend=backend, regions=regions)
     outs = engine.generate(requests(prompts(2), greedy(4)))
     return [o.response_ids.tolist() for o in outs], [o.rollout_logprobs.tolist() for o in outs]
