@@ -42,9 +42,11 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 
 
 def variants():
-    """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode attention."""
+    """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode
+    attention and mHC pre stage."""
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
+    from lockstep.models.layers import hc_pre_triton as hp
     from lockstep.models.layers import logprob_entropy_triton as le
     from lockstep.models.layers import moe_combine_triton as mc
     from lockstep.models.layers import rms_norm_grad_triton as rn
@@ -113,6 +115,10 @@ def variants():
     yield "decode step attention", lambda: ptx(
         sa._step_kernel, dict(q_ptr=BF, kv_ptr=BF, bias_ptr=FP, sinks_ptr=FP, out_ptr=BF), {"Sk"}, {"scale"},
         H=16, D=128, BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, BF16=True, INTERPRETED=False)
+    yield "decode mHC pre", lambda: ptx(
+        hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
+        {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
+        {"hc_eps", "norm_eps"}, N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import hc_projection_triton, scaled_projection_triton, stream_mix_triton
+from . import hc_pre_triton, hc_projection_triton, scaled_projection_triton, stream_mix_triton
 from .kernel_switch import Switched, forward_kernel_allowed, grad_wanted
 from .bf16x3 import mm_bf16_fp32, mm_fp32_bf16
 from .norm import inverse_rms, inverse_rms_one_pass, rms_norm
@@ -142,10 +142,26 @@ class HyperConnection(Switched, nn.Module):
 
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
-        mixes = _mixes(streams, self.fn, self.norm_eps, self.kernels.on("triton_hc"))
+        triton = self.kernels.on("triton_hc")
+        # a decode step on CUDA: two kernels; over whole rows the splits are added in order instead
+        if _triton_mixes(streams, self.fn, triton) and hc_pre_triton.available(streams) and not in_whole_rows():
+            return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
+        mixes = _mixes(streams, self.fn, self.norm_eps, triton)
         pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
                                           compiled=self.kernels.on("compile_hc"))
         return _collapse(pre, streams), post, comb
+
+
+def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float):
+    """HyperConnection's forward as two kernels: the projection's split-K partials
+    (hc_projection_triton.py), then the mixes, coefficients, Sinkhorn and collapse in one
+    (hc_pre_triton.py), where compiled torch ops were ~9 launches (that file says why)."""
+    n, D = streams.shape[-2:]
+    flat = streams.reshape(-1, n, D)
+    partials = hc_projection_triton.hc_mix_partials(flat.flatten(-2), fn, hc_projection_triton.default_split(n * D))
+    x_in, post, comb = hc_pre_triton.hc_pre_step(partials, flat, base, scale, iters, hc_eps, norm_eps)
+    lead = streams.shape[:-2]
+    return x_in.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
