@@ -118,7 +118,7 @@ def variants():
     yield "decode mHC pre", lambda: ptx(
         hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
         {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
-        {"hc_eps", "norm_eps"}, N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
+        {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

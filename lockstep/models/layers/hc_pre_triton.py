@@ -39,7 +39,7 @@ triton = _gt.triton
 if triton is not None:
     import triton.language as tl
 
-BLOCK_D = 512  # elements of a stream per iteration of the collapse
+BLOCK_D = 256  # columns of the streams per collapse program
 
 
 def available(streams: torch.Tensor) -> bool:
@@ -51,78 +51,79 @@ def available(streams: torch.Tensor) -> bool:
 
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
-    _bf16, _normalise = _gt._bf16, sinkhorn_triton._normalise
-    _reciprocal, _divide = sinkhorn_triton._reciprocal, sinkhorn_triton._divide
+    _bf16, _reciprocal, _divide = _gt._bf16, sinkhorn_triton._reciprocal, sinkhorn_triton._divide
 
     @triton.jit
-    def _mix(p_row, j, rs, s_ok, stride_ps, r):
-        """Mix j of the token: its partial products summed over the splits, times 1 / rms."""
-        return tl.sum(tl.load(p_row + rs * stride_ps + j, mask=s_ok, other=0.0), axis=0) * r
+    def _mixes(p_row, cols, ok, splits, s_ok, r):
+        """The token's mixes at columns `cols` (masked by `ok`): their partial products summed over
+        the splits, times 1 / rms. splits (the splits' offsets) and s_ok have cols' rank + 1 dims,
+        the splits along the first (the axis summed)."""
+        tile = tl.load(p_row + splits + tl.expand_dims(cols, 0), mask=s_ok & tl.expand_dims(ok, 0), other=0.0)
+        return tl.sum(tile, axis=0) * r
 
     @triton.jit
-    def _softmax_row(z, eps, N: tl.constexpr):
-        """softmax over the N scalars of tuple z, + eps, each quotient correctly rounded."""
-        m = z[0]
-        for b in tl.static_range(1, N):
-            m = tl.maximum(m, z[b])
-        e = ()
-        for b in tl.static_range(N):
-            e = e + (tl.exp(z[b] - m),)
-        total = e[0]
-        for b in tl.static_range(1, N):
-            total = total + e[b]
-        y = _reciprocal(total)
-        out = ()
-        for b in tl.static_range(N):
-            out = out + (_divide(e[b], total, y) + eps,)
-        return out
+    def _normalise(x, AXIS: tl.constexpr, eps):
+        """x / (sum of x along AXIS + eps), each quotient correctly rounded (sinkhorn_triton's division)."""
+        s = tl.expand_dims(tl.sum(x, axis=AXIS), AXIS) + eps
+        return _divide(x, s, _reciprocal(s))
+
+    @triton.jit
+    def _coefficients(p_row, r, rs, s_ok, rn, n_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps,
+                      stride_ps, N: tl.constexpr):
+        """post [N] and comb [N, N] of token t (stored), from its partials."""
+        z = _mixes(p_row, N + rn, n_ok, rs[:, None] * stride_ps, s_ok[:, None], r)
+        z = z * tl.load(scale_ptr + 1).to(tl.float32) + tl.load(base_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        post = 2.0 * tl.sigmoid(z)
+        tl.store(post_ptr + t * N + rn, post, mask=n_ok)
+        j = 2 * N + rn[:, None] * N + rn[None, :]
+        ok = n_ok[:, None] & n_ok[None, :]
+        z = _mixes(p_row, j, ok, rs[:, None, None] * stride_ps, s_ok[:, None, None], r)
+        z = z * tl.load(scale_ptr + 2).to(tl.float32) + tl.load(base_ptr + j, mask=ok, other=0.0).to(tl.float32)
+        z = tl.where(ok, z, float("-inf"))
+        e = tl.exp(z - tl.max(z, axis=1)[:, None])  # padding: exp(-inf) = 0
+        total = tl.sum(e, axis=1)[:, None]
+        comb = tl.where(ok, _divide(e, total, _reciprocal(total)) + hc_eps, 0.0)  # padding adds nothing below
+        # sinkhorn.py's steps: columns first (sums over rows), then (rows, columns) iters - 1 times
+        comb = _normalise(comb, 0, hc_eps)
+        for _ in range(iters - 1):
+            comb = _normalise(comb, 1, hc_eps)
+            comb = _normalise(comb, 0, hc_eps)
+        tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], comb, mask=ok)
 
     @triton.jit
     def _hc_pre_kernel(p_ptr, x_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr,
                        S, K, D, iters, hc_eps, norm_eps,
                        stride_ps, stride_pt, stride_xt, stride_xn, stride_xd,
-                       N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-                       INTERPRETED: tl.constexpr):
+                       N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Program (t, 0): token t's post and comb. Program (t, c > 0): its pre, and the collapse of
+        the streams' c-th block of BLOCK_D columns. The Sinkhorn's chain of dependent steps is the
+        long one; the collapse programs run beside it instead of after it."""
         t = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1)
         # inductor passes Python floats as fp64 scalars; the torch chain computes in fp32
         hc_eps = tl.cast(hc_eps, tl.float32)
         norm_eps = tl.cast(norm_eps, tl.float32)
         rs = tl.arange(0, BLOCK_S)
         s_ok = rs < S
+        rn = tl.arange(0, BLOCK_N)
+        n_ok = rn < N
         p_row = p_ptr + t * stride_pt
         J: tl.constexpr = (2 + N) * N
         ss = tl.sum(tl.load(p_row + rs * stride_ps + J, mask=s_ok, other=0.0), axis=0)
         r = _reciprocal(tl.sqrt_rn(ss / K + norm_eps))
-        s_pre = tl.load(scale_ptr).to(tl.float32)
-        s_post = tl.load(scale_ptr + 1).to(tl.float32)
-        s_comb = tl.load(scale_ptr + 2).to(tl.float32)
-        pre = ()
-        for i in tl.static_range(N):
-            z = _mix(p_row, i, rs, s_ok, stride_ps, r) * s_pre + tl.load(base_ptr + i).to(tl.float32)
-            pre = pre + (tl.sigmoid(z) + hc_eps,)
-            z = _mix(p_row, N + i, rs, s_ok, stride_ps, r) * s_post + tl.load(base_ptr + N + i).to(tl.float32)
-            tl.store(post_ptr + t * N + i, 2.0 * tl.sigmoid(z))
-        comb = ()
-        for a in tl.static_range(N):
-            z = ()
-            for b in tl.static_range(N):
-                j = 2 * N + a * N + b
-                z = z + (_mix(p_row, j, rs, s_ok, stride_ps, r) * s_comb + tl.load(base_ptr + j).to(tl.float32),)
-            comb = comb + _softmax_row(z, hc_eps, N)
-        # sinkhorn.py's steps: columns first, then (rows, columns) iters - 1 times
-        comb = _normalise(comb, N, 1, N, hc_eps)
-        for _ in range(iters - 1):
-            comb = _normalise(comb, N, N, 1, hc_eps)
-            comb = _normalise(comb, N, 1, N, hc_eps)
-        for k in tl.static_range(N * N):
-            tl.store(comb_ptr + t * N * N + k, comb[k])
-        x_row = x_ptr + t * stride_xt
-        for d0 in range(0, D, BLOCK_D):
-            rd = d0 + tl.arange(0, BLOCK_D)
+        if c == 0:
+            _coefficients(p_row, r, rs, s_ok, rn, n_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps,
+                          stride_ps, N)
+        else:
+            z = _mixes(p_row, rn, n_ok, rs[:, None] * stride_ps, s_ok[:, None], r)
+            z = z * tl.load(scale_ptr).to(tl.float32) + tl.load(base_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            pre = tl.sigmoid(z) + hc_eps
+            rd = (c - 1) * BLOCK_D + tl.arange(0, BLOCK_D)
             d_ok = rd < D
-            acc = pre[0] * tl.load(x_row + rd * stride_xd, mask=d_ok, other=0.0).to(tl.float32)
-            for i in tl.static_range(1, N):
-                acc += pre[i] * tl.load(x_row + i * stride_xn + rd * stride_xd, mask=d_ok, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + t * stride_xt + rn[:, None] * stride_xn + rd[None, :] * stride_xd,
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            acc = tl.sum(pre[:, None] * x, axis=0)
             if BF16:
                 tl.store(out_ptr + t * D + rd, _bf16(acc, INTERPRETED), mask=d_ok)
             else:
@@ -140,11 +141,12 @@ if triton is not None:
         post = streams.new_empty(T, n, dtype=torch.float32)
         comb = streams.new_empty(T, n, n, dtype=torch.float32)
         if T:
-            torch.library.wrap_triton(_hc_pre_kernel)[(T,)](
+            block_d = min(BLOCK_D, triton.next_power_of_2(D))
+            torch.library.wrap_triton(_hc_pre_kernel)[(T, 1 + triton.cdiv(D, block_d))](
                 partials, streams, base, scale, out, post, comb, partials.shape[0], n * D, D, iters, hc_eps,
                 norm_eps, partials.stride(0), partials.stride(1), *streams.stride(), N=n,
-                BLOCK_S=triton.next_power_of_2(partials.shape[0]), BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)),
-                BF16=streams.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=1)
+                BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(partials.shape[0]),
+                BLOCK_D=block_d, BF16=streams.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=1)
         return out, post, comb
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
