@@ -152,11 +152,12 @@ class EngineConfig:
     """If compiling the decoder layers or capturing the decode graphs fails at engine start, warn and serve the
     eager path instead of raising (its train/rollout gap differs from the compiled one's)."""
     triton_moe: bool = True
-    """The routed experts of decode steps run lockstep's Triton grouped GEMMs (CUDA, bf16); off: torch's grouped
-    GEMM. LOCKSTEP_TRITON_MOE=0 / 1, when set, overrides (models/layers/kernel_switch.py)."""
+    """The routed experts of decode steps run lockstep's Triton grouped GEMMs (CUDA, bf16) and the top-k router
+    one Triton kernel; off: torch's grouped GEMM and router ops. LOCKSTEP_TRITON_MOE=0 / 1, when set, overrides
+    (models/layers/kernel_switch.py)."""
     triton_hc: bool = True
-    """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA); off: a torch GEMM.
-    LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
+    """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA), the coefficients, Sinkhorn and
+    collapse another; off: a torch GEMM and compiled torch ops. LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
     triton_attention: bool = True
     """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel (CUDA, bf16;
     models/layers/step_attention_triton.py); off: torch ops. LOCKSTEP_TRITON_ATTENTION=0 / 1, when set,

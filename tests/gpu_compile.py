@@ -43,7 +43,7 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 
 def variants():
     """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode
-    attention and mHC pre stage."""
+    attention, mHC pre stage and router."""
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
     from lockstep.models.layers import hc_pre_triton as hp
@@ -51,6 +51,7 @@ def variants():
     from lockstep.models.layers import moe_combine_triton as mc
     from lockstep.models.layers import rms_norm_grad_triton as rn
     from lockstep.models.layers import rope_triton as rt
+    from lockstep.models.layers import router_triton as ro
     from lockstep.models.layers import scaled_projection_triton as sp
     from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
@@ -119,6 +120,9 @@ def variants():
         hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
         {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
         {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
+    yield "decode router", lambda: ptx(
+        ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
+        {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H, INTERPRETED=False)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -1,6 +1,7 @@
 """Which of lockstep's optional kernels a model may run: the one place the switches are decided.
 
-The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
+The forward-only Triton kernels (grouped_gemm_triton.py and router_triton.py: the routed experts and
+the top-k router at decode;
 hc_projection_triton.py: mHC's projection at decode; step_attention_triton.py: the core attention
 at decode) and the compiled mHC coefficients (hyper_connection.hc_coefficients) change the rounding
 of a token's logprob, so they are settings, not environment: `EngineConfig` carries one field each
@@ -66,9 +67,11 @@ def env_override(variable: str, configured: bool | None) -> bool | None:
 @dataclass(frozen=True)
 class KernelSwitches:
     triton_moe: bool = True
-    """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused)."""
+    """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused), and its
+    top-k router one kernel (router_triton.py)."""
     triton_hc: bool = True
-    """mHC's projection + RMSNorm of a decode step is one Triton kernel."""
+    """mHC's projection + RMSNorm of a decode step is one Triton kernel, and the rest of its pre
+    stage (coefficients, Sinkhorn, collapse) another (hc_pre_triton.py)."""
     triton_attention: bool = True
     """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel
     (step_attention_triton.py)."""

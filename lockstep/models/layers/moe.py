@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import grouped_gemm_triton, moe_combine_triton, swiglu_triton
+from . import grouped_gemm_triton, moe_combine_triton, router_triton, swiglu_triton
 from .fused_linear import project
 from .grouped_gemm import grouped_mm, triton_experts
 from .kernel_switch import Switched
@@ -42,7 +42,7 @@ def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     return sigmoid_any_size(logits) if whole else logits.sigmoid()
 
 
-class Router(nn.Module):
+class Router(Switched, nn.Module):
     """Top-k router (`is_hash=False`, with selection bias) or hash router (tid2eid table)."""
 
     def __init__(self, hidden_size: int, n_experts: int, top_k: int, vocab_size: int, is_hash: bool,
@@ -58,8 +58,13 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
-                forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32)."""
+                forced: torch.Tensor | None = None, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32). `decode`: the rows are a
+        decode step's, which a top-k router computes in one kernel (router_triton.py)."""
+        if (decode and forced is None and not self.is_hash and not in_whole_rows()
+                and router_triton.runs(x, self.weight, self.kernels.on("triton_moe"))):
+            return router_triton.route_step(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                            self.scoring_func, self.routed_scaling_factor)
         return self.route(self.logits(x), token_ids, forced)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -312,8 +317,9 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
-        experts, weights = self.gate.route(self.gate.logits(flat), token_ids, forced_flat)
-        out = self.experts(flat, experts, weights, decode=x.dim() == 3 and x.shape[1] == 1)
+        decode = x.dim() == 3 and x.shape[1] == 1
+        experts, weights = self.gate(flat, token_ids, forced_flat, decode=decode)
+        out = self.experts(flat, experts, weights, decode=decode)
         if self.shared_experts is not None:
             out = out + self.shared_experts.from_gate_up(*project(self, self.input_linears(), flat))
         return out.view(shape), experts.view(*shape[:-1], -1)

@@ -1,0 +1,78 @@
+"""Latency of a decode step's top-k router as one Triton kernel against the torch ops it replaces.
+
+    python benchmarks/router_step.py                   # GPU: batch 8, 64, 256; 64 experts of 1024, k = 6 (the 1b config)
+    python benchmarks/router_step.py --experts 256 --hidden 4096 --top-k 8
+
+Each top-k MoE layer of a decode step routes its tokens: fp32 logits W x, scores sqrt(softplus),
+the top k of score + bias in ascending expert order, and the normalised weights. Three forms are
+timed in microseconds per call:
+- kernel: router_triton.route_step (`lockstep::route_step`);
+- compiled: moe.Router's torch ops (Router.route of Router.logits) under torch.compile (inductor,
+  dynamic shapes, as the engine compiles its decoder layers): cuBLAS's fp32 GEMM, inductor's kernels;
+- eager: the same uncompiled;
+each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
+one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
+Printed per batch: those timings, the ratio compiled / kernel (graph), the rows whose chosen experts
+differ from the eager ops' and the largest weight difference among the rows that agree. GPU only;
+--help works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from cuda_graph_timing import add_timing_arguments, time_calls
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256], help="tokens in the step")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--top-k", type=int, default=6)
+    add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("router_step.py times CUDA kernels: no GPU here")
+
+    from lockstep.models.layers import moe, router_triton
+
+    if router_triton.triton is None:
+        sys.exit("the kernel does not run here: triton is not installed")
+    g = torch.Generator().manual_seed(args.seed)
+    router = moe.Router(args.hidden, args.experts, args.top_k, vocab_size=8, is_hash=False,
+                        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(args.experts, args.hidden, generator=g) * args.hidden ** -0.5)
+        router.e_score_correction_bias.copy_(torch.randn(args.experts, generator=g) * 0.1)
+    router = router.cuda().requires_grad_(False)
+    torch_ops = lambda x: router.route(router.logits(x), None)  # noqa: E731
+    compiled = torch.compile(torch_ops, dynamic=True)
+    calls = {
+        "kernel": lambda x: router_triton.route_step(x, router.weight, router.e_score_correction_bias,
+                                                     args.top_k, "sqrtsoftplus", 1.5),
+        "compiled": compiled,
+        "eager": torch_ops,
+    }
+    print(f"{torch.cuda.get_device_name()}: {args.experts} experts of {args.hidden}, top {args.top_k}, bf16 x, "
+          f"fp32 weight; {args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
+    print(f"{'batch':>6} | {'kernel: graph':>13} {'device':>7} | {'compiled: graph':>15} {'device':>7} | "
+          f"{'eager: graph':>12} {'device':>7} | {'compiled/kernel':>15} | {'rows differ':>11} {'max|dw|':>8}")
+    with torch.no_grad():
+        for batch in args.batch:
+            xs = [torch.randn(batch, args.hidden, generator=g).bfloat16().cuda() for _ in range(args.graph_calls)]
+            row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
+            (experts, weights), (ref_experts, ref_weights) = calls["kernel"](xs[0]), torch_ops(xs[0])
+            same = (experts == ref_experts).all(dim=-1)
+            dw = (weights[same] - ref_weights[same]).abs().max().item() if same.any() else float("nan")
+            (kg, kd), (cg, cd), (eg, ed) = row["kernel"], row["compiled"], row["eager"]
+            print(f"{batch:>6} | {kg:>13.2f} {kd:>7.2f} | {cg:>15.2f} {cd:>7.2f} | {eg:>12.2f} {ed:>7.2f} | "
+                  f"{cg / kg:>14.2f}x | {int((~same).sum()):>11} {dw:>8.1e}")
+
+
+if __name__ == "__main__":
+    main()

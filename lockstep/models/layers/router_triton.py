@@ -1,0 +1,138 @@
+"""A decode step's top-k router as one Triton kernel, registered as the custom op
+`lockstep::route_step`: fp32 logits, scores, the top-k choice and the normalised weights.
+
+What, per token (moe.Router has the formulas): logits = W x in fp32 (x and W converted exactly),
+scores = sqrt(softplus(logits)) (or softmax / sigmoid), the k experts of highest score + bias,
+returned in ascending expert order, and their weights = score / sum(selected scores) * scaling.
+A program takes BLOCK_T tokens and all E experts (a [BLOCK_T, E] tile of logits), so the choice
+needs no second pass: k rounds of (row max, lowest index holding it, masked out), then each chosen
+expert's place among the chosen in ascending order is the count of chosen experts below it.
+
+Why: in the compiled decode step (1b config, batch 64, one H200, 2026-12-03, `--step-trace`) the
+router was four kernels per top-k layer: cuBLAS's fp32 SIMT sgemm (6.5 us) and its split-K reduce
+(1.9 us), then inductor's scoring and top-k kernels (3.5 + 3.7 us), ~16 us for 8 MFLOP.
+
+Numerics: the logits are fp32 FMAs over H (tl.dot with input_precision="ieee"), in another order
+than cuBLAS's: equal to fp32 rounding, so a near-tie between two experts' biased scores may be
+chosen differently than the torch path (as between any two GEMM shapes; the true-on-policy forward
+does not use this kernel). Ties of equal scores go to the lower expert index. softplus is computed
+as max(x, 0) + log1p(exp(-|x|)) with log1p(u) = u * log(1 + u) / ((1 + u) - 1) (exact where
+1 + u rounds to 1), torch's value to a few ulp; the weights' sum adds in a tree, not k terms in order.
+
+Where (`runs`): moe.Router at a decode step (one new token per sequence: the compiled graph's
+specialisation) on CUDA, without gradients, the triton_moe switch on, no forced (replayed) experts,
+not a hash layer, not over whole rows (whole_rows.py). Forward only. Testable on CPU with
+TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grouped_gemm_triton as _gt
+from .kernel_switch import forward_kernel_allowed
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+SCORING = {"sqrtsoftplus": 0, "softmax": 1, "sigmoid": 2}
+MAX_EXPERTS = 256  # a program holds [BLOCK_T, E] logits
+BLOCK_T = 16  # tokens per program (tl.dot's minimum rows)
+BLOCK_H = 32  # hidden columns per step of the logits' loop
+
+
+def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
+    """Whether x [T, H] routes through the kernel: Triton present, the switch on, CUDA, no gradient
+    wanted, float inputs, E within MAX_EXPERTS (the caller checks the rest: module docstring)."""
+    return (triton is not None and forward_kernel_allowed(enabled, x, weight) and x.dim() == 2
+            and weight.shape[0] <= MAX_EXPERTS and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
+
+
+if triton is not None:
+    _dot = _gt._dot  # by name: torch.compile's compile worker cannot resolve a module alias
+
+    @triton.jit
+    def _logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+        """[BLOCK_T, BLOCK_E] fp32 logits of rows rt against experts re (x and W contiguous)."""
+        acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        rh = tl.arange(0, BLOCK_H)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + rh
+            h_ok = h < H
+            a = tl.load(x_ptr + rt[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
+            b = tl.load(w_ptr + re[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
+            if INTERPRETED:  # grouped_gemm_triton._dot says why
+                acc = _dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, INTERPRETED)
+            else:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        return acc
+
+    @triton.jit
+    def _log1p(u):
+        """log(1 + u) for u in [0, 1], to a few ulp where log(1 + u) alone loses u's low bits."""
+        v = 1.0 + u
+        exact = v == 1.0
+        return tl.where(exact, u, tl.log(v) * (u / tl.where(exact, 1.0, v - 1.0)))
+
+    @triton.jit
+    def _scores(logits, e_ok, SCORING: tl.constexpr):
+        if SCORING == 0:  # sqrt(softplus(x)), softplus = max(x, 0) + log1p(exp(-|x|)); torch's threshold 20
+            soft = tl.maximum(logits, 0.0) + _log1p(tl.exp(-tl.abs(logits)))
+            s = tl.sqrt_rn(tl.where(logits > 20.0, logits, soft))
+        elif SCORING == 1:
+            z = tl.where(e_ok[None, :], logits, float("-inf"))
+            e = tl.exp(z - tl.max(z, axis=1)[:, None])
+            s = e / tl.sum(e, axis=1)[:, None]
+        else:
+            s = tl.sigmoid(logits)
+        return s
+
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
+                      K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        re = tl.arange(0, BLOCK_E)
+        t_ok, e_ok = rt < T, re < E
+        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H, INTERPRETED),
+                         e_ok, SCORING)
+        biased = scores + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]
+        biased = tl.where(e_ok[None, :], biased, float("-inf"))
+        chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
+        for _ in tl.static_range(K):  # the highest remaining, the lowest index among equals
+            best = tl.max(biased, axis=1)
+            pick = tl.min(tl.where(biased == best[:, None], re[None, :], BLOCK_E), axis=1)
+            hit = re[None, :] == pick[:, None]
+            chosen = chosen | hit
+            biased = tl.where(hit, float("-inf"), biased)
+        kept = tl.where(chosen, scores, 0.0)
+        total = tl.sum(kept, axis=1)
+        scaling = tl.cast(scaling, tl.float32)
+        weights = kept / (total + 1e-20)[:, None] * scaling
+        place = tl.cumsum(chosen.to(tl.int32), axis=1) - 1  # the ascending order of the chosen
+        out = rt[:, None].to(tl.int64) * K + place
+        keep = chosen & t_ok[:, None]
+        tl.store(experts_ptr + out, (re[None, :] + tl.zeros_like(place)).to(tl.int64), mask=keep)
+        tl.store(weights_ptr + out, weights, mask=keep)
+
+    @torch.library.triton_op("lockstep::route_step", mutates_args=())
+    def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
+                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32)."""
+        T, H = x.shape
+        E = weight.shape[0]
+        experts = torch.empty(T, k, dtype=torch.long, device=x.device)
+        weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+        if T:
+            torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, BLOCK_T),)](
+                x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
+                K=k, SCORING=SCORING[scoring], BLOCK_T=BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                BLOCK_H=BLOCK_H, INTERPRETED=_gt.interpreted(), num_warps=4)
+        return experts, weights
+
+    # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
+    @route_step.register_fake
+    def _(x, weight, bias, k, scoring, scaling):
+        return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
