@@ -12,7 +12,7 @@ timed in microseconds per call:
 - eager: the same uncompiled;
 each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
 one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
-Printed per batch: those timings, the ratio compiled / kernel (graph), the rows whose chosen experts
+Printed per batch: those timings (and the kernel's with each --block-t), the ratio compiled / kernel (graph), the rows whose chosen experts
 differ from the eager ops' and the largest weight difference among the rows that agree. GPU only;
 --help works anywhere.
 """
@@ -33,6 +33,8 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--top-k", type=int, default=6)
+    ap.add_argument("--block-t", type=int, nargs="*", default=[],
+                    help="also time the kernel with these tokens per program (router_triton.BLOCK_T is the default)")
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -58,6 +60,9 @@ def main(argv=None) -> None:
         "compiled": compiled,
         "eager": torch_ops,
     }
+    for b in args.block_t:
+        calls[f"kernel block_t={b}"] = lambda x, b=b: router_triton.route_step(
+            x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b)
     print(f"{torch.cuda.get_device_name()}: {args.experts} experts of {args.hidden}, top {args.top_k}, bf16 x, "
           f"fp32 weight; {args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
     print(f"{'batch':>6} | {'kernel: graph':>13} {'device':>7} | {'compiled: graph':>15} {'device':>7} | "
@@ -72,6 +77,9 @@ def main(argv=None) -> None:
             (kg, kd), (cg, cd), (eg, ed) = row["kernel"], row["compiled"], row["eager"]
             print(f"{batch:>6} | {kg:>13.2f} {kd:>7.2f} | {cg:>15.2f} {cd:>7.2f} | {eg:>12.2f} {ed:>7.2f} | "
                   f"{cg / kg:>14.2f}x | {int((~same).sum()):>11} {dw:>8.1e}")
+            for b in args.block_t:
+                bg, bd = row[f"kernel block_t={b}"]
+                print(f"{'':>6} | kernel with block_t={b}: graph {bg:.2f} device {bd:.2f}")
 
 
 if __name__ == "__main__":

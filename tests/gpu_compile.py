@@ -122,7 +122,7 @@ def variants():
         {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
     yield "decode router", lambda: ptx(
         ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
-        {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H, INTERPRETED=False)
+        {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -12,7 +12,7 @@ Why: in the compiled decode step (1b config, batch 64, one H200, 2026-12-03, `--
 router was four kernels per top-k layer: cuBLAS's fp32 SIMT sgemm (6.5 us) and its split-K reduce
 (1.9 us), then inductor's scoring and top-k kernels (3.5 + 3.7 us), ~16 us for 8 MFLOP.
 
-Numerics: the logits are fp32 FMAs over H (tl.dot with input_precision="ieee"), in another order
+Numerics: the logits are fp32 products summed over H (a tree within each slice of BLOCK_H), in another order
 than cuBLAS's: equal to fp32 rounding, so a near-tie between two experts' biased scores may be
 chosen differently than the torch path (as between any two GEMM shapes; the true-on-policy forward
 does not use this kernel). Ties of equal scores go to the lower expert index. softplus is computed
@@ -38,8 +38,8 @@ if triton is not None:
 
 SCORING = {"sqrtsoftplus": 0, "softmax": 1, "sigmoid": 2}
 MAX_EXPERTS = 256  # a program holds [BLOCK_T, E] logits
-BLOCK_T = 16  # tokens per program (tl.dot's minimum rows)
-BLOCK_H = 32  # hidden columns per step of the logits' loop
+BLOCK_T = 1  # tokens per program: each streams W [E, H] from L2 (a decode step's batch makes the programs)
+BLOCK_H = 64  # hidden columns per step of the logits' loop
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
@@ -50,12 +50,12 @@ def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
 
 
 if triton is not None:
-    _dot = _gt._dot  # by name: torch.compile's compile worker cannot resolve a module alias
-
     @triton.jit
     def _logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
-        """[BLOCK_T, BLOCK_E] fp32 logits of rows rt against experts re (x and W contiguous)."""
+                BLOCK_H: tl.constexpr):
+        """[BLOCK_T, BLOCK_E] fp32 logits of rows rt against experts re (x and W contiguous): products
+        broadcast and summed over each [BLOCK_H] slice, not tl.dot (fp32 "ieee" tl.dot on an H200 made
+        this kernel 48 us at batch 64, 2.3x the torch ops it replaces)."""
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         rh = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -63,10 +63,7 @@ if triton is not None:
             h_ok = h < H
             a = tl.load(x_ptr + rt[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
             b = tl.load(w_ptr + re[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            if INTERPRETED:  # grouped_gemm_triton._dot says why
-                acc = _dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, INTERPRETED)
-            else:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
         return acc
 
     @triton.jit
@@ -92,12 +89,11 @@ if triton is not None:
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
                       K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+                      BLOCK_H: tl.constexpr):
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         re = tl.arange(0, BLOCK_E)
         t_ok, e_ok = rt < T, re < E
-        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H, INTERPRETED),
-                         e_ok, SCORING)
+        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H), e_ok, SCORING)
         biased = scores + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]
         biased = tl.where(e_ok[None, :], biased, float("-inf"))
         chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
@@ -119,20 +115,22 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::route_step", mutates_args=())
     def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
-                   scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32)."""
+                   scaling: float, block_t: int = 0, block_h: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32).
+        block_t, block_h: nonzero, override BLOCK_T and BLOCK_H (benchmarks/router_step.py)."""
+        block_t, block_h = block_t or BLOCK_T, block_h or BLOCK_H
         T, H = x.shape
         E = weight.shape[0]
         experts = torch.empty(T, k, dtype=torch.long, device=x.device)
         weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
         if T:
-            torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, BLOCK_T),)](
+            torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, block_t),)](
                 x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
-                K=k, SCORING=SCORING[scoring], BLOCK_T=BLOCK_T, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                BLOCK_H=BLOCK_H, INTERPRETED=_gt.interpreted(), num_warps=4)
+                K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                BLOCK_H=block_h, num_warps=4)
         return experts, weights
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @route_step.register_fake
-    def _(x, weight, bias, k, scoring, scaling):
+    def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0):
         return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
