@@ -152,9 +152,8 @@ class EngineConfig:
     """If compiling the decoder layers or capturing the decode graphs fails at engine start, warn and serve the
     eager path instead of raising (its train/rollout gap differs from the compiled one's)."""
     triton_moe: bool = True
-    """The routed experts of decode steps run lockstep's Triton grouped GEMMs (CUDA, bf16) and the top-k router
-    one Triton kernel; off: torch's grouped GEMM and router ops. LOCKSTEP_TRITON_MOE=0 / 1, when set, overrides
-    (models/layers/kernel_switch.py)."""
+    """The routed experts of decode steps run lockstep's Triton grouped GEMMs (CUDA, bf16); off: torch's grouped
+    GEMM. LOCKSTEP_TRITON_MOE=0 / 1, when set, overrides (models/layers/kernel_switch.py)."""
     triton_hc: bool = True
     """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA), the coefficients, Sinkhorn and
     collapse another; off: a torch GEMM and compiled torch ops. LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
@@ -162,6 +161,10 @@ class EngineConfig:
     """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel (CUDA, bf16;
     models/layers/step_attention_triton.py); off: torch ops. LOCKSTEP_TRITON_ATTENTION=0 / 1, when set,
     overrides."""
+    triton_router: bool = False
+    """A decode step's top-k router (fp32 logits, scores, top-k, weights) is one Triton kernel (CUDA;
+    models/layers/router_triton.py); off: torch ops. Off by default until its second form is measured on a
+    GPU (the first was slower than the ops). LOCKSTEP_TRITON_ROUTER=0 / 1, when set, overrides."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
@@ -169,7 +172,7 @@ class EngineConfig:
     # the fields that choose the served path's kernels, offered as flags by every command that builds an
     # engine (train, serve, generate), so the path a measurement used can always be named
     PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
-                   "triton_attention", "compile_hc", "true_on_policy")
+                   "triton_attention", "triton_router", "compile_hc", "true_on_policy")
 
     def __post_init__(self):
         name = "EngineConfig"

@@ -74,7 +74,7 @@ def test_equal_scores_go_to_the_lower_expert():
 
 def test_the_router_takes_the_kernel_only_at_a_decode_step_on_cuda(monkeypatch):
     router = _router(16, 64, 4, "sqrtsoftplus", 3).cpu()
-    router.kernels = KernelSwitches()
+    router.kernels = KernelSwitches(triton_router=True)
     seen = []
     monkeypatch.setattr(rt, "route_step", lambda *a: seen.append(a) or (None, None))
     x = _x(2, 64, torch.float32, 4).cpu()
@@ -89,9 +89,9 @@ def test_the_router_takes_the_kernel_only_at_a_decode_step_on_cuda(monkeypatch):
             assert len(seen) == 1
             router(x, None)  # prefill: torch ops
             router(x, None, forced=torch.zeros(2, 4, dtype=torch.long, device="cuda"), decode=True)  # replayed
-            router.kernels = KernelSwitches(triton_moe=False)
+            router.kernels = KernelSwitches()  # the default: off
             router(x, None, decode=True)
-        router.kernels = KernelSwitches()
+        router.kernels = KernelSwitches(triton_router=True)
         router(x, None, decode=True)  # gradients wanted (the weight's): torch ops
         assert len(seen) == 1
 

@@ -1,11 +1,11 @@
 """Which of lockstep's optional kernels a model may run: the one place the switches are decided.
 
-The forward-only Triton kernels (grouped_gemm_triton.py and router_triton.py: the routed experts and
-the top-k router at decode;
-hc_projection_triton.py: mHC's projection at decode; step_attention_triton.py: the core attention
-at decode) and the compiled mHC coefficients (hyper_connection.hc_coefficients) change the rounding
-of a token's logprob, so they are settings, not environment: `EngineConfig` carries one field each
-(triton_moe, triton_hc, triton_attention, compile_hc) and
+The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
+hc_projection_triton.py and hc_pre_triton.py: mHC's pre stage at decode; step_attention_triton.py: the
+core attention at decode; router_triton.py: the top-k router at decode) and the compiled mHC
+coefficients (hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are
+settings, not environment: `EngineConfig` carries one field each
+(triton_moe, triton_hc, triton_attention, triton_router, compile_hc) and
 `TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
 never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
 construction (the model imports neither config: DESIGN principle 3). A model nobody configured
@@ -38,14 +38,15 @@ from torch import nn
 
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
-       "triton_attention": "LOCKSTEP_TRITON_ATTENTION", "compile_hc": "LOCKSTEP_COMPILE",
+       "triton_attention": "LOCKSTEP_TRITON_ATTENTION", "triton_router": "LOCKSTEP_TRITON_ROUTER",
+       "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
        "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS"}
 # the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
 # (the engine samples with torch's log_softmax): off in the true-on-policy forward
-_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "compile_hc", "fused_logprobs")
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "compile_hc", "fused_logprobs")
 # switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
 TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine", "fused_logprobs")
 
@@ -67,14 +68,16 @@ def env_override(variable: str, configured: bool | None) -> bool | None:
 @dataclass(frozen=True)
 class KernelSwitches:
     triton_moe: bool = True
-    """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused), and its
-    top-k router one kernel (router_triton.py)."""
+    """The routed experts of a decode step take the Triton grouped GEMMs (SwiGLU fused)."""
     triton_hc: bool = True
     """mHC's projection + RMSNorm of a decode step is one Triton kernel, and the rest of its pre
     stage (coefficients, Sinkhorn, collapse) another (hc_pre_triton.py)."""
     triton_attention: bool = True
     """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel
     (step_attention_triton.py)."""
+    triton_router: bool = False
+    """A decode step's top-k router is one Triton kernel (router_triton.py). Off by default: not yet
+    measured faster than the compiled torch ops (EngineConfig.triton_router)."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False

@@ -62,7 +62,7 @@ class Router(Switched, nn.Module):
         """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32). `decode`: the rows are a
         decode step's, which a top-k router computes in one kernel (router_triton.py)."""
         if (decode and forced is None and not self.is_hash and not in_whole_rows()
-                and router_triton.runs(x, self.weight, self.kernels.on("triton_moe"))):
+                and router_triton.runs(x, self.weight, self.kernels.on("triton_router"))):
             return router_triton.route_step(x, self.weight, self.e_score_correction_bias, self.top_k,
                                             self.scoring_func, self.routed_scaling_factor)
         return self.route(self.logits(x), token_ids, forced)

@@ -10,7 +10,12 @@ expert's place among the chosen in ascending order is the count of chosen expert
 
 Why: in the compiled decode step (1b config, batch 64, one H200, 2026-12-03, `--step-trace`) the
 router was four kernels per top-k layer: cuBLAS's fp32 SIMT sgemm (6.5 us) and its split-K reduce
-(1.9 us), then inductor's scoring and top-k kernels (3.5 + 3.7 us), ~16 us for 8 MFLOP.
+(1.9 us), then inductor's scoring and top-k kernels (3.5 + 3.7 us), ~16 us for 8 MFLOP. Measured
+so far (benchmarks/router_step.py, same H200, batch 64, CUDA graphs): the first form of this kernel,
+16 tokens per program with an fp32 "ieee" tl.dot for the logits, took 48.6 us a call against the
+compiled torch ops' 21.5 (eager 37.3), with the same experts chosen on every row. The logits are
+now broadcast products summed per slice, one token per program (BLOCK_T); not yet timed, so the
+triton_router switch is off by default.
 
 Numerics: the logits are fp32 products summed over H (a tree within each slice of BLOCK_H), in another order
 than cuBLAS's: equal to fp32 rounding, so a near-tie between two experts' biased scores may be
@@ -20,8 +25,8 @@ as max(x, 0) + log1p(exp(-|x|)) with log1p(u) = u * log(1 + u) / ((1 + u) - 1) (
 1 + u rounds to 1), torch's value to a few ulp; the weights' sum adds in a tree, not k terms in order.
 
 Where (`runs`): moe.Router at a decode step (one new token per sequence: the compiled graph's
-specialisation) on CUDA, without gradients, the triton_moe switch on, no forced (replayed) experts,
-not a hash layer, not over whole rows (whole_rows.py). Forward only. Testable on CPU with
+specialisation) on CUDA, without gradients, the triton_router switch on (off by default, above),
+no forced (replayed) experts, not a hash layer, not over whole rows (whole_rows.py). Forward only. Testable on CPU with
 TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
 """
 
