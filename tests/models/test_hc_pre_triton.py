@@ -52,8 +52,8 @@ def _pre_step(hc, streams):
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 # the 1b config's mHC (n = 4, D = 1024: 32 splits of K); a D not a multiple of the kernel's block,
-# a token count not a power of two; n = 2
-@pytest.mark.parametrize("T,n,D", [(5, 4, 1024), (3, 4, 200), (2, 2, 96)])
+# a token count not a power of two; n = 2; n = 3 (its tiles padded to 4)
+@pytest.mark.parametrize("T,n,D", [(5, 4, 1024), (3, 4, 200), (2, 2, 96), (2, 3, 64)])
 def test_the_kernels_equal_the_torch_chain(dtype, T, n, D):
     hc, streams = _block(n, D, T + D), _streams(T, n, D, dtype, n * D)
     with torch.no_grad():
@@ -75,9 +75,9 @@ def test_the_kernels_equal_the_torch_chain(dtype, T, n, D):
 
 
 @needs_triton
-def test_the_sinkhorn_steps_are_the_fused_kernels():
-    # the coefficients' softmax in torch, then the fused Sinkhorn, against the kernel's comb: the
-    # normalisations are the same code, so only the mixes' and softmax's roundings separate them
+def test_the_sinkhorn_agrees_with_the_fused_sinkhorn_kernel():
+    # the coefficients' softmax in torch, then the fused Sinkhorn kernel, against this kernel's comb:
+    # the same steps and division, sums in another order and the mixes' roundings between them
     hc, streams = _block(4, 256, 3), _streams(4, 4, 256, torch.float32, 4)
     with torch.no_grad():
         _, _, comb = _pre_step(hc, streams)

@@ -7,21 +7,25 @@ What, per token t (hyper_connection.py has the formulas):
     pre    = sigmoid(s0 * m_pre + b_pre) + hc_eps,  post = 2 * sigmoid(s1 * m_post + b_post)
     comb   = Sinkhorn(softmax_rows(s2 * m_comb + b_comb) + hc_eps)
     x_in   = sum_i pre_i X_i   (rounded once to the streams' dtype)
-one program per token. Its coefficients are scalars (every lane computes them; there are 24), the
-Sinkhorn is sinkhorn_triton.py's own per-entry normalisation, and the collapse reads the token's
-n x D streams once.
+A grid of (tokens, 1 + D / BLOCK_D) one-warp programs: program (t, 0) computes token t's post [n]
+and comb [n, n] as small tiles and runs the Sinkhorn; programs (t, c > 0) compute its pre and
+collapse one block of the streams' columns each, beside it. The Sinkhorn (39 dependent
+normalisations) is the long chain, so the collapse costs no time after it.
 
-Why: in the compiled decode step (1b config, batch 64, one H200, 2026-12-03, `--step-trace`) the
-same work after the partials kernel was ~9 launches per mHC call, twice per layer (inductor's
-split sums, the sigmoid and softmax kernels, the collapse, then the Sinkhorn kernel): ~16-21 us of
-~2 us kernels each time, ~300 us of a 1.7 ms step. A decode step is latency-bound; the arithmetic
-here is a few thousand flops a token.
+Why: a decode step is latency-bound (~400 kernels of 1-5 us at batch 64 on the 1b config) and this
+is a few thousand flops a token. Measured on one H200 (2026-12-03): benchmarks/hc_pre.py, batch 64,
+n 4 x 1024, the partials kernel and this one 11.5 us a call against 20.4 for the torch chain
+compiled (the partials kernel, inductor's kernels, the fused Sinkhorn); in the 1b decode step
+(`rollout_throughput.py --step-trace`) 38 fewer kernels and 61 us less device time per step (1,703
+-> 1,642 us), this kernel 4.9-5.3 us a call (8.5 us as one program per token running the collapse
+after the Sinkhorn).
 
 Numerics: the same formulas in fp32; the splits are added in a tree (tl.sum), not torch's order,
 and the softmax's divisions are correctly rounded (sinkhorn_triton's `_divide`); exp and sigmoid
 are Triton's. So the coefficients equal the torch chain's to fp32 rounding and the block input to
-a bf16 ulp, not bitwise (tests/models/test_hc_pre_triton.py). The Sinkhorn steps are the fused
-Sinkhorn kernel's, bit for bit on the same input. A token's results depend on its own row only.
+a bf16 ulp, not bitwise (tests/models/test_hc_pre_triton.py). The Sinkhorn takes sinkhorn.py's
+steps with sinkhorn_triton.py's correctly rounded division, each line's sum in a tree: the fused
+Sinkhorn kernel's result to fp32 rounding. A token's results depend on its own row only.
 
 Where: hyper_connection.HyperConnection at a decode step on CUDA without gradients, with the
 triton_hc switch (the projection kernel's conditions) and not over whole rows (whole_rows.py keeps

@@ -155,7 +155,7 @@ class HyperConnection(Switched, nn.Module):
 def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float):
     """HyperConnection's forward as two kernels: the projection's split-K partials
     (hc_projection_triton.py), then the mixes, coefficients, Sinkhorn and collapse in one
-    (hc_pre_triton.py), where compiled torch ops were ~9 launches (that file says why)."""
+    (hc_pre_triton.py: 61 us less of a 1b decode step's device time than compiled torch ops)."""
     n, D = streams.shape[-2:]
     flat = streams.reshape(-1, n, D)
     partials = hc_projection_triton.hc_mix_partials(flat.flatten(-2), fn, hc_projection_triton.default_split(n * D))
