@@ -72,6 +72,18 @@ def test_equal_scores_go_to_the_lower_expert():
     torch.testing.assert_close(weights, torch.full((3, 4), 1.5 / 4, device=weights.device))
 
 
+@needs_triton
+def test_a_nan_row_still_gets_k_distinct_experts():
+    # the experts index the dispatch: a broken row must not leave a slot unwritten or out of range
+    router, x = _router(16, 64, 4, "sqrtsoftplus", 7), _x(2, 64, torch.float32, 8)
+    x[1, 3] = float("nan")
+    with torch.no_grad():
+        experts, weights = _kernel(router, x)
+        ref, _ = router.route(router.logits(x[:1]), None)
+    assert experts[1].tolist() == [0, 1, 2, 3] and torch.isnan(weights[1]).all()
+    assert torch.equal(experts[:1], ref)
+
+
 def test_the_router_takes_the_kernel_only_at_a_decode_step_on_cuda(monkeypatch):
     router = _router(16, 64, 4, "sqrtsoftplus", 3).cpu()
     router.kernels = KernelSwitches(triton_router=True)

@@ -26,8 +26,8 @@ as max(x, 0) + log1p(exp(-|x|)) with log1p(u) = u * log(1 + u) / ((1 + u) - 1) (
 
 Where (`runs`): moe.Router at a decode step (one new token per sequence: the compiled graph's
 specialisation) on CUDA, without gradients, the triton_router switch on (off by default, above),
-no forced (replayed) experts, not a hash layer, not over whole rows (whole_rows.py). Forward only. Testable on CPU with
-TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
+no forced (replayed) experts, not a hash layer, not over whole rows (whole_rows.py). Forward only.
+Testable on CPU with TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
 """
 
 from __future__ import annotations
@@ -100,11 +100,13 @@ if triton is not None:
         t_ok, e_ok = rt < T, re < E
         scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H), e_ok, SCORING)
         biased = scores + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]
-        biased = tl.where(e_ok[None, :], biased, float("-inf"))
+        # NaN as -inf: a broken row still gets k distinct experts below E (the dispatch indexes with them)
+        biased = tl.where(e_ok[None, :] & (biased == biased), biased, float("-inf"))
         chosen = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.int1)
         for _ in tl.static_range(K):  # the highest remaining, the lowest index among equals
             best = tl.max(biased, axis=1)
-            pick = tl.min(tl.where(biased == best[:, None], re[None, :], BLOCK_E), axis=1)
+            free = (biased == best[:, None]) & ~chosen & e_ok[None, :]
+            pick = tl.min(tl.where(free, re[None, :], BLOCK_E), axis=1)
             hit = re[None, :] == pick[:, None]
             chosen = chosen | hit
             biased = tl.where(hit, float("-inf"), biased)
