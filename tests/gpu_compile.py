@@ -47,6 +47,7 @@ def variants():
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
     from lockstep.models.layers import hc_pre_triton as hp
+    from lockstep.models.layers import hc_projection_triton as hc
     from lockstep.models.layers import logprob_entropy_triton as le
     from lockstep.models.layers import moe_combine_triton as mc
     from lockstep.models.layers import rms_norm_grad_triton as rn
@@ -120,6 +121,11 @@ def variants():
         hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
         {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
         {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
+    # the mHC projection's partials with the products broadcast (hc_projection.py --broadcast)
+    yield "decode mHC partials, broadcast", lambda: ptx(
+        hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP),
+        {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot"},
+        BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, BROADCAST=True, INTERPRETED=False)
     yield "decode router", lambda: ptx(
         ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
         {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H)

@@ -77,7 +77,7 @@ if triton is not None:
     def _partials_kernel(x_ptr, fn_ptr, out_ptr, T, J, K, k_per_split,
                          stride_xt, stride_xk, stride_fj, stride_fk, stride_os, stride_ot,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                         EVEN_K: tl.constexpr, BROADCAST: tl.constexpr, INTERPRETED: tl.constexpr):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
         K is one too and no tile crosses K."""
@@ -107,8 +107,10 @@ if triton is not None:
             # read as [K, J] directly, neighbouring lanes were K * 4 bytes apart
             a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
             b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
-            if INTERPRETED:  # grouped_gemm_triton._dot says why
-                acc = _dot(a, tl.trans(b), acc, INTERPRETED)
+            # the interpreter (grouped_gemm_triton._dot says why), or BROADCAST: products broadcast and
+            # summed (that form of the router kernel was 10x faster than its fp32 "ieee" tl.dot, 2026-12-03)
+            if INTERPRETED or BROADCAST:
+                acc = _dot(a, tl.trans(b), acc, True)
             else:
                 acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
             ss += tl.sum(a * a, axis=1)
@@ -118,10 +120,11 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::hc_mix_partials", mutates_args=())
     def hc_mix_partials(x: torch.Tensor, fn: torch.Tensor, split: int, block_t: int = 0, block_k: int = 0,
-                        num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+                        num_warps: int = 0, num_stages: int = 0, broadcast: bool = False) -> torch.Tensor:
         """x [T, K] (bf16, fp16 or fp32, any strides), fn [J, K] -> partials [split, T, J + 1]
         fp32: per split of K, the products x @ fn^T (columns < J) and the rows' sums of squares
-        (column J). Nonzero keywords override `launch_config`."""
+        (column J). Nonzero keywords override `launch_config`; `broadcast`: the products broadcast
+        and summed instead of tl.dot (benchmarks/hc_projection.py --broadcast)."""
         T, K = x.shape
         J = fn.shape[0]
         cfg = launch_config(J, K, split)
@@ -131,14 +134,14 @@ if triton is not None:
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), split)
         torch.library.wrap_triton(_partials_kernel)[grid](
             x, fn, out, T, J, K, k_per_split, *x.stride(), *fn.stride(), out.stride(0), out.stride(1),
-            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0, BROADCAST=broadcast,
             INTERPRETED=_gt.interpreted(), **cfg)
         return out
 
     # Shapes for torch.compile's tracing, written out: the default (the body run on fake tensors)
     # would launch the kernel itself under the interpreter, which wrap_triton leaves unwrapped.
     @hc_mix_partials.register_fake
-    def _(x, fn, split, *config):
+    def _(x, fn, split, *config, **options):
         return x.new_empty(split, x.shape[0], fn.shape[0] + 1, dtype=torch.float32)
 
 
