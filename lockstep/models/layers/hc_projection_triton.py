@@ -108,7 +108,8 @@ if triton is not None:
             a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
             b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
             # the interpreter (grouped_gemm_triton._dot says why), or BROADCAST: products broadcast and
-            # summed (that form of the router kernel was 10x faster than its fp32 "ieee" tl.dot, 2026-12-03)
+            # summed, to time against the fp32 "ieee" tl.dot (which made router_triton's first form
+            # 48 us a call on an H200; not yet timed here)
             if INTERPRETED or BROADCAST:
                 acc = _dot(a, tl.trans(b), acc, True)
             else:
