@@ -1,6 +1,6 @@
 """Latency of a decode step's top-k router as one Triton kernel against the torch ops it replaces.
 
-    python benchmarks/router_step.py                   # GPU: batch 8, 64, 256; 64 experts of 1024, k = 6 (the 1b config)
+    python benchmarks/router_step.py                # GPU: batch 8, 64, 256; 64 experts of 1024, k = 6 (1b config)
     python benchmarks/router_step.py --experts 256 --hidden 4096 --top-k 8
 
 Each top-k MoE layer of a decode step routes its tokens: fp32 logits W x, scores sqrt(softplus),
@@ -12,9 +12,9 @@ timed in microseconds per call:
 - eager: the same uncompiled;
 each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
 one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
-Printed per batch: those timings (and the kernel's with each --block-t), the ratio compiled / kernel (graph), the rows whose chosen experts
-differ from the eager ops' and the largest weight difference among the rows that agree. GPU only;
---help works anywhere.
+Printed per batch: those timings (and the kernel's with each --block-t), the ratio compiled / kernel
+(graph), the rows whose chosen experts differ from the eager ops' and the largest weight difference
+among the rows that agree. GPU only; --help works anywhere.
 """
 
 from __future__ import annotations
