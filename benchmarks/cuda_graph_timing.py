@@ -70,3 +70,17 @@ def add_timing_arguments(ap, graph_calls: int, graph_calls_help: str, reps_help:
     ap.add_argument("--reps", type=int, default=200, help=reps_help)
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--profile-reps", type=int, default=10, help=profile_help)
+
+
+def table_header(key: str, names, ratio: str, extras) -> str:
+    """The kernel benchmarks' table header: the row's `key`, per timed call its graph and device
+    columns (time_calls' pair), the ratio column, then `extras` (comparisons of the outputs)."""
+    cells = [f"{key:>7}"] + [f"{name + ': graph':>16} {'device':>7}" for name in names]
+    return " | ".join(cells + [f"{ratio:>16}", " ".join(f"{e:>10}" for e in extras)])
+
+
+def table_row(key, row: dict[str, tuple[float, float]], names, ratio: tuple[str, str], extras) -> str:
+    """One line under table_header: `row` from time_calls, the ratio of ratio[0]'s graph time to
+    ratio[1]'s, and `extras` already formatted."""
+    cells = [f"{key:>7}"] + [f"{row[n][0]:>16.2f} {row[n][1]:>7.2f}" for n in names]
+    return " | ".join(cells + [f"{row[ratio[0]][0] / row[ratio[1]][0]:>15.2f}x", " ".join(f"{e:>10}" for e in extras)])

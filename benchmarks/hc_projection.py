@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cuda_graph_timing import add_timing_arguments, time_calls
+from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -82,16 +82,13 @@ def main(argv=None) -> None:
     config["broadcast"] = args.broadcast
     print(f"{torch.cuda.get_device_name()}: J = {args.J}, K = {args.K}, x {args.dtype}, split = {split}, {cfg}; "
           f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
-    print(f"{'tokens':>7} | {'triton: graph':>13} {'device':>7} | {'kernel: graph':>13} {'device':>7} | "
-          f"{'torch: graph':>12} {'device':>7} | {'torch/triton':>12} | {'max|diff|':>9} {'max|torch|':>10}")
+    print(table_header("tokens", calls, "torch/triton", ["max|diff|", "max|torch|"]))
     for tokens in args.tokens:
         xs = inputs(tokens, args.K, args.graph_calls, dtype, args.seed, "cuda")
         row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
         ours, ref = calls["triton"](xs[0]), calls["torch"](xs[0])
         diff, scale = (ours - ref).abs().max().item(), ref.abs().max().item()
-        (tg, td), (kg, kd), (rg, rd) = row["triton"], row["kernel"], row["torch"]
-        print(f"{tokens:>7} | {tg:>13.2f} {td:>7.2f} | {kg:>13.2f} {kd:>7.2f} | {rg:>12.2f} {rd:>7.2f} | "
-              f"{rg / tg:>11.2f}x | {diff:>9.2e} {scale:>10.2e}")
+        print(table_row(tokens, row, calls, ("torch", "triton"), [f"{diff:.2e}", f"{scale:.2e}"]))
 
 
 if __name__ == "__main__":

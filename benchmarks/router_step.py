@@ -12,9 +12,9 @@ timed in microseconds per call:
 - eager: the same uncompiled;
 each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
 one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
-Printed per batch: those timings (and the kernel's with each --block-t), the ratio compiled / kernel
-(graph), the rows whose chosen experts differ from the eager ops' and the largest weight difference
-among the rows that agree. GPU only; --help works anywhere.
+Printed per batch: those timings (the kernel with each --block-t B in a column "kernel tB"), the
+ratio compiled / kernel (graph), the rows whose chosen experts differ from the eager ops' and the
+largest weight difference among the rows that agree. GPU only; --help works anywhere.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, time_calls
+from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
 
 
 def main(argv=None) -> None:
@@ -61,12 +61,11 @@ def main(argv=None) -> None:
         "eager": torch_ops,
     }
     for b in args.block_t:
-        calls[f"kernel block_t={b}"] = lambda x, b=b: router_triton.route_step(
+        calls[f"kernel t{b}"] = lambda x, b=b: router_triton.route_step(
             x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b)
     print(f"{torch.cuda.get_device_name()}: {args.experts} experts of {args.hidden}, top {args.top_k}, bf16 x, "
           f"fp32 weight; {args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
-    print(f"{'batch':>6} | {'kernel: graph':>13} {'device':>7} | {'compiled: graph':>15} {'device':>7} | "
-          f"{'eager: graph':>12} {'device':>7} | {'compiled/kernel':>15} | {'rows differ':>11} {'max|dw|':>8}")
+    print(table_header("batch", calls, "compiled/kernel", ["rows differ", "max|dw|"]))
     with torch.no_grad():
         for batch in args.batch:
             xs = [torch.randn(batch, args.hidden, generator=g).bfloat16().cuda() for _ in range(args.graph_calls)]
@@ -74,12 +73,7 @@ def main(argv=None) -> None:
             (experts, weights), (ref_experts, ref_weights) = calls["kernel"](xs[0]), torch_ops(xs[0])
             same = (experts == ref_experts).all(dim=-1)
             dw = (weights[same] - ref_weights[same]).abs().max().item() if same.any() else float("nan")
-            (kg, kd), (cg, cd), (eg, ed) = row["kernel"], row["compiled"], row["eager"]
-            print(f"{batch:>6} | {kg:>13.2f} {kd:>7.2f} | {cg:>15.2f} {cd:>7.2f} | {eg:>12.2f} {ed:>7.2f} | "
-                  f"{cg / kg:>14.2f}x | {int((~same).sum()):>11} {dw:>8.1e}")
-            for b in args.block_t:
-                bg, bd = row[f"kernel block_t={b}"]
-                print(f"{'':>6} | kernel with block_t={b}: graph {bg:.2f} device {bd:.2f}")
+            print(table_row(batch, row, calls, ("compiled", "kernel"), [str(int((~same).sum())), f"{dw:.1e}"]))
 
 
 if __name__ == "__main__":

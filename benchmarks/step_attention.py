@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, time_calls
+from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
 
 
 def inputs(batch: int, heads: int, dim: int, keys: int, count: int, seed: int) -> list[tuple]:
@@ -66,16 +66,13 @@ def main(argv=None) -> None:
     }
     print(f"{torch.cuda.get_device_name()}: batch {args.batch}, {args.heads} heads x {args.head_dim}, bf16; "
           f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
-    print(f"{'keys':>6} | {'kernel: graph':>13} {'device':>7} | {'compiled: graph':>15} {'device':>7} | "
-          f"{'eager: graph':>12} {'device':>7} | {'compiled/kernel':>15} | {'max|diff|':>9} {'max|torch|':>10}")
+    print(table_header("keys", calls, "compiled/kernel", ["max|diff|", "max|torch|"]))
     for keys in args.keys:
         xs = inputs(args.batch, args.heads, args.head_dim, keys, args.graph_calls, args.seed)
         row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
         ours, ref = calls["kernel"](xs[0]).float(), calls["eager"](xs[0]).float()
         diff, size = (ours - ref).abs().max().item(), ref.abs().max().item()
-        (kg, kd), (cg, cd), (eg, ed) = row["kernel"], row["compiled"], row["eager"]
-        print(f"{keys:>6} | {kg:>13.2f} {kd:>7.2f} | {cg:>15.2f} {cd:>7.2f} | {eg:>12.2f} {ed:>7.2f} | "
-              f"{cg / kg:>14.2f}x | {diff:>9.2e} {size:>10.2e}")
+        print(table_row(keys, row, calls, ("compiled", "kernel"), [f"{diff:.2e}", f"{size:.2e}"]))
 
 
 if __name__ == "__main__":

@@ -47,8 +47,8 @@ BLOCK_D = 256  # columns of the streams per collapse program
 
 
 def available(streams: torch.Tensor) -> bool:
-    """The kernel can take streams [..., n, D]: Triton present, n within the unrolled Sinkhorn's
-    limit, float streams."""
+    """The kernel can take streams [..., n, D]: Triton present, float streams, n within the fused
+    Sinkhorn's limit (sinkhorn_triton.MAX_N; the trainer's Sinkhorn for the same streams)."""
     return (triton is not None and streams.dim() >= 2 and 1 <= streams.shape[-2] <= sinkhorn_triton.MAX_N
             and streams.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
