@@ -114,9 +114,13 @@ def variants():
     yield "swiglu backward", lambda: ptx(sw._backward_kernel, dict(h_ptr=BF, g_ptr=BF, dh_ptr=BF), {"F"}, {"limit"},
                                          ROUND=True, INTERPRETED=False, BLOCK=1024)
     # the engine's decode attention (forward only): not the trainer's, but the interpreter hides the same
-    yield "decode step attention", lambda: ptx(
-        sa._step_kernel, dict(q_ptr=BF, kv_ptr=BF, bias_ptr=FP, sinks_ptr=FP, out_ptr=BF), {"Sk"}, {"scale"},
-        H=16, D=128, BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, BF16=True, INTERPRETED=False)
+    for entries, name in ((sa.NO_ENTRIES, "window"), (sa.CLOSED_BLOCKS, "closed blocks"), (sa.PICKED, "picked")):
+        yield f"decode step attention, {name}", lambda entries=entries: ptx(
+            sa._step_kernel, dict(q_ptr=BF, ring_ptr=BF, slots_ptr=I64, pos_ptr=I64, ent_ptr=BF, picks_ptr=I64,
+                                  sinks_ptr=FP, out_ptr=BF),
+            {"W", "capacity", "num_picks", "rate", "stride_pos", "stride_rs", "stride_rw", "stride_es", "stride_ee",
+             "stride_pn"}, {"scale"}, H=16, D=128, BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, ENTRIES=entries,
+            BF16=True, INTERPRETED=False)
     yield "decode mHC pre", lambda: ptx(
         hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
         {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},

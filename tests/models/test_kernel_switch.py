@@ -63,7 +63,7 @@ def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
     asked = {"triton_moe": set(), "triton_hc": set(), "triton_attention": set(), "compile_hc": set()}
     triton_experts, triton_mixes, coefficients = moe.triton_experts, hyper_connection._triton_mixes, \
         hyper_connection.hc_coefficients
-    step_attention = attention.step_attention
+    step_attention_runs = attention.step_attention_triton.runs
 
     def experts_spy(x, gate_up, down, enabled):
         asked["triton_moe"].add(enabled)
@@ -73,9 +73,9 @@ def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
         asked["triton_hc"].add(enabled)
         return triton_mixes(streams, fn, enabled)
 
-    def attention_spy(*args):
-        asked["triton_attention"].add(args[-1])
-        return step_attention(*args)
+    def attention_spy(q, enabled):
+        asked["triton_attention"].add(enabled)
+        return step_attention_runs(q, enabled)
 
     def coefficients_spy(*args, compiled):
         asked["compile_hc"].add(compiled)
@@ -84,7 +84,7 @@ def _decode_step_asks(model, monkeypatch) -> dict[str, set]:
     monkeypatch.setattr(moe, "triton_experts", experts_spy)
     monkeypatch.setattr(hyper_connection, "_triton_mixes", mixes_spy)
     monkeypatch.setattr(hyper_connection, "hc_coefficients", coefficients_spy)
-    monkeypatch.setattr(attention, "step_attention", attention_spy)
+    monkeypatch.setattr(attention.step_attention_triton, "runs", attention_spy)
     cache = model.new_cache(num_slots=2, max_len=8)
     with torch.no_grad():
         model.forward_step(torch.tensor([[3], [5]]), StepBatch(slots=torch.tensor([0, 1]), start_pos=torch.tensor([0, 0]),

@@ -28,8 +28,8 @@ from .indexer import Indexer
 from .kernel_switch import Switched
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
-from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, window_bias
-from .step_attention_triton import step_attention
+from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
+from . import step_attention_triton
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window
 
@@ -221,6 +221,30 @@ class DeepseekV4Attention(Switched, nn.Module):
         """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
         x = self._input_projections(h)
         q_res, q, kv, cos, sin = self._project(x, batch.positions)
+        if step_attention_triton.runs(q, self.kernels.on("triton_attention")):
+            o = self._attend_in_cache(x, q_res, q, kv, batch, cache)
+        else:
+            o = self._attend_gathered(x, q_res, q, kv, batch, cache)
+        return self._output(o, cos, sin)
+
+    def _attend_in_cache(self, x: InputProjections, q_res, q, kv, batch, cache: LayerCache) -> torch.Tensor:
+        """A decode step's attention by the kernel that reads the ring and the entries where they
+        are cached (step_attention_triton.py): the caches are written first."""
+        write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv,
+                     cache.scratch_slot)
+        entries = picks = None
+        rate = 0
+        if self.compressor is not None:
+            index_keys = self._update_compressors(x, batch, cache)
+            entries, rate = cache.compressor.entries, self.compressor.m
+            if self.layer_type == CSA:
+                picks = self.compressor.indexer.select_indices(x.index_weights, q_res, batch.positions, index_keys,
+                                                               self.inv_freq)
+        return step_attention_triton.sink_attention_step(q, cache.window, batch.slots, batch.positions, self.sinks,
+                                                         self.scale, entries, picks, rate)
+
+    def _attend_gathered(self, x: InputProjections, q_res, q, kv, batch, cache: LayerCache) -> torch.Tensor:
+        """A step's attention by torch ops over the keys gathered from the caches, with a 0 / -inf bias."""
         ring_keys, ring_pos = read_window(cache.window, batch.slots, batch.start_pos)
         keys = torch.cat([ring_keys, kv], dim=1)
         k_pos = torch.cat([ring_pos, batch.positions], dim=1)
@@ -233,21 +257,28 @@ class DeepseekV4Attention(Switched, nn.Module):
             comp_bias = self._compressed_bias(x, q_res, batch.positions, entries.shape[1], index_keys)
             keys, bias = torch.cat([keys, entries], dim=1), torch.cat([bias, comp_bias], dim=2)
         keys, bias = pad_keys(keys, bias)
-        o = step_attention(q, keys, bias, self.sinks, self.scale, self.kernels.on("triton_attention"))
-        return self._output(o, cos, sin)
+        return sink_attention(q, keys, bias, self.sinks, self.scale)
 
     def _step_compressors(self, x: InputProjections, batch, cache: LayerCache):
-        # entries of positions < max_end (host int), or the whole capacity (masked by position)
-        used = None if batch.max_end is None else batch.max_end // self.compressor.m
+        """The step's tokens into the compressors -> (the slots' entries [N, E, D], the CSA indexer's
+        keys or None)."""
+        index_keys = self._update_compressors(x, batch, cache)
+        return cache.compressor.entries[batch.slots, :self._used_entries(batch)], index_keys
+
+    def _used_entries(self, batch) -> int | None:
+        """Entries of positions < max_end (a host int), or None: the whole capacity (masked by position)."""
+        return None if batch.max_end is None else batch.max_end // self.compressor.m
+
+    def _update_compressors(self, x: InputProjections, batch, cache: LayerCache) -> torch.Tensor | None:
+        """The step's tokens into the compressors' state -> the CSA indexer's keys [N, E, D_I] (None
+        in an HCA layer)."""
         args = (batch.start_pos, batch.num_new)
         self.compressor.forward_step(x.comp_kv, x.comp_gate, *args, cache.compressor, batch.slots, self.inv_freq)
-        entries = cache.compressor.entries[batch.slots, :used]
-        index_keys = None
-        if self.layer_type == CSA:
-            self.compressor.indexer.forward_step(x.index_kv, x.index_gate, *args, cache.indexer, batch.slots,
-                                                 self.inv_freq)
-            index_keys = cache.indexer.entries[batch.slots, :used]
-        return entries, index_keys
+        if self.layer_type != CSA:
+            return None
+        self.compressor.indexer.forward_step(x.index_kv, x.index_gate, *args, cache.indexer, batch.slots,
+                                             self.inv_freq)
+        return cache.indexer.entries[batch.slots, :self._used_entries(batch)]
 
     def new_cache(self, num_slots: int, max_len: int, dtype, device) -> LayerCache:
         num_slots += 1  # + the scratch slot

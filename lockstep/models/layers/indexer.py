@@ -49,12 +49,19 @@ class Indexer(Compressor):
         """[..., E] bool: entry j has closed for a query at position p (j < (p + 1) // m)."""
         return torch.arange(num_entries, device=positions.device) < self.closed_entries(positions).unsqueeze(-1)
 
-    def picked(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """[..., E] bool: the top min(index_topk, E) visible entries by score, ties to the lower index."""
+    def top_entries(self, scores: torch.Tensor, visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top min(index_topk, E) entries by score, ties to the lower index -> (their indices
+        [..., k], whether each is visible: a row with fewer than k visible entries picks some that
+        are not)."""
         E = scores.shape[-1]
         scores = scores.masked_fill(~visible, float("-inf"))
         picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(self.topk, E)]
-        keep = visible.gather(-1, picks)
+        return picks, visible.gather(-1, picks)
+
+    def picked(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """[..., E] bool: the top min(index_topk, E) visible entries by score, ties to the lower index."""
+        E = scores.shape[-1]
+        picks, keep = self.top_entries(scores, visible)
         # invalid picks go to a spare column E that is dropped afterwards
         mask = torch.zeros(*scores.shape[:-1], E + 1, dtype=torch.bool, device=scores.device)
         mask.scatter_(-1, torch.where(keep, picks, torch.full_like(picks, E)), True)
@@ -66,8 +73,21 @@ class Indexer(Compressor):
         head_weights [N, S, H_I] = scorer.weights_proj(h), q_res [N, S, q_lora_rank],
         positions [N, S], keys [N, E, D_I].
         """
+        chosen = self.picked(self.scores(head_weights, q_res, positions, keys, inv_freq),
+                             self.visible(positions, keys.shape[1]))
+        return torch.zeros(chosen.shape, device=keys.device).masked_fill(~chosen, float("-inf"))
+
+    def select_indices(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+                       keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """`select`'s entries as indices [N, S, min(index_topk, E)] (-1: a pick on an entry not
+        visible yet, dropped), for attention that reads the picked entries only."""
+        picks, keep = self.top_entries(self.scores(head_weights, q_res, positions, keys, inv_freq),
+                                       self.visible(positions, keys.shape[1]))
+        return torch.where(keep, picks, -1)
+
+    def scores(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """score(p, j) [N, S, E] fp32 (module docstring), every entry's, visible or not."""
         q = self.query(q_res, positions, inv_freq)
         dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
-        scores = (dots * self.scaled_head_weights(head_weights).unsqueeze(-1)).sum(dim=2)
-        chosen = self.picked(scores, self.visible(positions, keys.shape[1]))
-        return torch.zeros(chosen.shape, device=keys.device).masked_fill(~chosen, float("-inf"))
+        return (dots * self.scaled_head_weights(head_weights).unsqueeze(-1)).sum(dim=2)

@@ -1,26 +1,35 @@
-"""A decode step's core attention (sink_attention.sink_attention with one query position) as one
-Triton kernel, registered as the custom op `lockstep::sink_attention_step`.
+"""A decode step's core attention, read from the layer's caches in place, as one Triton kernel
+registered as the custom op `lockstep::sink_attention_step`.
 
-What: out_h = sum_k softmax_k([l_h(k)..., sink_h]) v_k, l_h(k) = q_h . k_k * scale + bias(k), for
-each sequence's one new token, over the keys the step assembled (window ring, the token itself,
-compressed entries; bias 0 or -inf says which it sees). K = V (one shared KV head), so a
-program takes one sequence: its H heads' queries as an [H, D] tile against [BLOCK_K, D] key tiles.
+What: out_h = sum_k softmax_k([l_h(k)..., sink_h]) v_k, l_h(k) = q_h . k_k * scale, for each
+sequence's one new token, over the keys it sees (K = V: one shared KV head):
+- its window: the ring cache [slots, W, D] of its slot, read after the step wrote the token's key
+  (window_ring.write_window). At a decode step the ring then holds exactly the positions the token
+  sees, p - W + 1 .. p (ring index = position mod W); before position W - 1 its indices above p
+  are empty. So ring index i is seen iff i <= p.
+- its compressed entries [slots, capacity, D] (Compressor's state), either the closed blocks
+  j < (p + 1) // rate (HCA: dense) or the indexer's picks [N, k] (CSA; -1: no pick).
+A program takes one sequence: its H heads' queries as an [H, D] tile against [BLOCK_K, D] key
+tiles of that virtual list (ring, then entries), loaded through the slot and the picks.
 
-Why: in the compiled decode step (1b config, batch 64, one H200, 2026-12-03) the torch form was
-4-10 launches per layer: the scores' batched GEMM, the softmax (in the window layers 8 kernels,
-~16 us: inductor splits the reduction over the key axis, whose length is a symbol to it), the
-probabilities' GEMM; at ~2 us a launch a decode step is latency-bound (~600 kernels, 0.20 of the
-bandwidth roofline). benchmarks/step_attention.py (same shapes, CUDA graphs, one H200): 6.6 us a
-call against 19.1 us for the torch form compiled (2.90x) at 136 keys, 6.8 against 19.4 at 184.
+Why: the torch form assembles the keys first: the ring gathered for the batch, the token's key
+and the entries concatenated, a 0 / -inf bias built from positions, both padded; a few MB a layer
+written and read back, and several launches. With the entries read through the picks, the work
+follows the positions and the index_topk picks, not the cache's capacity (the torch form attends
+over every entry of capacity max_model_len / rate under a CUDA graph, most of them masked).
+Measured before reading in place (keys assembled by torch ops; one H200, 2026-12-03,
+benchmarks/step_attention.py): the attention alone 6.6 us a call against 19.1 us for the torch
+form compiled at 136 keys.
 
 Numerics, as the torch form rounds: the scores q . k in fp32 rounded to the keys' dtype (the
-einsum's output), then in fp32 times scale plus the bias; the softmax in fp32 over the keys and
-the sink; the probabilities rounded to the keys' dtype before P V; P V accumulated in fp32 and
-rounded once. Two passes over the keys: the running max and sum (the sink folded in first, so a
-row whose keys are all masked stays finite), then each probability exp(l - max) / sum as the
-torch form computes it (not an online softmax's rescaled partial products). Sums run in another
-order: equal to the torch form to a bf16 ulp, not bitwise (tests/models/test_step_attention_triton.py).
-The true-on-policy forward does not use it (its attention is attention_rows.py's).
+einsum's output), then in fp32 times scale (an unseen key is -inf, as its bias makes it); the
+softmax in fp32 over the keys and the sink; the probabilities rounded to the keys' dtype before
+P V; P V accumulated in fp32 and rounded once. Two passes over the keys: the running max and sum
+(the sink folded in first, so a row that sees no key stays finite), then each probability
+exp(l - max) / sum as the torch form computes it (not an online softmax's rescaled partial
+products). Sums run in another order: equal to the torch form to a bf16 ulp, not bitwise
+(tests/models/test_step_attention_triton.py). The true-on-policy forward does not use it (its
+attention is attention_rows.py's).
 
 Where (`runs`): the triton_attention switch (EngineConfig.triton_attention; kernel_switch.py), a
 decode step (one query position: a compiled decode graph's specialisation, so the choice adds no
@@ -33,7 +42,6 @@ import torch
 
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
-from .sink_attention import sink_attention
 
 triton = _gt.triton
 if triton is not None:
@@ -42,18 +50,14 @@ if triton is not None:
 BLOCK_K = 64  # keys per tile
 
 
-def runs(q: torch.Tensor, kv: torch.Tensor, enabled: bool) -> bool:
-    """Whether sink attention of q [N, Sq, H, D] over kv [N, Sk, D] takes the kernel (module docstring)."""
-    return (triton is not None and forward_kernel_allowed(enabled, q, kv) and q.shape[1] == 1
-            and q.dtype == kv.dtype == torch.bfloat16)
+def runs(q: torch.Tensor, enabled: bool) -> bool:
+    """Whether a step's attention for queries q [N, Sq, H, D] takes the kernel (module docstring)."""
+    return (triton is not None and forward_kernel_allowed(enabled, q) and q.shape[1] == 1
+            and q.dtype == torch.bfloat16)
 
 
-def step_attention(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor, scale: float,
-                   enabled: bool) -> torch.Tensor:
-    """`sink_attention(q, kv, bias, sinks, scale)`, by the kernel where it `runs`."""
-    if runs(q, kv, enabled):
-        return sink_attention_step(q, kv, bias, sinks, scale)
-    return sink_attention(q, kv, bias, sinks, scale)
+# how the kernel finds a sequence's compressed entries (its ENTRIES constexpr)
+NO_ENTRIES, CLOSED_BLOCKS, PICKED = 0, 1, 2
 
 
 if triton is not None:
@@ -61,44 +65,72 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
-    def _scores(q, kv_row_ptr, bias_row_ptr, k0, Sk, rd, D: tl.constexpr, BLOCK_K: tl.constexpr,
-                BF16: tl.constexpr, INTERPRETED: tl.constexpr, scale):
-        """One key tile of a sequence -> (its keys [BLOCK_K, BLOCK_D], the scores [BLOCK_H, BLOCK_K]
-        as the torch form makes them; -inf past Sk)."""
-        keys = k0 + tl.arange(0, BLOCK_K)
-        k = tl.load(kv_row_ptr + keys[:, None] * D + rd[None, :], mask=(keys[:, None] < Sk) & (rd[None, :] < D),
-                    other=0.0)
+    def _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
+              D: tl.constexpr, BLOCK_K: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
+              INTERPRETED: tl.constexpr):
+        """Keys v0 .. v0 + BLOCK_K of a sequence's list (ring indices < W, then its entries) ->
+        (the keys [BLOCK_K, BLOCK_D], the scores [BLOCK_H, BLOCK_K] as the torch form makes them;
+        -inf where a key is not seen)."""
+        v = v0 + tl.arange(0, BLOCK_K)
+        d_ok = rd[None, :] < D
+        in_ring = v < W
+        seen = in_ring & (v <= p)  # module docstring: the ring after the step's write
+        k = tl.load(ring_row + v[:, None] * stride_rw + rd[None, :], mask=seen[:, None] & d_ok, other=0.0)
+        if ENTRIES != 0:
+            e = v - W
+            in_entries = (v >= W) & (e < n_ent)
+            if ENTRIES == 2:  # PICKED
+                j = tl.load(picks_row + e, mask=in_entries, other=-1)
+                in_entries = in_entries & (j >= 0)
+            else:  # CLOSED_BLOCKS: the first n_ent entries
+                j = e
+            k_entries = tl.load(ent_row + j[:, None].to(tl.int64) * stride_ee + rd[None, :],
+                                mask=in_entries[:, None] & d_ok, other=0.0)
+            k = tl.where(in_ring[:, None], k, k_entries)
+            seen = seen | in_entries
         s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_K), dtype=tl.float32), INTERPRETED)
         if BF16:  # the einsum's bf16 output
             s = _bf16(s, INTERPRETED).to(tl.float32)
-        b = tl.load(bias_row_ptr + keys, mask=keys < Sk, other=float("-inf"))
-        return k, s * scale + b
+        return k, tl.where(seen[None, :], s * scale, float("-inf"))
 
     @triton.jit
-    def _step_kernel(q_ptr, kv_ptr, bias_ptr, sinks_ptr, out_ptr, Sk, scale,
-                     H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_K: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+    def _step_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, ent_ptr, picks_ptr, sinks_ptr, out_ptr,
+                     W, capacity, num_picks, rate, stride_pos, stride_rs, stride_rw, stride_es, stride_ee,
+                     stride_pn, scale, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
+                     INTERPRETED: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         scale = tl.cast(scale, tl.float32)
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        p = tl.load(pos_ptr + n * stride_pos)
+        if ENTRIES == 1:  # CLOSED_BLOCKS: compressor.closed_entries, within the capacity
+            n_ent = tl.minimum(tl.maximum((p + 1) // rate, 0), capacity)
+        else:
+            n_ent = num_picks
+        Sk = W + n_ent
+        ring_row = ring_ptr + slot * stride_rs
+        ent_row = ent_ptr + slot * stride_es
+        picks_row = picks_ptr + n * stride_pn
         rh = tl.arange(0, BLOCK_H)
         rd = tl.arange(0, BLOCK_D)
         tile = (rh[:, None] < H) & (rd[None, :] < D)
         q = tl.load(q_ptr + (n * H + rh[:, None]) * D + rd[None, :], mask=tile, other=0.0)
-        kv_row, bias_row = kv_ptr + n * Sk * D, bias_ptr + n * Sk
         m = tl.load(sinks_ptr + rh, mask=rh < H, other=0.0).to(tl.float32)  # the sink folded in first
         total = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
-        for k0 in range(0, Sk, BLOCK_K):
-            _, s = _scores(q, kv_row, bias_row, k0, Sk, rd, D, BLOCK_K, BF16, INTERPRETED, scale)
+        for v0 in range(0, Sk, BLOCK_K):
+            _, s = _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
+                         D, BLOCK_K, ENTRIES, BF16, INTERPRETED)
             new_m = tl.maximum(m, tl.max(s, axis=1))
             total = total * tl.exp(m - new_m) + tl.sum(tl.exp(s - new_m[:, None]), axis=1)
             m = new_m
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        for k0 in range(0, Sk, BLOCK_K):
-            k, s = _scores(q, kv_row, bias_row, k0, Sk, rd, D, BLOCK_K, BF16, INTERPRETED, scale)
-            p = tl.exp(s - m[:, None]) / total[:, None]
+        for v0 in range(0, Sk, BLOCK_K):
+            k, s = _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
+                         D, BLOCK_K, ENTRIES, BF16, INTERPRETED)
+            prob = tl.exp(s - m[:, None]) / total[:, None]
             if BF16:
-                p = _bf16(p, INTERPRETED)
-            acc = _dot(p, k, acc, INTERPRETED)
+                prob = _bf16(prob, INTERPRETED)
+            acc = _dot(prob, k, acc, INTERPRETED)
         if BF16:
             out = _bf16(acc, INTERPRETED)
         else:
@@ -106,20 +138,43 @@ if triton is not None:
         tl.store(out_ptr + (n * H + rh[:, None]) * D + rd[None, :], out, mask=tile)
 
     @torch.library.triton_op("lockstep::sink_attention_step", mutates_args=())
-    def sink_attention_step(q: torch.Tensor, kv: torch.Tensor, bias: torch.Tensor, sinks: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-        """q [N, 1, H, D], kv [N, Sk, D], bias [N, 1, Sk] (fp32 0 / -inf), sinks [H] -> [N, 1, H, D]."""
+    def sink_attention_step(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                            sinks: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
+                            picks: torch.Tensor | None = None, rate: int = 0) -> torch.Tensor:
+        """q [N, 1, H, D] at positions [N, 1] of sequences in cache slots [N]; ring [slots, W, D] (the
+        step's keys written); sinks [H] -> [N, 1, H, D]. entries [slots, capacity, D] with picks
+        [N, 1, k] (indices, -1: none) or, without picks, the closed blocks of `rate` positions."""
         N, _, H, D = q.shape
-        q, kv, bias = q.contiguous(), kv.contiguous(), bias.float().contiguous()
+        _check_rows(ring, "ring")
+        q = q.contiguous()
+        if entries is None:
+            mode, ent, pk = NO_ENTRIES, ring, slots
+        else:
+            _check_rows(entries, "entries")
+            mode, ent = (CLOSED_BLOCKS, entries) if picks is None else (PICKED, entries)
+            pk = slots if picks is None else picks.reshape(N, -1)
+            if mode == CLOSED_BLOCKS and rate < 1:
+                raise ValueError(f"sink_attention_step: closed-block entries need rate >= 1, got {rate}")
         out = torch.empty_like(q)
         torch.library.wrap_triton(_step_kernel)[(N,)](
-            q, kv, bias, sinks.contiguous(), out, kv.shape[1], scale, H=H, D=D,
+            q, ring, slots, positions, ent, pk, sinks.contiguous(), out, ring.shape[1], ent.shape[1],
+            pk.shape[1] if mode == PICKED else 0, max(rate, 1), positions.stride(0), ring.stride(0),
+            ring.stride(1), ent.stride(0), ent.stride(1), pk.stride(0), scale, H=H, D=D,
             BLOCK_H=max(16, triton.next_power_of_2(H)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-            BLOCK_K=BLOCK_K, BF16=q.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=4)
+            BLOCK_K=BLOCK_K, ENTRIES=mode, BF16=q.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
+            num_warps=4)
         return out
 
     # Shapes for torch.compile's tracing, written out: the default (the body run on fake tensors)
     # would launch the kernel itself under the interpreter, which wrap_triton leaves unwrapped.
     @sink_attention_step.register_fake
-    def _(q, kv, bias, sinks, scale):
+    def _(q, ring, slots, positions, sinks, scale, entries=None, picks=None, rate=0):
         return torch.empty_like(q)
+
+
+def _check_rows(cache: torch.Tensor, name: str) -> None:
+    """The kernel steps along a cached key by 1: a cache whose rows are not contiguous is refused
+    (copying it would read the whole cache every step)."""
+    if cache.dim() != 3 or cache.stride(2) != 1:
+        raise ValueError(f"sink_attention_step: {name} must be [slots, rows, D] with contiguous rows, "
+                         f"got shape {tuple(cache.shape)} strides {cache.stride()}")
