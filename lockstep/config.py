@@ -158,9 +158,10 @@ class EngineConfig:
     """mHC's projection and RMSNorm in decode steps is one Triton kernel (CUDA), the coefficients, Sinkhorn and
     collapse another; off: a torch GEMM and compiled torch ops. LOCKSTEP_TRITON_HC=0 / 1, when set, overrides."""
     triton_attention: bool = True
-    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel (CUDA, bf16;
-    models/layers/step_attention_triton.py); off: torch ops. LOCKSTEP_TRITON_ATTENTION=0 / 1, when set,
-    overrides."""
+    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel reading the
+    window ring and the compressed entries (C4 layers: the indexer's picks only) where they are cached (CUDA,
+    bf16; models/layers/step_attention_triton.py); off: torch ops over the keys gathered from the caches.
+    LOCKSTEP_TRITON_ATTENTION=0 / 1, when set, overrides."""
     triton_router: bool = False
     """A decode step's top-k router (fp32 logits, scores, top-k, weights) is one Triton kernel (CUDA;
     models/layers/router_triton.py); off: torch ops. Off by default until its second form is measured on a

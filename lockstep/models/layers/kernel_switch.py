@@ -73,8 +73,8 @@ class KernelSwitches:
     """mHC's projection + RMSNorm of a decode step is one Triton kernel, and the rest of its pre
     stage (coefficients, Sinkhorn, collapse) another (hc_pre_triton.py)."""
     triton_attention: bool = True
-    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel
-    (step_attention_triton.py)."""
+    """A decode step's core attention (scores, softmax with the sink, P V) is one Triton kernel that
+    reads the keys where they are cached (step_attention_triton.py)."""
     triton_router: bool = False
     """A decode step's top-k router is one Triton kernel (router_triton.py). Off by default: not yet
     measured faster than the compiled torch ops (EngineConfig.triton_router)."""
