@@ -42,8 +42,8 @@ def _filled_cache(model, lengths):
     N, S = len(lengths), max(lengths)
     cache = model.new_cache(num_slots=N + 1, max_len=S + 8)
     ids = torch.randint(0, model.config.vocab_size, (N, S), generator=torch.Generator().manual_seed(S)).to(DEVICE)
-    batch = StepBatch(slots=torch.arange(N, device=DEVICE) + 1, start_pos=torch.zeros(N, dtype=torch.long, device=DEVICE),
-                      num_new=torch.tensor(lengths, device=DEVICE))
+    batch = StepBatch(slots=torch.arange(N, device=DEVICE) + 1,
+                      start_pos=torch.zeros(N, dtype=torch.long, device=DEVICE), num_new=torch.tensor(lengths, device=DEVICE))
     with torch.no_grad():
         model.forward_step(ids, batch, cache)
     return cache, batch.slots
