@@ -44,6 +44,7 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 def variants():
     """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode
     attention, mHC pre stage and router."""
+    from lockstep.models.layers import compressor_step_triton as cs
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
     from lockstep.models.layers import hc_pre_triton as hp
@@ -130,6 +131,14 @@ def variants():
         hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP),
         {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot"},
         BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, BROADCAST=True, INTERPRETED=False)
+    for m, overlap in ((4, True), (128, False)):  # the C4 and C128 layers' entries
+        yield f"decode compressor entry, m {m}", lambda m=m, overlap=overlap: ptx(
+            cs._closing_entry_kernel, dict(kv_new_ptr=BF, gate_new_ptr=BF, pos_ptr=I64, num_new_ptr=I64, slots_ptr=I64,
+                                           buf_kv_ptr=BF, buf_gate_ptr=BF, prev_kv_ptr=BF, prev_gate_ptr=FP,
+                                           bias_ptr=BF, weight_ptr=BF, cos_ptr=FP, sin_ptr=FP, out_ptr=BF),
+            {"D", "ROPE_HALF", "stride_kn", "stride_gn", "stride_bs", "stride_bt", "stride_ps", "stride_pt",
+             "stride_bias", "stride_cn", "stride_on"}, {"eps"}, M=m, OVERLAP=overlap, HALF=64, SB=cs.SLOT_BLOCK, BF16=True,
+            INTERPRETED=False)
     yield "decode router", lambda: ptx(
         ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
         {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H)

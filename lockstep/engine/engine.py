@@ -80,7 +80,7 @@ class Engine:
         # the model imports no config: its kernel switches are handed over (kernel_switch.py)
         self.kernels = KernelSwitches(triton_moe=config.triton_moe, triton_hc=config.triton_hc,
                                       triton_attention=config.triton_attention, triton_router=config.triton_router,
-                                      compile_hc=config.compile_hc,
+                                      triton_compressor=config.triton_compressor, compile_hc=config.compile_hc,
                                       true_on_policy=config.true_on_policy)
         set_kernel_switches(self.model, self.kernels)
         if self.kernels.on("true_on_policy") and not hasattr(self.model, "true_on_policy"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import compiled_rows, pool_slots_triton
+from . import compiled_rows, compressor_step_triton, pool_slots_triton
 from .kernel_switch import Switched
 from .norm import RMSNorm
 from .row_blocks import in_rows_forward, row_blocks
@@ -122,12 +122,39 @@ class Compressor(Switched, nn.Module):
         arithmetic and one add, the same values compiled or not; the entries' own arithmetic
         (entries_from_slots) runs as the training forward runs it."""
         S = kv_new.shape[1]
+        if compressor_step_triton.runs(kv_new, self.kernels.on("triton_compressor")):
+            return self.decode_step(kv_new[:, 0], gate_new[:, 0], start_pos, num_new, state, slots, inv_freq)
         buffers = (state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate)
         kv_b, raw_gate_b, gate_b, slot_kv, slot_gate, starts, first_block, closed = compiled_rows.decode_call(
             S, _step_blocks, self, kv_new, gate_new, start_pos, num_new, slots, *buffers)
         entries = self.entries_from_slots(slot_kv, slot_gate, starts, inv_freq)
         compiled_rows.decode_call(S, _write_state, self, slots, kv_b, raw_gate_b, gate_b, entries, first_block, closed,
                                   state.scratch_slot, state.entries, *buffers)
+
+    def decode_step(self, kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
+                    state: "CompressorState", slots: torch.Tensor, inv_freq: torch.Tensor) -> None:
+        """`forward_step` of one token per sequence (kv_new, gate_new [N, width]; num_new 1, or 0 for a
+        padding row) by the kernel (compressor_step_triton.py): the entry each closing block makes,
+        then only the token into the open block's buffers, the entry into `entries` and, where a block
+        closed (C4), its Ca half into `prev_*`. A closed block's buffer is left as it is (the torch form
+        empties it): its slots are written again before any entry reads them."""
+        m, scratch = self.m, state.scratch_slot
+        cos, sin = rope_cos_sin(inv_freq, start_pos - (m - 1))  # the closing block's start
+        entry = compressor_step_triton.closing_entry(
+            kv_new, gate_new, start_pos, num_new, slots, state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate,
+            self.position_bias, self.kv_norm.weight, cos, sin, self.kv_norm.eps)
+        fill, has_token = start_pos % m, num_new > 0
+        closes = has_token & (fill == m - 1)
+        rows = torch.where(has_token, slots, scratch)
+        state.buf_kv[rows, fill] = kv_new.to(state.buf_kv.dtype)
+        state.buf_gate[rows, fill] = gate_new.to(state.buf_gate.dtype)
+        state.entries[torch.where(closes, slots, scratch), torch.where(closes, start_pos // m, 0)] = entry
+        if self.overlap:  # the closed block (its token now written) becomes the next entry's Ca half
+            d, keep = self.head_dim, ~closes.view(-1, 1, 1)
+            ca_kv = state.buf_kv[slots, :, :d]
+            ca_gate = (state.buf_gate[slots, :, :d] + self.position_bias[:, :d]).to(state.prev_gate.dtype)
+            state.prev_kv[slots] = torch.where(keep, state.prev_kv[slots], ca_kv)
+            state.prev_gate[slots] = torch.where(keep, state.prev_gate[slots], ca_gate)
 
 
 def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate):

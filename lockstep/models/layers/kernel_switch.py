@@ -2,10 +2,11 @@
 
 The forward-only Triton kernels (grouped_gemm_triton.py: the routed experts at decode;
 hc_projection_triton.py and hc_pre_triton.py: mHC's pre stage at decode; step_attention_triton.py: the
-core attention at decode; router_triton.py: the top-k router at decode) and the compiled mHC
+core attention at decode; router_triton.py: the top-k router at decode; compressor_step_triton.py: the
+entry a decode step closes) and the compiled mHC
 coefficients (hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are
 settings, not environment: `EngineConfig` carries one field each
-(triton_moe, triton_hc, triton_attention, triton_router, compile_hc) and
+(triton_moe, triton_hc, triton_attention, triton_router, triton_compressor, compile_hc) and
 `TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
 never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
 construction (the model imports neither config: DESIGN principle 3). A model nobody configured
@@ -39,14 +40,15 @@ from torch import nn
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
        "triton_attention": "LOCKSTEP_TRITON_ATTENTION", "triton_router": "LOCKSTEP_TRITON_ROUTER",
-       "compile_hc": "LOCKSTEP_COMPILE",
+       "triton_compressor": "LOCKSTEP_TRITON_COMPRESSOR", "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
        "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS"}
 # the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
 # (the engine samples with torch's log_softmax): off in the true-on-policy forward
-_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "compile_hc", "fused_logprobs")
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "triton_compressor", "compile_hc",
+                  "fused_logprobs")
 # switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
 TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine", "fused_logprobs")
 
@@ -78,6 +80,10 @@ class KernelSwitches:
     triton_router: bool = False
     """A decode step's top-k router is one Triton kernel (router_triton.py). Off by default: not yet
     measured faster than the compiled torch ops (EngineConfig.triton_router)."""
+    triton_compressor: bool = False
+    """The entry a decode step's token closes is one Triton kernel reading the compressor's open block
+    in place, and only the token is written to it (compressor_step_triton.py). Off by default: not yet
+    measured on a GPU (EngineConfig.triton_compressor)."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False

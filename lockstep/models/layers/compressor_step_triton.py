@@ -1,0 +1,192 @@
+"""The compressed entry a decode step closes, as one Triton kernel reading the compressor's open
+block where it is cached, registered as the custom op `lockstep::closing_entry`.
+
+What (compressor.py has the formulas): at a decode step each sequence adds one token to its open
+block of m; the token at position p closes the block when p % m = m - 1. For such a sequence the
+kernel pools the block's slots (C128: its m tokens; C4: the previous block's Ca half from
+`prev_*`, then this block's Cb half) with a per-channel softmax over the slots, normalises the
+pooled row (kv_norm) and rotates its trailing rope channels at the block start p - m + 1; the
+block's first m - 1 tokens come from the state's buffers (buf_kv / buf_gate, raw gates: the
+position bias is added here), the last is the step's own token. A sequence whose block stays
+open gets a row of zeros (Compressor.forward_step sends it to the scratch slot).
+
+Why: the torch form of a decode step laid out two whole blocks per sequence (its open block
+gathered from the buffers, padded by an empty one), pooled, normed and rotated both, and wrote
+the open block back whole: for a C128 layer ~12 MB of copies a step at batch 64 and ~10 launches
+per compressor (two in each C4 layer: the attention's and the indexer's), although a block closes
+once in m steps. Here a sequence whose block stays open costs one store, and
+Compressor.forward_step writes only the step's token into the buffer.
+
+Numerics, as the torch form rounds (bf16): the gate + position bias rounded to the gate's dtype;
+the softmax over the slots in fp32, the weights rounded to kv's dtype, each product kv * weight
+rounded to kv's dtype and the products summed in fp32, rounded once (the pooled row); the norm in
+fp32 (weight * (x * rsqrt(mean(x^2) + eps))), rounded; the rotation in fp32 of the rounded normed
+values, rounded. The softmax's and the pooled sum's order differ from torch's: equal to the torch
+form to a bf16 ulp, not bitwise (tests/models/test_compressor_step_triton.py).
+
+Where: Compressor.forward_step at a decode step (one new token per sequence) on CUDA without
+gradients, under the triton_compressor switch (kernel_switch.py; off in the true-on-policy forward,
+whose entries must be the training forward's bits). Forward only. Testable on CPU with
+TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grouped_gemm_triton as _gt
+from .kernel_switch import forward_kernel_allowed
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+SLOT_BLOCK = 32  # slots per tile: a C128 block is four
+
+
+def runs(kv_new: torch.Tensor, enabled: bool) -> bool:
+    """Whether a step's new tokens kv_new [N, S, width] close their entries by the kernel (module docstring)."""
+    return triton is not None and forward_kernel_allowed(enabled, kv_new) and kv_new.shape[1] == 1
+
+
+if triton is not None:
+    # by name: torch.compile's compile worker cannot resolve a module alias
+    _bf16 = _gt._bf16
+
+    @triton.jit
+    def _slot_tile(s, c, c_ok, kv_new_row, gate_new_row, buf_kv_row, buf_gate_row, prev_kv_row, prev_gate_row,
+                   bias_ptr, D, stride_bt, stride_pt, stride_bias, M: tl.constexpr, OVERLAP: tl.constexpr,
+                   BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Slots s [SB] of the closing entry at channels c [H, 2] -> (kv, gate) [SB, H, 2] in fp32,
+        gate -inf where there is no slot. Slot order: C4 the previous block's Ca half (s < M), then
+        the block's Cb half; C128 the block's tokens."""
+        s3 = s[:, None, None]
+        if OVERLAP:
+            from_prev = s3 < M
+            t = tl.where(from_prev, s3, s3 - M)  # the token within its block
+            ch = tl.where(from_prev, c[None], c[None] + D)  # the block's Cb half: channels D .. 2D
+            in_slots = s3 < 2 * M
+        else:
+            from_prev = s3 < 0
+            t = s3
+            ch = c[None] + 0 * s3
+            in_slots = s3 < M
+        ok = in_slots & c_ok[None]
+        own = ok & ~from_prev
+        is_new = own & (t == M - 1)
+        from_buf = own & (t < M - 1)
+        kv = tl.load(buf_kv_row + t * stride_bt + ch, mask=from_buf, other=0.0)
+        kv = tl.where(is_new, tl.load(kv_new_row + ch, mask=is_new, other=0.0), kv)
+        raw = tl.load(buf_gate_row + t * stride_bt + ch, mask=from_buf, other=0.0)
+        raw = tl.where(is_new, tl.load(gate_new_row + ch, mask=is_new, other=0.0), raw)
+        gate = raw.to(tl.float32) + tl.load(bias_ptr + t * stride_bias + ch, mask=own, other=0.0).to(tl.float32)
+        if BF16:  # gate_b = raw gate + position bias, a bf16 add
+            gate = _bf16(gate, INTERPRETED).to(tl.float32)
+        if OVERLAP:  # prev_*: the last closed block's Ca half, gate already biased (fp32 of bf16 values)
+            prev_ok = ok & from_prev
+            kv = tl.where(prev_ok, tl.load(prev_kv_row + t * stride_pt + c[None], mask=prev_ok,
+                                           other=0.0), kv)
+            gate = tl.where(prev_ok, tl.load(prev_gate_row + t * stride_pt + c[None],
+                                             mask=prev_ok, other=0.0), gate)
+        return kv.to(tl.float32), tl.where(ok, gate, float("-inf"))
+
+    @triton.jit
+    def _closing_entry_kernel(kv_new_ptr, gate_new_ptr, pos_ptr, num_new_ptr, slots_ptr, buf_kv_ptr, buf_gate_ptr,
+                              prev_kv_ptr, prev_gate_ptr, bias_ptr, weight_ptr, cos_ptr, sin_ptr, out_ptr, D, ROPE_HALF,
+                              eps, stride_kn, stride_gn, stride_bs, stride_bt, stride_ps, stride_pt, stride_bias,
+                              stride_cn, stride_on, M: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
+                              SB: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        SLOTS: tl.constexpr = 2 * M if OVERLAP else M
+        n = tl.program_id(0).to(tl.int64)
+        eps = tl.cast(eps, tl.float32)
+        ri = tl.arange(0, HALF)
+        c = 2 * ri[:, None] + tl.arange(0, 2)[None, :]  # channel pairs (2i, 2i + 1): RoPE's pairs
+        c_ok = c < D
+        p = tl.load(pos_ptr + n)
+        closes = (tl.load(num_new_ptr + n) > 0) & (p % M == M - 1)
+        if closes:
+            slot = tl.load(slots_ptr + n).to(tl.int64)
+            kv_new_row, gate_new_row = kv_new_ptr + n * stride_kn, gate_new_ptr + n * stride_gn
+            buf_kv_row, buf_gate_row = buf_kv_ptr + slot * stride_bs, buf_gate_ptr + slot * stride_bs
+            prev_kv_row, prev_gate_row = prev_kv_ptr + slot * stride_ps, prev_gate_ptr + slot * stride_ps
+            rs = tl.arange(0, SB)
+            # softmax over the slots per channel: the max, the sum, then the weighted kv
+            mx = tl.full((HALF, 2), float("-inf"), dtype=tl.float32)
+            for s0 in range(0, SLOTS, SB):
+                _, gate = _slot_tile(s0 + rs, c, c_ok, kv_new_row, gate_new_row, buf_kv_row, buf_gate_row,
+                                     prev_kv_row, prev_gate_row, bias_ptr, D, stride_bt, stride_pt, stride_bias, M,
+                                     OVERLAP, BF16, INTERPRETED)
+                mx = tl.maximum(mx, tl.max(gate, axis=0))
+            total = tl.zeros((HALF, 2), dtype=tl.float32)
+            for s0 in range(0, SLOTS, SB):
+                _, gate = _slot_tile(s0 + rs, c, c_ok, kv_new_row, gate_new_row, buf_kv_row, buf_gate_row,
+                                     prev_kv_row, prev_gate_row, bias_ptr, D, stride_bt, stride_pt, stride_bias, M,
+                                     OVERLAP, BF16, INTERPRETED)
+                total += tl.sum(tl.exp(gate - mx[None]), axis=0)
+            acc = tl.zeros((HALF, 2), dtype=tl.float32)
+            for s0 in range(0, SLOTS, SB):
+                kv, gate = _slot_tile(s0 + rs, c, c_ok, kv_new_row, gate_new_row, buf_kv_row, buf_gate_row,
+                                      prev_kv_row, prev_gate_row, bias_ptr, D, stride_bt, stride_pt, stride_bias, M,
+                                      OVERLAP, BF16, INTERPRETED)
+                w = tl.exp(gate - mx[None]) / total[None]
+                if BF16:  # the weights and each product in kv's dtype
+                    acc += tl.sum(_bf16(kv * _bf16(w, INTERPRETED).to(tl.float32), INTERPRETED).to(tl.float32),
+                                  axis=0)
+                else:
+                    acc += tl.sum(kv * w, axis=0)
+            x = _bf16(acc, INTERPRETED).to(tl.float32) if BF16 else acc
+            # kv_norm: weight * (x * rsqrt(mean(x^2) + eps)), rounded
+            r = tl.math.rsqrt(tl.sum(tl.sum(x * x, axis=1), axis=0) / D + eps)
+            y = tl.load(weight_ptr + c, mask=c_ok, other=0.0).to(tl.float32) * (x * r)
+            if BF16:
+                y = _bf16(y, INTERPRETED).to(tl.float32)
+            # RoPE on the trailing ROPE_HALF pairs at the block start (cos / sin of that position)
+            even, odd = tl.split(y)
+            k = ri - (D // 2 - ROPE_HALF)
+            rot = k >= 0
+            cos = tl.load(cos_ptr + n * stride_cn + k, mask=rot, other=1.0)
+            sin = tl.load(sin_ptr + n * stride_cn + k, mask=rot, other=0.0)
+            y = tl.join(tl.where(rot, even * cos - odd * sin, even), tl.where(rot, odd * cos + even * sin, odd))
+            if BF16:
+                tl.store(out_ptr + n * stride_on + c, _bf16(y, INTERPRETED), mask=c_ok)
+            else:
+                tl.store(out_ptr + n * stride_on + c, y.to(out_ptr.dtype.element_ty), mask=c_ok)
+        else:
+            tl.store(out_ptr + n * stride_on + c, tl.zeros((HALF, 2), dtype=out_ptr.dtype.element_ty), mask=c_ok)
+
+    @torch.library.triton_op("lockstep::closing_entry", mutates_args=())
+    def closing_entry(kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
+                      slots: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,
+                      prev_gate: torch.Tensor | None, position_bias: torch.Tensor, norm_weight: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
+        """kv_new / gate_new [N, width] (the step's tokens at positions start_pos [N], num_new [N] of them:
+        1, or 0 for a padding row) of sequences in state slots [N]; buf_kv / buf_gate [slots, m, width]
+        (before the token is written), prev_kv / prev_gate [slots, m, D] (C4) or None; position_bias
+        [m, width]; norm_weight [D]; cos / sin [N, rope_dim / 2] at the block starts -> the entries
+        [N, D] (kv's dtype) of the blocks the tokens close, zeros where a block stays open."""
+        N, width = kv_new.shape
+        m, D = buf_kv.shape[1], norm_weight.shape[0]
+        overlap = prev_kv is not None
+        for name, t in (("kv_new", kv_new), ("gate_new", gate_new), ("buf_kv", buf_kv), ("buf_gate", buf_gate),
+                        ("position_bias", position_bias), ("prev_kv", prev_kv), ("prev_gate", prev_gate)):
+            if t is not None and t.stride(-1) != 1:
+                raise ValueError(f"closing_entry: {name} needs contiguous channels, got strides {t.stride()}")
+        if buf_gate.stride() != buf_kv.stride() or (overlap and prev_gate.stride() != prev_kv.stride()):
+            raise ValueError("closing_entry: the kv and gate buffers must share their layout")
+        out = kv_new.new_empty(N, D)
+        if N:
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+            prev_kv_t, prev_gate_t = (prev_kv, prev_gate) if overlap else (buf_kv, buf_gate)  # unread without C4
+            torch.library.wrap_triton(_closing_entry_kernel)[(N,)](
+                kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv_t, prev_gate_t, position_bias,
+                norm_weight, cos, sin, out, D, cos.shape[1], eps, kv_new.stride(0), gate_new.stride(0),
+                buf_kv.stride(0), buf_kv.stride(1), prev_kv_t.stride(0), prev_kv_t.stride(1), position_bias.stride(0),
+                cos.stride(0), out.stride(0), M=m, OVERLAP=overlap, HALF=triton.next_power_of_2(max(D // 2, 1)),
+                SB=SLOT_BLOCK, BF16=kv_new.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=4)
+        return out
+
+    # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
+    @closing_entry.register_fake
+    def _(kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate, position_bias,
+          norm_weight, cos, sin, eps):
+        return kv_new.new_empty(kv_new.shape[0], norm_weight.shape[0])
