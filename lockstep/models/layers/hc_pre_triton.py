@@ -8,10 +8,9 @@ What, per token t (hyper_connection.py has the formulas):
     comb   = Sinkhorn(softmax_rows(s2 * m_comb + b_comb) + hc_eps)
     x_in   = sum_i pre_i X_i   (rounded once to the streams' dtype)
 A grid of (tokens, 1 + D / BLOCK_D) one-warp programs: program (t, 0) computes token t's post [n]
-and comb [n, n] and runs the Sinkhorn, every value a scalar each lane holds whole (the tuples of
-sinkhorn_triton.py); programs (t, c > 0) compute its pre and collapse one block of the streams'
-columns each, beside it. The Sinkhorn (39 dependent normalisations) is the long chain, so the
-collapse costs no time after it.
+and comb [n, n] as small tiles and runs the Sinkhorn; programs (t, c > 0) compute its pre and
+collapse one block of the streams' columns each, beside it. The Sinkhorn (39 dependent
+normalisations) is the long chain, so the collapse costs no time after it.
 
 Why: a decode step is latency-bound (~400 kernels of 1-5 us at batch 64 on the 1b config) and this
 is a few thousand flops a token. Measured on one H200 (2026-12-03): benchmarks/hc_pre.py, batch 64,
@@ -24,10 +23,9 @@ after the Sinkhorn).
 Numerics: the same formulas in fp32; the splits are added in a tree (tl.sum), not torch's order,
 and the softmax's divisions are correctly rounded (sinkhorn_triton's `_divide`); exp and sigmoid
 are Triton's. So the coefficients equal the torch chain's to fp32 rounding and the block input to
-a bf16 ulp, not bitwise (tests/models/test_hc_pre_triton.py). The Sinkhorn is sinkhorn_triton.py's
-`_normalise` itself (sinkhorn.py's steps, line sums left to right, correctly rounded division),
-so it rounds as the fused Sinkhorn kernel does; the softmax before it differs from torch's by fp32
-rounding. A token's results depend on its own row only.
+a bf16 ulp, not bitwise (tests/models/test_hc_pre_triton.py). The Sinkhorn takes sinkhorn.py's
+steps with sinkhorn_triton.py's correctly rounded division, each line's sum in a tree: the fused
+Sinkhorn kernel's result to fp32 rounding. A token's results depend on its own row only.
 
 Where: hyper_connection.HyperConnection at a decode step on CUDA without gradients, with the
 triton_hc switch (the projection kernel's conditions) and not over whole rows (whole_rows.py keeps
@@ -58,7 +56,6 @@ def available(streams: torch.Tensor) -> bool:
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
     _bf16, _reciprocal, _divide = _gt._bf16, sinkhorn_triton._reciprocal, sinkhorn_triton._divide
-    _normalise = sinkhorn_triton._normalise
 
     @triton.jit
     def _mixes(p_row, cols, ok, splits, s_ok, r):
@@ -69,54 +66,33 @@ if triton is not None:
         return tl.sum(tile, axis=0) * r
 
     @triton.jit
-    def _mix(p_row, j, splits, s_ok, r, scale, base_ptr):
-        """The token's mix j as a scalar, scaled and shifted: (its splits' partial products summed,
-        times 1 / rms) * scale + base[j]."""
-        m = tl.sum(tl.load(p_row + splits + j, mask=s_ok, other=0.0), axis=0) * r
-        return m * scale + tl.load(base_ptr + j).to(tl.float32)
+    def _normalise(x, AXIS: tl.constexpr, eps):
+        """x / (sum of x along AXIS + eps), each quotient correctly rounded (sinkhorn_triton's division)."""
+        s = tl.expand_dims(tl.sum(x, axis=AXIS), AXIS) + eps
+        return _divide(x, s, _reciprocal(s))
 
     @triton.jit
-    def _softmax_rows(z, N: tl.constexpr, hc_eps):
-        """softmax along each row of the N x N tuple z (row-major scalars), + hc_eps; sums left
-        to right, quotients correctly rounded."""
-        out = ()
-        for a in tl.static_range(N):
-            m = z[a * N]
-            for b in tl.static_range(1, N):
-                m = tl.maximum(m, z[a * N + b])
-            e = ()
-            for b in tl.static_range(N):
-                e = e + (tl.exp(z[a * N + b] - m),)
-            total = e[0]
-            for b in tl.static_range(1, N):
-                total = total + e[b]
-            y = _reciprocal(total)
-            for b in tl.static_range(N):
-                out = out + (_divide(e[b], total, y) + hc_eps,)
-        return out
-
-    @triton.jit
-    def _coefficients(p_row, r, splits, s_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps,
-                      N: tl.constexpr):
-        """post [N] and comb [N, N] of token t (stored), from its partials. Every value is a scalar
-        that each lane of the warp holds whole: the Sinkhorn's 39 dependent normalisations are then
-        adds and divisions within a thread, as in sinkhorn_triton.py (whose steps these are), where
-        [N, N] tiles spread over the warp paid two rounds of shuffles per line sum."""
-        s_post = tl.load(scale_ptr + 1).to(tl.float32)
-        for i in tl.static_range(N):
-            tl.store(post_ptr + t * N + i, 2.0 * tl.sigmoid(_mix(p_row, N + i, splits, s_ok, r, s_post, base_ptr)))
-        s_comb = tl.load(scale_ptr + 2).to(tl.float32)
-        z = ()
-        for k in tl.static_range(N * N):
-            z = z + (_mix(p_row, 2 * N + k, splits, s_ok, r, s_comb, base_ptr),)
-        comb = _softmax_rows(z, N, hc_eps)
+    def _coefficients(p_row, r, rs, s_ok, rn, n_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps,
+                      stride_ps, N: tl.constexpr):
+        """post [N] and comb [N, N] of token t (stored), from its partials."""
+        z = _mixes(p_row, N + rn, n_ok, rs[:, None] * stride_ps, s_ok[:, None], r)
+        z = z * tl.load(scale_ptr + 1).to(tl.float32) + tl.load(base_ptr + N + rn, mask=n_ok, other=0.0).to(tl.float32)
+        post = 2.0 * tl.sigmoid(z)
+        tl.store(post_ptr + t * N + rn, post, mask=n_ok)
+        j = 2 * N + rn[:, None] * N + rn[None, :]
+        ok = n_ok[:, None] & n_ok[None, :]
+        z = _mixes(p_row, j, ok, rs[:, None, None] * stride_ps, s_ok[:, None, None], r)
+        z = z * tl.load(scale_ptr + 2).to(tl.float32) + tl.load(base_ptr + j, mask=ok, other=0.0).to(tl.float32)
+        z = tl.where(ok, z, float("-inf"))
+        e = tl.exp(z - tl.max(z, axis=1)[:, None])  # padding: exp(-inf) = 0
+        total = tl.sum(e, axis=1)[:, None]
+        comb = tl.where(ok, _divide(e, total, _reciprocal(total)) + hc_eps, 0.0)  # padding adds nothing below
         # sinkhorn.py's steps: columns first (sums over rows), then (rows, columns) iters - 1 times
-        comb = _normalise(comb, N, 1, N, hc_eps)
+        comb = _normalise(comb, 0, hc_eps)
         for _ in range(iters - 1):
-            comb = _normalise(comb, N, N, 1, hc_eps)
-            comb = _normalise(comb, N, 1, N, hc_eps)
-        for k in tl.static_range(N * N):
-            tl.store(comb_ptr + t * N * N + k, comb[k])
+            comb = _normalise(comb, 1, hc_eps)
+            comb = _normalise(comb, 0, hc_eps)
+        tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], comb, mask=ok)
 
     @triton.jit
     def _hc_pre_kernel(p_ptr, x_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr,
@@ -141,7 +117,8 @@ if triton is not None:
         ss = tl.sum(tl.load(p_row + rs * stride_ps + J, mask=s_ok, other=0.0), axis=0)
         r = _reciprocal(tl.sqrt_rn(ss / K + norm_eps))
         if c == 0:
-            _coefficients(p_row, r, rs * stride_ps, s_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps, N)
+            _coefficients(p_row, r, rs, s_ok, rn, n_ok, base_ptr, scale_ptr, post_ptr, comb_ptr, t, iters, hc_eps,
+                          stride_ps, N)
         else:
             z = _mixes(p_row, rn, n_ok, rs[:, None] * stride_ps, s_ok[:, None], r)
             z = z * tl.load(scale_ptr).to(tl.float32) + tl.load(base_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
