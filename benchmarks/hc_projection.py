@@ -20,7 +20,7 @@ graph, replayed --reps times between CUDA events, after warm-up) and device (the
 device time as CUPTI reports it, torch.profiler over --profile-reps replays). Printed per
 count: those timings, the ratio torch / triton (graph), and max |triton - torch| next to
 max |torch|. Launch-config overrides (--split, --block-t, --block-k, --num-warps,
---num-stages; 0: the default of launch_config; --broadcast) sweep the kernel. GPU only; --help works anywhere.
+--num-stages; 0: the default of launch_config; --precision: tl.dot's) sweep the kernel. GPU only; --help works anywhere.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def main(argv=None) -> None:
     ap.add_argument("--block-k", type=int, default=0, help="K per tile (0: launch_config's)")
     ap.add_argument("--num-warps", type=int, default=0)
     ap.add_argument("--num-stages", type=int, default=0)
-    ap.add_argument("--broadcast", action="store_true",
-                    help="the kernel's products broadcast and summed instead of tl.dot (fp32 'ieee')")
+    ap.add_argument("--precision", choices=["tf32x3", "ieee", "tf32"], default="",
+                    help="tl.dot's input precision (default: hc_projection_triton.PRECISION)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -78,8 +78,8 @@ def main(argv=None) -> None:
     }
     cfg = hp.launch_config(args.J, args.K, split)
     cfg.update({key: value for key, value in zip(cfg, config.values()) if value})
-    cfg["products"] = "broadcast" if args.broadcast else "tl.dot"
-    config["broadcast"] = args.broadcast
+    cfg["precision"] = args.precision or hp.PRECISION
+    config["precision"] = args.precision
     print(f"{torch.cuda.get_device_name()}: J = {args.J}, K = {args.K}, x {args.dtype}, split = {split}, {cfg}; "
           f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
     print(table_header("tokens", calls, "torch/triton", ["max|diff|", "max|torch|"]))

@@ -126,11 +126,11 @@ def variants():
         hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
         {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
         {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
-    # the mHC projection's partials with the products broadcast (hc_projection.py --broadcast)
-    yield "decode mHC partials, broadcast", lambda: ptx(
+    # the mHC projection's partials as the engine launches them (tf32x3 tl.dot)
+    yield "decode mHC partials", lambda: ptx(
         hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP),
         {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot"},
-        BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, BROADCAST=True, INTERPRETED=False)
+        BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False)
     for m, overlap in ((4, True), (128, False)):  # the C4 and C128 layers' entries
         yield f"decode compressor entry, m {m}", lambda m=m, overlap=overlap: ptx(
             cs._closing_entry_kernel, dict(kv_new_ptr=BF, gate_new_ptr=BF, pos_ptr=I64, num_new_ptr=I64, slots_ptr=I64,

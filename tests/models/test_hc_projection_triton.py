@@ -78,7 +78,8 @@ def test_partials_hold_the_products_and_the_sums_of_squares():
     # the launch config's overrides change the tiling, not the sums (BLOCK_K = 16: splits of 80)
     assert torch.equal(hp.hc_mix_partials(x, fn, split, block_t=32, num_warps=2, num_stages=1), partials)
     assert torch.equal(hp.hc_mix_partials(x, fn, split, block_k=16).sum(0), partials.sum(0))
-    assert torch.equal(hp.hc_mix_partials(x, fn, split, broadcast=True), partials)  # no tl.dot: the same sums
+    # eighths are exact in tf32 too: the GPU's two precisions agree here (the interpreter takes neither)
+    assert torch.equal(hp.hc_mix_partials(x, fn, split, precision="ieee"), partials)
 
 
 @needs_triton

@@ -45,6 +45,9 @@ if triton is not None:
     import triton.language as tl
 
 MAX_J = 128  # output columns held by one program (padded to a power of two, at least 16)
+# tl.dot's input precision for the fp32 tiles on a GPU: three tf32 tensor-core products per tile,
+# within fp32 rounding of the "ieee" FMAs (benchmarks/hc_projection.py --precision times both)
+PRECISION = "tf32x3"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -77,7 +80,7 @@ if triton is not None:
     def _partials_kernel(x_ptr, fn_ptr, out_ptr, T, J, K, k_per_split,
                          stride_xt, stride_xk, stride_fj, stride_fk, stride_os, stride_ot,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, BROADCAST: tl.constexpr, INTERPRETED: tl.constexpr):
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
         K is one too and no tile crosses K."""
@@ -107,13 +110,14 @@ if triton is not None:
             # read as [K, J] directly, neighbouring lanes were K * 4 bytes apart
             a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
             b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
-            # the interpreter (grouped_gemm_triton._dot says why), or BROADCAST: products broadcast and
-            # summed, to time against the fp32 "ieee" tl.dot (which made router_triton's first form
-            # 48 us a call on an H200; not yet timed here)
-            if INTERPRETED or BROADCAST:
+            # the interpreter: products summed in index order (grouped_gemm_triton._dot says why). On a
+            # GPU, PRECISION (module constant): "tf32x3" takes the tensor cores three times (a split of
+            # each fp32 value in two tf32 halves), "ieee" fp32 FMAs. (Broadcast products summed by
+            # tl.sum are no third way: Triton's compiler turns them into a tf32 tl.dot, ~5e-4 off.)
+            if INTERPRETED:
                 acc = _dot(a, tl.trans(b), acc, True)
             else:
-                acc = tl.dot(a, tl.trans(b), acc, input_precision="ieee")
+                acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
             ss += tl.sum(a * a, axis=1)
         out_rows = out_ptr + s * stride_os + rt.to(tl.int64) * stride_ot
         tl.store(out_rows[:, None] + rj[None, :], acc, mask=t_ok[:, None] & j_ok[None, :])
@@ -121,11 +125,11 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::hc_mix_partials", mutates_args=())
     def hc_mix_partials(x: torch.Tensor, fn: torch.Tensor, split: int, block_t: int = 0, block_k: int = 0,
-                        num_warps: int = 0, num_stages: int = 0, broadcast: bool = False) -> torch.Tensor:
+                        num_warps: int = 0, num_stages: int = 0, precision: str = "") -> torch.Tensor:
         """x [T, K] (bf16, fp16 or fp32, any strides), fn [J, K] -> partials [split, T, J + 1]
         fp32: per split of K, the products x @ fn^T (columns < J) and the rows' sums of squares
-        (column J). Nonzero keywords override `launch_config`; `broadcast`: the products broadcast
-        and summed instead of tl.dot (benchmarks/hc_projection.py --broadcast)."""
+        (column J). Nonzero keywords override `launch_config`, `precision` PRECISION (the
+        benchmark's --precision)."""
         T, K = x.shape
         J = fn.shape[0]
         cfg = launch_config(J, K, split)
@@ -135,7 +139,8 @@ if triton is not None:
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), split)
         torch.library.wrap_triton(_partials_kernel)[grid](
             x, fn, out, T, J, K, k_per_split, *x.stride(), *fn.stride(), out.stride(0), out.stride(1),
-            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0, BROADCAST=broadcast,
+            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            PRECISION=precision or PRECISION,
             INTERPRETED=_gt.interpreted(), **cfg)
         return out
 
