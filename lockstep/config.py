@@ -166,11 +166,10 @@ class EngineConfig:
     """A decode step's top-k router (fp32 logits, scores, top-k, weights) is one Triton kernel (CUDA;
     models/layers/router_triton.py); off: torch ops. Off by default until its second form is measured on a
     GPU (the first was slower than the ops). LOCKSTEP_TRITON_ROUTER=0 / 1, when set, overrides."""
-    triton_compressor: bool = False
+    triton_compressor: bool = True
     """The compressed entry a decode step's token closes is one Triton kernel reading the compressor's open
     block where it is cached, and only the token is written into it (CUDA; models/layers/compressor_step_triton.py);
-    off: torch ops over both blocks the step spans. Off by default until measured on a GPU.
-    LOCKSTEP_TRITON_COMPRESSOR=0 / 1, when set, overrides."""
+    off: torch ops over both blocks the step spans. LOCKSTEP_TRITON_COMPRESSOR=0 / 1, when set, overrides."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""

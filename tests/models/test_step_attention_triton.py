@@ -99,42 +99,40 @@ def test_the_kernel_equals_the_torch_form_at_the_1b_configs_shapes(layer_idx):
     _assert_close_to_torch_form(out, ref, torch.bfloat16)
 
 
+def _attend(q, keys, sinks, scale):
+    """sink_attention of one sequence's token q [1, 1, H, D] over exactly `keys` [Sk, D]."""
+    return sink_attention(q, keys[None], torch.zeros(1, 1, len(keys), device=keys.device), sinks, scale)
+
+
 @needs_triton
-def test_picked_entries_are_read_through_their_indices():
-    # the kernel against sink_attention over exactly the picked entries and the seen ring rows, fp64
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_picked_entries_are_read_through_their_indices(dtype):
+    # the kernel against sink_attention over exactly the picked entries and the seen ring rows
     g = torch.Generator().manual_seed(3)
     N, H, D, W, cap = 3, 4, 16, 8, 12
-    q = torch.randn(N, 1, H, D, generator=g)
-    ring, entries = torch.randn(N + 1, W, D, generator=g), torch.randn(N + 1, cap, D, generator=g)
-    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([[4], [30], [9]])
-    picks = torch.tensor([[[5, -1, 0]], [[11, 3, 7]], [[-1, -1, -1]]])
-    sinks = torch.randn(H, generator=g)
-    args = [t.to(DEVICE) for t in (q, ring, slots, positions, sinks)]
-    out = sa.sink_attention_step(*args, 0.25, entries.to(DEVICE), picks.to(DEVICE))
+    q, sinks = torch.randn(N, 1, H, D, generator=g).to(dtype).to(DEVICE), torch.randn(H, generator=g).to(DEVICE)
+    ring, entries = (torch.randn(N + 1, r, D, generator=g).to(dtype).to(DEVICE) for r in (W, cap))
+    slots, positions = torch.tensor([2, 0, 3], device=DEVICE), torch.tensor([[4], [30], [9]], device=DEVICE)
+    picks = torch.tensor([[[5, -1, 0]], [[11, 3, 7]], [[-1, -1, -1]]], device=DEVICE)
+    out = sa.sink_attention_step(q, ring, slots, positions, sinks, 0.25, entries, picks)
     for n in range(N):
         seen = ring[slots[n], :min(W, int(positions[n]) + 1)]
         chosen = entries[slots[n], picks[n, 0][picks[n, 0] >= 0]]
-        keys = torch.cat([seen, chosen]).double()
-        ref = sink_attention(q[n:n + 1].double(), keys[None], torch.zeros(1, 1, len(keys), dtype=torch.float64),
-                             sinks.double(), 0.25)
-        torch.testing.assert_close(out[n:n + 1].double().cpu(), ref, rtol=1e-5, atol=1e-6)
+        _assert_close_to_torch_form(out[n:n + 1], _attend(q[n:n + 1], torch.cat([seen, chosen]), sinks, 0.25), dtype)
 
 
 @needs_triton
-def test_closed_blocks_stop_at_the_position_and_the_capacity():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_closed_blocks_stop_at_the_position_and_the_capacity(dtype):
     g = torch.Generator().manual_seed(4)
     N, H, D, W, cap, rate = 3, 4, 16, 8, 5, 4
-    q, sinks = torch.randn(N, 1, H, D, generator=g), torch.randn(H, generator=g)
-    ring, entries = torch.randn(N, W, D, generator=g), torch.randn(N, cap, D, generator=g)
-    positions = torch.tensor([[2], [10], [40]])  # 0, 2 and (capped at) 5 closed blocks
-    slots = torch.arange(N)
-    args = [t.to(DEVICE) for t in (q, ring, slots, positions, sinks)]
-    out = sa.sink_attention_step(*args, 0.3, entries.to(DEVICE), None, rate)
+    q, sinks = torch.randn(N, 1, H, D, generator=g).to(dtype).to(DEVICE), torch.randn(H, generator=g).to(DEVICE)
+    ring, entries = (torch.randn(N, r, D, generator=g).to(dtype).to(DEVICE) for r in (W, cap))
+    positions = torch.tensor([[2], [10], [40]], device=DEVICE)  # 0, 2 and (capped at) 5 closed blocks
+    out = sa.sink_attention_step(q, ring, torch.arange(N, device=DEVICE), positions, sinks, 0.3, entries, None, rate)
     for n, closed in enumerate([0, 2, 5]):
-        keys = torch.cat([ring[n, :min(W, int(positions[n]) + 1)], entries[n, :closed]]).double()
-        ref = sink_attention(q[n:n + 1].double(), keys[None], torch.zeros(1, 1, len(keys), dtype=torch.float64),
-                             sinks.double(), 0.3)
-        torch.testing.assert_close(out[n:n + 1].double().cpu(), ref, rtol=1e-5, atol=1e-6)
+        keys = torch.cat([ring[n, :min(W, int(positions[n]) + 1)], entries[n, :closed]])
+        _assert_close_to_torch_form(out[n:n + 1], _attend(q[n:n + 1], keys, sinks, 0.3), dtype)
 
 
 @needs_triton

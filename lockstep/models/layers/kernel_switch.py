@@ -80,10 +80,9 @@ class KernelSwitches:
     triton_router: bool = False
     """A decode step's top-k router is one Triton kernel (router_triton.py). Off by default: not yet
     measured faster than the compiled torch ops (EngineConfig.triton_router)."""
-    triton_compressor: bool = False
+    triton_compressor: bool = True
     """The entry a decode step's token closes is one Triton kernel reading the compressor's open block
-    in place, and only the token is written to it (compressor_step_triton.py). Off by default: not yet
-    measured on a GPU (EngineConfig.triton_compressor)."""
+    in place, and only the token is written to it (compressor_step_triton.py)."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False

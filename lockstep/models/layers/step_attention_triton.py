@@ -65,33 +65,53 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
-    def _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
-              D: tl.constexpr, BLOCK_K: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
-              INTERPRETED: tl.constexpr):
-        """Keys v0 .. v0 + BLOCK_K of a sequence's list (ring indices < W, then its entries) ->
-        (the keys [BLOCK_K, BLOCK_D], the scores [BLOCK_H, BLOCK_K] as the torch form makes them;
-        -inf where a key is not seen)."""
-        v = v0 + tl.arange(0, BLOCK_K)
-        d_ok = rd[None, :] < D
-        in_ring = v < W
-        seen = in_ring & (v <= p)  # module docstring: the ring after the step's write
-        k = tl.load(ring_row + v[:, None] * stride_rw + rd[None, :], mask=seen[:, None] & d_ok, other=0.0)
-        if ENTRIES != 0:
-            e = v - W
-            in_entries = (v >= W) & (e < n_ent)
-            if ENTRIES == 2:  # PICKED
-                j = tl.load(picks_row + e, mask=in_entries, other=-1)
-                in_entries = in_entries & (j >= 0)
-            else:  # CLOSED_BLOCKS: the first n_ent entries
-                j = e
-            k_entries = tl.load(ent_row + j[:, None].to(tl.int64) * stride_ee + rd[None, :],
-                                mask=in_entries[:, None] & d_ok, other=0.0)
-            k = tl.where(in_ring[:, None], k, k_entries)
-            seen = seen | in_entries
-        s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], BLOCK_K), dtype=tl.float32), INTERPRETED)
+    def _scores(q, k, seen, scale, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Scores [BLOCK_H, BLOCK_K] of a key tile as the torch form makes them; -inf where not seen."""
+        s = _dot(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), dtype=tl.float32), INTERPRETED)
         if BF16:  # the einsum's bf16 output
             s = _bf16(s, INTERPRETED).to(tl.float32)
-        return k, tl.where(seen[None, :], s * scale, float("-inf"))
+        return tl.where(seen[None, :], s * scale, float("-inf"))
+
+    @triton.jit
+    def _ring_tile(q, ring_row, v0, p, W, rd, stride_rw, scale, D: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Ring indices v0 .. v0 + BLOCK_K -> (keys [BLOCK_K, BLOCK_D], scores): index i is seen iff
+        i <= p (module docstring: the ring after the step's write)."""
+        v = v0 + tl.arange(0, BLOCK_K)
+        seen = (v < W) & (v <= p)
+        k = tl.load(ring_row + v[:, None] * stride_rw + rd[None, :], mask=seen[:, None] & (rd[None, :] < D),
+                    other=0.0)
+        return k, _scores(q, k, seen, scale, BF16, INTERPRETED)
+
+    @triton.jit
+    def _entry_tile(q, ent_row, picks_row, e0, n_ent, rd, stride_ee, scale, D: tl.constexpr, BLOCK_K: tl.constexpr,
+                    ENTRIES: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """The sequence's entries e0 .. e0 + BLOCK_K of n_ent (PICKED: through the picks, -1 unseen;
+        CLOSED_BLOCKS: the first n_ent) -> (keys, scores)."""
+        e = e0 + tl.arange(0, BLOCK_K)
+        seen = e < n_ent
+        if ENTRIES == 2:  # PICKED
+            j = tl.load(picks_row + e, mask=seen, other=-1)
+            seen = seen & (j >= 0)
+        else:
+            j = e
+        k = tl.load(ent_row + j[:, None].to(tl.int64) * stride_ee + rd[None, :],
+                    mask=seen[:, None] & (rd[None, :] < D), other=0.0)
+        return k, _scores(q, k, seen, scale, BF16, INTERPRETED)
+
+    @triton.jit
+    def _max_and_sum(m, total, s):
+        """The running max and sum of exp(l - max) after one more tile of scores."""
+        new_m = tl.maximum(m, tl.max(s, axis=1))
+        return new_m, total * tl.exp(m - new_m) + tl.sum(tl.exp(s - new_m[:, None]), axis=1)
+
+    @triton.jit
+    def _add_pv(acc, k, s, m, total, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """acc + P V of one tile, each probability exp(l - max) / sum as the torch form computes it."""
+        prob = tl.exp(s - m[:, None]) / total[:, None]
+        if BF16:
+            prob = _bf16(prob, INTERPRETED)
+        return _dot(prob, k, acc, INTERPRETED)
 
     @triton.jit
     def _step_kernel(q_ptr, ring_ptr, slots_ptr, pos_ptr, ent_ptr, picks_ptr, sinks_ptr, out_ptr,
@@ -99,15 +119,17 @@ if triton is not None:
                      stride_pn, scale, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
                      INTERPRETED: tl.constexpr):
+        """Program n: sequence n's token over its ring (indices <= p), then its entries; two passes
+        (the running max and sum, then P V), each over the ring's tiles and the entries' tiles."""
         n = tl.program_id(0).to(tl.int64)
         scale = tl.cast(scale, tl.float32)
         slot = tl.load(slots_ptr + n).to(tl.int64)
         p = tl.load(pos_ptr + n * stride_pos)
+        n_ring = tl.minimum(W, p + 1)  # tiles past the position hold nothing it sees: skipped, exactly
         if ENTRIES == 1:  # CLOSED_BLOCKS: compressor.closed_entries, within the capacity
             n_ent = tl.minimum(tl.maximum((p + 1) // rate, 0), capacity)
         else:
             n_ent = num_picks
-        Sk = W + n_ent
         ring_row = ring_ptr + slot * stride_rs
         ent_row = ent_ptr + slot * stride_es
         picks_row = picks_ptr + n * stride_pn
@@ -117,20 +139,23 @@ if triton is not None:
         q = tl.load(q_ptr + (n * H + rh[:, None]) * D + rd[None, :], mask=tile, other=0.0)
         m = tl.load(sinks_ptr + rh, mask=rh < H, other=0.0).to(tl.float32)  # the sink folded in first
         total = tl.full((BLOCK_H,), 1.0, dtype=tl.float32)
-        for v0 in range(0, Sk, BLOCK_K):
-            _, s = _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
-                         D, BLOCK_K, ENTRIES, BF16, INTERPRETED)
-            new_m = tl.maximum(m, tl.max(s, axis=1))
-            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(s - new_m[:, None]), axis=1)
-            m = new_m
+        for v0 in range(0, n_ring, BLOCK_K):
+            _, s = _ring_tile(q, ring_row, v0, p, W, rd, stride_rw, scale, D, BLOCK_K, BF16, INTERPRETED)
+            m, total = _max_and_sum(m, total, s)
+        if ENTRIES != 0:
+            for e0 in range(0, n_ent, BLOCK_K):
+                _, s = _entry_tile(q, ent_row, picks_row, e0, n_ent, rd, stride_ee, scale, D, BLOCK_K, ENTRIES, BF16,
+                                   INTERPRETED)
+                m, total = _max_and_sum(m, total, s)
         acc = tl.zeros((BLOCK_H, BLOCK_D), dtype=tl.float32)
-        for v0 in range(0, Sk, BLOCK_K):
-            k, s = _tile(q, ring_row, ent_row, picks_row, v0, W, p, n_ent, rd, stride_rw, stride_ee, scale,
-                         D, BLOCK_K, ENTRIES, BF16, INTERPRETED)
-            prob = tl.exp(s - m[:, None]) / total[:, None]
-            if BF16:
-                prob = _bf16(prob, INTERPRETED)
-            acc = _dot(prob, k, acc, INTERPRETED)
+        for v0 in range(0, n_ring, BLOCK_K):
+            k, s = _ring_tile(q, ring_row, v0, p, W, rd, stride_rw, scale, D, BLOCK_K, BF16, INTERPRETED)
+            acc = _add_pv(acc, k, s, m, total, BF16, INTERPRETED)
+        if ENTRIES != 0:
+            for e0 in range(0, n_ent, BLOCK_K):
+                k, s = _entry_tile(q, ent_row, picks_row, e0, n_ent, rd, stride_ee, scale, D, BLOCK_K, ENTRIES, BF16,
+                                   INTERPRETED)
+                acc = _add_pv(acc, k, s, m, total, BF16, INTERPRETED)
         if BF16:
             out = _bf16(acc, INTERPRETED)
         else:
