@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
+from . import step_attention_triton
 from .attention_rows import attention_rows
 from .compressor import Compressor, CompressorState
 from .fixed_shapes import fixed_shape
@@ -29,7 +30,6 @@ from .kernel_switch import Switched
 from .norm import RMSNorm, rms_norm
 from .rope import apply_rope, inv_freq_for, rope_cos_sin
 from .sink_attention import banded_sink_attention, closed_block_bias, pad_keys, sink_attention, window_bias
-from . import step_attention_triton
 from .whole_rows import apply_linear, in_whole_rows, linear
 from .window_ring import read_window, write_window
 
