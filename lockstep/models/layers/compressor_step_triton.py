@@ -15,7 +15,10 @@ gathered from the buffers, padded by an empty one), pooled, normed and rotated b
 the open block back whole: for a C128 layer ~12 MB of copies a step at batch 64 and ~10 launches
 per compressor (two in each C4 layer: the attention's and the indexer's), although a block closes
 once in m steps. Here a sequence whose block stays open costs one store, and
-Compressor.forward_step writes only the step's token into the buffer.
+Compressor.forward_step writes only the step's token into the buffer. Measured on one H200
+(2026-12-03, rollout_throughput.py --config 1b --batch 64 --step-trace): turned on together with the
+router kernel, the step went 383 -> 348 kernels and 1,645 -> 1,553 us of device time, of which the
+router's kernel added ~57 us, so ~150 us saved; this kernel is 1.1-1.5 us a call.
 
 Numerics, as the torch form rounds (bf16): the gate + position bias rounded to the gate's dtype;
 the softmax over the slots in fp32, the weights rounded to kv's dtype, each product kv * weight

@@ -46,7 +46,9 @@ if triton is not None:
 
 MAX_J = 128  # output columns held by one program (padded to a power of two, at least 16)
 # tl.dot's input precision for the fp32 tiles on a GPU: three tf32 tensor-core products per tile,
-# within fp32 rounding of the "ieee" FMAs (benchmarks/hc_projection.py --precision times both)
+# within fp32 rounding of the "ieee" FMAs. One H200 (2026-12-03, benchmarks/hc_projection.py, J 24,
+# K 4096, CUDA graphs): 3.4 us a call against 6.5 for "ieee" at 64 rows, 11.8 against 40.3 at 512;
+# both 1.9e-6 from the fp32 reference at values up to 5.5.
 PRECISION = "tf32x3"
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -19,9 +19,10 @@ written and read back, and several launches. With the entries read through the p
 follows the positions and the index_topk picks, not the cache's capacity (the torch form attends
 over every entry of capacity max_model_len / rate under a CUDA graph, most of them masked).
 Measured on one H200 (2026-12-03, benchmarks/step_attention.py, batch 64, 16 x 128, window 128,
-against the torch form's assembly and attention compiled), with one loop over both sources: window
-5.3 us a call against 33.8; C128 entries 12.2 against 40.0 at 192 positions; C4 with 128 picks
-15.2 against 50.2 at 192 positions and 19.6 against 335 at 8,192.
+against the torch form's assembly and attention compiled): window 5.2 us a call against 34.4;
+C128 entries 7.2 against 39.1 at 192 positions, 7.9 against 67.3 at 8,192; C4 with 128 picks 10.3
+against 47.3 at 192 and 13.8 against 372 (27x) at 8,192. (One loop over both sources, loading each
+tile from both, took 12.2 and 15.2 us at 192.)
 
 Numerics, as the torch form rounds: the scores q . k in fp32 rounded to the keys' dtype (the
 einsum's output), then in fp32 times scale (an unseen key is -inf, as its bias makes it); the
