@@ -167,8 +167,7 @@ if triton is not None:
         (before the token is written), prev_kv / prev_gate [slots, m, D] (C4) or None; position_bias
         [m, width]; norm_weight [D]; cos / sin [N, rope_dim / 2] at the block starts -> the entries
         [N, D] (kv's dtype) of the blocks the tokens close, zeros where a block stays open."""
-        N, width = kv_new.shape
-        m, D = buf_kv.shape[1], norm_weight.shape[0]
+        N, m, D = kv_new.shape[0], buf_kv.shape[1], norm_weight.shape[0]
         overlap = prev_kv is not None
         for name, t in (("kv_new", kv_new), ("gate_new", gate_new), ("buf_kv", buf_kv), ("buf_gate", buf_gate),
                         ("position_bias", position_bias), ("prev_kv", prev_kv), ("prev_gate", prev_gate)):
