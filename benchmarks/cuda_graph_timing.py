@@ -1,6 +1,6 @@
 """Timing kernels the way the engine runs them: captured back to back in one CUDA graph.
 
-    from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us, time_calls
+    from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us, require_kernels, time_calls
 
 Shared by the kernel benchmarks (sinkhorn_kernel.py, hc_projection.py, moe_grouped_gemm.py,
 step_attention.py): inside a graph there is no launch cost from Python (which for a custom op can exceed the
@@ -8,6 +8,8 @@ kernel's own time), so the figures are what a decode step pays per call.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
@@ -84,3 +86,12 @@ def table_row(key, row: dict[str, tuple[float, float]], names, ratio: tuple[str,
     ratio[1]'s, and `extras` already formatted."""
     cells = [f"{key:>7}"] + [f"{row[n][0]:>16.2f} {row[n][1]:>7.2f}" for n in names]
     return " | ".join(cells + [f"{row[ratio[0]][0] / row[ratio[1]][0]:>15.2f}x", " ".join(f"{e:>10}" for e in extras)])
+
+
+def require_kernels(script: str, kernels=None) -> None:
+    """Exit with the reason unless this machine can time `script`'s kernels: a GPU, and Triton where
+    `kernels` (a lockstep kernel module) needs it."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{script} times CUDA kernels: no GPU here")
+    if kernels is not None and kernels.triton is None:
+        sys.exit(f"{script}: the kernels do not run here: triton is not installed")

@@ -18,11 +18,10 @@ both times and the ratio cublas / fixed (1.0: as fast as cuBLAS). GPU only; --he
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from cuda_graph_timing import capture, graph_us
+from cuda_graph_timing import capture, graph_us, require_kernels
 
 # (name, N, K, fp32 output): the 1b config (rollout_throughput.py) per layer, and the LM head
 SHAPES = [("wq_a", 512, 1024, False), ("wkv", 128, 1024, False), ("wq_b", 2048, 512, False),
@@ -41,8 +40,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("fixed_order_linear.py times CUDA kernels: no GPU here")
+    require_kernels("fixed_order_linear.py")
     from lockstep.models.layers import fixed_order_linear as fol
 
     overrides = dict(split_k=args.split_k, block_m=args.block_m, block_n=args.block_n, block_k=args.block_k)

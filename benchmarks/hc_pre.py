@@ -21,11 +21,10 @@ of the block input and of comb between the kernels and the eager chain. GPU only
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
+from cuda_graph_timing import add_timing_arguments, require_kernels, table_header, table_row, time_calls
 
 ITERS, HC_EPS, NORM_EPS = 20, 1e-6, 1e-6  # DeepSeek-V4's Sinkhorn iterations and epsilons
 
@@ -44,14 +43,10 @@ def main(argv=None) -> None:
     add_timing_arguments(ap, 16, "calls per CUDA graph (decode step: two per layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("hc_pre.py times CUDA kernels: no GPU here")
-
     from lockstep.models.layers import hc_pre_triton
     from lockstep.models.layers.hyper_connection import _coefficients, _collapse, _mixes, pre_step
 
-    if hc_pre_triton.triton is None:
-        sys.exit("the kernels do not run here: triton is not installed")
+    require_kernels("hc_pre.py", hc_pre_triton)
     n, D = args.streams, args.hidden
     g = torch.Generator().manual_seed(args.seed + 1)
     fn = (torch.randn((2 + n) * n, n * D, generator=g) * (n * D) ** -0.5).cuda()

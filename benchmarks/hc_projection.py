@@ -31,7 +31,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
+from cuda_graph_timing import add_timing_arguments, require_kernels, table_header, table_row, time_calls
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -59,8 +59,7 @@ def main(argv=None) -> None:
                     help="tl.dot's input precision (default: hc_projection_triton.PRECISION)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("hc_projection.py times CUDA kernels: no GPU here")
+    require_kernels("hc_projection.py")
 
     from lockstep.models.layers import hc_projection_triton as hp
     from lockstep.models.layers.norm import rms_norm

@@ -20,11 +20,10 @@ largest weight difference among the rows that agree. GPU only; --help works anyw
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
+from cuda_graph_timing import add_timing_arguments, require_kernels, table_header, table_row, time_calls
 
 
 def main(argv=None) -> None:
@@ -38,13 +37,9 @@ def main(argv=None) -> None:
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("router_step.py times CUDA kernels: no GPU here")
-
     from lockstep.models.layers import moe, router_triton
 
-    if router_triton.triton is None:
-        sys.exit("the kernel does not run here: triton is not installed")
+    require_kernels("router_step.py", router_triton)
     g = torch.Generator().manual_seed(args.seed)
     router = moe.Router(args.hidden, args.experts, args.top_k, vocab_size=8, is_hash=False,
                         scoring_func="sqrtsoftplus", routed_scaling_factor=1.5)

@@ -27,7 +27,7 @@ import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us
+from cuda_graph_timing import add_timing_arguments, capture, graph_us, kernel_us, require_kernels
 
 from lockstep.models.layers.sinkhorn import sinkhorn_in_kernel_order
 
@@ -69,8 +69,7 @@ def main(argv=None) -> None:
                          "graph replays under the profiler (kernel column)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("sinkhorn_kernel.py times CUDA kernels: no GPU here")
+    require_kernels("sinkhorn_kernel.py")
 
     from lockstep.models.layers import sinkhorn_triton
     from lockstep.models.layers.sinkhorn import sinkhorn_reference

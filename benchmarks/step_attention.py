@@ -26,11 +26,10 @@ torch form| next to max |torch form|. GPU only; --help works anywhere.
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from cuda_graph_timing import add_timing_arguments, table_header, table_row, time_calls
+from cuda_graph_timing import add_timing_arguments, require_kernels, table_header, table_row, time_calls
 from lockstep.models.layers import step_attention_triton as sa
 from lockstep.models.layers.sink_attention import closed_block_bias, pad_keys, sink_attention, window_bias
 from lockstep.models.layers.window_ring import read_window
@@ -98,10 +97,7 @@ def main(argv=None) -> None:
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("step_attention.py times CUDA kernels: no GPU here")
-    if sa.triton is None:
-        sys.exit("the kernel does not run here: triton is not installed")
+    require_kernels("step_attention.py", sa)
     sinks = torch.randn(args.heads, generator=torch.Generator().manual_seed(args.seed + 1)).cuda()
     scale = args.head_dim ** -0.5
     compiled = torch.compile(torch_form, dynamic=True)

@@ -148,13 +148,13 @@ class Compressor(Switched, nn.Module):
         rows = torch.where(has_token, slots, scratch)
         state.buf_kv[rows, fill] = kv_new.to(state.buf_kv.dtype)
         state.buf_gate[rows, fill] = gate_new.to(state.buf_gate.dtype)
-        state.entries[torch.where(closes, slots, scratch), torch.where(closes, start_pos // m, 0)] = entry
+        closed_rows = torch.where(closes, slots, scratch)  # as the token writes: the others go to the scratch slot
+        state.entries[closed_rows, torch.where(closes, start_pos // m, 0)] = entry
         if self.overlap:  # the closed block (its token now written) becomes the next entry's Ca half
-            d, keep = self.head_dim, ~closes.view(-1, 1, 1)
-            ca_kv = state.buf_kv[slots, :, :d]
-            ca_gate = (state.buf_gate[slots, :, :d] + self.position_bias[:, :d]).to(state.prev_gate.dtype)
-            state.prev_kv[slots] = torch.where(keep, state.prev_kv[slots], ca_kv)
-            state.prev_gate[slots] = torch.where(keep, state.prev_gate[slots], ca_gate)
+            d = self.head_dim
+            state.prev_kv[closed_rows] = state.buf_kv[slots, :, :d]
+            state.prev_gate[closed_rows] = (state.buf_gate[slots, :, :d] + self.position_bias[:, :d]).to(
+                state.prev_gate.dtype)
 
 
 def _step_blocks(comp: Compressor, kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv, prev_gate):

@@ -175,14 +175,13 @@ if triton is not None:
         N, _, H, D = q.shape
         _check_rows(ring, "ring")
         q = q.contiguous()
-        if entries is None:
-            mode, ent, pk = NO_ENTRIES, ring, slots
-        else:
+        mode = NO_ENTRIES if entries is None else CLOSED_BLOCKS if picks is None else PICKED
+        if entries is not None:
             _check_rows(entries, "entries")
-            mode, ent = (CLOSED_BLOCKS, entries) if picks is None else (PICKED, entries)
-            pk = slots if picks is None else picks.reshape(N, -1)
-            if mode == CLOSED_BLOCKS and rate < 1:
-                raise ValueError(f"sink_attention_step: closed-block entries need rate >= 1, got {rate}")
+        if mode == CLOSED_BLOCKS and rate < 1:
+            raise ValueError(f"sink_attention_step: closed-block entries need rate >= 1, got {rate}")
+        ent = ring if entries is None else entries  # placeholders the kernel never reads for its mode
+        pk = slots if picks is None else picks.reshape(N, -1)
         out = torch.empty_like(q)
         torch.library.wrap_triton(_step_kernel)[(N,)](
             q, ring, slots, positions, ent, pk, sinks.contiguous(), out, ring.shape[1], ent.shape[1],
