@@ -155,12 +155,16 @@ def cache_bytes_per_step(c: DeepseekV4Config, batch: int, mean_len: float, items
     return batch * per_seq
 
 
-def run_lockstep(engine: Engine, prompts, new_tokens: int, device: str, decode_steps: int | None = None):
+def run_lockstep(engine: Engine, prompts, new_tokens: int, device: str, decode_steps: int | None = None,
+                 scheduling: str | None = None):
     """-> (total seconds, prefill seconds, decode seconds) of one generate, stepped by hand to
     separate prefill (steps until every sequence sampled its first token) from decode.
-    decode_steps: EngineConfig.decode_steps for this run (None: the engine's)."""
+    decode_steps, scheduling ("async" / "sync"): EngineConfig.decode_steps and async_scheduling for
+    this run (None: the engine's)."""
     if decode_steps is not None:
         engine.config = dataclasses.replace(engine.config, decode_steps=decode_steps)
+    if scheduling is not None:
+        engine.config = dataclasses.replace(engine.config, async_scheduling=scheduling == "async")
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens, ignore_eos=True)
     states = [engine._new_state(GenerateRequest(p, sp)) for p in prompts]
     sync(device)
@@ -240,6 +244,9 @@ def parse_args(argv=None):
     ap.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly (EngineConfig.cuda_graph=False)")
     ap.add_argument("--decode-steps", type=int, nargs="+", default=[EngineConfig().decode_steps],
                     help="EngineConfig.decode_steps of the timed run; further values are timed too, for comparison")
+    ap.add_argument("--scheduling", choices=["async", "sync"], nargs="+", default=["async"],
+                    help="EngineConfig.async_scheduling of the timed run (async: the next decode window is "
+                         "launched before a window is read back); a further value is timed too, for comparison")
     ap.add_argument("--eager-prefill", action="store_true", help="EngineConfig.compile_prefill=False")
     ap.add_argument("--compile-option", action="append", default=[], type=compile_option, metavar="KEY=VALUE",
                     help="an inductor setting for the engine's compiled layers (EngineConfig.compile_options), "
@@ -308,16 +315,18 @@ def time_lockstep(args, engine: Engine, prompts) -> tuple[float, float, list]:
     print(f"warm-up generate in {time.perf_counter() - t:.1f} s "
           f"({compiled_graph_count() - graphs_before} graphs compiled)")
     out_tokens = args.batch * args.new_tokens
-    for steps in args.decode_steps[1:]:  # the comparisons first: the headline run is the default's
-        _, prefill, decode, _ = run_lockstep(engine, prompts, args.new_tokens, args.device, steps)
-        print(f"  (decode_steps {steps}: {out_tokens / (prefill + decode):.1f} tokens/s, "
+    comparisons = [(steps, args.scheduling[0]) for steps in args.decode_steps[1:]]
+    comparisons += [(args.decode_steps[0], scheduling) for scheduling in args.scheduling[1:]]
+    for steps, scheduling in comparisons:  # the comparisons first: the headline run is the default's
+        _, prefill, decode, _ = run_lockstep(engine, prompts, args.new_tokens, args.device, steps, scheduling)
+        print(f"  (decode_steps {steps}, {scheduling} scheduling: {out_tokens / (prefill + decode):.1f} tokens/s, "
               f"decode {args.batch * (args.new_tokens - 1) / decode:.1f} tokens/s)")
     total, prefill, decode, samples = run_lockstep(engine, prompts, args.new_tokens, args.device,
-                                                   args.decode_steps[0])
+                                                   args.decode_steps[0], args.scheduling[0])
     ls_tps = out_tokens / total
     ls_decode_tps = args.batch * (args.new_tokens - 1) / decode if decode > 0 else float("nan")
     print(f"lockstep:      {ls_tps:12.1f} tokens/s  (prefill {prefill:.3f} s, decode {ls_decode_tps:.1f} tokens/s, "
-          f"decode_steps {args.decode_steps[0]})")
+          f"decode_steps {args.decode_steps[0]}, {args.scheduling[0]} scheduling)")
     return ls_tps, ls_decode_tps, samples
 
 

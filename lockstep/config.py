@@ -130,6 +130,10 @@ class EngineConfig:
     decode_steps: int = 16
     """When every scheduled sequence decodes through the decode graphs, run this many steps per host round
     trip (engine/multi_step.py); 1 syncs after every step. New requests join at the window's end (a few ms)."""
+    async_scheduling: bool = True
+    """Launch a decode window's successor before reading the window back, so that the host's work at
+    the window's end runs while the GPU decodes (engine/multi_step.py). A sequence that stops in a window
+    has one more window's tokens computed and dropped; new requests join a window later."""
     compile_prefill: bool = True
     """Where the decode graphs run compiled layers, prefill runs them too (one more compilation per layer kind,
     at engine start); off keeps prefill eager. Compiled prefill scores span the cache's whole capacity
@@ -174,10 +178,11 @@ class EngineConfig:
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
 
-    # the fields that choose the served path's kernels, offered as flags by every command that builds an
-    # engine (train, serve, generate), so the path a measurement used can always be named
+    # the fields that choose the served path (its kernels, its scheduling), offered as flags by every command
+    # that builds an engine (train, serve, generate), so the path a measurement used can always be named
     PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
-                   "triton_attention", "triton_router", "triton_compressor", "compile_hc", "true_on_policy")
+                   "triton_attention", "triton_router", "triton_compressor", "compile_hc", "true_on_policy",
+                   "async_scheduling")
 
     def __post_init__(self):
         name = "EngineConfig"

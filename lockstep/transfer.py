@@ -31,6 +31,26 @@ def to_host_async(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t, non_blocking=True)
 
 
+class HostRead:
+    """A device tensor's values on their way to the host: the copy is queued now, `values()` waits
+    for that copy alone (a CUDA event), not for the work queued on the stream after it. Where a
+    blocking read (`.tolist()` on the device tensor) would wait for everything queued so far,
+    this lets the host read one window's tokens while the GPU already runs the next.
+    `values()` counts as the one value read of the tensor (sync_audit.py)."""
+
+    def __init__(self, t: torch.Tensor):
+        self._host = to_host_async(t)
+        self._done = None
+        if t.is_cuda:
+            self._done = torch.cuda.Event()
+            self._done.record()
+
+    def values(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host.tolist()
+
+
 def copy_into(dst: torch.Tensor, values) -> None:
     """Write Python numbers into an existing (contiguous) device tensor without a sync."""
     t = torch.tensor(values, dtype=dst.dtype)

@@ -59,8 +59,8 @@ CACHE_SUBDIR = "compile-cache"  # MODEL/compile-cache: where `lockstep compile M
 # lives, which device of a kind (the kind is in the key), and the cache memory (serve sizes it from
 # the memory free at start, which varies between starts; should a compiled graph specialise on a
 # cache size, inductor's own entry key misses: a compilation, never a wrong graph; not measured).
-KEY_EXCLUDED = ("eos_token_ids", "decode_steps", "compile_fallback", "compile_cache_dir", "device",
-                "cache_memory_bytes")
+KEY_EXCLUDED = ("eos_token_ids", "decode_steps", "async_scheduling", "compile_fallback", "compile_cache_dir",
+                "device", "cache_memory_bytes")
 
 # counters whose growth means this start compiled something the cache did not hold; with the hits,
 # that this start compiled anything at all (the artifacts are process-wide: another component's

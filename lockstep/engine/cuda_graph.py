@@ -41,7 +41,7 @@ import contextlib
 
 import torch
 
-from lockstep.transfer import copy_into
+from lockstep.transfer import copy_into, to_device
 from lockstep.models.compiled_layers import CompiledLayers
 
 # Inductor settings of the decode step's compiled layers, under EngineConfig.compile_options (which
@@ -168,6 +168,18 @@ class DecodeGraphs:
         N = tokens_N.shape[0]
         self.meta[:N, 0].copy_(tokens_N)
         self.meta[:N, 2].add_(1)
+
+    def keep_rows(self, rows: list[int], N: int) -> None:
+        """Of the N rows in `meta`, keep `rows` (in order) at the top and pad the rest of the smaller
+        batch's bucket: a chained window (multi_step.py) drops the sequences known to have finished
+        without a host round trip."""
+        if rows == list(range(N)):
+            return
+        kept = self.meta[to_device(rows, self.meta.device)]
+        self.meta[:len(rows)].copy_(kept)
+        B = self.bucket(max(len(rows), 1))
+        if B > len(rows):
+            copy_into(self.meta[len(rows):B], [self._padding_row()] * (B - len(rows)))
 
     # ---- capture ------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from lockstep.engine.compile_clock import CompileClock
 from lockstep.engine.background import BackgroundLoop
 from lockstep.engine.decode_path import compile_backend_for, describe, start_graphs
 from lockstep.engine.model_adapter import make_adapter
-from lockstep.engine.multi_step import decode_window, window_steps
+from lockstep.engine.multi_step import chain_window, finish_window, launch_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
 from lockstep.engine.request import GenerateRequest, RequestState
@@ -113,6 +113,7 @@ class Engine:
         self._unpaused = threading.Event()
         self._unpaused.set()
         self._loop = BackgroundLoop(self)
+        self._in_flight = None  # a multi-step window launched and not read back yet (async scheduling)
         self.start_seconds = time.perf_counter() - started  # construction, compilation included
 
     def _capture_graphs(self) -> None:
@@ -245,6 +246,8 @@ class Engine:
     def step(self) -> int:
         """One scheduling + forward + sampling step; returns the number of tokens fed."""
         with self._lock:
+            if self._in_flight is not None:
+                return self._finish_in_flight(chain=True)
             out = self.scheduler.schedule()
             if not out.scheduled:
                 if self.scheduler.has_work():  # would spin forever: a scheduling bug, not a wait
@@ -253,8 +256,8 @@ class Engine:
                 return 0
             K = self._window_steps(out.scheduled)
             if K > 1:
-                decode_window(self, [s for s, _ in out.scheduled], K)
-                return out.num_tokens * K
+                self._in_flight = launch_window(self, [s for s, _ in out.scheduled], K)
+                return self._finish_in_flight(chain=self.config.async_scheduling)
             logits, leaders = self.runner.execute(out.scheduled)
             for seq, n in out.scheduled:
                 seq.num_computed += n
@@ -271,6 +274,24 @@ class Engine:
                 if reason is not None:
                     self._finish(seq, reason)
             return out.num_tokens
+
+    def _finish_in_flight(self, chain: bool) -> int:
+        """Read the window in flight back and apply it; first, where `chain` and nothing waits to
+        join the batch, launch the next window (multi_step.py, async scheduling). -> tokens fed."""
+        window, self._in_flight = self._in_flight, None
+        if chain and self._unpaused.is_set() and not self._may_admit():
+            self._in_flight = chain_window(self, window, self.config.decode_steps, self.max_model_len)
+        finish_window(self, window)
+        return len(window.seqs) * window.K
+
+    def _may_admit(self) -> bool:
+        """Whether a waiting sequence could join the running batch now."""
+        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_num_seqs
+
+    def _drain(self) -> None:
+        """Apply the window in flight, launching none after it (before weights or the cache change)."""
+        if self._in_flight is not None:
+            self._finish_in_flight(chain=False)
 
     def _window_steps(self, scheduled) -> int:
         """Decode steps to run before the next host round trip (multi_step.py); 1: one step."""
@@ -359,6 +380,7 @@ class Engine:
     def _fail_all(self, error: BaseException) -> None:
         """The step failed: every request in flight gets the error, its memory is freed."""
         with self._lock:
+            self._in_flight = None
             states = list(self._requests.values())
             self.scheduler.remove([q for s in states for q in s.sequences if not q.is_finished])
             for state in states:
@@ -377,6 +399,7 @@ class Engine:
         with self._lock:
             if self.scheduler.has_work() or self._loop.has_pending():
                 return False
+            self._drain()
             self.cache.reset_all()
             self._refresh_graphs()
             return True
@@ -390,6 +413,7 @@ class Engine:
         `weight_version` alone. Running sequences are preempted and recomputed: their cached state is stale."""
         with self._lock:
             check_version(self.weight_version, int(version), partial)
+            self._drain()  # its tokens came from the weights before
             update_weights(self.model, named_tensors, self.config.serving_format, partial)
             self._fuse_projections()  # a no-op unless a weight was re-allocated
             self.scheduler.preempt_all()

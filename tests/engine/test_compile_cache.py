@@ -88,7 +88,7 @@ def test_the_key_covers_what_changes_the_graphs_and_nothing_else(tmp_path):
                     dict(compile_options={"combo_kernels": False}), dict(serving_format="fp8")):
         assert _cache(tmp_path, **changed).path != base, changed
     assert StartCache(tmp_path, tiny_config(hidden_size=64), EngineConfig()).path != base  # the model's config
-    for unchanged in (dict(eos_token_ids=(3,)), dict(decode_steps=4), dict(cache_memory_bytes=123456)):
+    for unchanged in (dict(eos_token_ids=(3,)), dict(decode_steps=4), dict(async_scheduling=False), dict(cache_memory_bytes=123456)):
         assert _cache(tmp_path, **unchanged).path == base, unchanged
     fields = compile_cache.key_fields(tiny_config(), EngineConfig())
     assert fields["torch"] == torch.__version__ and fields["device"].startswith("cpu")

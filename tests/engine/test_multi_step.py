@@ -1,12 +1,14 @@
 """Multi-step decode (engine/multi_step.py): K decode steps per host round trip give the outputs
 of K single steps (bitwise while the batch is the same; a sequence that stops mid-window stays
 in the batch until the window ends, which changes only rounding), read back once, and stop
-sequences exactly where single steps would. Run through the decode graphs' eager stand-in on
-the CPU (captured graphs on CUDA)."""
+sequences exactly where single steps would; with async scheduling (the default) the next window
+is launched before a window is read back, with the same outputs. Run through the decode graphs'
+eager stand-in on the CPU (captured graphs on CUDA)."""
 
 import asyncio
 import dataclasses
 
+import pytest
 import torch
 
 from lockstep.config import SamplingParams
@@ -46,31 +48,40 @@ def identical(a, b, atol=0.0):
             assert torch.equal(x.routed_experts, y.routed_experts)
 
 
-def test_windows_equal_single_steps_bitwise_for_the_same_batch():
+ASYNC = pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+
+
+@ASYNC
+def test_windows_equal_single_steps_bitwise_for_the_same_batch(async_scheduling):
     # 6 prompts of 5 tokens prefill in one step (budget 32), then decode together and stop together
     # (16 tokens: the prefill's first, then windows of 8 and 7): every step sees the same batch
     ps = prompts(6, lo=5, hi=6, seed=40)
     params = lambda i: dataclasses.replace(mixed_params(i), max_new_tokens=16, stop_token_ids=())  # noqa: E731
     single = graph_engine(42, decode_steps=1).generate(requests(ps, params))
-    multi = graph_engine(42, decode_steps=8).generate(requests(ps, params))
+    multi = graph_engine(42, decode_steps=8, async_scheduling=async_scheduling).generate(requests(ps, params))
     identical(multi, single)
 
 
-def test_windows_stop_where_single_steps_stop():
+@ASYNC
+@pytest.mark.parametrize("max_num_seqs", [16, 4], ids=["all-running", "some-waiting"])
+def test_windows_stop_where_single_steps_stop(async_scheduling, max_num_seqs):
+    # 4 sequences at a time: the waiting ones join as others stop (the chain of windows breaks then)
     ps = prompts(9, lo=3, hi=40, seed=41)
-    single = graph_engine(42, decode_steps=1).generate(requests(ps, mixed_params))
-    multi = graph_engine(42, decode_steps=8).generate(requests(ps, mixed_params))
+    single = graph_engine(42, decode_steps=1, max_num_seqs=max_num_seqs).generate(requests(ps, mixed_params))
+    multi = graph_engine(42, decode_steps=8, max_num_seqs=max_num_seqs,
+                         async_scheduling=async_scheduling).generate(requests(ps, mixed_params))
     identical(multi, single, atol=1e-5 if DEVICE == "cpu" else 2e-2)
     reasons = {s.finish_reason for s in single}
     assert reasons == {"stop", "length"}, reasons  # both kinds of stop happen inside windows
 
 
-def test_windows_with_siblings_and_max_model_len():
+@ASYNC
+def test_windows_with_siblings_and_max_model_len(async_scheduling):
     # n = 3 samples fork from one prefill; max_model_len 40 caps windows near the end of the cache
     reqs = lambda: [GenerateRequest(p, SamplingParams(temperature=1.0, seed=9 + i, n=3, max_new_tokens=60))  # noqa: E731
                     for i, p in enumerate(prompts(3, lo=5, hi=25, seed=43))]
     single = graph_engine(44, decode_steps=1, max_model_len=40).generate(reqs())
-    multi = graph_engine(44, decode_steps=6, max_model_len=40).generate(reqs())
+    multi = graph_engine(44, decode_steps=6, max_model_len=40, async_scheduling=async_scheduling).generate(reqs())
     identical(multi, single)
     assert all(s.finish_reason == "length" and s.prompt_ids.numel() + s.response_len == 40 for s in multi)
 
@@ -100,6 +111,31 @@ def test_a_window_reads_back_once():
     assert [q.num_output for s in states for q in s.sequences] == [n + 12 for n in before]
     assert audit.counts["sync_ops"] == 0 and audit.counts["h2d_blocking"] == 0
     assert audit.counts["value_reads"] == 3, audit.counts
+
+
+def test_async_launches_the_next_window_before_reading_one(monkeypatch):
+    from lockstep.transfer import HostRead
+
+    engine = graph_engine(46, decode_steps=4)
+    states = start_decoding(engine, requests(prompts(5, lo=10, hi=40, seed=47), greedy(max_new_tokens=30)))
+    seqs = [q for s in states for q in s.sequences]
+    before = [q.num_output for q in seqs]
+    log = []
+    run, values = engine.adapter.graphs.run, HostRead.values
+    monkeypatch.setattr(engine.adapter.graphs, "run", lambda *a: log.append("step") or run(*a))
+    monkeypatch.setattr(HostRead, "values", lambda self: log.append("read") or values(self))
+    assert engine.step() == 5 * 4
+    assert log == ["step"] * 8 + ["read"]  # the second window was queued before the first was read
+    assert [q.num_output for q in seqs] == [n + 4 for n in before] and engine._in_flight is not None
+    log.clear()
+    assert engine.step() == 5 * 4
+    assert log == ["step"] * 4 + ["read"]
+    # a weight update applies the window in flight first (its tokens came from the weights before)
+    log.clear()
+    name, weight = next(iter(engine.model.state_dict().items()))
+    engine.update_weights([(name, weight.clone())], version=1, partial=True)
+    assert log == ["read"] and engine._in_flight is None
+    assert [q.num_output for q in seqs] == [n + 12 for n in before]
 
 
 def test_first_stop_is_where_token_by_token_checks_stop():

@@ -8,6 +8,9 @@ bias/norm), plus a query projection from the attention's low-rank c_q and per-he
 Entries a query may not see yet score -inf; each query keeps the top min(index_topk, E)
 entries and picks that land on -inf entries are dropped. Ties are broken towards the lower
 entry index (a stable sort), so every caller selects the same set whatever the tensor shape.
+Where E <= index_topk (a cache or a sequence of at most 4 x index_topk positions) every visible
+entry is picked whatever the scores: `select` and `select_indices` then compute none (no query
+projection, no scoring GEMM, no sort; the scores feed no loss), the same set.
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ class Indexer(Compressor):
         picks = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :min(self.topk, E)]
         return picks, visible.gather(-1, picks)
 
+    def picks_all(self, num_entries: int) -> bool:
+        """Whether every visible entry of E = num_entries is picked, whatever the scores."""
+        return num_entries <= self.topk
+
     def picked(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """[..., E] bool: the top min(index_topk, E) visible entries by score, ties to the lower index."""
         E = scores.shape[-1]
@@ -73,16 +80,21 @@ class Indexer(Compressor):
         head_weights [N, S, H_I] = scorer.weights_proj(h), q_res [N, S, q_lora_rank],
         positions [N, S], keys [N, E, D_I].
         """
-        chosen = self.picked(self.scores(head_weights, q_res, positions, keys, inv_freq),
-                             self.visible(positions, keys.shape[1]))
+        visible = self.visible(positions, keys.shape[1])
+        chosen = visible if self.picks_all(keys.shape[1]) else \
+            self.picked(self.scores(head_weights, q_res, positions, keys, inv_freq), visible)
         return torch.zeros(chosen.shape, device=keys.device).masked_fill(~chosen, float("-inf"))
 
     def select_indices(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                        keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """`select`'s entries as indices [N, S, min(index_topk, E)] (-1: a pick on an entry not
-        visible yet, dropped), for attention that reads the picked entries only."""
-        picks, keep = self.top_entries(self.scores(head_weights, q_res, positions, keys, inv_freq),
-                                       self.visible(positions, keys.shape[1]))
+        visible yet, dropped), for attention that reads the picked entries only. Where every visible
+        entry is picked they come in entry order, not by score."""
+        E = keys.shape[1]
+        visible = self.visible(positions, E)
+        if self.picks_all(E):
+            return torch.where(visible, torch.arange(E, device=keys.device), -1)
+        picks, keep = self.top_entries(self.scores(head_weights, q_res, positions, keys, inv_freq), visible)
         return torch.where(keep, picks, -1)
 
     def scores(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
