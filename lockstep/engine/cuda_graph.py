@@ -177,7 +177,7 @@ class DecodeGraphs:
             return
         kept = self.meta[to_device(rows, self.meta.device)]
         self.meta[:len(rows)].copy_(kept)
-        B = self.bucket(max(len(rows), 1))
+        B = self.bucket(len(rows))
         if B > len(rows):
             copy_into(self.meta[len(rows):B], [self._padding_row()] * (B - len(rows)))
 

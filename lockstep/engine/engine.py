@@ -6,7 +6,9 @@
 
 One step = schedule (continuous batching, chunked prefill) -> run the model -> sample -> check
 stops; when every scheduled sequence decodes through the decode graphs, a step runs up to
-`config.decode_steps` decode steps before it reads anything back (multi_step.py). Steps run
+`config.decode_steps` decode steps before it reads anything back (multi_step.py), and with
+`config.async_scheduling` launches the next such window before that read, so that a step reads
+back the window the previous step launched while the GPU runs the next. Steps run
 either inline in the caller of `generate` or in a background thread started by `start()`, which
 `generate_async` (the HTTP server) uses: concurrent calls hand their requests over through a
 thread-safe queue and join the same running batch; results go back to each caller's asyncio
@@ -279,14 +281,10 @@ class Engine:
         """Read the window in flight back and apply it; first, where `chain` and nothing waits to
         join the batch, launch the next window (multi_step.py, async scheduling). -> tokens fed."""
         window, self._in_flight = self._in_flight, None
-        if chain and self._unpaused.is_set() and not self._may_admit():
+        if chain and self._unpaused.is_set() and not self.scheduler.can_admit():
             self._in_flight = chain_window(self, window, self.config.decode_steps, self.max_model_len)
         finish_window(self, window)
         return len(window.seqs) * window.K
-
-    def _may_admit(self) -> bool:
-        """Whether a waiting sequence could join the running batch now."""
-        return bool(self.scheduler.waiting) and len(self.scheduler.running) < self.config.max_num_seqs
 
     def _drain(self) -> None:
         """Apply the window in flight, launching none after it (before weights or the cache change)."""

@@ -23,7 +23,7 @@ the most tokens any of the sequences may still sample.
 
 Async scheduling (EngineConfig.async_scheduling; vLLM's and SGLang's overlap scheduler, for
 windows): the host's work at a window's end (the read, the stop checks, the next window's tables
-and inputs: ~1-3 ms, a tenth of a 16-step window on the 1b config) leaves the GPU idle. Instead
+and inputs) leaves the GPU idle. Instead
 the next window is launched before the current one is read back (`chain_window`), on the
 sequences not known to have finished, its first inputs the current window's last tokens on the
 device. The read then waits for its own copy only (transfer.HostRead), and the host's work runs
@@ -31,7 +31,9 @@ while the GPU runs the next window. A sequence that stops in the current window 
 window's tokens computed and dropped too (as within a window: rounding only for the others), and
 it is left out of the window after. The chain breaks, and the scheduler runs again, when
 requests wait to join, when nothing may be sampled any more, and before a weight update (which
-reads the window in flight back first: its tokens came from the weights before).
+reads the window in flight back first: its tokens came from the weights before). On one H200
+(1b config, batch 64, 16-step windows, rollout_throughput.py --scheduling async sync): decode
+41,898 tok/s against 40,656 with each window read back before the next is launched.
 """
 
 from __future__ import annotations
@@ -66,13 +68,6 @@ class Window:
     last_tokens: torch.Tensor  # [N] the last step's sampled tokens: a chained window's first inputs
     read: HostRead  # [2, N, K] fp64: tokens, logprobs
     routed: torch.Tensor | None  # [N, K, L, k] host copy, complete once `read` is
-
-
-@torch.no_grad()
-def decode_window(engine, seqs, K: int) -> None:
-    """Run K decode steps of `seqs` through the engine's decode graphs, then append the tokens
-    and finish the sequences that stopped, in the order K single steps would have."""
-    finish_window(engine, launch_window(engine, seqs, K))
 
 
 @torch.no_grad()

@@ -56,6 +56,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether a waiting sequence could join the running batch now (prefill budget aside)."""
+        return bool(self.waiting) and len(self.running) < self.max_num_seqs
+
     def remove(self, seqs: list[Sequence]) -> None:
         """Take seqs out of every queue and give their memory back (finish or abort); call it before
         they are marked finished, their status says where they are. Each queue is filtered once at
@@ -133,7 +137,7 @@ class Scheduler:
         out.preempted.append(seq)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while budget > 0 and self.can_admit():
             seq = self.waiting[0]
             n = self._chunk(seq, budget)
             if n == 0 or not self._fits_with_siblings(seq, n):

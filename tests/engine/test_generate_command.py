@@ -45,13 +45,13 @@ def test_served_path_flags_reach_the_engine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(Engine, "from_pretrained", staticmethod(stop))
     save_pretrained(tiny_dsv4(60), tmp_path)
-    flags = ["--no-compile-decode", "--no-triton-moe", "--compile-fallback", "--no-cuda-graph"]
+    flags = ["--no-compile-decode", "--no-triton-moe", "--compile-fallback", "--no-cuda-graph", "--no-async-scheduling"]
     with pytest.raises(SystemExit):
         main(["generate", "--model", str(tmp_path), *flags])
     with pytest.raises(SystemExit):
         main(["serve", "--model", str(tmp_path), *flags])
     for config in seen:
-        assert (config.compile_decode, config.triton_moe, config.compile_fallback, config.cuda_graph) == \
-            (False, False, True, False)
+        assert (config.compile_decode, config.triton_moe, config.compile_fallback, config.cuda_graph,
+                config.async_scheduling) == (False, False, True, False, False)
         assert config.triton_hc == EngineConfig.triton_hc  # not given: the field's own default
     assert len(seen) == 2
