@@ -133,7 +133,8 @@ class EngineConfig:
     async_scheduling: bool = True
     """Launch a decode window's successor before reading the window back, so that the host's work at
     the window's end runs while the GPU decodes (engine/multi_step.py). A sequence that stops in a window
-    has one more window's tokens computed and dropped; new requests join a window later."""
+    has one more window's tokens computed and dropped (so does the last batch of a generate whose sequences all
+    stop before max_new_tokens: one window); new requests join a window later."""
     compile_prefill: bool = True
     """Where the decode graphs run compiled layers, prefill runs them too (one more compilation per layer kind,
     at engine start); off keeps prefill eager. Compiled prefill scores span the cache's whole capacity
