@@ -24,7 +24,11 @@ same --seed (the engine casts and packs its model in place) and run on the same 
 the other (the previous engine freed first, and CUDA's cached blocks released). Each format prints
 its engine start, weight bytes, lockstep and roofline lines; the copy bandwidth is measured once,
 transformers runs on the first format's engine only, and with bf16 among several formats the run
-ends with `ratio FORMAT / bf16 tokens/s: X.XXx (decode Y.YYx)` per other format. --true-on-policy
+ends with `ratio FORMAT / bf16 tokens/s: X.XXx (decode Y.YYx)` per other format. Every run ends
+with the engine memory per format: the bytes its weights (and their ratio to the same weights in
+bf16) and its cache really occupy, printed per engine too (`weight bytes`, `cache bytes`).
+--scheduling async sync times the decode windows chained before each read and read one by one
+(EngineConfig.async_scheduling), the first the headline. --true-on-policy
 runs every format a second time through the true-on-policy forward (fp8 dequantised, eager decode
 graphs) and prints `ratio true-on-policy / default (FORMAT) tokens/s`. On CUDA the engine decodes
 through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
@@ -298,6 +302,8 @@ def start_engine(args, fmt: str, true_on_policy: bool = False) -> Engine:
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
     print(f"weight bytes {fmt} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")
+    print(f"cache bytes {fmt} {engine.cache.nbytes} ({engine.cache.full_sequences} sequences of "
+          f"{engine.max_model_len} tokens)")
     graphs = getattr(engine.adapter, "graphs", None)
     print(f"config {args.config} ({n_params / 1e6:.1f}M params), batch {args.batch}, prompt {args.prompt_len}, "
           f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {fmt}, "
@@ -368,8 +374,9 @@ def kernel_reports(args, engine: Engine, label: str, prompts, several: bool) -> 
 
 
 def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
-                 true_on_policy: bool = False) -> tuple[float, float, float]:
-    """One format's engine, timed and measured -> (tokens/s, decode tokens/s, copy bandwidth). The
+                 true_on_policy: bool = False) -> tuple[float, float, float, tuple[int, int, int]]:
+    """One format's engine, timed and measured -> (tokens/s, decode tokens/s, copy bandwidth, its
+    memory: weight bytes, the same weights' bf16 bytes, cache bytes). The
     bandwidth is measured once, where the single-format run always measured it (after the first
     timed run); transformers runs once, on the first engine, so several formats cost no more of it."""
     engine = start_engine(args, fmt, true_on_policy)
@@ -381,7 +388,7 @@ def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
         compare_transformers(args, engine, prompts, samples, ls_tps)
     label = f"{fmt}-true-on-policy" if true_on_policy else fmt
     kernel_reports(args, engine, label, prompts, several=len(args.serving_format) > 1 or args.true_on_policy)
-    return ls_tps, ls_decode_tps, bw
+    return ls_tps, ls_decode_tps, bw, (engine.weight_bytes(), engine.unpacked_weight_bytes(), engine.cache.nbytes)
 
 
 def free_device_memory(device: str) -> None:
@@ -404,6 +411,14 @@ def print_ratios(results: dict[tuple[str, bool], tuple[float, float]]) -> None:
             print(f"ratio true-on-policy / default ({fmt}) tokens/s: {ratio(figures, results[(fmt, False)])}")
 
 
+def print_memory(memory: dict[tuple[str, bool], tuple[int, int, int]]) -> None:
+    """The engine's memory per format: the bytes its weights and its cache really occupy."""
+    print("engine memory per format: format, weight bytes (of bf16), cache bytes, total")
+    for (fmt, top), (weights, bf16, cache) in memory.items():
+        label = f"{fmt} (true-on-policy)" if top else fmt
+        print(f"  {label:<26} {weights:>15,} ({weights / bf16:.3f})  {cache:>15,}  {weights + cache:>15,}")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.threads:
@@ -411,14 +426,16 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(args.seed + 1)
     V = bench_config(args.config).vocab_size
     prompts = torch.randint(2, V, (args.batch, args.prompt_len), generator=g).tolist()
-    results, bw = {}, None
+    results, memory, bw = {}, {}, None
     runs = [(fmt, top) for fmt in args.serving_format for top in ([False, True] if args.true_on_policy else [False])]
     for i, (fmt, top) in enumerate(runs):
         if i:
             free_device_memory(args.device)
-        tps, decode_tps, bw = bench_format(args, fmt, prompts, bw, first=i == 0, true_on_policy=top)
+        tps, decode_tps, bw, memory[(fmt, top)] = bench_format(args, fmt, prompts, bw, first=i == 0,
+                                                               true_on_policy=top)
         results[(fmt, top)] = (tps, decode_tps)
     print_ratios(results)
+    print_memory(memory)
 
 
 if __name__ == "__main__":

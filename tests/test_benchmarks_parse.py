@@ -98,3 +98,24 @@ def test_scaling_plans_each_count_as_told(tmp_path):
     assert path.is_file() and (entry["pp"], entry["ep"], entry["colocate"]) == (2, 2, True)
     assert "--max-tokens-per-gpu" in entry["train_flags"] and str(scaling.tokens_per_gpu(args)) in entry["train_flags"]
     assert scaling.plan_layout(args, 1, ASSET_DIR, tmp_path) is None  # one process: no layout to plan
+
+
+def test_rollout_throughput_reports_each_formats_memory_and_both_schedulings(capsys):
+    """rollout_throughput.py on the tiny config (CPU): the weight and cache bytes each engine really
+    holds per serving format (packed fp8 below bf16, the same cache), and `--scheduling async sync`
+    timing both."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import rollout_throughput
+    finally:
+        sys.path.pop(0)
+    rollout_throughput.main(["--config", "tiny", "--skip-transformers", "--batch", "2", "--new-tokens", "4",
+                             "--prompt-len", "4", "--serving-format", "bf16", "fp8", "--packed-experts",
+                             "--scheduling", "async", "sync", "--threads", "1"])
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.split("engine memory per format")[1].splitlines()[1:]}
+    weights = {fmt: int(rows[fmt][1].replace(",", "")) for fmt in ("bf16", "fp8")}
+    caches = {fmt: int(rows[fmt][3].replace(",", "")) for fmt in ("bf16", "fp8")}
+    assert weights["fp8"] < 0.7 * weights["bf16"] and caches["fp8"] == caches["bf16"] > 0
+    assert f"weight bytes fp8 {weights['fp8']} " in out and f"cache bytes bf16 {caches['bf16']} " in out
+    assert "sync scheduling:" in out and "async scheduling)" in out
