@@ -287,9 +287,10 @@ def engine_config(args, fmt: str, true_on_policy: bool = False) -> EngineConfig:
                         compile_options=dict(args.compile_option), compile_cache_dir=args.compile_cache_dir)
 
 
-def start_engine(args, fmt: str, true_on_policy: bool = False) -> Engine:
+def start_engine(args, fmt: str, true_on_policy: bool = False) -> tuple[Engine, tuple[int, int, int]]:
     """A fresh model per format: the engine casts and packs the model it is given in place. The
-    same --seed gives every format the same weights."""
+    same --seed gives every format the same weights. -> (the engine, its memory: weight bytes, the
+    same weights' bf16 bytes, cache bytes)."""
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     cfg = engine_config(args, fmt, true_on_policy)
@@ -302,15 +303,15 @@ def start_engine(args, fmt: str, true_on_policy: bool = False) -> Engine:
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
     print(f"weight bytes {fmt} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")
-    print(f"cache bytes {fmt} {engine.cache.nbytes} ({engine.cache.full_sequences} sequences of "
-          f"{engine.max_model_len} tokens)")
+    n_cache = engine.cache.nbytes
+    print(f"cache bytes {fmt} {n_cache} ({engine.cache.full_sequences} sequences of {engine.max_model_len} tokens)")
     graphs = getattr(engine.adapter, "graphs", None)
     print(f"config {args.config} ({n_params / 1e6:.1f}M params), batch {args.batch}, prompt {args.prompt_len}, "
           f"new {args.new_tokens}, device {args.device}, dtype {args.dtype}, serving {fmt}, "
           f"batch_invariant {args.batch_invariant}, true_on_policy {true_on_policy}, cuda graphs "
           + (f"on (buckets {graphs.buckets})" if graphs is not None and graphs.capture else "off")
           + (f", compile options {cfg.compile_options}" if cfg.compile_options else ""))
-    return engine
+    return engine, (n_bytes, n_bf16, n_cache)
 
 
 def time_lockstep(args, engine: Engine, prompts) -> tuple[float, float, list]:
@@ -379,7 +380,7 @@ def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
     memory: weight bytes, the same weights' bf16 bytes, cache bytes). The
     bandwidth is measured once, where the single-format run always measured it (after the first
     timed run); transformers runs once, on the first engine, so several formats cost no more of it."""
-    engine = start_engine(args, fmt, true_on_policy)
+    engine, memory = start_engine(args, fmt, true_on_policy)
     ls_tps, ls_decode_tps, samples = time_lockstep(args, engine, prompts)
     if bw is None:
         bw = copy_bandwidth(args.device, args.copy_mib or (1024 if args.device.startswith("cuda") else 256))
@@ -388,7 +389,7 @@ def bench_format(args, fmt: str, prompts, bw: float | None, first: bool,
         compare_transformers(args, engine, prompts, samples, ls_tps)
     label = f"{fmt}-true-on-policy" if true_on_policy else fmt
     kernel_reports(args, engine, label, prompts, several=len(args.serving_format) > 1 or args.true_on_policy)
-    return ls_tps, ls_decode_tps, bw, (engine.weight_bytes(), engine.unpacked_weight_bytes(), engine.cache.nbytes)
+    return ls_tps, ls_decode_tps, bw, memory
 
 
 def free_device_memory(device: str) -> None:
