@@ -3,6 +3,7 @@
     python benchmarks/moe_grouped_gemm.py                        # 1b decode shapes, batch 64
     python benchmarks/moe_grouped_gemm.py --batch 64 256 1024    # where the two cross (moe.Experts.mlp: decode only)
     python benchmarks/moe_grouped_gemm.py --sweep                # pick launch_config's defaults
+    python benchmarks/moe_grouped_gemm.py --fp8 [--sweep]        # packed fp8 experts vs bf16 (grouped_gemm_fp8.py)
 
 Shapes of the 1b config: --batch tokens, each routed to --top-k distinct experts drawn uniformly
 of --experts, hidden H, expert intermediate F: gate_up [E, 2F, H] and down [E, H, F] in bf16, a
@@ -19,6 +20,12 @@ bytes read + written, as rollout_throughput.py measures), and the Triton / torch
 ratio; then the max |Triton - torch| of each output (bf16: the sums run in another order, so a
 few ulps). --sweep times a grid of (BLOCK_N, BLOCK_K, num_warps, num_stages) for each Triton
 kernel at each --batch and prints the fastest, with the default's time.
+
+--fp8: the packed fp8 experts' kernel (grouped_gemm_fp8.grouped_mm_fp8: e4m3 bytes + 128x128
+block scales, dequantised in registers) against the bf16 Triton grouped_mm on the same GEMMs
+(gate_up without the SwiGLU, down), each with GB/s of the bytes it must read (1 byte a parameter
+for fp8) and that as a fraction of the copy bandwidth; fp8 reads half the bytes, so at the same
+fraction it takes half the time. With --sweep its launch settings are swept too (SWEEP_FP8).
 """
 
 from __future__ import annotations
@@ -28,13 +35,16 @@ import itertools
 
 import torch
 
+from lockstep.models.layers import grouped_gemm_fp8 as g8
 from lockstep.models.layers import grouped_gemm_triton as gt
 from lockstep.models.layers.moe import dispatch_order, swiglu_clamped
+from lockstep.quant.fp8 import quantize_fp8_block
 from cuda_graph_timing import capture, graph_us
 from rollout_throughput import copy_bandwidth
 
 DEVICE = "cuda"  # a dry run of the code on a CPU (interpreter) sets "cpu"
 SWEEP = dict(block_n=(32, 64, 128), block_k=(128, 256), num_warps=(4, 8), num_stages=(3, 4))
+SWEEP_FP8 = dict(block_n=(16, 32, 64, 128), block_k=(64, 128), num_warps=(2, 4), num_stages=(3, 5))
 
 
 def make_layers(args) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -107,6 +117,50 @@ def compare(args, layers, batch, bw):
           f"({(diff_out > 0).float().mean().item():.2%} differ, |out| <= {ref_out.abs().max().item():.3g})")
 
 
+def fp8_layers(layers) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+    """Each layer's (gate_up, down) as (e4m3 bytes, block scales), quantised as PackedExperts does."""
+    return [tuple(quantize_fp8_block(w, scale_fmt="ue8m0") for w in pair) for pair in layers]
+
+
+def best_config(fn, ref, grid: dict, n_layers: int, args) -> list[tuple[float, dict, float]]:
+    """(us, cfg, max |diff to ref|) per config of the grid that runs, fastest first."""
+    results = []
+    for values in itertools.product(*grid.values()):
+        cfg = dict(zip(grid, values))
+        try:
+            err = (fn(0, cfg).float() - ref.float()).abs().max().item()  # compiles; fails if out of resources
+            us = time_us(lambda i: fn(i, cfg), n_layers, args.calls, args.reps)
+        except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
+            print(f"  {cfg}: skipped ({type(e).__name__})")
+            continue
+        results.append((us, cfg, err))
+    return sorted(results, key=lambda r: r[0])
+
+
+def compare_fp8(args, layers, packed, batch, bw):
+    """fp8 grouped_mm vs the bf16 Triton grouped_mm per GEMM (module docstring); --sweep: fp8's settings."""
+    xs, offs, counts = make_rows(args, batch)
+    H, F, L = args.hidden, args.inter, len(layers)
+    touched = int((counts > 0).sum())
+    act = gt.grouped_swiglu(xs, layers[0][0], offs, args.limit)
+    gemms = {  # name: (x, bf16 weight index, rows x cols of a weight)
+        "gate_up": (xs, 0, 2 * F * H), "down": (act, 1, H * F)}
+    print(f"fp8 experts, batch {batch}: {touched} experts touched")
+    for name, (x, j, params) in gemms.items():
+        bf16 = time_us(lambda i: gt.grouped_mm(x, layers[i][j], offs), L, args.calls, args.reps)
+        fp8 = time_us(lambda i: g8.grouped_mm_fp8(x, *packed[i][j], offs), L, args.calls, args.reps)
+        for label, us, nbytes in (("bf16", bf16, 2), ("fp8", fp8, 1)):
+            gbs = touched * params * nbytes / us / 1e3
+            print(f"  {name:8s} {label:5s} {us:8.1f} us {gbs:8.1f} GB/s {gbs * 1e9 / bw:6.1%}")
+        print(f"  {name:8s} fp8 / bf16 time {fp8 / bf16:.2f} (0.5 at the same bandwidth)")
+        if args.sweep:
+            ref = g8.grouped_mm_fp8(x, *packed[0][j], offs)
+            ranked = best_config(lambda i, cfg: g8.grouped_mm_fp8(x, *packed[i][j], offs, **cfg), ref, SWEEP_FP8, L, args)
+            print(f"  sweep fp8 {name}: default {g8.launch_config(*layers[0][j].shape[1:])} {fp8:.1f} us; fastest:")
+            for us, cfg, err in ranked[:6]:
+                print(f"    {us:8.1f} us  {cfg}  max |diff to the default| {err:.3g}")
+
+
 def sweep(args, layers, batch):
     xs, offs, _ = make_rows(args, batch)
     act = gt.grouped_swiglu(xs, layers[0][0], offs, args.limit)
@@ -119,17 +173,7 @@ def sweep(args, layers, batch):
     }
     for name, (fn, ref, default_cfg) in kernels.items():
         default = time_us(lambda i: fn(i, {}), len(layers), args.calls, args.reps)
-        results = []
-        for values in itertools.product(*SWEEP.values()):
-            cfg = dict(zip(SWEEP, values))
-            try:
-                err = (fn(0, cfg).float() - ref.float()).abs().max().item()  # compiles; fails if out of resources
-                us = time_us(lambda i: fn(i, cfg), len(layers), args.calls, args.reps)
-            except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
-                print(f"  {name} {cfg}: skipped ({type(e).__name__})")
-                continue
-            results.append((us, cfg, err))
-        results.sort(key=lambda r: r[0])
+        results = best_config(fn, ref, SWEEP, len(layers), args)
         print(f"sweep {name}, batch {batch}: default {default_cfg} {default:.1f} us; fastest:")
         for us, cfg, err in results[:8]:
             print(f"  {us:8.1f} us  {cfg}  max |diff to torch| {err:.3g}")
@@ -147,6 +191,7 @@ def main(argv=None) -> None:
     ap.add_argument("--calls", type=int, default=32, help="calls captured per CUDA graph")
     ap.add_argument("--reps", type=int, default=20, help="timed graph replays")
     ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernels' launch configs")
+    ap.add_argument("--fp8", action="store_true", help="the packed fp8 experts' kernel against bf16 instead")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -157,6 +202,11 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.1f} GB/s (read + write); "
           f"E {args.experts}, top-{args.top_k}, H {args.hidden}, F {args.inter}, {args.layers} layers")
     layers = make_layers(args)
+    if args.fp8:
+        packed = fp8_layers(layers)
+        for batch in args.batch:
+            compare_fp8(args, layers, packed, batch, bw)
+        return
     for batch in args.batch:
         compare(args, layers, batch, bw)
     if args.sweep:

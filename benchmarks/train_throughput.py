@@ -5,6 +5,7 @@
     python benchmarks/train_throughput.py --config 1b --compile-backend none inductor   # + compiled layers
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
     python benchmarks/train_throughput.py --config 1b --cuda-graphs             # + forward / backward graphed
+    python benchmarks/train_throughput.py --config 1b --compile-backend inductor --cuda-graphs   # compiled, graphed
     python benchmarks/train_throughput.py --config 1b --cuda-graphs --triton-adamw   # + the one-pass optimiser
     python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
         triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
@@ -18,9 +19,11 @@ What is timed (after --warmup untimed steps, CUDA synchronised around the --step
   TrainConfig.compile_backend (several values: one row each); `--kernel-rows` adds a row per set of
   TrainConfig kernel switches, exactly those on (flash_attention, triton_norm, triton_rope,
   triton_combine, fused_logprobs; '+' joins several; `none`: the eager ops; the default row has
-  all five on), eager layers. `--cuda-graphs` adds a row with TrainConfig.train_cuda_graphs: the forward
-  and backward replayed from the CUDA graphs recorded in the first step (the batch is the same
-  every step: one shape, recorded once, in the warm-up).
+  all five on), eager layers. `--cuda-graphs` adds a row per --compile-backend with
+  TrainConfig.train_cuda_graphs: the forward and backward replayed from the CUDA graphs recorded in
+  the first step (the batch is the same every step: one shape, recorded once, in the warm-up). A
+  compiled row prints the graph breaks dynamo made in it (each break splits a layer's region, so
+  fewer kernels fuse).
 - transformers: `DeepseekV4ForCausalLM` (eager attention, the only one it has) with the same config,
   the same weights (lockstep's state dict loads into it as is) in the dtypes `from_pretrained(dtype=)`
   gives (bf16, its fp32-kept modules fp32), the same token batch as [batch, seq_len], loss = the
@@ -202,12 +205,22 @@ def print_profile(step, args) -> None:
     print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
 
 
+def graph_breaks() -> str:
+    """Dynamo's graph breaks since the counters were cleared: count, and each reason's count."""
+    reasons = torch._dynamo.utils.counters["graph_break"]
+    listed = "; ".join(f"{n} x {reason[:160]}" for reason, n in reasons.most_common(8))
+    return f"graph breaks: {sum(reasons.values())}" + (f" ({listed})" if listed else "")
+
+
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
                  kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False, triton_adamw: bool = False) -> dict:
     reset_peak(args.device)
+    torch._dynamo.utils.counters.clear()
     trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs,
                                triton_adamw=triton_adamw)
     seconds, first = timed(lambda: trainer.train_step(samples), args)
+    if backend is not None:
+        print(graph_breaks(), flush=True)
     if args.profile:
         print_profile(lambda: trainer.train_step(samples), args)
     out = {"seconds": seconds, "peak_bytes": peak_bytes(args.device), "grad_norm": first["train/grad_norm"]}
@@ -358,11 +371,12 @@ def main(argv=None) -> None:
         result["lockstep"][backend] = f = figures(run, args, flops_per_token, peak_tflops)
         labels[backend] = f"compile {backend}"
         print(line(f"lockstep train_step (compile {backend})", f, args, peak_tflops), flush=True)
-    if args.cuda_graphs:
-        run = run_lockstep(config, state, samples, args, None, cuda_graphs=True)
-        result["lockstep"]["cuda_graphs"] = f = figures(run, args, flops_per_token, peak_tflops)
-        labels["cuda_graphs"] = "cuda graphs"
-        print(line("lockstep train_step (cuda graphs)", f, args, peak_tflops), flush=True)
+    for backend in args.compile_backend if args.cuda_graphs else ():
+        run = run_lockstep(config, state, samples, args, None if backend == "none" else backend, cuda_graphs=True)
+        key = "cuda_graphs" if backend == "none" else f"cuda_graphs+{backend}"
+        result["lockstep"][key] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels[key] = "cuda graphs" if backend == "none" else f"cuda graphs + compile {backend}"
+        print(line(f"lockstep train_step ({labels[key]})", f, args, peak_tflops), flush=True)
     if args.triton_adamw:
         run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs, triton_adamw=True)
         result["lockstep"]["triton_adamw"] = f = figures(run, args, flops_per_token, peak_tflops)

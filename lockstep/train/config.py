@@ -121,7 +121,8 @@ class TrainConfig:
     train_cuda_graphs: bool = False
     """On CUDA, the forward (model and token logprobs) and its backward replay CUDA graphs recorded per
     micro-batch shape bucket (train/cuda_graphs.py): the eager step is bound by its ~4,400 launches.
-    A new bucket records anew (~3 eager steps). Not with compile_backend, recompute_activations,
+    A new bucket records anew (~3 eager steps). With compile_backend the compiled layers' kernels are
+    recorded (compiled in the warm-up call before the capture). Not with recompute_activations,
     quant_aware_forward, rollout routing replay, FSDP, expert or pipeline parallelism;
     true_on_policy None decides off with it."""
     train_cuda_graph_shapes: int = 4
@@ -264,7 +265,7 @@ class TrainConfig:
 
     def train_cuda_graphs_excluded_by(self) -> str | None:
         """The first set field whose forward a CUDA graph cannot record (yet), or None."""
-        for name in ("compile_backend", "recompute_activations", "quant_aware_forward", "use_rollout_routing_replay"):
+        for name in ("recompute_activations", "quant_aware_forward", "use_rollout_routing_replay"):
             if getattr(self, name):
                 return name
         for name in ("expert_model_parallel_size", "pipeline_model_parallel_size"):

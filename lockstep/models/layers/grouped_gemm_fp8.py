@@ -71,13 +71,12 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                        block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
         G, N, K = w.shape
         cfg = launch_config(N, K)
-        if block_n:
-            cfg["BLOCK_N"] = block_n
-        if block_k:
-            cfg["BLOCK_K"] = block_k
+        for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
+                           ("num_stages", num_stages)):
+            cfg[key] = value or cfg[key]  # 0: the default
         assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
         out = x.new_empty(x.shape[0], N)
         torch.library.wrap_triton(_grouped_fp8_kernel)[(G, triton.cdiv(N, cfg["BLOCK_N"]))](
@@ -91,7 +90,9 @@ if triton is not None:
 
 
 def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                   block_n: int = 0, block_k: int = 0) -> torch.Tensor:
+                   block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
     """x [M, K] bf16 sorted by group, w [G, N, K] float8_e4m3fn, scale [G, ceil(N/128), ceil(K/128)]
-    fp32, offs [G] int32 cumulative row counts (rows past offs[-1] unwritten) -> [M, N] bf16."""
-    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k)
+    fp32, offs [G] int32 cumulative row counts (rows past offs[-1] unwritten) -> [M, N] bf16.
+    The launch settings override launch_config's (0: its value; benchmarks/moe_grouped_gemm.py --fp8 sweeps them)."""
+    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
+                                             num_stages)
