@@ -57,7 +57,7 @@ def _eighths_pow2(g, shape):
 def test_kernel_equals_dequantise_then_matmul(M, N, K, G, bn, bk):
     q, s, sr = _packed(0, N, K)
     x = _x(1, M, K, G)
-    out = fl.fp8_gemm(x, q, s, sr, G, bn, bk)
+    out = fl.fp8_gemm(x, q, s, sr, G, block_n=bn, block_k=bk)
     ref = _reference(x, q, s, sr, G)
     assert out.shape == ref.shape and out.dtype == torch.bfloat16
     # fp32 sums in another order: at most one bf16 ulp apart
@@ -65,7 +65,7 @@ def test_kernel_equals_dequantise_then_matmul(M, N, K, G, bn, bk):
     # exact sums: the same bf16 values
     q, s, sr = _packed(2, N, K, _eighths_pow2)
     x = _x(3, M, K, G, _eighths_pow2)
-    assert torch.equal(fl.fp8_gemm(x, q, s, sr, G, bn, bk), _reference(x, q, s, sr, G))
+    assert torch.equal(fl.fp8_gemm(x, q, s, sr, G, block_n=bn, block_k=bk), _reference(x, q, s, sr, G))
 
 
 @needs_triton
