@@ -14,14 +14,11 @@ and `fp8_linear(x, q, scale, scale_row)` = x @ dequant(q, scale).T, the values t
 serves, so the trainer's quantisation-aware forward (train/quant_aware.py) reproduces both.
 
 The GEMM: on CUDA in bf16 without gradients, a Triton kernel (below) whose program owns a
-BLOCK_M x BLOCK_N output tile, computed transposed (out^T = w x^T: a decode step has a few dozen
-rows, so the weight tile is the MMA's wide left operand, loaded K-contiguous as stored, and the
-rows the narrow right one), and walks K in BLOCK_K steps (BLOCK_K divides 128, so one scale per
-weight row per step): it loads the e4m3 tile as bytes, bitcasts it (`.to(tl.float8e4nv,
-bitcast=True)`, which Triton's interpreter runs too) and converts it to bf16 (exact), runs a bf16
-tl.dot with fp32 accumulation and multiplies the step's product by each row's block scale -- a
-power of two, so exact, as scaling the weights first would be -- summing the steps in fp32 and
-rounding the result once to bf16. It differs from the dequantise-then-matmul
+BLOCK_M x BLOCK_N output tile and walks K in BLOCK_K steps (BLOCK_K divides 128, so one scale per
+row per step): it loads the e4m3 tile as bytes and bitcasts it (`.to(tl.float8e4nv, bitcast=True)`,
+which Triton's interpreter runs too), multiplies by each row's block scale in fp32 -- exact: e4m3
+times a power of two is a bf16 value -- converts to bf16 and runs a bf16 tl.dot with fp32
+accumulation, rounding the result once to bf16. It differs from the dequantise-then-matmul
 reference (`fp8_linear_reference`, used on CPU, in fp32 and with gradients) by summation order
 only: 1 bf16 ulp, exact where the sums are exact. Interpreter details (its bf16 dot and its
 rounding) as in grouped_gemm_triton.py, whose helpers it shares.
@@ -106,7 +103,8 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row:
 def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor,
              n_groups: int = 0, **launch: int) -> torch.Tensor:
     """The Triton kernel on any x dtype the caller vouches for (tests: bf16 under the interpreter).
-    `launch`: block_n, block_k, block_m, num_warps, num_stages overriding launch_config's."""
+    `launch`: block_n, block_k, block_m, num_warps, num_stages overriding launch_config's
+    (benchmarks/fp8_linear.py --sweep)."""
     G = max(n_groups, 1)
     lead = x.shape[:-2] if n_groups else x.shape[:-1]
     x3 = x.reshape(-1, G, x.shape[-1])
@@ -118,8 +116,8 @@ def fp8_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row: t
 def launch_config(N: int, K: int) -> dict:
     """By the weight's shape only, so a row's result never depends on the other rows (as
     grouped_gemm_triton.launch_config): 16 rows per tile (tl.dot's minimum; a decode step has a few
-    dozen rows, and small tiles give an H200's 132 SMs enough programs), 32 weight rows (output
-    columns), 128 of K per step (one scale column), smaller for small dimensions. Not tuned yet (no autotune: it
+    dozen rows, and small tiles give an H200's 132 SMs enough programs), 32 output columns, 128 of K
+    per step (one scale column), smaller for small dimensions. Not tuned yet (no autotune: it
     would benchmark during CUDA-graph capture); prefill re-reads weight tiles from L2 per 16 rows."""
     return dict(BLOCK_M=16, BLOCK_N=min(32, max(16, triton.next_power_of_2(N))),
                 BLOCK_K=min(BLOCK_COLS, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
@@ -136,30 +134,29 @@ if triton is not None:
                            stride_om, stride_og, stride_on,
                            INTERPRETED: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[m, g, n] = sum_k x[m, g, k] * q[g N + n, k] * scale[scale_row[g N + n], k // SCALE_COLS],
-        computed transposed (module docstring): [BLOCK_N weight rows, BLOCK_M tokens] per program."""
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        """out[m, g, n] = sum_k x[m, g, k] * q[g N + n, k] * scale[scale_row[g N + n], k // SCALE_COLS]."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         g = tl.program_id(2)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
         n_ok = rn < N
         row = g * N + rn  # the weight's rows
         srow = tl.load(srow_ptr + row, mask=n_ok, other=0)
-        xt_tile = x_ptr + rm[None, :].to(tl.int64) * stride_xm + g * stride_xg + rk[:, None] * stride_xk  # x^T
-        q_tile = q_ptr + row[:, None].to(tl.int64) * stride_qn + rk[None, :] * stride_qk  # [BLOCK_N, BLOCK_K]
+        x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + g * stride_xg + rk[None, :] * stride_xk
+        q_tile = q_ptr + row[None, :].to(tl.int64) * stride_qn + rk[:, None] * stride_qk  # [BLOCK_K, BLOCK_N] of w^T
         s_rows = s_ptr + srow.to(tl.int64) * stride_sr
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k_ok = k0 + rk < K
-            xt = tl.load(xt_tile + k0 * stride_xk, mask=m_ok[None, :] & k_ok[:, None], other=0.0)
-            qb = tl.load(q_tile + k0 * stride_qk, mask=n_ok[:, None] & k_ok[None, :], other=0)
+            a = tl.load(x_tile + k0 * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            qb = tl.load(q_tile + k0 * stride_qk, mask=n_ok[None, :] & k_ok[:, None], other=0)
             s = tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0)
-            w = qb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # exact: every e4m3 value is a bf16 one
-            part = _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRETED)
-            acc += part * s[:, None]  # a power of two (UE8M0): exact, as scaling w first would be
-        tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + g * stride_og + rn[:, None] * stride_on,
-                 _bf16(acc, INTERPRETED), mask=m_ok[None, :] & n_ok[:, None])
+            # e4m3 times a power of two: exact in fp32 and in bf16
+            w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            acc = _dot(a, w, acc, INTERPRETED)
+        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rn[None, :] * stride_on,
+                 _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
     @torch.library.triton_op("lockstep::fp8_linear", mutates_args=())
     def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor,
@@ -177,7 +174,7 @@ if triton is not None:
         out = x.new_empty(M, G, N)
         if M == 0:
             return out
-        grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(M, cfg["BLOCK_M"]), G)
+        grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), G)
         interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
         torch.library.wrap_triton(_fp8_linear_kernel)[grid](
             x, q, scale, scale_row, out, M, N, K, *x.stride(), *q.stride(), *scale.stride(), *out.stride(),

@@ -5,16 +5,9 @@
 `grouped_mm_fp8(x, w, scale, offs)` = x @ dequant(w[g]).T per group, the values the emulated
 engine serves; its reference `grouped_mm_fp8_reference` dequantises and runs grouped_mm_reference.
 The kernel is grouped_gemm_fp4.py's walk (a program per (group, BLOCK_N columns), the group's rows
-in BLOCK_M tiles, bounds from `offs` on the device), with the product transposed: out^T = w x^T.
-A decode step has ~6 rows per expert, so the weight tile [BLOCK_N, BLOCK_K] is the MMA's wide left
-operand, loaded in its own layout (K contiguous) and converted in registers, and the group's rows
-the narrow right one (16 columns: tl.dot's minimum). Per K step: the e4m3 bytes bitcast and
-converted to bf16 (exact), a bf16 dot with fp32 accumulation, then times each weight row's block
-scale (BLOCK_K divides 128: one scale column per step; the UE8M0 scales are powers of two, so this
-equals scaling the weights before the dot), summed in fp32 and rounded once to bf16.
-Measured on one H200 (benchmarks/moe_grouped_gemm.py --fp8, 1b shapes, batch 64): the first form
-(rows as the left operand, each weight element scaled in fp32 before the dot) read 65% / 53% of the
-copy bandwidth on gate_up / down, against the bf16 kernel's 90% / 81%.
+in BLOCK_M tiles, bounds from `offs` on the device) with fp8_linear.py's tile dequantisation:
+bytes bitcast to e4m3, times each row's block scale in fp32 (exact), to bf16, a bf16 dot with fp32
+accumulation, rounded once. BLOCK_K divides 128: one scale column per step.
 """
 
 from __future__ import annotations
@@ -37,9 +30,14 @@ def grouped_mm_fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tens
 
 
 def launch_config(N: int, K: int) -> dict:
-    """By the weight's shape only: 64 weight rows (output columns), 128 of K per step; smaller for small sizes."""
-    return dict(BLOCK_N=min(64, max(16, triton.next_power_of_2(N))),
-                BLOCK_K=min(FP8_BLOCK[1], max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
+    """By the weight's shape only: 128 output columns, 128 of K per step, 2 warps; smaller for small
+    sizes. Swept on one H200 (benchmarks/moe_grouped_gemm.py --fp8 --sweep, 1b shapes, batch 64, 32
+    settings): gate_up 22.6 us against 24.2 with 64 columns and 4 warps, down 14.4 against 14.7 (the
+    fastest there, 14.3, took 64 of K per step); 65% of the copy bandwidth at best, where the bf16
+    kernel reads 90%. Transposing the product (the weight tile as the MMA's left operand, the scale
+    applied to each step's product) was slower: 28.1 / 16.5 us."""
+    return dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+                BLOCK_K=min(FP8_BLOCK[1], max(16, triton.next_power_of_2(K))), num_warps=2, num_stages=3)
 
 
 if triton is not None:
@@ -52,31 +50,29 @@ if triton is not None:
                             stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
                             stride_om, stride_on, INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[rows of g, n tile]^T = dequant(w[g, n tile]) @ x[rows of g]^T (module docstring: the
-        weight tile is the MMA's left operand, the group's rows its narrow right one)."""
+        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T."""
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_in = rn < N
-        w_tile = w_ptr + g.to(tl.int64) * stride_wg + rn[:, None].to(tl.int64) * stride_wn + rk[None, :] * stride_wk
+        w_tile = w_ptr + g.to(tl.int64) * stride_wg + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
         s_row = s_ptr + g.to(tl.int64) * stride_sg + (rn // SCALE_BLOCK) * stride_sn
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
-            m_ok = (rm < end)[None, :]
-            xt_tile = x_ptr + rm[None, :].to(tl.int64) * stride_xm + rk[:, None] * stride_xk  # [BLOCK_K, BLOCK_M]
-            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            m_ok = (rm < end)[:, None]
+            x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_ok = k0 + rk < K
-                xt = tl.load(xt_tile + k0 * stride_xk, mask=m_ok & k_ok[:, None], other=0.0)
-                qb = tl.load(w_tile + k0 * stride_wk, mask=n_in[:, None] & k_ok[None, :], other=0)
+                a = tl.load(x_tile + k0 * stride_xk, mask=m_ok & k_ok[None, :], other=0.0)
+                qb = tl.load(w_tile + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
                 s = tl.load(s_row + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
-                w = qb.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)  # exact: every e4m3 value is a bf16 one
-                part = _dot(w, xt, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), INTERPRETED)
-                acc += part * s[:, None]  # a power of two: exact, as scaling w first would be
-            tl.store(out_ptr + rm[None, :].to(tl.int64) * stride_om + rn[:, None] * stride_on,
-                     _bf16(acc, INTERPRETED), mask=m_ok & n_in[:, None])
+                w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                acc = _dot(a, w, acc, INTERPRETED)
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
+                     _bf16(acc, INTERPRETED), mask=m_ok & n_in[None, :])
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
