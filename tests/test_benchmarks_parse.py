@@ -119,3 +119,48 @@ def test_rollout_throughput_reports_each_formats_memory_and_both_schedulings(cap
     assert weights["fp8"] < 0.7 * weights["bf16"] and caches["fp8"] == caches["bf16"] > 0
     assert f"weight bytes fp8 {weights['fp8']} " in out and f"cache bytes bf16 {caches['bf16']} " in out
     assert "sync scheduling:" in out and "async scheduling)" in out
+
+
+def test_the_graphed_rows_follow_each_compile_backend(monkeypatch, capsys):
+    """train_throughput --cuda-graphs times one graphed row per --compile-backend (with the compiled
+    layers recorded in the graphs), after the launched rows."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import train_throughput
+    finally:
+        sys.path.pop(0)
+    calls = []
+
+    def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=False):
+        calls.append((backend, cuda_graphs))
+        return {"seconds": 1.0, "peak_bytes": 0, "grad_norm": 0.5}
+
+    monkeypatch.setattr(train_throughput, "run_lockstep", run)
+    monkeypatch.setattr(train_throughput, "gemm_tflops", lambda *a: 1.0)
+    train_throughput.main(["--config", "cpu-tiny", "--compile-backend", "none", "eager", "--cuda-graphs",
+                           "--skip-transformers"])
+    assert calls == [(None, False), ("eager", False), (None, True), ("eager", True)]
+    out = capsys.readouterr().out
+    assert "lockstep train_step (cuda graphs):" in out and "lockstep train_step (cuda graphs + compile eager):" in out
+    assert '"cuda_graphs+eager"' in out
+
+
+def test_fp8_linear_times_the_shapes_the_engine_packs():
+    """benchmarks/fp8_linear.py's shapes are the linears engine/packed_weights.py packs for the fp8
+    format (the same storage rule), with their counts."""
+    from collections import Counter
+
+    from lockstep.engine.packed_weights import install_packed_weights
+    from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from lockstep.models.deepseek_v4_init import tiny_config
+    from lockstep.models.layers.fp8_linear import Fp8Linear
+
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import fp8_linear
+    finally:
+        sys.path.pop(0)
+    model = DeepseekV4ForCausalLM(tiny_config())
+    install_packed_weights(model, "fp8", packed_fp8=True)
+    packed = Counter((*m.weight.shape, m.n_groups) for m in model.modules() if isinstance(m, Fp8Linear))
+    assert packed and fp8_linear.fp8_shapes(tiny_config()) == packed
