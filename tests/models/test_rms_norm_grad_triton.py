@@ -45,6 +45,24 @@ def test_values_and_gradients_equal_the_eager_ops(dtype, weighted, D):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+def test_dw_over_many_shares_equals_the_eager_sum(monkeypatch):
+    """d w where the rows split into several shares of several 32-row steps, the last share and the
+    last step ragged, and the columns into a full and a partial tile: each row counted once. (Fewer
+    programs than on a GPU, so that a small batch has shares of several steps.)"""
+    monkeypatch.setattr(grad_kernels, "DW_PROGRAMS", 8)
+    g = torch.Generator().manual_seed(7)
+    R, D = 1000, 300
+    cfg, shares, per_share = grad_kernels.dw_launch(R, D)
+    assert shares > 1 and per_share > cfg["BLOCK_R"] and R % per_share and D % cfg["BLOCK_D"]
+    x = torch.randn(R, D, generator=g).to(DEVICE)
+    weight = (torch.rand(D, generator=g) + 0.5).to(DEVICE)
+    grad_y = torch.randn(R, D, generator=g).to(DEVICE)
+    _, dw = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=True)
+    xd = x.double()
+    want = (grad_y.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)).sum(0)
+    torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def test_the_modules_take_it_only_when_switched_on():
     norm = RMSNorm(32).to(DEVICE)
     x = torch.randn(4, 32, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
