@@ -33,7 +33,7 @@ def launch_config(N: int, K: int) -> dict:
     """By the weight's shape only: 128 output columns, 128 of K per step, 2 warps; smaller for small
     sizes. Swept on one H200 (benchmarks/moe_grouped_gemm.py --fp8 --sweep, 1b shapes, batch 64, 32
     settings): gate_up 22.6 us against 24.2 with 64 columns and 4 warps, down 14.4 against 14.7 (the
-    fastest there, 14.3, took 64 of K per step); 65% of the copy bandwidth at best, where the bf16
+    fastest there, 14.3, took 64 of K per step); 55-70% of the copy bandwidth, where the bf16
     kernel reads 90%. Transposing the product (the weight tile as the MMA's left operand, the scale
     applied to each step's product) was slower: 28.1 / 16.5 us."""
     return dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
