@@ -75,8 +75,8 @@ def variants():
         yield f"rmsnorm dx weight={weight}", lambda w=weight: ptx(
             rn._rms_norm_dx_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, r_ptr=FP), {"D"},
             {"d_float", "eps"}, HAS_WEIGHT=w, BF16=True, INTERPRETED=False, BLOCK=1024)
-    yield "rmsnorm dw", lambda: ptx(rn._rms_norm_dw_kernel, dict(x_ptr=BF, g_ptr=BF, r_ptr=FP, partial_ptr=FP), {"R", "D"},
-                                    INTERPRETED=False, BLOCK=1024)
+    yield "rmsnorm dw", lambda: ptx(rn._rms_norm_dw_kernel, dict(x_ptr=BF, g_ptr=BF, r_ptr=FP, partial_ptr=FP),
+                                    {"R", "D", "ROWS_PER_SHARE"}, BLOCK_R=rn.DW_BLOCK_R, BLOCK_D=rn.DW_BLOCK_D)
     yield "rmsnorm", lambda: ptx(fo._fixed_order_rms_norm_kernel, dict(x_ptr=BF, w_ptr=FP, out_ptr=BF),
                                  {"D", "stride_xm", "stride_xd", "stride_om", "stride_od"}, {"d_float", "eps"},
                                  HAS_WEIGHT=True, BF16=True, INTERPRETED=False, BLOCK=1024)
@@ -89,10 +89,11 @@ def variants():
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
     yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),
                                                {"H"}, K=6, BLOCK=1024, BF16=True, INTERPRETED=False)
-    yield "adamw", lambda: ptx(aw._adamw_kernel, dict(w_ptr=FP, g_ptr=BF, m_ptr=FP, v_ptr=FP, p_ptr=BF,
-                                                      found_inf_ptr=FP, inv_scale_ptr=FP), {"n"},
+    yield "adamw", lambda: ptx(aw._adamw_kernel, dict(addr_ptr=I64, numel_ptr=I64, tensor_ptr="*i32", first_ptr=I64,
+                                                      found_inf_ptr=FP, inv_scale_ptr=FP), {"T"},
                                {"lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt"},
-                               num_warps=8, HAS_P=True, SCALED=True, P_BF16=True, INTERPRETED=False, BLOCK=aw.BLOCK)
+                               num_warps=8, HAS_P=True, SCALED=True, G_BF16=True, P_BF16=True, INTERPRETED=False,
+                               BLOCK=aw.BLOCK, CHUNK=aw.CHUNK)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)

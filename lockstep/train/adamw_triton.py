@@ -1,4 +1,4 @@
-"""MasterAdamW's update as one Triton kernel per parameter (`TrainConfig.triton_adamw`).
+"""MasterAdamW's update as one multi-tensor Triton kernel (`TrainConfig.triton_adamw`).
 
 The default update (optimizer.MasterAdamW._adamw) is three multi-tensor passes for a bf16 model:
 the bf16 gradients cast into fp32 copies, torch's fused AdamW over master, moments and those
@@ -6,8 +6,16 @@ copies, and the masters rounded back into the bf16 parameters. Per parameter tha
 (cast), 4 x 4 + 3 x 4 (AdamW: w, g, m, v read; w, m, v written) and 4 + 2 (write-back) = 40 bytes;
 here one pass reads g in its own dtype and w, m, v, and writes w, m, v and the bf16 parameter: 28.
 On the 1b config (918M parameters) the three passes took ~10.5 ms of a 105 ms graphed step on an
-H200 (profile, 2026-12-02); this kernel's bytes at that machine's copy bandwidth are ~5.5 ms
-(estimated, not yet measured: off by default until it is).
+H200 (profile, 2026-12-02); this kernel's bytes at that machine's copy bandwidth are ~5.5 ms.
+
+One launch updates a group of tensors (`multi_adamw_`), as torch's multi-tensor kernels do: the
+first form, one launch per parameter (~400 on the 1b config), measured no faster than the three
+passes in the graphed step (150,192 against 150,691 tok/s, one H200, 2026-12-03): the optimiser runs
+eagerly after the replayed graphs, and ~400 launches from Python cost more host time than the
+bytes saved. The kernel reads each tensor's address from a table (int64 addresses, cast to typed
+pointers in the kernel) and each program updates one CHUNK of one tensor (the chunk table, by the
+tensors' sizes only, is built once per set of sizes and kept on the device; the gradients'
+addresses change every step and are sent with it).
 
 Per element, in fp32, torch's fused AdamW's order of operations (ADAMW mode):
     g = grad / inv_scale                       (the clipping, as its grad_scale)
@@ -21,6 +29,7 @@ rounding (tests/train/test_optimizer.py, under the interpreter on the CPU).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -32,7 +41,9 @@ triton = _gt.triton
 if triton is not None:
     import triton.language as tl
 
-BLOCK = 2048
+BLOCK = 2048  # elements per step of a program
+CHUNK = 16 * BLOCK  # elements per program: the 1b config's 918M parameters in ~28k programs
+DTYPES = (torch.bfloat16, torch.float32)  # of gradients and parameters
 
 
 def runs(param: torch.Tensor, enabled: bool) -> bool:
@@ -41,49 +52,91 @@ def runs(param: torch.Tensor, enabled: bool) -> bool:
     return enabled and triton is not None and (param.is_cuda or interpreted())
 
 
+@functools.lru_cache(maxsize=8)
+def _chunks(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tensor index int32 [C], first element int64 [C]) of each program's chunk."""
+    counts = torch.tensor([-(-n // CHUNK) for n in numels])
+    tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    first = torch.cat([torch.arange(c) for c in counts.tolist()]) * CHUNK if len(numels) else torch.zeros(0)
+    return tensor.to(device, torch.int32), first.to(device, torch.int64)
+
+
 @torch.no_grad()
-def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, p: torch.Tensor | None, *,
-           step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-           inv_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
-    """One parameter's update in place: w, m, v fp32 (contiguous), g its gradient (bf16 or fp32), p the
-    parameter to write w into when w is a copy (None when w is the parameter)."""
-    n = w.numel()
-    if n == 0:
+def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
+                 ps: list[torch.Tensor] | None, *, step: int, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, inv_scale: torch.Tensor | None, found_inf: torch.Tensor) -> None:
+    """The update of a group of parameters in place, one launch: ws, ms, vs fp32 (contiguous), gs
+    their gradients (all bf16 or all fp32), ps the parameters to write each w into when the w are
+    copies (all of one dtype), None when the w are the parameters."""
+    live = [i for i, w in enumerate(ws) if w.numel()]
+    if not live:
         return
-    if not all(t.is_contiguous() for t in (w, m, v, w if p is None else p)):
+    held = [w if ps is None else ps[i] for i, w in enumerate(ws)]
+    if not all(t.is_contiguous() for i in live for t in (ws[i], ms[i], vs[i], held[i])):
         raise ValueError("TrainConfig.triton_adamw: the kernel writes parameters and optimiser state as flat "
-                         f"contiguous tensors; a parameter of shape {tuple(w.shape)} is not (set it to False)")
+                         "contiguous tensors; a parameter is not (set it to False)")
+    grads = [gs[i].contiguous() for i in live]  # referenced until the launch is queued
+    g_dtype, p_dtype = grads[0].dtype, held[live[0]].dtype
+    if g_dtype not in DTYPES or p_dtype not in DTYPES or any(g.dtype != g_dtype for g in grads) \
+            or any(held[i].dtype != p_dtype for i in live):
+        raise ValueError(f"TrainConfig.triton_adamw: one launch takes gradients of one dtype and parameters of "
+                         f"one dtype, each bf16 or fp32; got {sorted({str(g.dtype) for g in grads})} and "
+                         f"{sorted({str(held[i].dtype) for i in live})}")
+    device = ws[live[0]].device
+    addresses = torch.tensor([[t.data_ptr() for t in row] for row in (
+        [ws[i] for i in live], grads, [ms[i] for i in live], [vs[i] for i in live], [held[i] for i in live])],
+        dtype=torch.int64).to(device, non_blocking=True)
+    numels = tuple(ws[i].numel() for i in live)
+    tensor, first = _chunks(numels, device)
+    numel = torch.tensor(numels, dtype=torch.int64).to(device, non_blocking=True)
     beta1, beta2 = betas
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
-    _adamw_kernel[(triton.cdiv(n, BLOCK),)](
-        w, g.contiguous(), m, v, w if p is None else p, found_inf, w if inv_scale is None else inv_scale, n,
+    _adamw_kernel[(tensor.numel(),)](
+        addresses, numel, tensor, first, len(live), found_inf, found_inf if inv_scale is None else inv_scale,
         lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, math.sqrt(bias_correction2),
-        HAS_P=p is not None, SCALED=inv_scale is not None, P_BF16=p is not None and p.dtype == torch.bfloat16,
-        INTERPRETED=interpreted(), BLOCK=BLOCK, num_warps=8)
+        HAS_P=ps is not None, SCALED=inv_scale is not None, G_BF16=g_dtype == torch.bfloat16,
+        P_BF16=p_dtype == torch.bfloat16, INTERPRETED=interpreted(), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=8)
 
 
 if triton is not None:
     _bf16 = _gt._bf16  # by name: a module alias does not resolve inside a kernel
 
     @triton.jit
-    def _adamw_kernel(w_ptr, g_ptr, m_ptr, v_ptr, p_ptr, found_inf_ptr, inv_scale_ptr, n, lr, beta1, beta2, eps,
-                      weight_decay, step_size, bias_correction2_sqrt, HAS_P: tl.constexpr, SCALED: tl.constexpr,
-                      P_BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < tl.where(tl.load(found_inf_ptr) == 0.0, n, 0)  # a skipped step writes nothing
-        g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        if SCALED:
-            g = g / tl.load(inv_scale_ptr)
-        w = tl.load(w_ptr + offs, mask=ok, other=0.0)
-        w = w - lr * weight_decay * w
-        m = beta1 * tl.load(m_ptr + offs, mask=ok, other=0.0) + (1 - beta1) * g
-        v = beta2 * tl.load(v_ptr + offs, mask=ok, other=0.0) + (1 - beta2) * g * g
-        w = w - step_size * m / (tl.sqrt_rn(v) / bias_correction2_sqrt + eps)
-        tl.store(w_ptr + offs, w, mask=ok)
-        tl.store(m_ptr + offs, m, mask=ok)
-        tl.store(v_ptr + offs, v, mask=ok)
-        if HAS_P:
-            if P_BF16:
-                tl.store(p_ptr + offs, _bf16(w, INTERPRETED), mask=ok)
-            else:
-                tl.store(p_ptr + offs, w, mask=ok)
+    def _adamw_kernel(addr_ptr, numel_ptr, tensor_ptr, first_ptr, T, found_inf_ptr, inv_scale_ptr, lr, beta1,
+                      beta2, eps, weight_decay, step_size, bias_correction2_sqrt, HAS_P: tl.constexpr,
+                      SCALED: tl.constexpr, G_BF16: tl.constexpr, P_BF16: tl.constexpr,
+                      INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
+        """One CHUNK of tensor t = tensor[program]: addr_ptr holds rows w, g, m, v, p of T addresses."""
+        t = tl.load(tensor_ptr + tl.program_id(0))
+        first = tl.load(first_ptr + tl.program_id(0))
+        n = tl.where(tl.load(found_inf_ptr) == 0.0, tl.load(numel_ptr + t), 0)  # a skipped step writes nothing
+        w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
+        m_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        v_ptr = tl.load(addr_ptr + 3 * T + t).to(tl.pointer_type(tl.float32))
+        if G_BF16:
+            g_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.bfloat16))
+        else:
+            g_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.float32))
+        if P_BF16:
+            p_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(tl.bfloat16))
+        else:
+            p_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(tl.float32))
+        for i in range(0, CHUNK, BLOCK):
+            offs = first + i + tl.arange(0, BLOCK)
+            ok = offs < n
+            g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            if SCALED:
+                g = g / tl.load(inv_scale_ptr)
+            w = tl.load(w_ptr + offs, mask=ok, other=0.0)
+            w = w - lr * weight_decay * w
+            m = beta1 * tl.load(m_ptr + offs, mask=ok, other=0.0) + (1 - beta1) * g
+            v = beta2 * tl.load(v_ptr + offs, mask=ok, other=0.0) + (1 - beta2) * g * g
+            w = w - step_size * m / (tl.sqrt_rn(v) / bias_correction2_sqrt + eps)
+            tl.store(w_ptr + offs, w, mask=ok)
+            tl.store(m_ptr + offs, m, mask=ok)
+            tl.store(v_ptr + offs, v, mask=ok)
+            if HAS_P:
+                if P_BF16:
+                    tl.store(p_ptr + offs, _bf16(w, INTERPRETED), mask=ok)
+                else:
+                    tl.store(p_ptr + offs, w, mask=ok)

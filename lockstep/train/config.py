@@ -55,10 +55,11 @@ class TrainConfig:
     adam_eps: float = 1e-8
     """AdamW epsilon."""
     triton_adamw: bool = False
-    """On CUDA, the optimiser's update as one Triton kernel per parameter reading the gradient in its
-    own dtype and writing the bf16 parameter (train/adamw_triton.py) instead of three multi-tensor
+    """On CUDA, the optimiser's update as one multi-tensor Triton kernel reading the gradients in their
+    own dtype and writing the bf16 parameters (train/adamw_triton.py) instead of three multi-tensor
     passes (cast, fused AdamW, write-back): 28 bytes a parameter instead of 40. Off until measured on
-    a GPU (`benchmarks/train_throughput.py --triton-adamw`)."""
+    a GPU (`benchmarks/train_throughput.py --triton-adamw`; its first form, a launch per parameter,
+    was no faster)."""
     clip_grad: float | None = 1.0
     """Clip the global gradient L2 norm to this; None: no clipping."""
     # batching

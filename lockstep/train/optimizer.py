@@ -78,7 +78,7 @@ class MasterAdamW:
                  offload: bool = False, data_parallel: DataParallel | None = None, triton: bool = False):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload
-        self.triton = triton  # the update as one Triton kernel per parameter where it runs (adamw_triton.py)
+        self.triton = triton  # the update as adamw_triton's multi-tensor kernel where it runs
         self.dp = data_parallel or DataParallel()
         # sums the fp64 total of squares over the ranks holding the model's other parameters (pipeline
         # stages: lockstep.dist.pipeline_parallel sets it); None: this rank's parameters are the model's
@@ -203,11 +203,7 @@ class MasterAdamW:
         (tests/train/test_optimizer.py)."""
         grads = [_local(s.param.grad) for s in slots]
         if adamw_triton.runs(w[0], self.triton):
-            for s, wi, mi, vi, g in zip(slots, w, m, v, grads):
-                adamw_triton.adamw_(wi, g, mi, vi, None if s.aliased else _local(s.param), step=self.step_count,
-                                    lr=self.lr, betas=self.betas, eps=self.eps,
-                                    weight_decay=self.weight_decay if s.decay else 0.0, inv_scale=inv_scale,
-                                    found_inf=found_inf.to(wi.device))
+            self._adamw_triton(slots, w, grads, m, v, inv_scale, found_inf)
             return
         # the fp32 gradients the kernel reads: bf16 ones cast in one multi-tensor copy, not one cast each
         g = [t if t.dtype == torch.float32 else torch.empty_like(t, dtype=torch.float32) for t in grads]
@@ -226,6 +222,20 @@ class MasterAdamW:
         rounded = [(_local(s.param), master) for s, master in zip(slots, w) if not s.aliased]
         if rounded:
             torch._foreach_copy_([p for p, _ in rounded], [master for _, master in rounded])
+
+    def _adamw_triton(self, slots: list[_Slot], w, grads, m, v, inv_scale, found_inf) -> None:
+        """`_adamw` in adamw_triton's multi-tensor kernel: one launch per (gradient dtype, parameter
+        dtype or aliased) within the group."""
+        launches: dict[tuple, list[int]] = {}
+        for i, (s, g) in enumerate(zip(slots, grads)):
+            launches.setdefault((g.dtype, None if s.aliased else s.param.dtype), []).append(i)
+        for (_, p_dtype), idx in launches.items():
+            pick = lambda ts: [ts[i] for i in idx]  # noqa: E731
+            adamw_triton.multi_adamw_(pick(w), pick(grads), pick(m), pick(v),
+                                      None if p_dtype is None else [_local(slots[i].param) for i in idx],
+                                      step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps,
+                                      weight_decay=self.weight_decay if slots[0].decay else 0.0,
+                                      inv_scale=inv_scale, found_inf=found_inf.to(w[0].device))
 
     # ---- state ----------------------------------------------------------------------------
 

@@ -211,3 +211,42 @@ def test_the_triton_update_agrees_with_the_fused_passes(dtype):
     assert opts[1].step(0.5)[1] is False
     assert all(torch.equal(a, b) for a, b in zip(before, nets[1].parameters()))
     assert all(torch.equal(a, s.exp_avg) for a, s in zip(moments, opts[1].slots.values()))
+
+
+@pytest.mark.skipif(adamw_triton.triton is None, reason="Triton is not installed")
+def test_one_triton_launch_updates_every_chunk_of_every_tensor_once():
+    """adamw_triton.multi_adamw_ over tensors of several chunks, a ragged last chunk, one exact
+    chunk and a tiny one, bf16 parameters written from fp32 masters: each element as the fused
+    passes update it, to fp32 rounding; a parameter kept in fp32 beside bf16 ones (the trainer's
+    fp32-kept modules) takes a launch of its own."""
+    from devices import DEVICE
+
+    C = adamw_triton.CHUNK
+    sizes = (2 * C + 100, 5, C)
+    tensor, first = adamw_triton._chunks(sizes, torch.device("cpu"))
+    assert tensor.tolist() == [0, 0, 0, 1, 2] and first.tolist() == [0, C, 2 * C, 0, 0]
+    g = torch.Generator().manual_seed(3)
+    params = [nn.Parameter((torch.randn(n, generator=g) * 0.1).to(DEVICE, torch.bfloat16)) for n in sizes]
+    params.append(nn.Parameter(torch.randn(7, generator=g).to(DEVICE)))  # fp32: its own launch, aliased
+    opts = [MasterAdamW([(f"p{i}", p.detach().clone().requires_grad_()) for i, p in enumerate(params)], lr=1e-2,
+                        weight_decay=0.1, triton=triton) for triton in (False, True)]
+    for step in range(2):
+        grads = [torch.randn(p.shape, generator=g).to(DEVICE, p.dtype) for p in params]
+        for opt in opts:
+            for s, grad in zip(opt.slots.values(), grads):
+                s.param.grad = grad.clone()
+            opt.step(max_grad_norm=0.5)
+    for name in opts[0].slots:
+        want, got = opts[0].slots[name], opts[1].slots[name]
+        for a, b in ((want.master, got.master), (want.exp_avg, got.exp_avg), (want.exp_avg_sq, got.exp_avg_sq)):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-8)
+        assert torch.equal(got.param, got.master.to(got.param.dtype))
+
+
+@pytest.mark.skipif(adamw_triton.triton is None, reason="Triton is not installed")
+def test_a_launch_of_mixed_gradient_dtypes_is_refused_by_name():
+    w = [torch.zeros(4), torch.zeros(4)]
+    with pytest.raises(ValueError, match=r"one launch takes gradients of one dtype.*torch.bfloat16.*torch.float32"):
+        adamw_triton.multi_adamw_(w, [torch.zeros(4, dtype=torch.bfloat16), torch.zeros(4)], [torch.zeros(4)] * 2,
+                                  [torch.zeros(4)] * 2, None, step=1, lr=1e-3, betas=(0.9, 0.98), eps=1e-8,
+                                  weight_decay=0.0, inv_scale=None, found_inf=torch.zeros(()))
