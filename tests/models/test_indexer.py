@@ -52,3 +52,51 @@ def test_entries_beyond_topk_are_scored():
     picks, keep = ix.top_entries(ix.scores(*args), ix.visible(args[2], 9))
     assert torch.equal(got, torch.where(keep, picks, -1)) and got.shape[-1] == 4
     assert (got >= 0).sum(-1).max() == 4  # some rows see more than topk entries: a real choice
+
+
+def _switched(model, **switches):
+    from lockstep.models.layers.kernel_switch import KernelSwitches, set_kernel_switches
+
+    return set_kernel_switches(model, KernelSwitches(**switches))
+
+
+@pytest.mark.skipif(__import__("lockstep.models.layers.index_scores_triton", fromlist=["triton"]).triton is None,
+                    reason="triton is not installed")
+def test_the_index_kernel_scores_and_picks_as_the_torch_ops():
+    """KernelSwitches.triton_index (index_scores_triton.py, under the interpreter here): the visible
+    entries' scores equal the einsum form's to fp32 rounding, the others are -inf, and the picks are
+    the same set."""
+    attn = _csa_attention(topk=4)
+    ix = attn.compressor.indexer
+    args = _inputs(attn, E=9, seed=2)
+    want, want_indices = ix.scores(*args), ix.select_indices(*args)
+    _switched(attn, triton_index=True)
+    got = ix.scores(*args)
+    visible = ix.visible(args[2], 9)
+    torch.testing.assert_close(got[visible], want[visible], rtol=1e-5, atol=1e-6)
+    assert torch.isneginf(got[~visible]).all() and visible.any() and not visible.all()
+    assert torch.equal(ix.select_indices(*args), want_indices)
+
+
+def test_a_model_with_the_index_kernel_gives_the_same_logits(monkeypatch):
+    """The whole forward (tiny config: index_topk 3, so the C4 layers choose) with the switch on: the
+    kernel scores, the picks are the same, so the logits are the same bit for bit."""
+    from lockstep.models.layers.indexer import Indexer
+
+    model = DeepseekV4ForCausalLM(tiny_config())
+    init_deepseek_v4_(model, 0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    want = model(ids)
+    _switched(model, triton_index=True)
+    calls, kernel_scores = [], Indexer.kernel_scores
+    monkeypatch.setattr(Indexer, "kernel_scores", lambda self, *a: calls.append(1) or kernel_scores(self, *a))
+    got = model(ids)
+    assert calls and torch.equal(got, want)
+
+
+def test_training_with_the_index_kernel_changes_nothing_but_rounding():
+    """A training forward and backward with the switch on (the kernel under no_grad: the scores
+    feed no loss): the same loss and gradients (tests/switched_training.py)."""
+    from switched_training import assert_switch_changes_nothing
+
+    assert_switch_changes_nothing("triton_index", seed=6, shape=(1, 24))

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.triton_support import interpreted
+
+from . import index_scores_triton
 from .compressor import Compressor
 from .rope import apply_rope, rope_cos_sin
 from .whole_rows import apply_linear
@@ -99,7 +102,33 @@ class Indexer(Compressor):
 
     def scores(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
                keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """score(p, j) [N, S, E] fp32 (module docstring), every entry's, visible or not."""
+        """score(p, j) [N, S, E] fp32 (module docstring); entries not visible yet score -inf through
+        the kernel (the triton_index switch) and their value otherwise: callers mask them either way."""
+        if self._kernel_scores(keys):
+            return self.kernel_scores(head_weights, q_res, positions, keys, inv_freq)
         q = self.query(q_res, positions, inv_freq)
         dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
         return (dots * self.scaled_head_weights(head_weights).unsqueeze(-1)).sum(dim=2)
+
+    def _kernel_scores(self, keys: torch.Tensor) -> bool:
+        setting = self.kernels.on("triton_index")
+        if setting is False or index_scores_triton.triton is None:
+            return False
+        return keys.is_cuda or (setting is True and interpreted())
+
+    @torch.no_grad()  # the scores pick entries; no loss reads them, so no gradient through them
+    def kernel_scores(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
+                      keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """`scores` through index_scores_triton's kernel: row (n, s) reads sequence n's E entries, the
+        first closed_entries(p) of them (the rest -inf)."""
+        N, S = positions.shape
+        E = keys.shape[1]
+        q = self.query(q_res, positions, inv_freq)
+        dtype = torch.promote_types(q.dtype, keys.dtype)
+        base = (torch.arange(N, device=keys.device) * E).repeat_interleave(S)
+        count = self.closed_entries(positions).clamp(max=E).reshape(-1)
+        out = index_scores_triton.index_scores(
+            q.reshape(N * S, self.n_heads, self.head_dim).to(dtype),
+            self.scaled_head_weights(head_weights).reshape(N * S, self.n_heads),
+            keys.reshape(N * E, self.head_dim).to(dtype), base, count, E)
+        return out.view(N, S, E)

@@ -20,7 +20,7 @@ None (their default) means `decide_true_on_policy`: on CUDA, where the model has
 The environment overrides a setting when set, for A/B runs without touching a config:
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_TRITON_ATTENTION, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY,
 LOCKSTEP_FIXED_ORDER, LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE,
-LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS ("0" off, anything else on; LOCKSTEP_COMPILE also
+LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS, LOCKSTEP_TRITON_INDEX ("0" off, anything else on; LOCKSTEP_COMPILE also
 switches off the engine's compiled decoder layers). The engine's startup line says which kernels are on.
 
 A Triton kernel runs only where it can: on CUDA (under TRITON_INTERPRET=1 the tests run the
@@ -44,7 +44,8 @@ ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
-       "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS"}
+       "triton_combine": "LOCKSTEP_TRITON_COMBINE", "fused_logprobs": "LOCKSTEP_FUSED_LOGPROBS",
+       "triton_index": "LOCKSTEP_TRITON_INDEX"}
 # the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
 # (the engine samples with torch's log_softmax): off in the true-on-policy forward
 _SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "triton_compressor", "compile_hc",
@@ -94,6 +95,13 @@ class KernelSwitches:
     the same bits as the row blocks' guarantee, decode as fast, prefill and training faster); True:
     also under Triton's interpreter (the CPU tests; slow); False: row blocks. Engine and trainer
     must agree on it (LOCKSTEP_FIXED_ORDER, "0" or "1", sets both in one process)."""
+    triton_index: bool | None = False
+    """The C4 indexer's scores in every forward (training, the trainer's logprob passes, the engine's
+    steps) as one Triton kernel (index_scores_triton.py, the true-on-policy forward's) instead of
+    einsum, ReLU, weights and head sum over a [N, S, H_I, E] fp32 tensor: a row's scores, so its
+    picks, then do not depend on the batch's shape. None: on CUDA; True: also under Triton's
+    interpreter (the CPU tests); False (the default until measured on a GPU): the torch ops. Engine
+    and trainer must agree on it (LOCKSTEP_TRITON_INDEX, "0" or "1", sets both in one process)."""
     compile_rows: bool | None = None
     """Over whole rows, the row-local steps run compiled (layers/compiled_rows.py): inductor on CUDA,
     the fixed-order kernels opaque inside. None: on CUDA (measured on an H200, 1b config: engine ==
