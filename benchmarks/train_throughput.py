@@ -7,6 +7,7 @@
     python benchmarks/train_throughput.py --config 1b --cuda-graphs             # + forward / backward graphed
     python benchmarks/train_throughput.py --config 1b --compile-backend inductor --cuda-graphs   # compiled, graphed
     python benchmarks/train_throughput.py --config 1b --cuda-graphs --triton-adamw   # + the one-pass optimiser
+    python benchmarks/train_throughput.py --config 1b --cuda-graphs --index-kernel   # + the indexer's scores kernel
     python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
         triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
     python benchmarks/train_throughput.py --config 1b --profile 30              # + where a step's time goes
@@ -56,8 +57,10 @@ then the second command above. Reference (DESIGN.md): transformers 33.6k tokens/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
+import os
 import resource
 import statistics
 import sys
@@ -205,6 +208,21 @@ def print_profile(step, args) -> None:
     print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
 
 
+@contextlib.contextmanager
+def index_kernel_on():
+    """LOCKSTEP_TRITON_INDEX=1 while the block runs (the switch is shared by engine and trainer, so
+    it has no TrainConfig field: kernel_switch.py), as it was afterwards."""
+    before = os.environ.get("LOCKSTEP_TRITON_INDEX")
+    os.environ["LOCKSTEP_TRITON_INDEX"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["LOCKSTEP_TRITON_INDEX"]
+        else:
+            os.environ["LOCKSTEP_TRITON_INDEX"] = before
+
+
 def graph_breaks() -> str:
     """Dynamo's graph breaks since the counters were cleared: count, and each reason's count."""
     reasons = torch._dynamo.utils.counters["graph_break"]
@@ -324,6 +342,9 @@ def parse_args(argv=None):
                          f"several; none: the eager ops), eager layers ({', '.join(KERNEL_ROWS)})")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="one more row: TrainConfig.train_cuda_graphs (forward and backward replayed from CUDA graphs)")
+    ap.add_argument("--index-kernel", action="store_true",
+                    help="one more row: the C4 indexer's scores through the Triton kernel (KernelSwitches.triton_index, "
+                         "set as LOCKSTEP_TRITON_INDEX=1 for the row; with the CUDA graphs where --cuda-graphs is given)")
     ap.add_argument("--triton-adamw", action="store_true",
                     help="one more row: TrainConfig.triton_adamw (with the CUDA graphs where --cuda-graphs is given)")
     ap.add_argument("--skip-transformers", action="store_true")
@@ -377,6 +398,12 @@ def main(argv=None) -> None:
         result["lockstep"][key] = f = figures(run, args, flops_per_token, peak_tflops)
         labels[key] = "cuda graphs" if backend == "none" else f"cuda graphs + compile {backend}"
         print(line(f"lockstep train_step ({labels[key]})", f, args, peak_tflops), flush=True)
+    if args.index_kernel:
+        with index_kernel_on():
+            run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs)
+        result["lockstep"]["index_kernel"] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels["index_kernel"] = ("cuda graphs + " if args.cuda_graphs else "") + "index kernel"
+        print(line(f"lockstep train_step ({labels['index_kernel']})", f, args, peak_tflops), flush=True)
     if args.triton_adamw:
         run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs, triton_adamw=True)
         result["lockstep"]["triton_adamw"] = f = figures(run, args, flops_per_token, peak_tflops)

@@ -2,6 +2,7 @@
 error would reach a GPU call first), and the trainer's kernel switches reach the benchmarks that
 measure them."""
 
+import os
 import py_compile
 import subprocess
 import sys
@@ -164,3 +165,27 @@ def test_fp8_linear_times_the_shapes_the_engine_packs():
     install_packed_weights(model, "fp8", packed_fp8=True)
     packed = Counter((*m.weight.shape, m.n_groups) for m in model.modules() if isinstance(m, Fp8Linear))
     assert packed and fp8_linear.fp8_shapes(tiny_config()) == packed
+
+
+def test_the_index_kernel_row_sets_the_switch_for_that_row_only(monkeypatch, capsys):
+    """train_throughput --index-kernel: one more row with KernelSwitches.triton_index on (its
+    environment variable, for that row), the rows around it without."""
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import train_throughput
+    finally:
+        sys.path.pop(0)
+    from lockstep.models.layers.kernel_switch import KernelSwitches
+
+    seen = []
+
+    def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=False):
+        seen.append(bool(KernelSwitches().on("triton_index")))
+        return {"seconds": 1.0, "peak_bytes": 0, "grad_norm": 0.5}
+
+    monkeypatch.delenv("LOCKSTEP_TRITON_INDEX", raising=False)
+    monkeypatch.setattr(train_throughput, "run_lockstep", run)
+    monkeypatch.setattr(train_throughput, "gemm_tflops", lambda *a: 1.0)
+    train_throughput.main(["--config", "cpu-tiny", "--index-kernel", "--triton-adamw", "--skip-transformers"])
+    assert seen == [False, True, False] and "LOCKSTEP_TRITON_INDEX" not in os.environ
+    assert "lockstep train_step (index kernel):" in capsys.readouterr().out
