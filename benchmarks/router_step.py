@@ -9,12 +9,17 @@ timed in microseconds per call:
 - kernel: router_triton.route_step (`lockstep::route_step`);
 - compiled: moe.Router's torch ops (Router.route of Router.logits) under torch.compile (inductor,
   dynamic shapes, as the engine compiles its decoder layers): cuBLAS's fp32 GEMM, inductor's kernels;
+- partials: the logits from mHC's split-K projection kernel (hc_projection_triton.hc_mix_partials,
+  tf32x3 tensor-core products, its sums-of-squares column unused), summed over the splits and
+  routed by Router.route, compiled as above: a candidate form that keeps inductor's scoring and
+  top-k and replaces cuBLAS's SIMT sgemm + split-K reduce (~8 us a call on an H200);
 - eager: the same uncompiled;
 each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
 one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
 Printed per batch: those timings (the kernel with each --block-t B in a column "kernel tB"), the
-ratio compiled / kernel (graph), the rows whose chosen experts differ from the eager ops' and the
-largest weight difference among the rows that agree. GPU only; --help works anywhere.
+ratio compiled / kernel (graph), for the kernel and the partials form the rows whose chosen experts
+differ from the eager ops' and the largest weight difference among the rows that agree, then the
+ratio compiled / partials. GPU only; --help works anywhere.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def main(argv=None) -> None:
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from lockstep.models.layers import moe, router_triton
+    from lockstep.models.layers import hc_projection_triton, moe, router_triton
 
     require_kernels("router_step.py", router_triton)
     g = torch.Generator().manual_seed(args.seed)
@@ -49,10 +54,16 @@ def main(argv=None) -> None:
     router = router.cuda().requires_grad_(False)
     torch_ops = lambda x: router.route(router.logits(x), None)  # noqa: E731
     compiled = torch.compile(torch_ops, dynamic=True)
+
+    def partial_logits(x):
+        return hc_projection_triton.hc_mix_partials(x, router.weight, hc_projection_triton.default_split(args.hidden)
+                                                    ).sum(0)[:, :args.experts]
+
     calls = {
         "kernel": lambda x: router_triton.route_step(x, router.weight, router.e_score_correction_bias,
                                                      args.top_k, "sqrtsoftplus", 1.5),
         "compiled": compiled,
+        "partials": torch.compile(lambda x: router.route(partial_logits(x), None), dynamic=True),
         "eager": torch_ops,
     }
     for b in args.block_t:
@@ -60,15 +71,21 @@ def main(argv=None) -> None:
             x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b)
     print(f"{torch.cuda.get_device_name()}: {args.experts} experts of {args.hidden}, top {args.top_k}, bf16 x, "
           f"fp32 weight; {args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
-    print(table_header("batch", calls, "compiled/kernel", ["rows differ", "max|dw|"]))
+    print(table_header("batch", calls, "compiled/kernel", ["kernel: rows differ", "max|dw|",
+                                                          "partials: rows differ", "max|dw|"]))
     with torch.no_grad():
         for batch in args.batch:
             xs = [torch.randn(batch, args.hidden, generator=g).bfloat16().cuda() for _ in range(args.graph_calls)]
             row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
-            (experts, weights), (ref_experts, ref_weights) = calls["kernel"](xs[0]), torch_ops(xs[0])
-            same = (experts == ref_experts).all(dim=-1)
-            dw = (weights[same] - ref_weights[same]).abs().max().item() if same.any() else float("nan")
-            print(table_row(batch, row, calls, ("compiled", "kernel"), [str(int((~same).sum())), f"{dw:.1e}"]))
+            ref_experts, ref_weights = torch_ops(xs[0])
+            extras = []
+            for form in ("kernel", "partials"):
+                experts, weights = calls[form](xs[0])
+                same = (experts == ref_experts).all(dim=-1)
+                dw = (weights[same] - ref_weights[same]).abs().max().item() if same.any() else float("nan")
+                extras += [str(int((~same).sum())), f"{dw:.1e}"]
+            print(table_row(batch, row, calls, ("compiled", "kernel"), extras))
+            print(f"{'':>7}   compiled / partials {row['compiled'][0] / row['partials'][0]:.2f}x")
 
 
 if __name__ == "__main__":
