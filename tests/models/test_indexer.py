@@ -4,6 +4,7 @@
 import pytest
 import torch
 
+from devices import DEVICE
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
 from lockstep.models.deepseek_v4_config import CSA
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
@@ -66,9 +67,9 @@ def test_the_index_kernel_scores_and_picks_as_the_torch_ops():
     """KernelSwitches.triton_index (index_scores_triton.py, under the interpreter here): the visible
     entries' scores equal the einsum form's to fp32 rounding, the others are -inf, and the picks are
     the same set."""
-    attn = _csa_attention(topk=4)
+    attn = _csa_attention(topk=4).to(DEVICE)
     ix = attn.compressor.indexer
-    args = _inputs(attn, E=9, seed=2)
+    args = [t.to(DEVICE) for t in _inputs(attn, E=9, seed=2)]
     want, want_indices = ix.scores(*args), ix.select_indices(*args)
     _switched(attn, triton_index=True)
     got = ix.scores(*args)
@@ -85,7 +86,8 @@ def test_a_model_with_the_index_kernel_gives_the_same_logits(monkeypatch):
 
     model = DeepseekV4ForCausalLM(tiny_config())
     init_deepseek_v4_(model, 0)
-    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4))
+    model.to(DEVICE)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     want = model(ids)
     _switched(model, triton_index=True)
     calls, kernel_scores = [], Indexer.kernel_scores
