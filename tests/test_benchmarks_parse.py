@@ -122,24 +122,30 @@ def test_rollout_throughput_reports_each_formats_memory_and_both_schedulings(cap
     assert "sync scheduling:" in out and "async scheduling)" in out
 
 
-def test_the_graphed_rows_follow_each_compile_backend(monkeypatch, capsys):
-    """train_throughput --cuda-graphs times one graphed row per --compile-backend (with the compiled
-    layers recorded in the graphs), after the launched rows."""
+def rows_of_train_throughput(monkeypatch, row, flags: list[str]) -> None:
+    """train_throughput.main on cpu-tiny with `flags`, each lockstep row's run replaced by
+    row(backend, cuda_graphs) (and a stand-in result), the GEMM peak not measured."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
         import train_throughput
     finally:
         sys.path.pop(0)
-    calls = []
 
     def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=False):
-        calls.append((backend, cuda_graphs))
+        row(backend, cuda_graphs)
         return {"seconds": 1.0, "peak_bytes": 0, "grad_norm": 0.5}
 
     monkeypatch.setattr(train_throughput, "run_lockstep", run)
     monkeypatch.setattr(train_throughput, "gemm_tflops", lambda *a: 1.0)
-    train_throughput.main(["--config", "cpu-tiny", "--compile-backend", "none", "eager", "--cuda-graphs",
-                           "--skip-transformers"])
+    train_throughput.main(["--config", "cpu-tiny", "--skip-transformers", *flags])
+
+
+def test_the_graphed_rows_follow_each_compile_backend(monkeypatch, capsys):
+    """train_throughput --cuda-graphs times one graphed row per --compile-backend (with the compiled
+    layers recorded in the graphs), after the launched rows."""
+    calls = []
+    rows_of_train_throughput(monkeypatch, lambda backend, cuda_graphs: calls.append((backend, cuda_graphs)),
+                             ["--compile-backend", "none", "eager", "--cuda-graphs"])
     assert calls == [(None, False), ("eager", False), (None, True), ("eager", True)]
     out = capsys.readouterr().out
     assert "lockstep train_step (cuda graphs):" in out and "lockstep train_step (cuda graphs + compile eager):" in out
@@ -170,22 +176,11 @@ def test_fp8_linear_times_the_shapes_the_engine_packs():
 def test_the_index_kernel_row_sets_the_switch_for_that_row_only(monkeypatch, capsys):
     """train_throughput --index-kernel: one more row with KernelSwitches.triton_index on (its
     environment variable, for that row), the rows around it without."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import train_throughput
-    finally:
-        sys.path.pop(0)
     from lockstep.models.layers.kernel_switch import KernelSwitches
 
     seen = []
-
-    def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=False):
-        seen.append(bool(KernelSwitches().on("triton_index")))
-        return {"seconds": 1.0, "peak_bytes": 0, "grad_norm": 0.5}
-
     monkeypatch.delenv("LOCKSTEP_TRITON_INDEX", raising=False)
-    monkeypatch.setattr(train_throughput, "run_lockstep", run)
-    monkeypatch.setattr(train_throughput, "gemm_tflops", lambda *a: 1.0)
-    train_throughput.main(["--config", "cpu-tiny", "--index-kernel", "--triton-adamw", "--skip-transformers"])
+    rows_of_train_throughput(monkeypatch, lambda *_: seen.append(bool(KernelSwitches().on("triton_index"))),
+                             ["--index-kernel", "--triton-adamw"])
     assert seen == [False, True, False] and "LOCKSTEP_TRITON_INDEX" not in os.environ
     assert "lockstep train_step (index kernel):" in capsys.readouterr().out
