@@ -61,6 +61,8 @@ def variants():
     from lockstep.train import adamw_triton as aw
 
     flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
+    yield "flash delta", lambda: ptx(fa._row_dot_kernel, dict(a_ptr=BF, b_ptr=BF, out_ptr=FP), {"R", "D"},
+                                     BLOCK_R=fa.DELTA_ROWS, BLOCK_D=128)
     yield "flash forward", lambda: ptx(fa._fwd_kernel, dict(q_ptr=BF, kv_ptr=BF, ent_ptr=BF, ebias_ptr=FP, sinks_ptr=FP,
                                                             out_ptr=BF, lse_ptr=FP), "SEWM", {"scale"},
                                        HAS_ENTRIES=True, **flash)

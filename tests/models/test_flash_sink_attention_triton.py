@@ -82,6 +82,19 @@ def test_rows_past_a_program_and_tiles_past_the_keys():
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_the_backward_row_dots_equal_the_fp64_sums(dtype):
+    """delta = rowsum(dO * O) in one pass (`row_dots`): rows past a program's 32 and a row length
+    off a power of two; the products of bf16 values are exact in fp32, the sums to fp32 rounding."""
+    g = torch.Generator().manual_seed(9)
+    a, b = (torch.randn(3, 23, 48, generator=g).to(DEVICE, dtype) for _ in range(2))
+    got = flash.row_dots(a, b)
+    want = (a.double() * b.double()).sum(-1)
+    assert got.dtype == torch.float32 and got.shape == (3, 23)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert flash.row_dots(a[:0], b[:0]).shape == (0, 23)
+
+
 def test_the_trainer_takes_it_only_where_it_should():
     x = torch.randn(1, 4, 2, 16, dtype=torch.bfloat16, device=DEVICE)
     kv = torch.randn(1, 4, 16, dtype=torch.bfloat16, device=DEVICE)

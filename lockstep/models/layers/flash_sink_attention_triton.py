@@ -18,7 +18,8 @@ max, exponentiates, casts back, and keeps the probabilities for the backward (th
 the largest item of a train step's profile after the GEMMs). Here the scores live in registers.
 
 Backward (FlashAttention-2's): the forward keeps the output and each row's log-sum-exp (sink
-included); delta = rowsum(dO * O); P is recomputed tile by tile, dS = P (dO . k - delta).
+included); delta = rowsum(dO * O) (`row_dots`, one pass); P is recomputed tile by tile,
+dS = P (dO . k - delta).
 - `_dq_kernel`: query-major like the forward, dQ = scale sum_k dS k.
 - `_dkv_kernel`: key-major, one key tile per program over the rows that see it, dK + dV together
   (K = V): d kv_k = scale sum_rows dS q + sum_rows P dO. The window keys' rows are the W + tile
@@ -89,12 +90,29 @@ class FlashSinkAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, kv, sinks32, entries, entry_bias, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        delta = (grad_out.float() * out.float()).sum(-1)  # [N, S, H]: sum_k P dP of each row
+        delta = row_dots(grad_out, out)  # [N, S, H]: sum_k P dP of each row
         dq, dkv, dentries = _backward(q, kv, sinks32, entries, entry_bias, grad_out, lse, delta, ctx.window, ctx.scale,
                                       ctx.compress_rate)
         # the sink's logit has no value: dS_sink = P_sink (0 - delta)
         dsinks = -(torch.exp(sinks32 - lse) * delta).sum((0, 1)).to(ctx.sinks_dtype)
         return dq, dkv, dsinks, dentries, None, None, None, None
+
+
+DELTA_ROWS = 32  # rows per program of `row_dots`
+
+
+def row_dots(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """sum over the last dim of a * b in fp32, [...]: one pass over both (the products of bf16
+    values exact in fp32). The torch form, (a.float() * b.float()).sum(-1), wrote both fp32 copies
+    and the product first: ~0.36 ms a layer of the 1b config's backward at 8 x 2048 tokens on an
+    H200 (profile of 2026-12-03: 2.9 ms of the graphed step in 16 copies, 8 products, 8 sums)."""
+    D = a.shape[-1]
+    a2, b2 = a.reshape(-1, D), b.reshape(-1, D)
+    out = torch.empty(a2.shape[0], dtype=torch.float32, device=a.device)
+    if out.numel():
+        _row_dot_kernel[(triton.cdiv(out.numel(), DELTA_ROWS),)](a2, b2, out, out.numel(), D, BLOCK_R=DELTA_ROWS,
+                                                                 BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    return out.view(a.shape[:-1])
 
 
 def _launch_args(q, kv, sinks, entries, entry_bias, compress_rate):
@@ -137,6 +155,18 @@ def _backward(q, kv, sinks, entries, entry_bias, grad_out, lse, delta, window, s
 
 
 if triton is not None:
+
+    @triton.jit
+    def _row_dot_kernel(a_ptr, b_ptr, out_ptr, R, D, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """out[r] = sum_d a[r, d] b[r, d] in fp32, BLOCK_R contiguous rows of length D <= BLOCK_D."""
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, BLOCK_D)
+        ok = (rows < R)[:, None] & (cols < D)[None, :]
+        at = rows[:, None].to(tl.int64) * D + cols[None, :]
+        a = tl.load(a_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows, tl.sum(a * b, axis=1), mask=rows < R)
+
     # by name: torch.compile's compile worker cannot resolve a module alias
     _dot, _bf16 = _gt._dot, _gt._bf16
 
