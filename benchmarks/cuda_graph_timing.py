@@ -9,6 +9,7 @@ kernel's own time), so the figures are what a decode step pays per call.
 
 from __future__ import annotations
 
+import itertools
 import sys
 
 import torch
@@ -53,6 +54,21 @@ def kernel_us(graph: torch.cuda.CUDAGraph, calls: int, reps: int) -> float:
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return sum(e.device_time for e in kernels) / (reps * calls)
+
+
+def fastest(grid: dict, output, timed, ref: torch.Tensor) -> list[tuple[float, dict, float]]:
+    """A launch-settings sweep: for each combination cfg of `grid` (name -> values) that the GPU can
+    run, (timed(cfg) us, cfg, max |output(cfg) - ref|), fastest first; a combination that fails (out
+    of resources, say) is printed and skipped."""
+    results = []
+    for values in itertools.product(*grid.values()):
+        cfg = dict(zip(grid, values))
+        try:
+            err = (output(cfg).float() - ref.float()).abs().max().item()  # compiles it
+            results.append((timed(cfg), cfg, err))
+        except Exception as e:  # noqa: BLE001 - a setting the GPU cannot run
+            print(f"    {cfg}: skipped ({type(e).__name__})")
+    return sorted(results, key=lambda r: r[0])
 
 
 def time_calls(calls: dict, xs, reps: int, warmup: int, profile_reps: int) -> dict[str, tuple[float, float]]:

@@ -31,7 +31,6 @@ fraction it takes half the time. With --sweep its launch settings are swept too 
 from __future__ import annotations
 
 import argparse
-import itertools
 
 import torch
 
@@ -39,7 +38,7 @@ from lockstep.models.layers import grouped_gemm_fp8 as g8
 from lockstep.models.layers import grouped_gemm_triton as gt
 from lockstep.models.layers.moe import dispatch_order, swiglu_clamped
 from lockstep.quant.fp8 import quantize_fp8_block
-from cuda_graph_timing import capture, graph_us
+from cuda_graph_timing import capture, fastest, graph_us
 from rollout_throughput import copy_bandwidth
 
 DEVICE = "cuda"  # a dry run of the code on a CPU (interpreter) sets "cpu"
@@ -122,21 +121,6 @@ def fp8_layers(layers) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
     return [tuple(quantize_fp8_block(w, scale_fmt="ue8m0") for w in pair) for pair in layers]
 
 
-def best_config(fn, ref, grid: dict, n_layers: int, args) -> list[tuple[float, dict, float]]:
-    """(us, cfg, max |diff to ref|) per config of the grid that runs, fastest first."""
-    results = []
-    for values in itertools.product(*grid.values()):
-        cfg = dict(zip(grid, values))
-        try:
-            err = (fn(0, cfg).float() - ref.float()).abs().max().item()  # compiles; fails if out of resources
-            us = time_us(lambda i: fn(i, cfg), n_layers, args.calls, args.reps)
-        except Exception as e:  # noqa: BLE001 - a config the GPU cannot run
-            print(f"  {cfg}: skipped ({type(e).__name__})")
-            continue
-        results.append((us, cfg, err))
-    return sorted(results, key=lambda r: r[0])
-
-
 def compare_fp8(args, layers, packed, batch, bw):
     """fp8 grouped_mm vs the bf16 Triton grouped_mm per GEMM (module docstring); --sweep: fp8's settings."""
     xs, offs, counts = make_rows(args, batch)
@@ -155,7 +139,9 @@ def compare_fp8(args, layers, packed, batch, bw):
         print(f"  {name:8s} fp8 / bf16 time {fp8 / bf16:.2f} (0.5 at the same bandwidth)")
         if args.sweep:
             ref = g8.grouped_mm_fp8(x, *packed[0][j], offs)
-            ranked = best_config(lambda i, cfg: g8.grouped_mm_fp8(x, *packed[i][j], offs, **cfg), ref, SWEEP_FP8, L, args)
+            ranked = fastest(SWEEP_FP8, lambda cfg: g8.grouped_mm_fp8(x, *packed[0][j], offs, **cfg),
+                             lambda cfg: time_us(lambda i: g8.grouped_mm_fp8(x, *packed[i][j], offs, **cfg), L,
+                                                 args.calls, args.reps), ref)
             print(f"  sweep fp8 {name}: default {g8.launch_config(*layers[0][j].shape[1:])} {fp8:.1f} us; fastest:")
             for us, cfg, err in ranked[:6]:
                 print(f"    {us:8.1f} us  {cfg}  max |diff to the default| {err:.3g}")
@@ -173,7 +159,8 @@ def sweep(args, layers, batch):
     }
     for name, (fn, ref, default_cfg) in kernels.items():
         default = time_us(lambda i: fn(i, {}), len(layers), args.calls, args.reps)
-        results = best_config(fn, ref, SWEEP, len(layers), args)
+        results = fastest(SWEEP, lambda cfg: fn(0, cfg),
+                          lambda cfg: time_us(lambda i: fn(i, cfg), len(layers), args.calls, args.reps), ref)
         print(f"sweep {name}, batch {batch}: default {default_cfg} {default:.1f} us; fastest:")
         for us, cfg, err in results[:8]:
             print(f"  {us:8.1f} us  {cfg}  max |diff to torch| {err:.3g}")

@@ -57,7 +57,6 @@ then the second command above. Reference (DESIGN.md): transformers 33.6k tokens/
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -66,6 +65,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -206,21 +206,6 @@ def print_profile(step, args) -> None:
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.profile]:
             print(f"  {e.key[:60]:60s} {e.count:6d} {e.self_device_time_total / 1e3:9.2f}")
     print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
-
-
-@contextlib.contextmanager
-def index_kernel_on():
-    """LOCKSTEP_TRITON_INDEX=1 while the block runs (the switch is shared by engine and trainer, so
-    it has no TrainConfig field: kernel_switch.py), as it was afterwards."""
-    before = os.environ.get("LOCKSTEP_TRITON_INDEX")
-    os.environ["LOCKSTEP_TRITON_INDEX"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["LOCKSTEP_TRITON_INDEX"]
-        else:
-            os.environ["LOCKSTEP_TRITON_INDEX"] = before
 
 
 def graph_breaks() -> str:
@@ -399,7 +384,8 @@ def main(argv=None) -> None:
         labels[key] = "cuda graphs" if backend == "none" else f"cuda graphs + compile {backend}"
         print(line(f"lockstep train_step ({labels[key]})", f, args, peak_tflops), flush=True)
     if args.index_kernel:
-        with index_kernel_on():
+        # the switch is shared by engine and trainer, so it has no TrainConfig field (kernel_switch.py)
+        with mock.patch.dict(os.environ, {"LOCKSTEP_TRITON_INDEX": "1"}):
             run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs)
         result["lockstep"]["index_kernel"] = f = figures(run, args, flops_per_token, peak_tflops)
         labels["index_kernel"] = ("cuda graphs + " if args.cuda_graphs else "") + "index kernel"

@@ -40,14 +40,15 @@ def _storage(name: str, fmt: str) -> str | None:
         return None
 
 
-def _stored(fmt: str, storage: Storage):
+def stored_as(fmt: str, storage: Storage):
+    """name -> whether the format stores that tensor as `storage` (the rule packing follows)."""
     return lambda name: _storage(name, fmt) == storage.value
 
 
 def install_packed_weights(model: nn.Module, fmt: str, packed_fp8: bool, packed_experts: bool = False) -> list[str]:
     """Swap the fp8-stored linears (packed_fp8) and the quantised routed experts (packed_experts) for
     packed modules quantised from the current weights; returns their names."""
-    names = pack_fp8_linears(model, _stored(fmt, Storage.FP8)) if packed_fp8 else []
+    names = pack_fp8_linears(model, stored_as(fmt, Storage.FP8)) if packed_fp8 else []
     if packed_experts:
         names += pack_experts(model, lambda name: _storage(name, fmt))
     return names

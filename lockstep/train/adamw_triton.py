@@ -53,12 +53,14 @@ def runs(param: torch.Tensor, enabled: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=8)
-def _chunks(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tensor index int32 [C], first element int64 [C]) of each program's chunk."""
+def _chunks(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tensor index int32 [C], first element int64 [C]) of each program's chunk, and the tensors'
+    sizes int64 [T], on the device: by the sizes only, so made once per set of sizes."""
     counts = torch.tensor([-(-n // CHUNK) for n in numels])
     tensor = torch.repeat_interleave(torch.arange(len(numels)), counts)
     first = torch.cat([torch.arange(c) for c in counts.tolist()]) * CHUNK if len(numels) else torch.zeros(0)
-    return tensor.to(device, torch.int32), first.to(device, torch.int64)
+    return (tensor.to(device, torch.int32), first.to(device, torch.int64),
+            torch.tensor(numels, dtype=torch.int64, device=device))
 
 
 @torch.no_grad()
@@ -86,9 +88,7 @@ def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.
     addresses = torch.tensor([[t.data_ptr() for t in row] for row in (
         [ws[i] for i in live], grads, [ms[i] for i in live], [vs[i] for i in live], [held[i] for i in live])],
         dtype=torch.int64).to(device, non_blocking=True)
-    numels = tuple(ws[i].numel() for i in live)
-    tensor, first = _chunks(numels, device)
-    numel = torch.tensor(numels, dtype=torch.int64).to(device, non_blocking=True)
+    tensor, first, numel = _chunks(tuple(ws[i].numel() for i in live), device)
     beta1, beta2 = betas
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
     _adamw_kernel[(tensor.numel(),)](

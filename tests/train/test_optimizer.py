@@ -223,8 +223,9 @@ def test_one_triton_launch_updates_every_chunk_of_every_tensor_once():
 
     C = adamw_triton.CHUNK
     sizes = (2 * C + 100, 5, C)
-    tensor, first = adamw_triton._chunks(sizes, torch.device("cpu"))
+    tensor, first, numel = adamw_triton._chunks(sizes, torch.device("cpu"))
     assert tensor.tolist() == [0, 0, 0, 1, 2] and first.tolist() == [0, C, 2 * C, 0, 0]
+    assert numel.tolist() == list(sizes)
     g = torch.Generator().manual_seed(3)
     params = [nn.Parameter((torch.randn(n, generator=g) * 0.1).to(DEVICE, torch.bfloat16)) for n in sizes]
     params.append(nn.Parameter(torch.randn(7, generator=g).to(DEVICE)))  # fp32: its own launch, aliased

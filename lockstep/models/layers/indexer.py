@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.triton_support import interpreted
+from lockstep.triton_support import trainer_kernel_runs
 
 from . import index_scores_triton
 from .compressor import Compressor
@@ -104,17 +104,11 @@ class Indexer(Compressor):
                keys: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
         """score(p, j) [N, S, E] fp32 (module docstring); entries not visible yet score -inf through
         the kernel (the triton_index switch) and their value otherwise: callers mask them either way."""
-        if self._kernel_scores(keys):
+        if index_scores_triton.triton is not None and trainer_kernel_runs(keys, self.kernels.on("triton_index")):
             return self.kernel_scores(head_weights, q_res, positions, keys, inv_freq)
         q = self.query(q_res, positions, inv_freq)
         dots = F.relu(torch.einsum("nshd,ned->nshe", q.float(), keys.float())) * self.head_dim**-0.5
         return (dots * self.scaled_head_weights(head_weights).unsqueeze(-1)).sum(dim=2)
-
-    def _kernel_scores(self, keys: torch.Tensor) -> bool:
-        setting = self.kernels.on("triton_index")
-        if setting is False or index_scores_triton.triton is None:
-            return False
-        return keys.is_cuda or (setting is True and interpreted())
 
     @torch.no_grad()  # the scores pick entries; no loss reads them, so no gradient through them
     def kernel_scores(self, head_weights: torch.Tensor, q_res: torch.Tensor, positions: torch.Tensor,
