@@ -1,6 +1,9 @@
 """What a `lockstep` process loads at start (lockstep/triton_support.py, row_blocks.CallMode): on a
 CPU-only torch without Triton's interpreter, neither Triton nor torch's compiler stack (~2.5 s of
-each start on a 2-core machine, and the multi-process runs start dozens of processes)."""
+each start on a 2-core machine, and the multi-process runs start dozens of processes). Nor when it
+builds the default model and samples from it uncompiled: the shape marks for torch.compile wait
+until something compiles (models/layers/fixed_shapes.py; dynamo, inductor and Triton loaded by the
+marks cost 5 s of a 17 s `lockstep train` run on 2 cores)."""
 
 import subprocess
 import sys
@@ -20,6 +23,20 @@ loaded = [m.triton is not None for m in (grouped_gemm_triton, sinkhorn_triton, f
 print(loaded, "torch._dynamo" in sys.modules, "torch._inductor" in sys.modules)
 """
 
+SAMPLES_THEN_COMPILES = """
+import sys
+from lockstep.engine import Engine, GenerateRequest
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.rl.embedded import ASSET_DIR
+engine = Engine.from_pretrained(ASSET_DIR, EngineConfig())
+out = engine.generate([GenerateRequest([1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=3, ignore_eos=True))])
+print(len(out[0].response_ids), "torch._dynamo" in sys.modules)
+attention = engine.model.model.layers[0].self_attn
+from lockstep.models.compiled_layers import CompiledLayers
+CompiledLayers(backend="eager")  # marks what was built before dynamo was loaded
+print(sorted(attention.inv_freq._dynamo_static_indices))
+"""
+
 
 def test_a_cpu_process_loads_no_triton_and_no_compiler_unless_kernels_can_run():
     gpu_build = torch.version.cuda is not None or torch.version.hip is not None
@@ -31,6 +48,13 @@ def test_a_cpu_process_loads_no_triton_and_no_compiler_unless_kernels_can_run():
         assert done.stdout.strip() == "[False, False, False] False False", done.stdout
     # this process runs the interpreted kernels (tests/conftest.py sets TRITON_INTERPRET): loaded
     assert grouped_gemm_triton.triton is not None
+
+
+def test_an_uncompiled_engine_loads_no_compiler_and_a_compilation_marks_its_tensors():
+    done = subprocess.run([sys.executable, "-c", SAMPLES_THEN_COMPILES], env=cli_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3", "False", "[0]"], done.stdout
 
 
 def test_a_mode_never_entered_traces_off_without_its_hook():

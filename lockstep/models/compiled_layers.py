@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from .deepseek_v4 import Routing
+from .layers import fixed_shapes
 from .layers.compiled_rows import trace_settings as _trace_settings  # no duck shaping, floats as constants
 from .layers.fixed_shapes import fixed_shape
 from .precompiled import PrecompiledRegions, precompilable
@@ -70,6 +71,7 @@ class CompiledLayers:
         e.g. {"coordinate_descent_tuning": True}); inductor only. regions: precompile each region
         (module docstring)."""
         self.backend, self.options, self.regions = backend, dict(options or {}), regions
+        fixed_shapes.mark_registered()  # the caches and frequencies of models built before dynamo was loaded
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
         if backend != "inductor" and self.options:
             raise ValueError(f"compile options {sorted(self.options)} need the inductor backend, not {backend!r}")

@@ -14,17 +14,24 @@ marked tensor ("_has_dynamo_dim_marking is present on runtime tensor but was abs
 time", torch 2.13), while a function compiled in this process takes an unmarked one. Every mark is
 therefore also registered: `unmark(tensors)` takes the marks off, `marked(tensors)` puts the
 registered ones back for the length of a compilation.
+
+Marks wait for dynamo: loading it (with the inductor and Triton modules it pulls in) costs ~1.3 s of
+every process start on a 2-core machine, and a process that compiles nothing (the CPU default) never
+reads a mark. A tensor registered before dynamo is loaded is marked by `mark_registered()`, which
+the dynamic-shape compilation calls when it is set up (compiled_layers.py); one registered after is
+marked at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 
 import torch
 
-# id(tensor) -> (a weak reference to it, its fixed dims), of the live tensors only
-_registry: dict[int, tuple[weakref.ref, tuple[int, ...]]] = {}
+# id(tensor) -> (a weak reference to it, its fixed dims, whether it asked to be marked), of the live tensors only
+_registry: dict[int, tuple[weakref.ref, tuple[int, ...], bool]] = {}
 _marks_made = [0]  # how many marks were made so far: nothing to take off while it stands still
 
 
@@ -35,10 +42,22 @@ def fixed_shape(t: torch.Tensor | None, dims: range | None = None, mark: bool = 
     if t is not None:
         dims = tuple(range(t.dim()) if dims is None else dims)
         key = id(t)
-        _registry[key] = (weakref.ref(t, lambda _, key=key: _registry.pop(key, None)), dims)
-        if mark:
+        _registry[key] = (weakref.ref(t, lambda _, key=key: _registry.pop(key, None)), dims, mark)
+        if mark and _dynamo_loaded():
             _mark(t, dims)
     return t
+
+
+def _dynamo_loaded() -> bool:
+    return "torch._dynamo" in sys.modules
+
+
+def mark_registered() -> None:
+    """Mark every live registered tensor that asked to be marked (module docstring: loads dynamo)."""
+    for ref, dims, wanted in list(_registry.values()):
+        t = ref()
+        if wanted and t is not None:
+            _mark(t, dims)
 
 
 def _mark(t: torch.Tensor, dims: tuple[int, ...]) -> None:
