@@ -23,8 +23,10 @@ Per element, in fp32, torch's fused AdamW's order of operations (ADAMW mode):
     m = beta1 m + (1 - beta1) g,   v = beta2 v + (1 - beta2) g g
     w = w - step_size * m / (sqrt(v) / sqrt(bias_correction2) + eps),   step_size = lr / bias_correction1
     p = w rounded to p's dtype                 (where the master is a copy)
-nothing written where found_inf is 1 (the skipped step), as torch's kernel. Equal to it to fp32
-rounding (tests/train/test_optimizer.py, under the interpreter on the CPU).
+nothing written where found_inf is 1 (the skipped step), as torch's kernel. The divisions and the
+square root correctly rounded (Triton's `/` is an approximate division on the GPU: the masters moved
+up to 2.7 fp32 ulps from torch's in the first GPU run, 2026-12-04). Equal to torch's to fp32 rounding
+(tests/train/test_optimizer.py, under the interpreter on the CPU).
 """
 
 from __future__ import annotations
@@ -126,12 +128,12 @@ if triton is not None:
             ok = offs < n
             g = tl.load(g_ptr + offs, mask=ok, other=0.0).to(tl.float32)
             if SCALED:
-                g = g / tl.load(inv_scale_ptr)
+                g = tl.math.div_rn(g, tl.load(inv_scale_ptr))
             w = tl.load(w_ptr + offs, mask=ok, other=0.0)
             w = w - lr * weight_decay * w
             m = beta1 * tl.load(m_ptr + offs, mask=ok, other=0.0) + (1 - beta1) * g
             v = beta2 * tl.load(v_ptr + offs, mask=ok, other=0.0) + (1 - beta2) * g * g
-            w = w - step_size * m / (tl.sqrt_rn(v) / bias_correction2_sqrt + eps)
+            w = w - tl.math.div_rn(step_size * m, tl.math.div_rn(tl.sqrt_rn(v), bias_correction2_sqrt) + eps)
             tl.store(w_ptr + offs, w, mask=ok)
             tl.store(m_ptr + offs, m, mask=ok)
             tl.store(v_ptr + offs, v, mask=ok)

@@ -265,41 +265,32 @@ def test_refusals():
         grid_ranks((0, 1, 2), 2)
 
 
-def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process(tmp_path, one_process):
+def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process_and_resumes(tmp_path, one_process):
     """`lockstep train --nproc-per-node 4 --pipeline-model-parallel-size 2 --expert-model-parallel-size 2`
     with recompute and optimizer offload (issue 19's layout, smaller), test_train_world.py's 2-rollout
-    run, against its one-process run (tests/dist/conftest.py, run once a
-    session), metrics.jsonl line by line bitwise (perf/* aside). test_train_world.py's RUN makes it so: a
-    batch-invariant engine (4 replicas sample what one engine samples), and a budget that packs each
-    pipeline's block of 8 samples into one micro-batch, one process the 16 into the same two, each
-    padded to [8, 22] (the one-micro-batch case above, through the loop, the weights pushed to the
-    colocated engines)."""
+    run in two halves: its first rollout, saved, then resumed from that save (each rank reading only its
+    stage and its experts, pipeline_parallel.load_stage) for the second. Against the one-process run
+    (tests/dist/conftest.py, run once a session), metrics.jsonl line by line bitwise (perf/* aside; the
+    first half's eval after its last rollout aside, which the unbroken run has not). test_train_world.py's
+    RUN makes it so: a batch-invariant engine (4 replicas sample what one engine samples), and a budget
+    that packs each pipeline's block of 8 samples into one micro-batch, one process the 16 into the same
+    two, each padded to [8, 22] (the one-micro-batch case above, through the loop, the weights pushed to
+    the colocated engines). One test: each 4-process run is ~40 s on 2 cores."""
     from dist_world import free_port
-    from test_train_world import _first_difference, _train
+    from test_train_world import _first_difference, _perf_free, _train
 
-    one = one_process
-    grid = _train(tmp_path / "pp-ep", "--nproc-per-node", "4", "--pipeline-model-parallel-size",
-                  "2", "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
-                  "--recompute-activations", "--optimizer-offload", "--master-port", str(free_port()))
-    config = __import__("json").loads((tmp_path / "pp-ep" / "config.json").read_text())
+    layout = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+              "--decoder-last-pipeline-num-layers", "1", "--recompute-activations", "--optimizer-offload"]
+    first = _train(tmp_path / "first", *layout, "--num-rollout", "1", "--save", str(tmp_path / "save"),
+                   "--master-port", str(free_port()))
+    config = __import__("json").loads((tmp_path / "first" / "config.json").read_text())
     train = config["train"]
     assert (config["world_size"], train["pipeline_model_parallel_size"], train["expert_model_parallel_size"],
             train["recompute_activations"], train["optimizer_offload"]) == (4, 2, 2, True, True)
-    assert [line["train/num_microbatches"] for line in grid if "train/step" in line] == [2.0] * 2
-    assert len(grid) == len(one) == 3 and _first_difference(one, grid) is None, _first_difference(one, grid)
-
-
-def test_lockstep_train_pp2_ep2_resumes_where_one_process_goes_on(tmp_path, one_process):
-    """Issue 19's resume, smaller: the PP 2 x EP 2 run (each rank reading only its stage and its experts,
-    pipeline_parallel.load_stage) saved after its first rollout and resumed from that save logs the
-    second rollout of the unbroken one-process run, bitwise (perf/* aside)."""
-    from dist_world import free_port
-    from test_train_world import _perf_free, _train
-
-    layout = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-              "--decoder-last-pipeline-num-layers", "1"]
-    _train(tmp_path / "first", *layout, "--num-rollout", "1", "--save", str(tmp_path / "save"),
-           "--master-port", str(free_port()))
+    assert [line["train/num_microbatches"] for line in first if "train/step" in line] == [2.0]
+    no_last_eval = {k: v for k, v in first[1].items() if not k.startswith(("eval/", "perf/"))}
+    assert len(first) == 2 and _first_difference(one_process[:2], [first[0], no_last_eval]) is None, \
+        _first_difference(one_process[:2], [first[0], no_last_eval])
     resumed = _train(tmp_path / "resumed", *layout, "--load", str(tmp_path / "save"), "--master-port", str(free_port()))
     assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
     assert resumed[0]["train/step"] == 2.0

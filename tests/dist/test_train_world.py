@@ -45,7 +45,8 @@ most samples in one, the longest sample; lockstep/dist/pipeline_parallel.py), on
 to its own longest sample: with the 172-token budget both pack each step's 16 samples into the same
 two micro-batches of 8, and each holds a sample of the step's longest length (the 4 x 21 + 4 x 22
 above), so both pad them to [8, 22] and run the same GEMMs (checked: 2 micro-batches in both).
-Resumed on PP=2 from a PP=2 save (the one-process checkpoint, written by stage 0), its last rollout
+That run takes its flags from `lockstep plan --colocate --json`'s entry (`--layout`), the plan's
+memory per stage and phase set against its per-rank peaks. Resumed on PP=2 from a PP=2 save (the one-process checkpoint, written by stage 0), its last rollout
 logs the unbroken PP run's metrics. A PP other than the trainer ranks is refused before any process
 starts.
 
@@ -55,6 +56,8 @@ rank and the operation (at once for an exit, at --distributed-timeout for a hang
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -198,9 +201,27 @@ PIPELINE = ["--nproc-per-node", "2", "--pipeline-model-parallel-size", "2", "--d
 
 
 @pytest.fixture(scope="module")
-def pipeline_two(tmp_path_factory) -> list[dict]:
+def colocated_plan() -> dict:
+    """`lockstep plan --colocate --json` for the embedded model on 1 node of 2 GPUs (PP 2 fixed): the entry."""
+    from lockstep.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", "--model", str(ASSET_DIR), "--colocate", "--nodes", "1", "--gpus-per-node", "2",
+                     "--seq-len", "64", "--max-tokens-per-gpu", "172", "--rollout-gpus-per-engine", "1",
+                     "--decoder-last-pipeline-num-layers", "1", "--tp", "1", "--pp", "2", "--ep", "1", "--cp", "1",
+                     "--json"]) == 0
+    (entry,) = json.loads(out.getvalue())
+    return entry
+
+
+@pytest.fixture(scope="module")
+def pipeline_two(tmp_path_factory, colocated_plan) -> list[dict]:
+    """The pipeline run, its flags read from the plan's JSON (`lockstep train --layout`): one run for the
+    two claims (each 2-process start is ~20 s)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
-    lines = _train(run_dir, *PIPELINE, "--master-port", str(free_port()))
+    (run_dir / "plan.json").write_text(json.dumps([colocated_plan]))
+    lines = _train(run_dir, "--layout", str(run_dir / "plan.json"), "--master-port", str(free_port()))
     train = json.loads((run_dir / "config.json").read_text())["train"]
     assert (train["pipeline_model_parallel_size"], train["decoder_last_pipeline_num_layers"]) == (2, 1)
     return lines
@@ -212,22 +233,12 @@ def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process
     assert _first_difference(one_process, pipeline_two) is None, _first_difference(one_process, pipeline_two)
 
 
-def test_a_colocated_plan_gives_the_pipeline_run_its_flags(tmp_path, capsys, pipeline_two):
-    """`lockstep plan --colocate` for the embedded model on 1 node of 2 GPUs (PP 2 fixed): its flags are
-    the pipeline run's, and `lockstep train --layout` with that JSON runs it (the same metrics)."""
-    from lockstep.cli import main
-
-    assert main(["plan", "--model", str(ASSET_DIR), "--colocate", "--nodes", "1", "--gpus-per-node", "2",
-                 "--seq-len", "64", "--max-tokens-per-gpu", "172", "--rollout-gpus-per-engine", "1",
-                 "--decoder-last-pipeline-num-layers", "1", "--tp", "1", "--pp", "2", "--ep", "1", "--cp", "1",
-                 "--json"]) == 0
-    plan = capsys.readouterr().out
-    (entry,) = json.loads(plan)
+def test_a_colocated_plan_gives_the_pipeline_run_its_flags(colocated_plan, pipeline_two):
+    """`lockstep plan --colocate`'s flags are the pipeline run's (the run above took them from its JSON),
+    and its memory per stage and phase is set against the run's per-rank peaks."""
+    entry, lines = colocated_plan, pipeline_two
     assert entry["colocate"] and entry["feasible"] and entry["stage_layers"] == [3, 1]
     assert entry["train_flags"] == ["--nnodes", "1", *PIPELINE[:2], "--max-tokens-per-gpu", "172", *PIPELINE[2:]]
-    (tmp_path / "plan.json").write_text(plan)
-    lines = _train(tmp_path / "run", "--layout", str(tmp_path / "plan.json"), "--master-port", str(free_port()))
-    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in pipeline_two]
     # the plan per stage and phase against the run's per-rank peaks (stage s on rank s here)
     rows = compare(entry, lines)
     assert [(r.stage, r.phase, r.ranks) for r in rows] == [
