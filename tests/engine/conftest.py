@@ -20,6 +20,11 @@ def one_thread():
     torch.set_num_threads(before)
 
 
+# the compiled-region tests: mHC's Sinkhorn loop unrolled 20 times is most of a layer's traced ops;
+# 2 iterations (a column, a row, a column step) trace the same kinds of ops
+FEW_SINKHORN = dict(hc_sinkhorn_iters=2)
+
+
 def tiny_dsv4(seed=0, **overrides):
     model = DeepseekV4ForCausalLM(tiny_config(**overrides))
     init_deepseek_v4_(model, seed)

@@ -4,7 +4,6 @@ in one process; a second process with an empty inductor cache loads the artifact
 engine's own compilation is CUDA-only, so its start here compiles nothing (the test says so)."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from lockstep.engine.compile_cache import StartCache, default_dir
 from lockstep.models.deepseek_v4_init import tiny_config
 
 from conftest import DEVICE, make_engine
+from processes import cli_env
 
 TINY_MODEL = Path(__file__).resolve().parents[2] / "lockstep" / "assets" / "tiny-dsv4"
 
@@ -53,8 +53,8 @@ print(json.dumps(dict(out=y.tolist(), status=cache.status, loaded=cache.loaded, 
 
 def _child(tmp_path: Path, name: str, cache_dir: Path, max_num_seqs: int = 8) -> dict:
     inductor_dir = tmp_path / f"inductor-{name}"  # empty: nothing of another process's compilation
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "TORCHINDUCTOR_COMPILE_THREADS": "1",
-           "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TINY_MODEL.parents[2])}
+    env = cli_env(TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), TORCHINDUCTOR_COMPILE_THREADS="1",
+                  PYTHONPATH=str(TINY_MODEL.parents[2]))
     done = subprocess.run([sys.executable, "-c", CHILD, str(cache_dir), str(max_num_seqs)], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]

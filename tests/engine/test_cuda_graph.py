@@ -16,12 +16,8 @@ from lockstep.engine.cuda_graph import bucket_sizes
 from lockstep.engine.sync_audit import SyncAudit
 from lockstep.models.layers import moe
 
-from conftest import (DEVICE, full_sequence_log_softmax, greedy, make_engine, prompts, requests, same_outputs, sampled,
-                      start_decoding, tiny_dsv4)
-
-
-# the compiled-region tests: mHC's Sinkhorn loop unrolled 20 times is most of a layer's traced ops
-FEW_SINKHORN = dict(hc_sinkhorn_iters=2)
+from conftest import (DEVICE, FEW_SINKHORN, full_sequence_log_softmax, greedy, make_engine, prompts, requests,
+                      same_outputs, sampled, start_decoding, tiny_dsv4)
 
 
 def params_for(i):

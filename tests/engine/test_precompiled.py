@@ -19,6 +19,7 @@ from lockstep.models.layers import fixed_shapes
 from lockstep.models.precompiled import PrecompiledRegions, precompilable
 
 from conftest import DEVICE, make_engine, tiny_dsv4
+from processes import cli_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # a serializable backend: torch 2.11's aot_eager (the GPU image's) is not, 2.13's is
@@ -27,7 +28,7 @@ BACKEND = "inductor" if DEVICE == "cuda" else "aot_eager"
 # one process: load DIR's regions, start the decode graphs' stand-in precompiling into them, decode, save
 CHILD = r"""
 import json, sys, torch
-from conftest import DEVICE, greedy, make_engine, prompts, requests
+from conftest import DEVICE, FEW_SINKHORN, greedy, make_engine, prompts, requests, tiny_dsv4
 from lockstep.engine.decode_path import start_graphs
 from lockstep.engine.engine import compiled_graph_count
 from lockstep.models.precompiled import PrecompiledRegions
@@ -42,8 +43,8 @@ def decode(regions):
     # the graphs are captured below all the same. compile_hc off: on CUDA the eager prefill would
     # compile mHC's coefficients outside the regions, a graph of its own that the count below
     # would take for a region traced again
-    engine = make_engine(max_num_seqs=2, compile_prefill=False, dtype="bfloat16", cuda_graph=False,
-                         compile_hc=False)
+    engine = make_engine(model=tiny_dsv4(**FEW_SINKHORN), max_num_seqs=2, compile_prefill=False, dtype="bfloat16",
+                         cuda_graph=False, compile_hc=False)
     start_graphs(engine.adapter, engine.config, capture=cuda, compile_backend=backend, regions=regions)
     outs = engine.generate(requests(prompts(2), greedy(4)))
     return [o.response_ids.tolist() for o in outs], [o.rollout_logprobs.tolist() for o in outs]
@@ -61,8 +62,9 @@ print(json.dumps(result))
 
 
 def _child(tmp_path: Path, name: str, regions: Path) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor-{name}"), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "engine")])}
+    # cli_env: no Triton interpreter (the child's CPU engine runs no kernel; loading them cost seconds)
+    env = cli_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{name}"),
+                  PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests" / "engine")]))
     done = subprocess.run([sys.executable, "-c", CHILD, str(regions)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
