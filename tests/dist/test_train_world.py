@@ -30,11 +30,12 @@ serves, the weights pushed over gloo after every step) against 1 process: every 
 equal. One engine sees the whole batch as the single process's engine does, one trainer rank the
 whole step, and the push is torch.equal to the in-process update (test_weight_push.py).
 
-Five other ways to run the 2-process run each log its metrics bitwise: with the routed experts
+Four other ways to run the 2-process run each log its metrics bitwise: with the routed experts
 sharded instead of FSDP (`--expert-model-parallel-size 2`); with the engines' routed experts sharded
-(`--rollout-expert-parallel-size 2`: one expert-parallel engine, each rank serving its block); started by two launchers (`--nnodes 2
---node-rank 0|1 --nproc-per-node 1`, the multi-node command run twice on this machine); resumed on 2
-processes from a 2-process save; its flags read from a `--layout` file (lockstep plan --json's format).
+(`--rollout-expert-parallel-size 2`: one expert-parallel engine, each rank serving its block); its flags
+read from a `--layout` file (lockstep plan --json's format); and in two halves, its first rollout
+started by two launchers (`--nnodes 2 --node-rank 0|1 --nproc-per-node 1`, the multi-node command run
+twice on this machine) and saved, its second resumed from that save on 2 processes of one launcher.
 The two expert-parallel ways and the layout file are one run: the file's flags shard both sides' experts.
 
 Pipeline parallel (`--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 1`: the trainer
@@ -164,20 +165,6 @@ def test_layout_file_starts_the_two_process_run(expert_parallel_by_layout, two_p
     assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
 
 
-def test_two_nodes_log_what_one_node_of_two_processes_logs(tmp_path, two_processes):
-    # two launchers, one per "node" (here both on this machine), meet at --master-addr:--master-port
-    port, run_dir = str(free_port()), tmp_path / "run"
-    env = cli_env()
-    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(run_dir),
-                               "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node", "1", "--master-addr",
-                               "127.0.0.1", "--master-port", port], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.PIPE, text=True) for r in (1, 0)]
-    errors = [node.communicate(timeout=180)[1] for node in nodes]
-    assert [node.returncode for node in nodes] == [0, 0], [e[-3000:] for e in errors]
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [_perf_free(line) for line in lines] == [_perf_free(line) for line in two_processes]
-
-
 def test_expert_parallel_two_processes_log_what_fsdp_logs(expert_parallel_by_layout, two_processes):
     # EP=2 (experts sharded, the rest replicated) and FSDP on 2 ranks both take the step one process
     # takes on the ranks' two micro-batches (test_expert_parallel.py, test_fsdp.py): the same run
@@ -274,11 +261,30 @@ def test_pipeline_parallel_refuses_before_starting(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before any process or run directory
 
 
-def test_resume_on_two_processes_continues_the_unbroken_run(tmp_path, two_processes):
-    first = ["--nproc-per-node", "2", "--save", str(tmp_path / "save")]
-    _train(tmp_path / "first", *first, "--num-rollout", "1", "--master-port", str(free_port()))
-    assert (tmp_path / "save" / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
-    resumed = _train(tmp_path / "resumed", "--nproc-per-node", "2", "--load", str(tmp_path / "save"),
+def _without_end_eval(line: dict) -> dict:
+    """A run's last metrics line without the eval that a run's end adds (an unbroken longer run's line
+    for that rollout has none at --eval-interval 2)."""
+    return {k: v for k, v in line.items() if not k.startswith("eval/")}
+
+
+def test_two_nodes_save_and_two_processes_resume_the_unbroken_run(tmp_path, two_processes):
+    """The 2-process run in two halves: its first rollout started by two launchers, one per "node" (here
+    both on this machine, meeting at --master-addr:--master-port), saved; its second resumed from that save
+    by one launcher of 2 processes. Together they log the unbroken 2-process run's lines."""
+    port, run_dir, save = str(free_port()), tmp_path / "first", tmp_path / "save"
+    nodes = [subprocess.Popen([sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(run_dir),
+                               "--num-rollout", "1", "--save", str(save), "--nnodes", "2", "--node-rank", str(r),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port],
+                              env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for r in (1, 0)]
+    errors = [node.communicate(timeout=180)[1] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], [e[-3000:] for e in errors]
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    halves = [first[0], _without_end_eval(first[1])]
+    assert len(first) == 2 and _first_difference(two_processes[:2], halves) is None, \
+        _first_difference(two_processes[:2], halves)
+    assert (save / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
+    resumed = _train(tmp_path / "resumed", "--nproc-per-node", "2", "--load", str(save),
                      "--master-port", str(free_port()))
     assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
     assert _perf_free(resumed[0]) == _perf_free(two_processes[-1])
