@@ -6,7 +6,7 @@
     python benchmarks/train_throughput.py --config 1b --true-on-policy          # + its cost, as a ratio
     python benchmarks/train_throughput.py --config 1b --cuda-graphs             # + forward / backward graphed
     python benchmarks/train_throughput.py --config 1b --compile-backend inductor --cuda-graphs   # compiled, graphed
-    python benchmarks/train_throughput.py --config 1b --cuda-graphs --triton-adamw   # + the one-pass optimiser
+    python benchmarks/train_throughput.py --config 1b --cuda-graphs --fused-adamw    # + torch's fused AdamW passes
     python benchmarks/train_throughput.py --config 1b --cuda-graphs --index-kernel   # + the indexer's scores kernel
     python benchmarks/train_throughput.py --config 1b --kernel-rows none flash_attention triton_norm \
         triton_rope triton_combine fused_logprobs        # + rows with none / each of the trainer's kernels
@@ -168,7 +168,7 @@ def timed(step, args) -> tuple[float, object]:
 
 def lockstep_trainer(config, state: dict[str, torch.Tensor], args, backend: str | None,
                      true_on_policy: bool = False, kernels: tuple[str, ...] | None = None,
-                     cuda_graphs: bool = False, triton_adamw: bool = False) -> Trainer:
+                     cuda_graphs: bool = False, triton_adamw: bool | None = None) -> Trainer:
     with torch.device(args.device):  # built where it runs: a 1b model's CPU init would take longer than the steps
         model = DeepseekV4ForCausalLM(config)
     model.load_state_dict(state)  # copies: the optimiser's in-place updates leave `state` as it was
@@ -216,7 +216,8 @@ def graph_breaks() -> str:
 
 
 def run_lockstep(config, state: dict[str, torch.Tensor], samples: list[Sample], args, backend: str | None,
-                 kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False, triton_adamw: bool = False) -> dict:
+                 kernels: tuple[str, ...] | None = None, cuda_graphs: bool = False,
+                 triton_adamw: bool | None = None) -> dict:
     reset_peak(args.device)
     torch._dynamo.utils.counters.clear()
     trainer = lockstep_trainer(config, state, args, backend, kernels=kernels, cuda_graphs=cuda_graphs,
@@ -330,8 +331,9 @@ def parse_args(argv=None):
     ap.add_argument("--index-kernel", action="store_true",
                     help="one more row: the C4 indexer's scores through the Triton kernel (KernelSwitches.triton_index, "
                          "set as LOCKSTEP_TRITON_INDEX=1 for the row; with the CUDA graphs where --cuda-graphs is given)")
-    ap.add_argument("--triton-adamw", action="store_true",
-                    help="one more row: TrainConfig.triton_adamw (with the CUDA graphs where --cuda-graphs is given)")
+    ap.add_argument("--fused-adamw", action="store_true",
+                    help="one more row: TrainConfig.triton_adamw=False, torch's fused AdamW passes instead of the "
+                         "one-pass Triton update (with the CUDA graphs where --cuda-graphs is given)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--true-on-policy", action="store_true",
                     help="TrainConfig.true_on_policy against the eager default, both resident, steps "
@@ -390,11 +392,11 @@ def main(argv=None) -> None:
         result["lockstep"]["index_kernel"] = f = figures(run, args, flops_per_token, peak_tflops)
         labels["index_kernel"] = ("cuda graphs + " if args.cuda_graphs else "") + "index kernel"
         print(line(f"lockstep train_step ({labels['index_kernel']})", f, args, peak_tflops), flush=True)
-    if args.triton_adamw:
-        run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs, triton_adamw=True)
-        result["lockstep"]["triton_adamw"] = f = figures(run, args, flops_per_token, peak_tflops)
-        labels["triton_adamw"] = ("cuda graphs + " if args.cuda_graphs else "") + "triton adamw"
-        print(line(f"lockstep train_step ({labels['triton_adamw']})", f, args, peak_tflops), flush=True)
+    if args.fused_adamw:
+        run = run_lockstep(config, state, samples, args, None, cuda_graphs=args.cuda_graphs, triton_adamw=False)
+        result["lockstep"]["fused_adamw"] = f = figures(run, args, flops_per_token, peak_tflops)
+        labels["fused_adamw"] = ("cuda graphs + " if args.cuda_graphs else "") + "fused adamw"
+        print(line(f"lockstep train_step ({labels['fused_adamw']})", f, args, peak_tflops), flush=True)
     for switches in args.kernel_rows:
         run = run_lockstep(config, state, samples, args, None,
                            kernels=() if switches == "none" else tuple(switches.split("+")))

@@ -64,19 +64,22 @@ def test_the_cuda_graphs_rows_reach_the_train_config():
     assert grpo_step._train_config(grpo_step._configs()["cpu-tiny"], cuda_graphs=True).train_cuda_graphs
 
 
-def test_the_triton_adamw_row_reaches_the_optimizer():
-    """train_throughput --triton-adamw builds its trainer with TrainConfig.triton_adamw, which the
-    optimiser takes."""
+def test_the_fused_adamw_row_reaches_the_optimizer():
+    """train_throughput --fused-adamw builds its trainer with TrainConfig.triton_adamw=False, which the
+    optimiser takes; the other rows take the default (None: the Triton update on CUDA)."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
         import train_throughput
     finally:
         sys.path.pop(0)
-    args = train_throughput.parse_args(["--config", "cpu-tiny", "--triton-adamw"])
+    args = train_throughput.parse_args(["--config", "cpu-tiny", "--fused-adamw"])
+    assert args.fused_adamw
     config = train_throughput.model_config("cpu-tiny")
-    trainer = train_throughput.lockstep_trainer(config, train_throughput.initial_weights(config, 0), args, None,
-                                                triton_adamw=args.triton_adamw)
-    assert trainer.config.triton_adamw and trainer.optimizer.triton
+    state = train_throughput.initial_weights(config, 0)
+    trainer = train_throughput.lockstep_trainer(config, state, args, None, triton_adamw=False)
+    assert trainer.config.triton_adamw is False and trainer.optimizer.triton is False
+    default = train_throughput.lockstep_trainer(config, state, args, None)
+    assert default.config.triton_adamw is None and default.optimizer.triton is None
 
 
 def test_scaling_plans_each_count_as_told(tmp_path):
@@ -131,7 +134,7 @@ def rows_of_train_throughput(monkeypatch, row, flags: list[str]) -> None:
     finally:
         sys.path.pop(0)
 
-    def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=False):
+    def run(config, state, samples, args, backend, kernels=None, cuda_graphs=False, triton_adamw=None):
         row(backend, cuda_graphs)
         return {"seconds": 1.0, "peak_bytes": 0, "grad_norm": 0.5}
 
@@ -181,6 +184,6 @@ def test_the_index_kernel_row_sets_the_switch_for_that_row_only(monkeypatch, cap
     seen = []
     monkeypatch.delenv("LOCKSTEP_TRITON_INDEX", raising=False)
     rows_of_train_throughput(monkeypatch, lambda *_: seen.append(bool(KernelSwitches().on("triton_index"))),
-                             ["--index-kernel", "--triton-adamw"])
+                             ["--index-kernel", "--fused-adamw"])
     assert seen == [False, True, False] and "LOCKSTEP_TRITON_INDEX" not in os.environ
     assert "lockstep train_step (index kernel):" in capsys.readouterr().out

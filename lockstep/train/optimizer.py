@@ -75,7 +75,7 @@ class MasterAdamW:
 
     def __init__(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], *, lr: float = 1e-6,
                  betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-8, weight_decay: float = 0.0,
-                 offload: bool = False, data_parallel: DataParallel | None = None, triton: bool = False):
+                 offload: bool = False, data_parallel: DataParallel | None = None, triton: bool | None = False):
         self.lr, self.betas, self.eps, self.weight_decay = lr, betas, eps, weight_decay
         self.offload = offload
         self.triton = triton  # the update as adamw_triton's multi-tensor kernel where it runs

@@ -45,6 +45,16 @@ def test_matches_torch_adamw_with_clipping_and_decay():
     assert ours.slots["0.weight"].aliased  # fp32, not offloaded: no copy
 
 
+def _close_to_fp32_rounding(got: torch.Tensor, want: torch.Tensor, ulps: int = 8) -> None:
+    """Within `ulps` fp32 ulps of the tensor's largest magnitude: the Triton update and torch's fused one
+    round (and contract into FMAs) differently on a GPU, and a master that an update brings near zero
+    keeps the absolute error of its 0.1-sized operands (2.6 ulps of 0.1 over two steps on an H200,
+    2026-12-04: 1e-3 relative to the small value). A wrong formula (a bias correction, the decay) moves
+    elements by ~1e-3 of the scale."""
+    atol = ulps * torch.finfo(torch.float32).eps * want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=0, atol=atol)
+
+
 def _op_by_op(w, m, v, g, step, lr, b1, b2, eps, wd):
     """The update of optimizer.py's docstring, one op at a time (MasterAdamW's before the fused kernel)."""
     w.mul_(1 - lr * wd)
@@ -202,7 +212,7 @@ def test_the_triton_update_agrees_with_the_fused_passes(dtype):
             opt.step(max_grad_norm=0.5)
     for (name, a), b in zip(nets[0].named_parameters(), nets[1].parameters()):
         for want, got in zip(*((o.slots[name].master, o.slots[name].exp_avg, o.slots[name].exp_avg_sq) for o in opts)):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-8)
+            _close_to_fp32_rounding(got, want)
         assert torch.equal(b, opts[1].slots[name].master.to(dtype))
     before = [p.detach().clone() for p in nets[1].parameters()]
     moments = [s.exp_avg.clone() for s in opts[1].slots.values()]
@@ -240,7 +250,7 @@ def test_one_triton_launch_updates_every_chunk_of_every_tensor_once():
     for name in opts[0].slots:
         want, got = opts[0].slots[name], opts[1].slots[name]
         for a, b in ((want.master, got.master), (want.exp_avg, got.exp_avg), (want.exp_avg_sq, got.exp_avg_sq)):
-            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-8)
+            _close_to_fp32_rounding(b, a)
         assert torch.equal(got.param, got.master.to(got.param.dtype))
 
 
