@@ -39,9 +39,9 @@ def _no_unasserted_overflow_checks() -> None:
     """The interpreter (Triton 3.9) evaluates an overflow check of every 32-bit integer add, sub
     and mul (widened to int64, compared with both bounds) and then drops it: the check is asserted in
     debug mode only, which its options keep off (a compiled kernel's unasserted checks are dead code
-    the GPU compiler removes). The checks were ~25% of the interpreted kernels' time in the CPU tests
-    (the index arithmetic of every program: a whole-rows test 66 -> 57 s on 2 cores). A Triton
-    without these options keeps its own."""
+    the GPU compiler removes). The checks were ~25% of the interpreted kernels' time in a whole-rows
+    CPU test (py-spy: the index arithmetic of every program; the test 66 -> 57 s on 2 cores). A
+    Triton without these options keeps its own."""
     import dataclasses
 
     from triton.runtime import interpreter

@@ -54,7 +54,10 @@ def test_an_uncompiled_engine_loads_no_compiler_and_a_compilation_marks_its_tens
     done = subprocess.run([sys.executable, "-c", SAMPLES_THEN_COMPILES], env=cli_env(), capture_output=True, text=True,
                           timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["3", "False", "[0]"], done.stdout
+    tokens, dynamo_loaded, marked = done.stdout.split()
+    assert tokens == "3" and marked == "[0]", done.stdout
+    gpu_build = torch.version.cuda is not None or torch.version.hip is not None
+    assert dynamo_loaded == "False" or gpu_build, done.stdout  # a GPU build loads it with the kernels' ops
 
 
 def test_a_mode_never_entered_traces_off_without_its_hook():

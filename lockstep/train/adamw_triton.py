@@ -26,8 +26,8 @@ Per element, in fp32, torch's fused AdamW's order of operations (ADAMW mode):
 nothing written where found_inf is 1 (the skipped step), as torch's kernel. The divisions and the
 square root correctly rounded, as torch's (Triton's `/` is an approximate division on a GPU). Equal
 to torch's to fp32 rounding (tests/train/test_optimizer.py, under the interpreter on the CPU and on
-an H200, where the two order and contract the operations differently: masters up to 2.6 fp32 ulps of
-their 0.1 scale apart after two steps).
+an H200, where the two order and contract the operations differently: masters up to 10 fp32 ulps of
+their scale apart after three steps).
 """
 
 from __future__ import annotations

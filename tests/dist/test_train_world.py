@@ -47,9 +47,9 @@ to its own longest sample: with the 172-token budget both pack each step's 16 sa
 two micro-batches of 8, and each holds a sample of the step's longest length (the 4 x 21 + 4 x 22
 above), so both pad them to [8, 22] and run the same GEMMs (checked: 2 micro-batches in both).
 That run takes its flags from `lockstep plan --colocate --json`'s entry (`--layout`), the plan's
-memory per stage and phase set against its per-rank peaks. Resumed on PP=2 from a PP=2 save (the one-process checkpoint, written by stage 0), its last rollout
-logs the unbroken PP run's metrics. A PP other than the trainer ranks is refused before any process
-starts.
+memory per stage and phase set against its per-rank peaks. Resumed on PP=2 from a PP=2 save (the
+one-process checkpoint, written by stage 0), its last rollout logs the unbroken PP run's metrics.
+A PP other than the trainer ranks is refused before any process starts.
 
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
 rank and the operation (at once for an exit, at --distributed-timeout for a hang).
