@@ -47,8 +47,8 @@ to its own longest sample: with the 172-token budget both pack each step's 16 sa
 two micro-batches of 8, and each holds a sample of the step's longest length (the 4 x 21 + 4 x 22
 above), so both pad them to [8, 22] and run the same GEMMs (checked: 2 micro-batches in both).
 That run takes its flags from `lockstep plan --colocate --json`'s entry (`--layout`), the plan's
-memory per stage and phase set against its per-rank peaks. Resumed on PP=2 from a PP=2 save (the
-one-process checkpoint, written by stage 0), its last rollout logs the unbroken PP run's metrics.
+memory per stage and phase set against its per-rank peaks, and runs in two halves: its first rollout
+saved (the one-process checkpoint, written by stage 0), its second resumed on PP=2 from that save.
 A PP other than the trainer ranks is refused before any process starts.
 
 A peer that exits mid-run, or hangs, ends the run on the other rank with DistributedError naming the
@@ -203,27 +203,35 @@ def colocated_plan() -> dict:
 
 
 @pytest.fixture(scope="module")
-def pipeline_two(tmp_path_factory, colocated_plan) -> list[dict]:
-    """The pipeline run, its flags read from the plan's JSON (`lockstep train --layout`): one run for the
-    two claims (each 2-process start is ~20 s)."""
+def pipeline_two(tmp_path_factory, colocated_plan) -> dict:
+    """The pipeline run in two halves, its flags read from the plan's JSON (`lockstep train --layout`):
+    its first rollout, saved, then its second resumed from that save; one pair of runs for the claims
+    below (each 2-process start is ~20 s). -> first and resumed (each run's lines), lines (the halves'
+    lines as one run's: the first half's end eval and the second's data line aside), save (the directory)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
     (run_dir / "plan.json").write_text(json.dumps([colocated_plan]))
-    lines = _train(run_dir, "--layout", str(run_dir / "plan.json"), "--master-port", str(free_port()))
-    train = json.loads((run_dir / "config.json").read_text())["train"]
+    layout = ["--layout", str(run_dir / "plan.json")]
+    first = _train(run_dir / "first", *layout, "--num-rollout", "1", "--save", str(run_dir / "save"),
+                   "--master-port", str(free_port()))
+    train = json.loads((run_dir / "first" / "config.json").read_text())["train"]
     assert (train["pipeline_model_parallel_size"], train["decoder_last_pipeline_num_layers"]) == (2, 1)
-    return lines
+    resumed = _train(run_dir / "resumed", *layout, "--load", str(run_dir / "save"), "--master-port", str(free_port()))
+    assert len(first) == 2 and len(resumed) == 1
+    lines = [first[0], _without_end_eval(first[1]), {k: v for k, v in resumed[0].items() if k != "data/skipped_rows"}]
+    return {"first": first, "resumed": resumed, "lines": lines, "save": run_dir / "save"}
 
 
 def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process, pipeline_two):
     # the same two micro-batches, padded to the same [8, 22] on both sides (module docstring)
-    assert [line["train/num_microbatches"] for line in pipeline_two if "train/step" in line] == [2.0] * 2
-    assert _first_difference(one_process, pipeline_two) is None, _first_difference(one_process, pipeline_two)
+    lines = pipeline_two["lines"]
+    assert [line["train/num_microbatches"] for line in lines if "train/step" in line] == [2.0] * 2
+    assert _first_difference(one_process, lines) is None, _first_difference(one_process, lines)
 
 
 def test_a_colocated_plan_gives_the_pipeline_run_its_flags(colocated_plan, pipeline_two):
     """`lockstep plan --colocate`'s flags are the pipeline run's (the run above took them from its JSON),
     and its memory per stage and phase is set against the run's per-rank peaks."""
-    entry, lines = colocated_plan, pipeline_two
+    entry, lines = colocated_plan, pipeline_two["lines"]
     assert entry["colocate"] and entry["feasible"] and entry["stage_layers"] == [3, 1]
     assert entry["train_flags"] == ["--nnodes", "1", *PIPELINE[:2], "--max-tokens-per-gpu", "172", *PIPELINE[2:]]
     # the plan per stage and phase against the run's per-rank peaks (stage s on rank s here)
@@ -238,16 +246,14 @@ def test_a_colocated_plan_gives_the_pipeline_run_its_flags(colocated_plan, pipel
         assert r.planned_gb == {"rollout": phases["generate"], "weight_sync": phases["push"], "train": train}[r.phase]
 
 
-def test_pipeline_parallel_resume_continues_the_unbroken_run(tmp_path, pipeline_two):
-    _train(tmp_path / "first", *PIPELINE, "--num-rollout", "1", "--save", str(tmp_path / "save"),
-           "--master-port", str(free_port()))
+def test_pipeline_parallel_resume_continues_the_unbroken_run(one_process, pipeline_two):
     # the one-process files, written by stage 0, and stage 1's RNG states
-    assert sorted(p.name for p in (tmp_path / "save" / "trainer").iterdir()) == \
+    assert sorted(p.name for p in (pipeline_two["save"] / "trainer").iterdir()) == \
         ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
-    resumed = _train(tmp_path / "resumed", *PIPELINE, "--load", str(tmp_path / "save"), "--master-port", str(free_port()))
-    assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
-    assert resumed[0]["train/step"] == 2.0
-    assert _perf_free(resumed[0]) == _perf_free(pipeline_two[-1])
+    resumed = dict(pipeline_two["resumed"][0])
+    assert resumed.pop("data/skipped_rows") == 0.0  # each run's first line has it
+    assert resumed["train/step"] == 2.0
+    assert _perf_free(resumed) == _perf_free(one_process[-1])
 
 
 def test_pipeline_parallel_refuses_before_starting(tmp_path, capsys):
