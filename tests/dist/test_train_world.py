@@ -206,8 +206,8 @@ def colocated_plan() -> dict:
 def pipeline_two(tmp_path_factory, colocated_plan) -> dict:
     """The pipeline run in two halves, its flags read from the plan's JSON (`lockstep train --layout`):
     its first rollout, saved, then its second resumed from that save; one pair of runs for the claims
-    below (each 2-process start is ~20 s). -> first and resumed (each run's lines), lines (the halves'
-    lines as one run's: the first half's end eval and the second's data line aside), save (the directory)."""
+    below (each 2-process start is ~20 s). -> resumed (the second run's lines), lines (the halves' lines as
+    one run's: the first half's end eval and the second's data line aside), save (the directory)."""
     run_dir = tmp_path_factory.mktemp("pipeline")
     (run_dir / "plan.json").write_text(json.dumps([colocated_plan]))
     layout = ["--layout", str(run_dir / "plan.json")]
@@ -218,7 +218,7 @@ def pipeline_two(tmp_path_factory, colocated_plan) -> dict:
     resumed = _train(run_dir / "resumed", *layout, "--load", str(run_dir / "save"), "--master-port", str(free_port()))
     assert len(first) == 2 and len(resumed) == 1
     lines = [first[0], _without_end_eval(first[1]), {k: v for k, v in resumed[0].items() if k != "data/skipped_rows"}]
-    return {"first": first, "resumed": resumed, "lines": lines, "save": run_dir / "save"}
+    return {"resumed": resumed, "lines": lines, "save": run_dir / "save"}
 
 
 def test_pipeline_parallel_two_stages_log_the_metrics_of_one_process(one_process, pipeline_two):
