@@ -14,17 +14,23 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    two buckets are in flight at once (packing bucket i+1 overlaps broadcasting bucket i). Every
    trainer rank takes the bucket's tensors from its iterator at the same point, so FSDP's gathers
    inside `named_weights()` stay in step. Engines keep each bucket's tensors as views of it and run
-   `engine.weight_update.validate_update` on them: this is the staging.
+   `engine.weight_update.validate_update` on them: this is the staging. Where every rank is on one
+   host and the weight group is gloo (ranks sharing a GPU, or CPU ranks), the "shared" transport
+   (shared_buckets.py) replaces the broadcast: the source packs into shared memory (CUDA IPC on a
+   GPU) and broadcasts only its handle on the control group; engines stage views of the mapping.
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
    re-quantises to its serving format, re-fuses and flushes its caches; otherwise every rank keeps
    the old version and raises `WeightPushError` naming the failed ranks. A sender that fails
    mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
-5. Engines resume (in `finally`: a failed push never leaves an engine paused, slime#2371).
+5. Staged views and mappings are dropped; with the shared transport the source frees its buckets
+   after a barrier (every engine has written). Engines resume (in `finally`: a failed push never
+   leaves an engine paused, slime#2371).
 
 A dead or hung peer surfaces as `DistributedError` (groups.collective) naming rank and step.
-Staging holds one extra copy of the pushed weights on each engine (the received buckets); engines
-whose memory cannot hold it need the KV cache freed first (sglang#8076) -- not done yet.
+Staging holds one extra copy of the pushed weights on each engine (the received buckets; with the
+shared transport on the source instead); engines whose memory cannot hold it need the KV cache
+freed first (sglang#8076) -- not done yet.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
+from lockstep.dist.shared_buckets import MappedBucket, SharedBucket, resolve_transport
 from lockstep.engine.weight_update import check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
@@ -135,10 +142,10 @@ def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: 
     return out
 
 
-def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], device) -> torch.Tensor:
-    buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=device)
+def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+    buf.zero_()  # alignment gaps between tensors: the bytes a receiver gets do not depend on the allocator
     for (_, view), t in zip(_views(manifest, bucket, buf), tensors):
-        view.copy_(t.detach().to(device=device, dtype=view.dtype))
+        view.copy_(t.detach().to(device=buf.device, dtype=view.dtype))
     return buf
 
 
@@ -151,13 +158,21 @@ def _engine_share(engine, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[s
 
 
 class _Stream:
-    """One rank's side of the bucket broadcasts; remembers the first local failure instead of
-    stopping, so the collectives of every rank stay matched up to the vote."""
+    """One rank's side of the bucket transfers; remembers the first local failure instead of
+    stopping, so the collectives of every rank stay matched up to the vote.
 
-    def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str):
+    transport "broadcast": each bucket broadcast on the weight group, two in flight (packing bucket
+    i + 1 overlaps broadcasting bucket i); "shared" (shared_buckets.py, one host): the source packs
+    into shared memory and broadcasts its handle on the control group, engines stage mapped views."""
+
+    def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str,
+                 transport: str):
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
+        self.transport = transport
         self.tensors = iter(named_tensors) if named_tensors is not None else None
         self.staged: list[tuple[str, torch.Tensor]] = []
+        self.shared: list[SharedBucket] = []  # the source's buckets, kept until every rank has written
+        self.mapped: list[MappedBucket] = []  # an engine's mappings of them
         self.error: BaseException | None = None
         if engine is not None:
             try:  # a stale version is a staging failure: voted on, not discovered after the vote
@@ -165,21 +180,17 @@ class _Stream:
             except ValueError as e:
                 self.error = e
 
-    def source_buffer(self, bucket: Bucket) -> torch.Tensor | None:
-        """Take the bucket from the iterator (every trainer rank); pack it on the source rank."""
-        tensors = None
-        if self.tensors is not None and self.error is None:
-            try:
-                tensors = _take(self.tensors, self.manifest, bucket, self.ctx.rank, self.op)
-            except DistributedError:
-                raise  # a trainer peer is gone: there is no one to vote with
-            except (ManifestMismatch, RuntimeError) as e:  # e.g. a trainer whose weights are not the manifest's
-                self.error = e
-        if self.ctx.rank != self.ctx.weight_src:
+    def source_tensors(self, bucket: Bucket) -> list[torch.Tensor] | None:
+        """Take the bucket from the iterator (every trainer rank); None once this rank has failed."""
+        if self.tensors is None or self.error is not None:
             return None
-        if tensors is None:  # failed earlier: zeros keep the receivers in step until the vote
-            return torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
-        return _pack(self.manifest, bucket, tensors, self.device)
+        try:
+            return _take(self.tensors, self.manifest, bucket, self.ctx.rank, self.op)
+        except DistributedError:
+            raise  # a trainer peer is gone: there is no one to vote with
+        except (ManifestMismatch, RuntimeError) as e:  # e.g. a trainer whose weights are not the manifest's
+            self.error = e
+            return None
 
     def stage(self, bucket: Bucket, buf: torch.Tensor) -> None:
         if self.engine is None or self.error is not None:
@@ -193,14 +204,22 @@ class _Stream:
         self.staged.extend(pairs)
 
     def run(self) -> None:
+        if self.transport == "shared":
+            self._run_shared()
+        else:
+            self._run_broadcast()
+
+    def _run_broadcast(self) -> None:
         n = len(self.manifest.buckets)
         in_flight = None  # (work, buffer, index): bucket i's broadcast overlaps packing bucket i + 1
         for b, bucket in enumerate(self.manifest.buckets):
-            buf = self.source_buffer(bucket)
+            tensors = self.source_tensors(bucket)
             if self.ctx.weight_group is None:
                 continue  # a trainer rank that is not the source: it only kept its gathers in step
-            if buf is None:
-                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
+            if self.ctx.rank == self.ctx.weight_src:
+                # the source's zeros after a failure keep the receivers in step until the vote
+                _pack(self.manifest, bucket, tensors, buf) if tensors is not None else buf.zero_()
             with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
                 work = dist.broadcast(buf, src=self.ctx.weight_src, group=self.ctx.weight_group, async_op=True)
             self._finish(in_flight, n)
@@ -213,6 +232,39 @@ class _Stream:
         work, buf, b = in_flight
         self.ctx.wait(work, f"{self.op}: broadcast bucket {b + 1}/{n}")
         self.stage(self.manifest.buckets[b], buf)
+
+    def _run_shared(self) -> None:
+        n = len(self.manifest.buckets)
+        for b, bucket in enumerate(self.manifest.buckets):
+            tensors = self.source_tensors(bucket)
+            handle = [None]  # the source's None after a failure: nothing to stage, the vote aborts
+            if self.ctx.rank == self.ctx.weight_src and tensors is not None:
+                shared = SharedBucket(bucket.nbytes, self.device)
+                self.shared.append(shared)
+                _pack(self.manifest, bucket, tensors, shared.tensor)
+                _drain(self.device)  # packed before any reader maps it
+                handle = [shared.handle()]
+            with self.ctx.collective(f"{self.op}: share bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
+                dist.broadcast_object_list(handle, src=self.ctx.weight_src, group=self.ctx.control_group)
+            if self.engine is not None and handle[0] is not None and self.ctx.rank != self.ctx.weight_src:
+                mapped = MappedBucket(handle[0])
+                self.mapped.append(mapped)
+                self.stage(bucket, mapped.tensor)
+            elif self.engine is not None and self.shared:  # the source serves too: its own bucket
+                self.stage(bucket, self.shared[-1].tensor)
+
+    def release(self, every_rank_here: bool) -> None:
+        """Drop the staged views and mappings; the source frees its buckets once every rank has
+        (`every_rank_here`: a barrier first; after a failed collective the peers are not waited for)."""
+        self.staged = []
+        for m in self.mapped:
+            m.close()
+        self.mapped = []
+        if self.transport == "shared" and every_rank_here:
+            self.ctx.barrier(f"{self.op}: release shared buckets")
+        for s in self.shared:
+            s.release()
+        self.shared = []
 
 
 # ---- commit ----------------------------------------------------------------------------------
@@ -227,10 +279,11 @@ def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
 
 
 def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, named_tensors=None, engine=None,
-                 device: torch.device | None = None) -> dict[str, float]:
+                 device: torch.device | None = None, transport: str = "auto") -> dict[str, float]:
     """One push (module docstring), called on every rank. The source rank must pass `version` and
-    `named_tensors`; engine ranks may pass version None (they take the header's). Returns metrics
-    `perf/weight_sync_time` (s) and `perf/weight_sync_bytes` (bytes broadcast)."""
+    `named_tensors`; engine ranks may pass version None (they take the header's). `transport`:
+    broadcast | shared | auto (shared_buckets.resolve_transport; every rank passes the same).
+    Returns metrics `perf/weight_sync_time` (s) and `perf/weight_sync_bytes` (bytes pushed)."""
     start = time.perf_counter()
     device = device or ctx.device
     if ctx.rank == ctx.weight_src and (named_tensors is None or version is None):
@@ -242,16 +295,21 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
         op = f"weight push v{header[0]}"
         _check_manifest(ctx, manifest, version, header, op)
         version = header[0]
-        stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op)
-        stream.run()
-        failed = _vote(ctx, stream.error, op)
+        stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport))
+        every_rank_here = False
+        try:
+            stream.run()
+            failed = _vote(ctx, stream.error, op)
+            if not failed and engine is not None:
+                engine.update_weights(stream.staged, version)
+            _drain(device)
+            every_rank_here = True
+        finally:
+            stream.release(every_rank_here)
         if failed:
             mine = f"this rank: {stream.error}" if stream.error is not None else "this rank staged everything"
             kept = f"; engines keep version {engine.weight_version}" if engine is not None else ""
             raise WeightPushError(f"rank {ctx.rank}: {op} aborted, rank(s) {failed} failed to pack or stage "
                                   f"({mine}){kept}") from stream.error
-        if engine is not None:
-            engine.update_weights(stream.staged, version)
-        _drain(device)
     pushed = manifest.total_bytes if ctx.weight_group is not None else 0
     return {"perf/weight_sync_time": time.perf_counter() - start, "perf/weight_sync_bytes": float(pushed)}

@@ -6,6 +6,9 @@
 (e) a manifest mismatch raises on both ranks naming the first differing tensor; a peer killed
     mid-push makes the survivor raise DistributedError naming its rank and the step, in seconds.
 
+Both transports run: "broadcast" (buckets over the weight group) and "shared" (shared_buckets.py:
+the source's bucket handed over by handle, shared memory on the CPU, CUDA IPC on a GPU; the default
+where every rank is on one host and the weight group is gloo); no shared segment outlives a push.
 The push and the dead-peer tests run on the CPU over gloo (fp32, as CI runs them) and, with
 LOCKSTEP_TEST_DEVICE=cuda on 2 GPUs, over NCCL (dist_world.world_devices): trainer on cuda:0 in bf16
 (the wire carries bf16, fp32 where the model keeps fp32), engine on cuda:1 in bf16, eager (no decode
@@ -75,17 +78,17 @@ def state(e):
     return {k: v.clone() for k, v in e.model.state_dict().items()}
 
 
-def _push_world(rank):
+def _push_world(rank, transport):
     ctx = init_distributed(30.0, config=DISAGGREGATED)
     dev, wire = ctx.device, getattr(torch, dtype_of(ctx.device))
     if rank == 0:
         trainer = new_policy(dev)
         manifest = build_manifest(trainer.model, wire, BUCKET)
-        metrics = [push_weights(ctx, manifest, v, named_tensors=trainer.named_weights())
+        metrics = [push_weights(ctx, manifest, v, named_tensors=trainer.named_weights(), transport=transport)
                    for v in range(1, len(FORMATS) + 1)]
         bad = [(n, t.clone().fill_(float("nan")) if n == BIAS else t) for n, t in trainer.named_weights()]
         try:
-            push_weights(ctx, manifest, len(FORMATS) + 1, named_tensors=bad)
+            push_weights(ctx, manifest, len(FORMATS) + 1, named_tensors=bad, transport=transport)
         except Exception as e:
             return {"metrics": metrics, "nan_error": f"{type(e).__name__}: {e}", "buckets": len(manifest.buckets)}
         return {"metrics": metrics, "nan_error": None}
@@ -97,14 +100,14 @@ def _push_world(rank):
         reference.update_weights(new.items(), version=v)  # the in-process path
         poison(pushed)
         manifest = build_manifest(pushed.model, wire, BUCKET)
-        out["metrics"].append(push_weights(ctx, manifest, None, engine=pushed))
+        out["metrics"].append(push_weights(ctx, manifest, None, engine=pushed, transport=transport))
         ref = reference.model.state_dict()
         out["differs"][fmt] = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
         out["versions"].append(pushed.weight_version)
         out["n_tensors"] = len(ref)
     before = state(pushed)
     try:
-        push_weights(ctx, manifest, None, engine=pushed)
+        push_weights(ctx, manifest, None, engine=pushed, transport=transport)
     except Exception as e:
         out["nan_error"] = f"{type(e).__name__}: {e}"
     out["kept"] = all(torch.equal(t, before[n]) for n, t in pushed.model.state_dict().items())
@@ -112,12 +115,21 @@ def _push_world(rank):
     return out
 
 
+def shared_segments() -> set[str]:
+    """Python's shared-memory segments on this host (what a CPU shared push allocates)."""
+    shm = Path("/dev/shm")
+    return {p.name for p in shm.glob("psm_*")} if shm.is_dir() else set()
+
+
+@pytest.mark.parametrize("transport", ["shared", "broadcast"])
 @pytest.mark.parametrize("device", world_devices())
-def test_push_equals_in_process_update_in_every_format(device):
-    r0, r1 = run_world(_push_world, 2, guard_s=120 if device == "cpu" else 240, device=device)
+def test_push_equals_in_process_update_in_every_format(device, transport):
+    before = shared_segments()
+    r0, r1 = run_world(_push_world, 2, guard_s=120 if device == "cpu" else 240, args=(transport,), device=device)
     assert r0.ok and r1.ok, (r0.error, r1.error)
+    assert shared_segments() <= before  # the source unlinked every bucket, the engine kept no mapping
     if device != "cpu":
-        report(check=f"weight push over NCCL vs in-process update ({device})", differing=r1.value["differs"],
+        report(check=f"weight push ({transport}) vs in-process update ({device})", differing=r1.value["differs"],
                tensors=r1.value["n_tensors"], formats=FORMATS, trainer=r0.value["metrics"],
                engine=r1.value["metrics"], nan_push=r1.value.get("nan_error", "")[:200])
     assert r1.value["differs"] == {f: [] for f in FORMATS}, r1.value["differs"]
@@ -177,7 +189,7 @@ def _exit_after(n_calls, fn):
     return wrapped
 
 
-def _dead_peer_world(rank, dying):
+def _dead_peer_world(rank, dying, transport):
     import lockstep.dist.weight_push as wp
 
     ctx = init_distributed(10.0, config=DISAGGREGATED)
@@ -188,32 +200,34 @@ def _dead_peer_world(rank, dying):
         if dying == 0:  # the trainer dies while gathering its weights, a few buckets in
             die = _exit_after(40, lambda x: x)
             tensors = (die(x) for x in tensors)
-        push_weights(ctx, build_manifest(trainer.model, wire, BUCKET), 1, named_tensors=tensors)
+        push_weights(ctx, build_manifest(trainer.model, wire, BUCKET), 1, named_tensors=tensors, transport=transport)
         return "pushed"
     e = engine(device=dev)
     before = state(e)
     if dying == 1:  # the engine dies while staging its third bucket
         wp.validate_update = _exit_after(3, wp.validate_update)
     try:
-        push_weights(ctx, build_manifest(e.model, wire, BUCKET), None, engine=e)
+        push_weights(ctx, build_manifest(e.model, wire, BUCKET), None, engine=e, transport=transport)
     finally:
         kept = all(torch.equal(t, before[n]) for n, t in e.model.state_dict().items())
         assert kept and e.weight_version == 0 and not e.paused  # nothing committed, serving again
 
 
+@pytest.mark.parametrize("transport", ["shared", "broadcast"])
 @pytest.mark.parametrize("device", world_devices())
 @pytest.mark.parametrize("dying", [0, 1])
-def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device):
-    results = run_world(_dead_peer_world, 2, guard_s=60, args=(dying,), device=device)
+def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport):
+    results = run_world(_dead_peer_world, 2, guard_s=60, args=(dying, transport), device=device)
     dead, alive = results[dying], results[1 - dying]
     if device != "cpu":
-        report(check=f"rank {dying} killed mid-push ({device}), timeout 10s", dead_exitcode=dead.exitcode,
+        report(check=f"rank {dying} killed mid-push ({device}, {transport}), timeout 10s", dead_exitcode=dead.exitcode,
                alive_hung=alive.hung, alive_exitcode=alive.exitcode, alive_elapsed_s=alive.elapsed_s,
                alive_error=(alive.error or "").splitlines()[0] if alive.error else None)
     assert dead.exitcode == 7 and not alive.hung
     assert alive.error_type == "DistributedError", alive.error
     assert alive.error.startswith(f"rank {alive.rank}: weight push v1: "), alive.error
-    assert "broadcast bucket" in alive.error or "commit vote" in alive.error
+    step = "broadcast bucket" if transport == "broadcast" else "share bucket"
+    assert step in alive.error or "commit vote" in alive.error
     # from the rank's start: joining the world and building trainer / engine, then at most the 10 s
     # timeout (NCCL: the wait runs out; gloo: at once when the peer's socket closes)
     assert alive.elapsed_s < (20 if device == "cpu" else 30)

@@ -1,0 +1,107 @@
+"""Weight-push buckets handed over by handle between the processes of one host, not broadcast.
+
+Where the weight group is gloo -- CPU ranks, or ranks sharing one GPU (NCCL refuses two ranks on a
+device) -- a broadcast stages every byte through host memory and a socket: 0.54 s for the 1.7 GB of
+gpu-848m on one H200, 665x a device copy of the same bytes (benchmarks/weight_push.py). Processes
+of one host can map the source's memory instead. The source packs each bucket into memory it can
+share -- on CUDA any device allocation, exported through CUDA IPC as torch.multiprocessing sends a
+CUDA tensor; on the CPU a POSIX shared-memory segment -- and sends only the handle; each engine
+stages views of the mapped bytes and reads them once, when it writes its weights. This is how
+colocated RL stacks hand weights from the training process to the inference server (SGLang's
+`update_weights_from_tensor` takes CUDA IPC handles of flattened buckets; slime's colocated mode).
+
+Lifetime: the source keeps every bucket until every rank has written the update (the release
+barrier in weight_push.py), so the push's one staging copy sits on the source, not on each engine.
+"""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import resource_tracker
+from multiprocessing.shared_memory import SharedMemory
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
+
+TRANSPORTS = ("auto", "broadcast", "shared")
+
+
+def one_host(ctx) -> bool:
+    """Every rank of the world runs on this host (torchrun's LOCAL_WORLD_SIZE is the world's size)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == ctx.world_size
+
+
+def resolve_transport(ctx, requested: str = "auto") -> str:
+    """"shared" or "broadcast" for this world. auto: shared where the weight group would broadcast
+    over gloo (host staging) and every rank is on this host; NCCL's broadcast is kept where it runs."""
+    if requested not in TRANSPORTS:
+        raise ValueError(f"weight push transport must be one of {TRANSPORTS}, got {requested!r}")
+    if requested == "shared" and not one_host(ctx):
+        raise ValueError(f"rank {ctx.rank}: the shared weight-push transport needs every rank on one host "
+                         f"(LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} != world size {ctx.world_size})")
+    if requested != "auto":
+        return requested
+    gloo = ctx.weight_group is not None and dist.get_backend(ctx.weight_group) == "gloo"
+    shared = all_agree(ctx, gloo and one_host(ctx))
+    return "shared" if shared else "broadcast"
+
+
+def all_agree(ctx, flag: bool) -> bool:
+    """Ranks outside the weight group have no say (their flag is True); every rank learns the result."""
+    return ctx.all_true(flag or ctx.weight_group is None, "weight push transport")
+
+
+class SharedBucket:
+    """The source's side: `tensor` (uint8, `nbytes`) to pack into, `handle()` for the others."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        self.nbytes = nbytes
+        self._shm = None
+        if device.type == "cuda":
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        else:
+            self._shm = SharedMemory(create=True, size=max(nbytes, 1))
+            self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+
+    def handle(self) -> tuple:
+        """Picklable: ("cuda", rebuild, args) from torch's CUDA IPC reduction, or ("shm", name, nbytes)."""
+        if self._shm is None:
+            rebuild, args = reduce_tensor(self.tensor)
+            return ("cuda", rebuild, args)
+        return ("shm", self._shm.name, self.nbytes)
+
+    def release(self) -> None:
+        """Free the bucket: every reader has dropped its views (after the release barrier)."""
+        self.tensor = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm.unlink()
+            self._shm = None
+
+
+class MappedBucket:
+    """A reader's side: `tensor`, the source's bucket mapped into this process."""
+
+    def __init__(self, handle: tuple):
+        kind = handle[0]
+        self._shm = None
+        if kind == "cuda":
+            _, rebuild, args = handle
+            self.tensor = rebuild(*args)
+        elif kind == "shm":
+            _, name, nbytes = handle
+            self._shm = SharedMemory(name=name)
+            # Python < 3.13 registers an attached segment with this process's resource tracker,
+            # which would unlink it (and warn of a leak) when this process exits: it is the source's
+            resource_tracker.unregister(self._shm._name, "shared_memory")
+            self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+        else:
+            raise ValueError(f"unknown shared bucket handle kind {kind!r}")
+
+    def close(self) -> None:
+        """Unmap; the caller has dropped every view of `tensor` (a CPU mapping refuses to close otherwise)."""
+        self.tensor = None
+        if self._shm is not None:
+            self._shm.close()
+            self._shm = None
