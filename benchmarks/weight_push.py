@@ -41,6 +41,7 @@ from lockstep.dist.config import DistConfig  # noqa: E402
 from lockstep.dist.groups import Layout, init_distributed, launched  # noqa: E402
 from lockstep.dist.launch import launch  # noqa: E402
 from lockstep.dist.manifest import build_manifest  # noqa: E402
+from lockstep.dist.shared_buckets import TRANSPORTS, resolve_transport  # noqa: E402
 from lockstep.dist.weight_push import push_weights  # noqa: E402
 from lockstep.engine import Engine  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
@@ -52,6 +53,9 @@ def _args():
     p.add_argument("--serving-format", default="bf16", choices=("bf16", "fp8", "fp8-fp4"))
     p.add_argument("--bucket-mib", type=int, default=512)
     p.add_argument("--pushes", type=int, default=3)
+    p.add_argument("--transport", default="auto", choices=TRANSPORTS,
+                   help="broadcast over the weight group, or shared memory handed over by handle (CUDA IPC on a "
+                        "GPU; lockstep/dist/shared_buckets.py); auto: shared where both ranks share this host over gloo")
     p.add_argument("--packed", action="store_true",
                    help="engine holds fp8 linears and routed experts packed (EngineConfig.packed_fp8 / packed_experts): "
                         "the push quantises into the packed storage")
@@ -106,9 +110,10 @@ def rank_main(args) -> None:
     dtype, device = getattr(torch, bench.dtype), ctx.device
     trainer_model = _weights(bench, device, dtype)
     manifest = build_manifest(trainer_model, dtype, args.bucket_mib * 2 ** 20)
+    transport = resolve_transport(ctx, args.transport)  # every rank: a collective
     if ctx.rank == 0:
         for v in range(1, args.pushes + 1):
-            push_weights(ctx, manifest, v, named_tensors=trainer_model.state_dict().items())
+            push_weights(ctx, manifest, v, named_tensors=trainer_model.state_dict().items(), transport=transport)
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
                        dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
@@ -122,11 +127,12 @@ def rank_main(args) -> None:
         _sync(device)
         in_process = min(in_process, time.perf_counter() - start)
     del trainer_model
-    times = [push_weights(ctx, manifest, None, engine=pushed)["perf/weight_sync_time"] for _ in range(args.pushes)]
+    times = [push_weights(ctx, manifest, None, engine=pushed, transport=transport)["perf/weight_sync_time"]
+             for _ in range(args.pushes)]
     ref = reference.model.state_dict()
     differ = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
     push_s = min(times)
-    print(f"weight push {args.config} {args.serving_format} on {device}: {manifest.total_bytes / 1e6:.1f} MB in "
+    print(f"weight push {args.config} {args.serving_format} on {device} ({transport}): {manifest.total_bytes / 1e6:.1f} MB in "
           f"{len(manifest.buckets)} buckets; push {push_s:.3f} s (best of {len(times)}, "
           f"{manifest.total_bytes / push_s / 1e9:.2f} GB/s) vs in-process update {in_process:.3f} s (best): "
           f"ratio {push_s / in_process:.2f}; tensors differing from the in-process update: {len(differ)} "

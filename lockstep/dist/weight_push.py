@@ -144,8 +144,8 @@ def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: 
 
 def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
     buf.zero_()  # alignment gaps between tensors: the bytes a receiver gets do not depend on the allocator
-    for (_, view), t in zip(_views(manifest, bucket, buf), tensors):
-        view.copy_(t.detach().to(device=buf.device, dtype=view.dtype))
+    # one multi-tensor copy (it casts to the wire dtype as copy_ does): a copy per tensor is a launch each
+    torch._foreach_copy_([view for _, view in _views(manifest, bucket, buf)], [t.detach() for t in tensors])
     return buf
 
 

@@ -43,15 +43,21 @@ def serving_storage(name: str, fmt: str | ServingFormat) -> Storage:
         raise
 
 
+def copied_unchanged(name: str, w: torch.Tensor, fmt: str | ServingFormat, out_dtype: torch.dtype) -> bool:
+    """The served value is `w.to(out_dtype)`: index tables (tid2eid, copied exactly) and tensors
+    stored unquantised (BF16 / FP32 storage, kept in the destination's dtype)."""
+    if not w.is_floating_point() or not out_dtype.is_floating_point:
+        return True
+    return not serving_storage(name, fmt).quantised
+
+
 def served_value(name: str, w: torch.Tensor, fmt: str | ServingFormat, out_dtype: torch.dtype) -> torch.Tensor:
     """dequant(quant(w)) for tensor `name` under `fmt`, as `out_dtype` (the destination's dtype)."""
+    if copied_unchanged(name, w, fmt, out_dtype):
+        return w.to(out_dtype)
     storage = serving_storage(name, fmt)
-    if not w.is_floating_point() or not out_dtype.is_floating_point:
-        return w.to(out_dtype)  # index tables (tid2eid) are copied exactly
     if storage is Storage.FP8:
         q, s = quantize_fp8_block(w, scale_fmt="ue8m0", name=name)
         return dequantize_fp8_block(q, s, out_dtype, name=name)
-    if storage is Storage.FP4:
-        packed, s = quantize_fp4_block(w, name=name)
-        return dequantize_fp4_block(packed, s, out_dtype, name=name)
-    return w.to(out_dtype)  # BF16 / FP32 storage: unquantised, in the destination's dtype
+    packed, s = quantize_fp4_block(w, name=name)  # FP4: the only other quantised storage
+    return dequantize_fp4_block(packed, s, out_dtype, name=name)

@@ -174,3 +174,19 @@ def test_updates_cover_every_tensor_and_versions_only_increase():
         engine.update_weights(new, version=1)  # a whole new set of weights needs a new version
     engine.update_weights(new, version=2)
     assert engine.weight_version == 2
+
+
+def test_first_nonfinite_over_mixed_dtypes_names_the_first_bad_tensor():
+    """The finiteness check groups tensors by dtype (one multi-tensor norm each) and still names the
+    first bad tensor in the update's order, with its count."""
+    from lockstep.engine.weight_update import _first_nonfinite
+
+    bad16 = torch.ones(4, 4, dtype=torch.bfloat16)
+    bad16[1, 2] = float("inf")
+    bad32 = torch.ones(3)
+    bad32[0] = bad32[2] = float("nan")
+    pairs = [("a", torch.ones(2, dtype=torch.bfloat16)), ("b", bad32), ("c", torch.zeros(5, dtype=torch.int64)),
+             ("d", bad16), ("e", torch.ones(7))]
+    assert _first_nonfinite(pairs) == ("b", 2)
+    assert _first_nonfinite(pairs[2:]) == ("d", 1)
+    assert _first_nonfinite([pairs[0], pairs[2], pairs[4]]) is None
