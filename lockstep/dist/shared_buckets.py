@@ -12,6 +12,8 @@ colocated RL stacks hand weights from the training process to the inference serv
 
 Lifetime: the source keeps every bucket until every rank has written the update (the release
 barrier in weight_push.py), so the push's one staging copy sits on the source, not on each engine.
+A CPU segment is unlinked as soon as every reader has mapped it (a barrier per bucket), so a
+process killed mid-push leaves at most the bucket being packed in /dev/shm.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class SharedBucket:
 
     def __init__(self, nbytes: int, device: torch.device):
         self.nbytes = nbytes
-        self._shm = None
+        self._shm, self._unlinked = None, False
         if device.type == "cuda":
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         else:
@@ -71,12 +73,19 @@ class SharedBucket:
             return ("cuda", rebuild, args)
         return ("shm", self._shm.name, self.nbytes)
 
+    def mapped_everywhere(self) -> None:
+        """Every reader has mapped the bucket: a shared-memory segment loses its name now (the mappings
+        keep it alive), so a source that dies later leaks nothing into /dev/shm."""
+        if self._shm is not None and not self._unlinked:
+            self._shm.unlink()
+            self._unlinked = True
+
     def release(self) -> None:
         """Free the bucket: every reader has dropped its views (after the release barrier)."""
         self.tensor = None
         if self._shm is not None:
+            self.mapped_everywhere()
             self._shm.close()
-            self._shm.unlink()
             self._shm = None
 
 

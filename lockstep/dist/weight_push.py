@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.dist.shared_buckets import MappedBucket, SharedBucket, resolve_transport
-from lockstep.engine.weight_update import check_version, validate_update
+from lockstep.engine.weight_update import UpdateTargets, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
 
@@ -174,6 +174,7 @@ class _Stream:
         self.shared: list[SharedBucket] = []  # the source's buckets, kept until every rank has written
         self.mapped: list[MappedBucket] = []  # an engine's mappings of them
         self.error: BaseException | None = None
+        self.targets = UpdateTargets.of(engine.model) if engine is not None else None  # every bucket's checks
         if engine is not None:
             try:  # a stale version is a staging failure: voted on, not discovered after the vote
                 check_version(engine.weight_version, version, partial=False)
@@ -197,7 +198,7 @@ class _Stream:
             return
         pairs = _engine_share(self.engine, _views(self.manifest, bucket, buf))
         try:
-            validate_update(self.engine.model, pairs, partial=True)  # every bucket is part of the one update
+            validate_update(self.engine.model, pairs, partial=True, targets=self.targets)  # part of one update
         except ValueError as e:
             self.error = e
             return
@@ -246,12 +247,19 @@ class _Stream:
                 handle = [shared.handle()]
             with self.ctx.collective(f"{self.op}: share bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
                 dist.broadcast_object_list(handle, src=self.ctx.weight_src, group=self.ctx.control_group)
-            if self.engine is not None and handle[0] is not None and self.ctx.rank != self.ctx.weight_src:
-                mapped = MappedBucket(handle[0])
-                self.mapped.append(mapped)
-                self.stage(bucket, mapped.tensor)
-            elif self.engine is not None and self.shared:  # the source serves too: its own bucket
-                self.stage(bucket, self.shared[-1].tensor)
+            if handle[0] is None:
+                continue
+            source = self.ctx.rank == self.ctx.weight_src
+            view = self.shared[-1].tensor if source else None  # this bucket's bytes as this rank sees them
+            if not source and self.engine is not None:
+                self.mapped.append(MappedBucket(handle[0]))
+                view = self.mapped[-1].tensor
+            with self.ctx.collective(f"{self.op}: bucket {b + 1}/{n} mapped"):
+                dist.barrier(group=self.ctx.control_group)
+            if source:
+                self.shared[-1].mapped_everywhere()
+            if view is not None:
+                self.stage(bucket, view)  # at once on a rank with no engine
 
     def release(self, every_rank_here: bool) -> None:
         """Drop the staged views and mappings; the source frees its buckets once every rank has
