@@ -231,3 +231,18 @@ def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport
     # from the rank's start: joining the world and building trainer / engine, then at most the 10 s
     # timeout (NCCL: the wait runs out; gloo: at once when the peer's socket closes)
     assert alive.elapsed_s < (20 if device == "cpu" else 30)
+
+
+def test_transport_choice_is_checked(monkeypatch):
+    """A transport name outside the three, or "shared" on a world spread over hosts, is refused by name."""
+    from types import SimpleNamespace
+
+    from lockstep.dist.shared_buckets import resolve_transport
+
+    ctx = SimpleNamespace(rank=1, world_size=4)
+    with pytest.raises(ValueError, match="one of .'auto', 'broadcast', 'shared'.*got 'nccl'"):
+        resolve_transport(ctx, "nccl")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes of two ranks
+    with pytest.raises(ValueError, match="rank 1: the shared weight-push transport needs every rank on one host"):
+        resolve_transport(ctx, "shared")
+    assert resolve_transport(ctx, "broadcast") == "broadcast"
