@@ -18,8 +18,9 @@ process killed mid-push leaves at most the bucket being packed in /dev/shm.
 
 from __future__ import annotations
 
+import _posixshmem  # CPython's POSIX shm_open, what multiprocessing.shared_memory is built on
+import mmap
 import os
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
@@ -89,6 +90,17 @@ class SharedBucket:
             self._shm = None
 
 
+def _attach(name: str) -> mmap.mmap:
+    """Map the source's segment `name` without registering it with a resource tracker: Python < 3.13's
+    SharedMemory(name=...) does, and the tracker then unlinks the source's segment when this process
+    exits (or, where processes share one tracker, fails on the source's own unregister)."""
+    fd = _posixshmem.shm_open("/" + name, os.O_RDWR, mode=0o600)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 class MappedBucket:
     """A reader's side: `tensor`, the source's bucket mapped into this process."""
 
@@ -100,11 +112,8 @@ class MappedBucket:
             self.tensor = rebuild(*args)
         elif kind == "shm":
             _, name, nbytes = handle
-            self._shm = SharedMemory(name=name)
-            # Python < 3.13 registers an attached segment with this process's resource tracker,
-            # which would unlink it (and warn of a leak) when this process exits: it is the source's
-            resource_tracker.unregister(self._shm._name, "shared_memory")
-            self.tensor = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=nbytes)
+            self._shm = _attach(name)
+            self.tensor = torch.frombuffer(self._shm, dtype=torch.uint8, count=nbytes)
         else:
             raise ValueError(f"unknown shared bucket handle kind {kind!r}")
 

@@ -304,16 +304,21 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
         _check_manifest(ctx, manifest, version, header, op)
         version = header[0]
         stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport))
-        every_rank_here = False
+        every_rank_here, update_error = False, None
         try:
             stream.run()
             failed = _vote(ctx, stream.error, op)
             if not failed and engine is not None:
-                engine.update_weights(stream.staged, version)
+                try:  # every rank is past the vote: a local failure here still meets the others at release
+                    engine.update_weights(stream.staged, version)
+                except Exception as e:
+                    update_error = e
             _drain(device)
             every_rank_here = True
         finally:
             stream.release(every_rank_here)
+        if update_error is not None:
+            raise update_error
         if failed:
             mine = f"this rank: {stream.error}" if stream.error is not None else "this rank staged everything"
             kept = f"; engines keep version {engine.weight_version}" if engine is not None else ""

@@ -17,6 +17,7 @@ wait reaches the timeout (groups.DistContext.wait), or at once on the gloo contr
 """
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -246,3 +247,31 @@ def test_transport_choice_is_checked(monkeypatch):
     with pytest.raises(ValueError, match="rank 1: the shared weight-push transport needs every rank on one host"):
         resolve_transport(ctx, "shared")
     assert resolve_transport(ctx, "broadcast") == "broadcast"
+
+
+def _update_fails_world(rank):
+    ctx = init_distributed(5.0, config=DISAGGREGATED)
+    if rank == 0:
+        trainer = new_policy()
+        push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), 1,
+                     named_tensors=trainer.named_weights(), transport="shared")
+        return "pushed"
+    e = engine()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected: the engine's write failed")
+    e.update_weights = broken
+    try:
+        push_weights(ctx, build_manifest(e.model, torch.float32, BUCKET), None, engine=e, transport="shared")
+    except RuntimeError as err:
+        time.sleep(6)  # the engine lives on (a server would): past the world's 5 s timeout
+        return f"raised: {err}"
+    return "no error"
+
+
+def test_an_engine_failing_after_the_vote_does_not_hold_the_trainer_at_release():
+    """The engine's write fails after a successful vote: it still meets the trainer at the release
+    barrier, so the trainer frees its shared buckets and returns instead of timing out there."""
+    r0, r1 = run_world(_update_fails_world, 2, guard_s=60)
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    assert r0.value == "pushed" and r1.value == "raised: injected: the engine's write failed"
