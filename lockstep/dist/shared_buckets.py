@@ -45,14 +45,9 @@ def resolve_transport(ctx, requested: str = "auto") -> str:
                          f"(LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} != world size {ctx.world_size})")
     if requested != "auto":
         return requested
-    gloo = ctx.weight_group is not None and dist.get_backend(ctx.weight_group) == "gloo"
-    shared = all_agree(ctx, gloo and one_host(ctx))
-    return "shared" if shared else "broadcast"
-
-
-def all_agree(ctx, flag: bool) -> bool:
-    """Ranks outside the weight group have no say (their flag is True); every rank learns the result."""
-    return ctx.all_true(flag or ctx.weight_group is None, "weight push transport")
+    # ranks outside the weight group have no say (True); every rank learns the one answer
+    mine = ctx.weight_group is None or (dist.get_backend(ctx.weight_group) == "gloo" and one_host(ctx))
+    return "shared" if ctx.all_true(mine, "weight push transport") else "broadcast"
 
 
 class SharedBucket:

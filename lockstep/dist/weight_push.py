@@ -142,11 +142,10 @@ def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: 
     return out
 
 
-def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], buf: torch.Tensor) -> torch.Tensor:
+def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
     buf.zero_()  # alignment gaps between tensors: the bytes a receiver gets do not depend on the allocator
     # one multi-tensor copy (it casts to the wire dtype as copy_ does): a copy per tensor is a launch each
     torch._foreach_copy_([view for _, view in _views(manifest, bucket, buf)], [t.detach() for t in tensors])
-    return buf
 
 
 def _engine_share(engine, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -218,9 +217,10 @@ class _Stream:
             if self.ctx.weight_group is None:
                 continue  # a trainer rank that is not the source: it only kept its gathers in step
             buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-            if self.ctx.rank == self.ctx.weight_src:
-                # the source's zeros after a failure keep the receivers in step until the vote
-                _pack(self.manifest, bucket, tensors, buf) if tensors is not None else buf.zero_()
+            if self.ctx.rank == self.ctx.weight_src and tensors is not None:
+                _pack(self.manifest, bucket, tensors, buf)
+            elif self.ctx.rank == self.ctx.weight_src:  # failed earlier: zeros keep the receivers in step
+                buf.zero_()
             with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
                 work = dist.broadcast(buf, src=self.ctx.weight_src, group=self.ctx.weight_group, async_op=True)
             self._finish(in_flight, n)
