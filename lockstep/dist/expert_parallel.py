@@ -128,6 +128,9 @@ class ExpertParallelExperts(Experts):
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._local("gate_up_proj"), self._local("down_proj")
 
+    def folds_shared(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        return False  # the rows go to other ranks; the shared expert's stay here
+
     def _local(self, name: str) -> torch.Tensor:
         """This rank's slice of expert weight `name`, a plain tensor (to_local's backward hands the
         gradient back as a Shard(0) DTensor). A quantisation-aware forward (train/quant_aware.py)

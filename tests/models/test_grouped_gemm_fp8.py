@@ -57,3 +57,22 @@ def test_grouped_fp8_equals_dequantise_then_grouped_mm(N, K, cfg):
     changed = (out2 != g8.grouped_mm_fp8(x, q, scale * torch.where(torch.arange(len(COUNTS), device=DEVICE) == 2,
                                                                    0.5, 1.0)[:, None, None], offs, **cfg))
     assert not changed[:3].any() and not changed[43:].any() and changed[rows2].any()
+
+
+@needs_triton
+def test_shared_groups_read_the_shared_experts_bytes_and_scales():
+    # the shared expert's rows after the routed ones (grouped_gemm_triton.with_shared_groups): exact
+    # sums, so its rows equal a group of its own and the routed rows are untouched
+    from lockstep.models.layers.grouped_gemm_triton import with_shared_groups
+
+    x, q, scale, counts, offs = _setup(2, 200, 72, _eighths_pow2)
+    g = torch.Generator().manual_seed(3)
+    T = 21
+    xs = _eighths_pow2(g, (T, 72)).bfloat16().to(DEVICE)
+    qs, ss = (t.to(DEVICE) for t in quantize_fp8_block(_eighths_pow2(g, (200, 72))))
+    ss[1, 0] = 4.0  # its own scales, not the last routed expert's
+    out = g8.grouped_mm_fp8(torch.cat([x, xs]), q, scale, with_shared_groups(offs, T), shared=(qs, ss))
+    assert torch.equal(out[:len(x)], _reference(x, q, scale, counts))
+    assert torch.equal(out[len(x):], _reference(xs, qs[None], ss[None], torch.tensor([T])))
+    with pytest.raises(ValueError, match="shared expert's fp8 scale"):
+        g8.grouped_mm_fp8(torch.cat([x, xs]), q, scale, with_shared_groups(offs, T), shared=(qs, ss[:1]))

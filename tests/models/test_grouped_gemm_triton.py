@@ -154,3 +154,95 @@ def test_grouped_mm_under_autocast_casts_as_a_linear_does():
         y = grouped_mm(x.to(torch.bfloat16), w, counts)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, grouped_mm(x.to(torch.bfloat16), w.to(torch.bfloat16), counts))
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [1, 16, 37])
+def test_shared_groups_take_the_shared_weight(T):
+    # the shared expert's T rows after the routed ones, split into groups of at most BLOCK_M rows
+    x, w, counts, offs = _setup(8, 48, 64, _eighths)
+    g = torch.Generator().manual_seed(9)
+    xs = _eighths(g, (T, 64)).bfloat16().to(DEVICE)
+    shared_up, shared_down = (_eighths(g, (2 * 48, 64)).bfloat16().to(DEVICE), _eighths(g, (48, 64)).bfloat16().to(DEVICE))
+    ext = gt.with_shared_groups(offs, T)
+    assert ext[:len(COUNTS)].tolist() == offs.tolist() and ext[-1].item() == offs[-1].item() + T
+    assert len(ext) == len(COUNTS) + gt.SHARED_GROUPS and (ext.diff()[len(COUNTS) - 1:] <= -(-T // gt.SHARED_GROUPS)).all()
+    rows = torch.cat([x, xs])
+    # exact sums: the routed rows as without the shared groups, the shared rows as one more group
+    out = gt.grouped_mm(rows, w, ext, shared=shared_down)
+    assert torch.equal(out[:len(x)], _reference(x, w, counts))
+    assert torch.equal(out[len(x):], _reference(xs, shared_down[None], torch.tensor([T])))
+    w_gate_up = torch.cat([w, w.flip(0)], 1)
+    act = gt.grouped_swiglu(rows, w_gate_up, ext, 7.0, shared=shared_up)
+    assert torch.equal(act[:len(x)], gt.grouped_swiglu(x, w_gate_up, offs, 7.0))
+    gate, up = _reference(xs, shared_up[None], torch.tensor([T])).chunk(2, -1)
+    assert torch.equal(act[len(x):], moe.swiglu_clamped(gate, up, 7.0))
+
+
+@needs_triton
+def test_a_shared_weight_laid_out_unlike_an_expert_is_refused():
+    x, w, counts, offs = _setup(10, 48, 64)
+    with pytest.raises(ValueError, match=r"shared expert's weight \(64, 48\).*\(48, 64\)"):
+        gt.grouped_mm(x, w, gt.with_shared_groups(offs, 4), shared=w[0].t().contiguous())
+
+
+@needs_triton
+def test_a_decode_step_folds_the_shared_expert_into_the_expert_kernels(monkeypatch):
+    # MoE at a decode step with the engine's fused gate/up: the shared expert rides the routed
+    # experts' kernels (no GEMM of its own), and the output is the unfolded one's to rounding
+    from lockstep.models.deepseek_v4_init import tiny_config
+    from lockstep.models.layers.fused_linear import fuse_linears
+
+    cfg = tiny_config()
+    torch.manual_seed(11)
+    layer = moe.MoE(cfg, cfg.num_hidden_layers - 1).to(DEVICE, torch.bfloat16)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(5, 1, cfg.hidden_size, device=DEVICE).bfloat16()
+    monkeypatch.setattr(moe, "triton_experts", lambda *args: True)  # the CPU interpreter's kernels
+    with torch.no_grad():
+        unfolded, chosen = layer(x, None)
+        assert layer._foldable_shared(x.view(5, -1)) is None  # gate and up not fused: no matrix to read
+        fuse_linears(layer, layer.input_linears())
+        gemms, project = [], moe.project
+        monkeypatch.setattr(moe, "project", lambda *a: gemms.append(a) or project(*a))
+        folded, chosen_folded = layer(x, None)
+        assert not gemms and torch.equal(chosen_folded, chosen)
+        _assert_within_ulps(folded, unfolded, 4, atol=2**-7 * unfolded.abs().max().item())
+        layer(x.expand(5, 2, -1).contiguous(), None)  # not a decode step: the shared expert's own GEMM
+        assert len(gemms) == 1
+        monkeypatch.setattr(moe, "triton_experts", lambda *args: False)
+        assert layer._foldable_shared(x.view(5, -1)) is None  # kernels off: the shared expert's own GEMMs
+
+
+@needs_triton
+def test_packed_fp8_experts_fold_a_packed_shared_expert(monkeypatch):
+    # the engine serving fp8 with packed experts: the shared expert's packed gate/up (fused) and down
+    # ride the fp8 grouped kernels; 128-aligned sizes, as the fp8 blocks need
+    from lockstep.models.deepseek_v4_init import tiny_config
+    from lockstep.models.layers import packed_experts
+    from lockstep.models.layers.fp8_linear import Fp8Linear
+    from lockstep.models.layers.fused_linear import fuse_linears
+
+    cfg = tiny_config(hidden_size=128, moe_intermediate_size=128)
+    torch.manual_seed(12)
+    layer = moe.MoE(cfg, cfg.num_hidden_layers - 1).to(DEVICE, torch.bfloat16)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    layer.experts = packed_experts.PackedExperts(layer.experts, "fp8")
+    shared = layer.shared_experts
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        setattr(shared, name, Fp8Linear.packing(getattr(shared, name)))
+    x = torch.randn(5, 1, cfg.hidden_size, device=DEVICE).bfloat16()
+    monkeypatch.setattr(packed_experts, "forward_kernel_allowed", lambda *args: True)  # the interpreter's
+    with torch.no_grad():
+        unfolded, _ = layer(x, None)
+        fuse_linears(layer, layer.input_linears())
+        assert layer._foldable_shared(x.view(5, -1)) is not None
+        gemms, project = [], moe.project
+        monkeypatch.setattr(moe, "project", lambda *a: gemms.append(a) or project(*a))
+        folded, _ = layer(x, None)
+        assert not gemms
+        _assert_within_ulps(folded, unfolded, 4, atol=2**-7 * unfolded.abs().max().item())
+        layer.experts.storage = "fp4"  # the fp4 kernel takes no shared expert
+        assert layer._foldable_shared(x.view(5, -1)) is None

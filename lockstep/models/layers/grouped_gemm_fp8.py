@@ -7,7 +7,8 @@ engine serves; its reference `grouped_mm_fp8_reference` dequantises and runs gro
 The kernel is grouped_gemm_fp4.py's walk (a program per (group, BLOCK_N columns), the group's rows
 in BLOCK_M tiles, bounds from `offs` on the device) with fp8_linear.py's tile dequantisation:
 bytes bitcast to e4m3, times each row's block scale in fp32 (exact), to bf16, a bf16 dot with fp32
-accumulation, rounded once. BLOCK_K divides 128: one scale column per step.
+accumulation, rounded once. BLOCK_K divides 128: one scale column per step. The shared expert
+rides along as grouped_gemm_triton's does (`shared=` (bytes, scale), groups past w's).
 """
 
 from __future__ import annotations
@@ -29,14 +30,16 @@ def grouped_mm_fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tens
     return grouped_mm_reference(x, dequantize_fp8_block(w, scale, x.dtype), counts)
 
 
-def launch_config(N: int, K: int) -> dict:
+def launch_config(N: int, K: int, shared: bool = False) -> dict:
     """By the weight's shape only: 128 output columns, 128 of K per step, 2 warps; smaller for small
     sizes. Swept on one H200 (benchmarks/moe_grouped_gemm.py --fp8 --sweep, 1b shapes, batch 64, 32
     settings): gate_up 22.6 us against 24.2 with 64 columns and 4 warps, down 14.4 against 14.7 (the
     fastest there, 14.3, took 64 of K per step); 55-70% of the copy bandwidth, where the bf16
     kernel reads 90%. Transposing the product (the weight tile as the MMA's left operand, the scale
-    applied to each step's product) was slower: 28.1 / 16.5 us."""
-    return dict(BLOCK_N=min(128, max(16, triton.next_power_of_2(N))),
+    applied to each step's product) was slower: 28.1 / 16.5 us. With the shared expert's groups
+    (`shared`) 64 columns: its 4 more groups x 8 column tiles took the grid past two waves of
+    programs (gate_up 32.3 us, down 18.9), 25.0 / 15.2 with 64 (one H200, 2026-12-04)."""
+    return dict(BLOCK_N=min(64 if shared else 128, max(16, triton.next_power_of_2(N))),
                 BLOCK_K=min(FP8_BLOCK[1], max(16, triton.next_power_of_2(K))), num_warps=2, num_stages=3)
 
 
@@ -46,19 +49,24 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
-    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, offs_ptr, N, K,
+    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, G_ROUTED, N, K,
                             stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
                             stride_om, stride_on, INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T."""
+        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T (ws, ss for g >= G_ROUTED)."""
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_in = rn < N
-        w_tile = w_ptr + g.to(tl.int64) * stride_wg + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
-        s_row = s_ptr + g.to(tl.int64) * stride_sg + (rn // SCALE_BLOCK) * stride_sn
+        w_g = w_ptr + g.to(tl.int64) * stride_wg
+        s_g = s_ptr + g.to(tl.int64) * stride_sg
+        if g >= G_ROUTED:
+            w_g = ws_ptr
+            s_g = ss_ptr
+        w_tile = w_g + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
+        s_row = s_g + (rn // SCALE_BLOCK) * stride_sn
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
             m_ok = (rm < end)[:, None]
@@ -76,28 +84,39 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
+                        shared_w: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
         G, N, K = w.shape
-        cfg = launch_config(N, K)
+        cfg = launch_config(N, K, shared_w is not None)
         for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
                            ("num_stages", num_stages)):
             cfg[key] = value or cfg[key]  # 0: the default
         assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
+        if shared_w is None:
+            shared_w, shared_scale = w, scale  # never read: every group is w's
+        else:
+            for name, t, of in (("bytes", shared_w, w), ("scale", shared_scale, scale)):
+                _gt.check_shared_layout(f"the shared expert's fp8 {name}", t, of)
         out = x.new_empty(x.shape[0], N)
-        torch.library.wrap_triton(_grouped_fp8_kernel)[(G, triton.cdiv(N, cfg["BLOCK_N"]))](
-            x, w, scale, out, offs, N, K, *x.stride(), *w.stride(), *scale.stride(), *out.stride(),
+        torch.library.wrap_triton(_grouped_fp8_kernel)[(offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))](
+            x, w, scale, shared_w, shared_scale, out, offs, G, N, K, *x.stride(), *w.stride(), *scale.stride(),
+            *out.stride(),
             INTERPRETED=_gt.interpreted(), SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
         return out
 
     @_grouped_mm_fp8.register_fake
-    def _(x, w, scale, offs, *config):
+    def _(x, w, scale, offs, *config, shared_w=None, shared_scale=None):
         return x.new_empty(x.shape[0], w.shape[1])
 
 
 def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
-                   block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+                   block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [M, K] bf16 sorted by group, w [G, N, K] float8_e4m3fn, scale [G, ceil(N/128), ceil(K/128)]
     fp32, offs [G] int32 cumulative row counts (rows past offs[-1] unwritten) -> [M, N] bf16.
-    The launch settings override launch_config's (0: its value; benchmarks/moe_grouped_gemm.py --fp8 sweeps them)."""
+    The launch settings override launch_config's (0: its value; benchmarks/moe_grouped_gemm.py --fp8 sweeps them).
+    shared: the shared expert's (bytes [N, K], scale), for the groups of offs past G
+    (grouped_gemm_triton.with_shared_groups)."""
+    shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
     return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
-                                             num_stages)
+                                             num_stages, shared_w, shared_scale)

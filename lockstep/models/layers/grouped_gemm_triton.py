@@ -11,6 +11,11 @@ further tiles re-read the slice from L2). Group bounds are read from `offs` on t
 host read of the counts, so CUDA graphs capture the ops and torch.compile keeps each as one
 opaque kernel; programs of empty groups do nothing. Fusing the SwiGLU saves writing and
 re-reading the [M, 2F] gate/up product and the activation's element-wise kernels.
+The shared expert can ride along (`shared=`, moe.Experts.folds_shared): `offs` then lists more
+groups than `w` holds, and the groups past w's read the shared expert's weight instead, the
+step's T tokens after the routed rows split into a few groups (`with_shared_groups`) so that
+they run side by side: one kernel per expert GEMM serves both, where the shared expert's
+own GEMMs and SwiGLU were three more launches per layer.
 
 Numerics: fp32 accumulation (tl.dot) over bf16 inputs, each output rounded once to bf16, as
 torch._grouped_mm; the sums run in another order, so the two agree to 1 bf16 ulp, not bitwise.
@@ -73,16 +78,46 @@ def launch_config(N: int, K: int, fused: bool) -> dict:
                 num_warps=4, num_stages=3)
 
 
-def _launch(x, w, offs, limit, N, fused, overrides):
+SHARED_GROUPS = 4  # the shared expert's rows split into this many groups (with_shared_groups)
+
+
+def with_shared_groups(offs: torch.Tensor, shared_rows) -> torch.Tensor:
+    """offs [G] of the routed rows, then the shared expert's `shared_rows` rows (stored after them) as
+    SHARED_GROUPS groups of near-equal size: a program walks its group's row tiles one after another,
+    so one group of a decode step's T rows would make its programs ~T / BLOCK_M times longer than
+    the routed experts' (~T k / E rows each). A fixed group count, not T / BLOCK_M: a compiled
+    decode step's T is a symbol, and a tensor whose length depends on it did not compile."""
+    ends = torch.arange(1, SHARED_GROUPS + 1, device=offs.device) * shared_rows // SHARED_GROUPS
+    return torch.cat([offs, offs[-1:] + ends.to(offs.dtype)])
+
+
+def laid_out_as_one(t: torch.Tensor, stacked: torch.Tensor) -> bool:
+    """t has the dtype, shape and strides of one entry of `stacked`: the kernels read a shared
+    expert's tensor with a routed expert's strides."""
+    return t.dtype == stacked.dtype and t.shape == stacked.shape[1:] and t.stride() == stacked.stride()[1:]
+
+
+def check_shared_layout(what: str, shared: torch.Tensor, stacked: torch.Tensor) -> None:
+    if not laid_out_as_one(shared, stacked):
+        raise ValueError(f"{what} {tuple(shared.shape)} {shared.dtype} (strides {shared.stride()}) must be laid "
+                         f"out as one routed expert's {tuple(stacked.shape[1:])} {stacked.dtype} "
+                         f"(strides {stacked.stride()[1:]})")
+
+
+def _launch(x, w, offs, limit, N, fused, overrides, shared):
     """out [M, N] from the kernel; `overrides` (BLOCK_N, BLOCK_K, num_warps, num_stages) are the
-    ops' keywords, 0 for the default."""
+    ops' keywords, 0 for the default; `shared` the weight of the groups past w's (module docstring)."""
     K = x.shape[1]
     cfg = launch_config(N, K, fused)
     cfg.update({key: value for key, value in zip(cfg, overrides) if value})
+    if shared is None:
+        shared = w  # never read: every group is w's
+    else:
+        check_shared_layout("the shared expert's weight", shared, w)
     out = x.new_empty(x.shape[0], N)
-    grid = (w.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
+    grid = (offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
     torch.library.wrap_triton(_grouped_kernel)[grid](
-        x, w, out, offs, limit, N, K, *x.stride(), *w.stride(), *out.stride(), SWIGLU=fused,
+        x, w, shared, out, offs, limit, w.shape[0], N, K, *x.stride(), *w.stride(), *out.stride(), SWIGLU=fused,
         INTERPRETED=interpreted(), BLOCK_M=BLOCK_M, EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
     return out
 
@@ -144,12 +179,12 @@ if triton is not None:
         return _bf16(silu * up, INTERPRETED)
 
     @triton.jit
-    def _grouped_kernel(x_ptr, w_ptr, out_ptr, offs_ptr, limit, N, K,
+    def _grouped_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, limit, G_ROUTED, N, K,
                         stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_om, stride_on,
                         SWIGLU: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-        """out[rows of g, n tile] = x[rows of g] @ w[g, n tile]^T; with SWIGLU, w[g] holds N gate
-        rows then N up rows and out = swiglu_clamped(gate, up)."""
+        """out[rows of g, n tile] = x[rows of g] @ w[g, n tile]^T (ws for g >= G_ROUTED: the shared
+        expert); with SWIGLU, w[g] holds N gate rows then N up rows and out = swiglu_clamped(gate, up)."""
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -157,7 +192,10 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = (rn < N)[None, :]
         # w[g]'s slice as a [BLOCK_K, BLOCK_N] tile of w[g]^T; the up rows lie N rows further on
-        w_tile = w_ptr + g.to(tl.int64) * stride_wg + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
+        w_g = w_ptr + g.to(tl.int64) * stride_wg
+        if g >= G_ROUTED:
+            w_g = ws_ptr
+        w_tile = w_g + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
         up_shift = tl.cast(N, tl.int64) * stride_wn
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
@@ -181,26 +219,28 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::grouped_mm", mutates_args=())
     def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_n: int = 0, block_k: int = 0,
-                   num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+                   num_warps: int = 0, num_stages: int = 0, shared: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] bf16 sorted by group, w [G, N, K], offs [G] int32 cumulative row counts (as
         torch._grouped_mm takes them; rows past offs[-1] are left unwritten) -> [M, N] bf16, row
-        block g times w[g]^T. Nonzero keywords override `launch_config`."""
-        return _launch(x, w, offs, 0.0, w.shape[1], False, (block_n, block_k, num_warps, num_stages))
+        block g times w[g]^T. Nonzero keywords override `launch_config`. With `shared` [N, K], offs
+        may list groups past G (`with_shared_groups`): those rows take shared^T."""
+        return _launch(x, w, offs, 0.0, w.shape[1], False, (block_n, block_k, num_warps, num_stages), shared)
 
     @torch.library.triton_op("lockstep::grouped_swiglu", mutates_args=())
     def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor, limit: float,
-                       block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
-        """x [M, K] bf16 sorted by group, w_gate_up [G, 2F, K] (gate rows, then up), offs as in
-        grouped_mm -> swiglu_clamped(gate, up, limit) [M, F] bf16, rounded as eager bf16 does."""
+                       block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
+                       shared: torch.Tensor | None = None) -> torch.Tensor:
+        """x [M, K] bf16 sorted by group, w_gate_up [G, 2F, K] (gate rows, then up), offs and shared
+        ([2F, K]) as in grouped_mm -> swiglu_clamped(gate, up, limit) [M, F] bf16, rounded as eager bf16 does."""
         return _launch(x, w_gate_up, offs, limit, w_gate_up.shape[1] // 2, True,
-                       (block_n, block_k, num_warps, num_stages))
+                       (block_n, block_k, num_warps, num_stages), shared)
 
     # Shapes for torch.compile's tracing, written out: the default (the body run on fake tensors)
     # would launch the kernel itself under the interpreter, which wrap_triton leaves unwrapped.
     @grouped_mm.register_fake
-    def _(x, w, offs, *config):
+    def _(x, w, offs, *config, shared=None):
         return x.new_empty(x.shape[0], w.shape[1])
 
     @grouped_swiglu.register_fake
-    def _(x, w_gate_up, offs, limit, *config):
+    def _(x, w_gate_up, offs, limit, *config, shared=None):
         return x.new_empty(x.shape[0], w_gate_up.shape[1] // 2)

@@ -7,7 +7,8 @@ and a flipped top-k choice changes the token's logprob); score = sqrt(softplus(l
 hash layers; weights = score / sum(selected scores) * routed_scaling_factor.
 Experts are SwiGLU with a clamp: gate <= limit, -limit <= up <= limit (the shared expert
 too). Each token's k expert outputs are added in ascending expert order, one at a time, so
-the sum does not depend on which other tokens share the batch.
+the sum does not depend on which other tokens share the batch. At an engine's decode step the
+shared expert runs inside the routed experts' kernels as groups of their own (`Experts.folds_shared`).
 """
 
 from __future__ import annotations
@@ -208,12 +209,15 @@ class Experts(Switched, nn.Module):
         self.down_proj = nn.Parameter(torch.empty(len(self.rows), hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                decode: bool = False) -> torch.Tensor:
-        """decode: the rows are a decode step's (one new token per sequence), see `mlp`."""
+                decode: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """decode: the rows are a decode step's (one new token per sequence), see `mlp`. shared: the
+        shared expert's weights where `folds_shared` took them; the result then includes its output."""
         if in_rows_forward():
             return self.rows_mlp(x, experts, weights)
         T, k = experts.shape
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
+        if shared is not None:
+            return self._with_shared(x, order, counts, weights, shared)
         kernels = self.kernels.on("triton_combine")  # the trainer's, when switched on
         dispatched = moe_combine_triton.applies(x, x, kernels)  # the kernel where x's gradient is wanted
         xs = moe_combine_triton.dispatch(x, order, k) if dispatched else x[order // k]
@@ -221,6 +225,27 @@ class Experts(Switched, nn.Module):
         if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, kernels):
             return moe_combine_triton.combine(ys, order, weights)
         return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
+
+    def folds_shared(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+        """Whether a decode step's shared expert (gate_up [2F, H]: gate rows then up, down [H, F]) can
+        run inside these experts' decode kernels, as groups of its own (grouped_gemm_triton.py): the
+        kernels take x, and its weights are laid out as one routed expert's. Saves its two GEMMs and
+        its SwiGLU, three launches a layer. Not where the rows leave the process (expert parallel)."""
+        mine = self.expert_weights()
+        return (isinstance(gate_up, torch.Tensor) and triton_experts(x, *mine, self.kernels.on("triton_moe"))
+                and all(grouped_gemm_triton.laid_out_as_one(w, m) for w, m in zip((gate_up, down), mine)))
+
+    def _with_shared(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+                     shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The decode kernels over the routed rows and then every token once more for the shared
+        expert; combined as `forward` combines, then the shared output added, as MoE adds it."""
+        T, k = weights.shape
+        rows = torch.cat([order // k, torch.arange(T, device=x.device)])
+        offs = grouped_gemm_triton.with_shared_groups(torch.cumsum(counts, 0).to(torch.int32), T)
+        ys = self.decode_mlp(x[rows], offs, shared)
+        routed = ys[:T * k]
+        out = _combine(torch.empty_like(routed).index_copy(0, order, routed).view(T, k, -1), weights, x.dtype)
+        return out + ys[T * k:]
 
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The true-on-policy experts (deepseek_v4_rows.py): a row's output must not depend on which
@@ -264,13 +289,19 @@ class Experts(Switched, nn.Module):
         row count, adds no compile guard: a compiled graph is already specialised to S = 1."""
         gate_up, down = self.expert_weights()
         if decode and triton_experts(xs, gate_up, down, self.kernels.on("triton_moe")):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            act = grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, self.limit)
-            return grouped_gemm_triton.grouped_mm(act, down, offs)
+            return self.decode_mlp(xs, torch.cumsum(counts, 0).to(torch.int32))
         h = grouped_mm(xs, gate_up, counts)
         if swiglu_triton.applies(h):  # the trainer's: one kernel each way (swiglu_triton.py)
             return grouped_mm(swiglu_triton.swiglu_clamped(h, self.limit), down, counts)
         return grouped_mm(swiglu_clamped(*h.chunk(2, dim=-1), self.limit), down, counts)
+
+    def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
+        """The decode kernels (SwiGLU fused into the first) over rows sorted by expert, offs int32
+        cumulative counts; `shared` as `folds_shared` took it, its groups at the end of offs."""
+        gate_up, down = self.expert_weights()
+        shared_gate_up, shared_down = shared or (None, None)
+        act = grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, self.limit, shared=shared_gate_up)
+        return grouped_gemm_triton.grouped_mm(act, down, offs, shared=shared_down)
 
 
 class SharedExpert(nn.Module):
@@ -319,10 +350,26 @@ class MoE(nn.Module):
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
         decode = x.dim() == 3 and x.shape[1] == 1
         experts, weights = self.gate(flat, token_ids, forced_flat, decode=decode)
-        out = self.experts(flat, experts, weights, decode=decode)
-        if self.shared_experts is not None:
+        shared = self._foldable_shared(flat) if decode else None
+        out = self.experts(flat, experts, weights, decode=decode, shared=shared)
+        if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts.from_gate_up(*project(self, self.input_linears(), flat))
         return out.view(shape), experts.view(*shape[:-1], -1)
+
+    def _foldable_shared(self, x: torch.Tensor) -> tuple | None:
+        """The shared expert's (gate_up, down) where the routed experts' decode kernels can compute it
+        (Experts.folds_shared): its gate and up fused into one matrix (the engine's, fused_linear.py),
+        bf16, or packed fp8 as (bytes, block scales) pairs."""
+        if self.shared_experts is None:
+            return None
+        down = self.shared_experts.down_proj
+        if getattr(self, "fused_weight", None) is not None:
+            weights = (self.fused_weight, down.weight)
+        elif getattr(self, "fused_fp8_weight", None) is not None and hasattr(down, "weight_scale"):
+            weights = ((self.fused_fp8_weight, self.fused_fp8_scale), (down.weight, down.weight_scale))
+        else:
+            return None
+        return weights if self.experts.folds_shared(x, *weights) else None
 
     def input_linears(self) -> list[nn.Module]:
         """The shared expert's gate and up: they read the same x (fused_linear.py). The router

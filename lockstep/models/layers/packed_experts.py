@@ -12,7 +12,8 @@ A decode step on CUDA in bf16 (the triton_moe switch on) runs the format's group
 (grouped_gemm_fp8.py / grouped_gemm_fp4.py) for both expert GEMMs with the eager SwiGLU between
 (grouped_gemm_triton's fused SwiGLU reads bf16 weights); any other call (prefill, CPU, fp32)
 dequantises the experts to the compute dtype for the call and takes Experts' own path. Either way
-the values are the emulation's (serving_format.served_value). Expert-parallel shards (subclasses
+the values are the emulation's (serving_format.served_value). In fp8 storage the decode step's
+shared expert, packed in fp8 too, runs inside the same two kernels (Experts.folds_shared). Expert-parallel shards (subclasses
 of Experts) are not packed.
 """
 
@@ -21,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.fp4 import dequantize_fp4_block, fp4_scale_shape, quantize_fp4_block
-from lockstep.quant.fp8 import dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
+from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
 from lockstep.quant.scales import E8M0
 
 from . import grouped_gemm_fp4, grouped_gemm_fp8
+from .grouped_gemm_triton import laid_out_as_one
 from .kernel_switch import forward_kernel_allowed
 from .moe import Experts, swiglu_clamped
 
@@ -96,17 +98,37 @@ class PackedExperts(Experts):
         """Dequantised to the compute dtype (a transient copy per call)."""
         return tuple(self.dequantized(attr, self.dtype) for attr in ATTRS)
 
-    def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor) -> torch.Tensor:
-        kernel = grouped_gemm_fp8.grouped_mm_fp8 if self.storage == "fp8" else grouped_gemm_fp4.grouped_mm_fp4
-        return kernel(x, getattr(self, attr), getattr(self, _scale_attr(attr)), offs)
+    def _decode_kernels(self, xs: torch.Tensor) -> bool:
+        return (grouped_gemm_fp8.triton is not None and xs.dtype == torch.bfloat16
+                and forward_kernel_allowed(self.kernels.on("triton_moe"), xs))
+
+    def folds_shared(self, x: torch.Tensor, gate_up, down) -> bool:
+        """Experts.folds_shared for fp8 storage: a shared expert packed in fp8 ((bytes, scale) pairs,
+        fused_linear.py's fused gate and up) whose blocks are an expert's (its gate a whole number of
+        128-row blocks, so that the up rows' scales follow in the expert's table order)."""
+        if self.storage != "fp8" or not isinstance(gate_up, tuple) or not self._decode_kernels(x):
+            return False
+        if (gate_up[0].shape[0] // 2) % FP8_BLOCK[0]:
+            return False
+        mine = [getattr(self, attr) for attr in ATTRS] + [getattr(self, _scale_attr(attr)) for attr in ATTRS]
+        return all(laid_out_as_one(t, m) for t, m in zip((gate_up[0], down[0], gate_up[1], down[1]), mine))
+
+    def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor, shared=None) -> torch.Tensor:
+        if self.storage == "fp4":
+            return grouped_gemm_fp4.grouped_mm_fp4(x, getattr(self, attr), getattr(self, _scale_attr(attr)), offs)
+        return grouped_gemm_fp8.grouped_mm_fp8(x, getattr(self, attr), getattr(self, _scale_attr(attr)), offs,
+                                               shared=shared)
 
     def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
-        if (decode and grouped_gemm_fp8.triton is not None and xs.dtype == torch.bfloat16
-                and forward_kernel_allowed(self.kernels.on("triton_moe"), xs)):
-            offs = torch.cumsum(counts, 0).to(torch.int32)
-            gate, up = self._grouped_mm(xs, "gate_up_proj", offs).chunk(2, dim=-1)
-            return self._grouped_mm(swiglu_clamped(gate, up, self.limit), "down_proj", offs)
+        if decode and self._decode_kernels(xs):
+            return self.decode_mlp(xs, torch.cumsum(counts, 0).to(torch.int32))
         return super().mlp(xs, counts, decode=False)
+
+    def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
+        """The format's grouped GEMM for both expert GEMMs, the eager SwiGLU between (module docstring)."""
+        shared_gate_up, shared_down = shared or (None, None)
+        gate, up = self._grouped_mm(xs, "gate_up_proj", offs, shared_gate_up).chunk(2, dim=-1)
+        return self._grouped_mm(swiglu_clamped(gate, up, self.limit), "down_proj", offs, shared_down)
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, packed {self.storage}"
