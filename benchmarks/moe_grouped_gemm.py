@@ -4,6 +4,7 @@
     python benchmarks/moe_grouped_gemm.py --batch 64 256 1024    # where the two cross (moe.Experts.mlp: decode only)
     python benchmarks/moe_grouped_gemm.py --sweep                # pick launch_config's defaults
     python benchmarks/moe_grouped_gemm.py --fp8 [--sweep]        # packed fp8 experts vs bf16 (grouped_gemm_fp8.py)
+    python benchmarks/moe_grouped_gemm.py --shared [--fp8]       # the shared expert folded into the kernels
 
 Shapes of the 1b config: --batch tokens, each routed to --top-k distinct experts drawn uniformly
 of --experts, hidden H, expert intermediate F: gate_up [E, 2F, H] and down [E, H, F] in bf16, a
@@ -26,6 +27,12 @@ block scales, dequantised in registers) against the bf16 Triton grouped_mm on th
 (gate_up without the SwiGLU, down), each with GB/s of the bytes it must read (1 byte a parameter
 for fp8) and that as a fraction of the copy bandwidth; fp8 reads half the bytes, so at the same
 fraction it takes half the time. With --sweep its launch settings are swept too (SWEEP_FP8).
+
+--shared: each decode kernel over the routed rows alone and with a shared expert's rows (every
+token once more) as groups of their own (moe.Experts.folds_shared, grouped_gemm_triton.with_shared_groups),
+in bf16 (and with --fp8 in packed fp8), against the shared expert run on its own as the engine ran it
+unfolded (one GEMM for gate and up, the SwiGLU, the down GEMM): the extra time of the folded kernels
+against the separate expert's time is what folding saves per layer.
 """
 
 from __future__ import annotations
@@ -147,6 +154,47 @@ def compare_fp8(args, layers, packed, batch, bw):
                 print(f"    {us:8.1f} us  {cfg}  max |diff to the default| {err:.3g}")
 
 
+def compare_shared(args, layers, packed, batch):
+    """--shared (module docstring)."""
+    xs, offs, _ = make_rows(args, batch)
+    H, F, L, lim = args.hidden, args.inter, len(layers), args.limit
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(batch, H, generator=g).to(DEVICE, torch.bfloat16)
+    shared = [(torch.randn(2 * F, H, generator=g) * H**-0.5, torch.randn(H, F, generator=g) * F**-0.5)
+              for _ in range(L)]
+    shared = [tuple(w.to(DEVICE, torch.bfloat16) for w in pair) for pair in shared]
+    ext, xe = gt.with_shared_groups(offs, batch), torch.cat([xs, x])
+    act, act_e = gt.grouped_swiglu(xs, layers[0][0], offs, lim), gt.grouped_swiglu(xe, layers[0][0], ext, lim,
+                                                                                   shared=shared[0][0])
+
+    def alone(i):
+        gate, up = torch.nn.functional.linear(x, shared[i][0]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(swiglu_clamped(gate, up, lim), shared[i][1])
+
+    kernels = {  # name: (routed rows only, with the shared groups)
+        "bf16 gate_up+swiglu": (lambda i: gt.grouped_swiglu(xs, layers[i][0], offs, lim),
+                                lambda i: gt.grouped_swiglu(xe, layers[i][0], ext, lim, shared=shared[i][0])),
+        "bf16 down": (lambda i: gt.grouped_mm(act, layers[i][1], offs),
+                      lambda i: gt.grouped_mm(act_e, layers[i][1], ext, shared=shared[i][1]))}
+    if packed is not None:
+        shared_fp8 = fp8_layers(shared)
+        kernels.update({
+            "fp8 gate_up": (lambda i: g8.grouped_mm_fp8(xs, *packed[i][0], offs),
+                            lambda i: g8.grouped_mm_fp8(xe, *packed[i][0], ext, shared=shared_fp8[i][0])),
+            "fp8 down": (lambda i: g8.grouped_mm_fp8(act, *packed[i][1], offs),
+                         lambda i: g8.grouped_mm_fp8(act_e, *packed[i][1], ext, shared=shared_fp8[i][1]))})
+    print(f"shared expert, batch {batch}: {gt.SHARED_GROUPS} groups of ~{batch / gt.SHARED_GROUPS:.0f} rows")
+    extra = {}
+    for name, (routed, folded) in kernels.items():
+        us = [time_us(fn, L, args.calls, args.reps) for fn in (routed, folded)]
+        extra[name.split()[0]] = extra.get(name.split()[0], 0.0) + us[1] - us[0]
+        print(f"  {name:20s} routed {us[0]:7.1f} us, with the shared groups {us[1]:7.1f} us (+{us[1] - us[0]:.1f})")
+    own = time_us(alone, L, args.calls, args.reps)
+    for fmt, more in extra.items():
+        print(f"  {fmt}: folding adds {more:.1f} us a layer where the shared expert on its own (bf16 GEMMs + "
+              f"SwiGLU) took {own:.1f} us")
+
+
 def sweep(args, layers, batch):
     xs, offs, _ = make_rows(args, batch)
     act = gt.grouped_swiglu(xs, layers[0][0], offs, args.limit)
@@ -179,6 +227,8 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=20, help="timed graph replays")
     ap.add_argument("--sweep", action="store_true", help="also sweep the Triton kernels' launch configs")
     ap.add_argument("--fp8", action="store_true", help="the packed fp8 experts' kernel against bf16 instead")
+    ap.add_argument("--shared", action="store_true",
+                    help="the kernels without and with a shared expert's rows folded in (with --fp8: fp8 too)")
     ap.add_argument("--copy-mib", type=int, default=1024, help="size of the bandwidth probe")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -189,6 +239,11 @@ def main(argv=None) -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e9:.1f} GB/s (read + write); "
           f"E {args.experts}, top-{args.top_k}, H {args.hidden}, F {args.inter}, {args.layers} layers")
     layers = make_layers(args)
+    if args.shared:
+        packed = fp8_layers(layers) if args.fp8 else None
+        for batch in args.batch:
+            compare_shared(args, layers, packed, batch)
+        return
     if args.fp8:
         packed = fp8_layers(layers)
         for batch in args.batch:
