@@ -14,13 +14,16 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    two buckets are in flight at once (packing bucket i+1 overlaps broadcasting bucket i). Every
    trainer rank takes the bucket's tensors from its iterator at the same point, so FSDP's gathers
    inside `named_weights()` stay in step. Engines keep each bucket's tensors as views of it and run
-   `engine.weight_update.validate_update` on them: this is the staging. Where every rank is on one
+   `engine.weight_update.validate_update` on them: this is the staging (after the last bucket the
+   parts are joined into one `ValidatedUpdate`, its names checked across buckets, so a tensor no
+   bucket held fails the vote too). Where every rank is on one
    host and the weight group is gloo (ranks sharing a GPU, or CPU ranks), the "shared" transport
    (shared_buckets.py) replaces the broadcast: the source packs into shared memory (CUDA IPC on a
    GPU) and broadcasts only its handle on the control group; engines stage views of the mapping.
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
-   re-quantises to its serving format, re-fuses and flushes its caches; otherwise every rank keeps
+   re-quantises to its serving format (without checking the staged values again), re-fuses and
+   flushes its caches; otherwise every rank keeps
    the old version and raises `WeightPushError` naming the failed ranks. A sender that fails
    mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
 5. Staged views and mappings are dropped; with the shared transport the source frees its buckets
@@ -46,7 +49,7 @@ from torch.distributed.tensor import DTensor
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.dist.shared_buckets import MappedBucket, SharedBucket, resolve_transport
-from lockstep.engine.weight_update import UpdateTargets, check_version, validate_update
+from lockstep.engine.weight_update import UpdateTargets, ValidatedUpdate, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
 
@@ -169,7 +172,8 @@ class _Stream:
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
         self.transport = transport
         self.tensors = iter(named_tensors) if named_tensors is not None else None
-        self.staged: list[tuple[str, torch.Tensor]] = []
+        self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
+        self.staged: ValidatedUpdate | None = None  # the parts joined once every bucket is staged
         self.shared: list[SharedBucket] = []  # the source's buckets, kept until every rank has written
         self.mapped: list[MappedBucket] = []  # an engine's mappings of them
         self.error: BaseException | None = None
@@ -197,17 +201,20 @@ class _Stream:
             return
         pairs = _engine_share(self.engine, _views(self.manifest, bucket, buf))
         try:
-            validate_update(self.engine.model, pairs, partial=True, targets=self.targets)  # part of one update
+            self.parts.append(validate_update(self.engine.model, pairs, partial=True, targets=self.targets))
         except ValueError as e:
             self.error = e
-            return
-        self.staged.extend(pairs)
 
     def run(self) -> None:
         if self.transport == "shared":
             self._run_shared()
         else:
             self._run_broadcast()
+        if self.engine is not None and self.error is None:
+            try:  # the whole update's names (a tensor no bucket held): before the vote, as a staging failure
+                self.staged = ValidatedUpdate.joined(self.parts, partial=False)
+            except ValueError as e:
+                self.error = e
 
     def _run_broadcast(self) -> None:
         n = len(self.manifest.buckets)
@@ -264,7 +271,7 @@ class _Stream:
     def release(self, every_rank_here: bool) -> None:
         """Drop the staged views and mappings; the source frees its buckets once every rank has
         (`every_rank_here`: a barrier first; after a failed collective the peers are not waited for)."""
-        self.staged = []
+        self.parts, self.staged = [], None
         for m in self.mapped:
             m.close()
         self.mapped = []

@@ -12,9 +12,12 @@ accepted and the model then emitted garbage. Before anything is written, every t
     then, over all tensors at once, non-finite values
 
 and the first problem raises `WeightUpdateError` naming the tensor; the model is untouched and
-keeps serving the previous version. Then each tensor is replaced by its served value
+keeps serving the previous version. What passed is a `ValidatedUpdate`, which update_weights
+writes without checking again (a bucketed push validates each bucket as it stages it, then joins
+them: weight_push.py). Then each tensor is replaced by its served value
 (`serving_format.served_value`: dequant(quant(w)) in the destination's dtype) and copied in
-place, one at a time, so the peak extra memory is one tensor. Quantisation cannot fail halfway:
+place: the unquantised ones in one multi-tensor copy, the others one at a time, so the peak extra
+memory is one tensor's served value. Quantisation cannot fail halfway:
 the shapes equal the model's, which were quantised when the engine was built. A weight held packed
 (packed_weights.py: fp8 bytes + block scales) is quantised straight into its storage instead.
 
@@ -110,55 +113,85 @@ def missing_tensors(dest: dict[str, torch.Tensor], sent: set[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class UpdateTargets:
-    """What an update of `model` is checked against: its tensors by name (`dest`), the tensor each
-    sent one must match (`expected`: a packed weight's unpacked shape) and its expert count. A
-    bucketed push builds this once and checks every bucket against it (a state_dict walk a bucket
-    is ~1 ms of host time on an 8-layer model)."""
+    """What an update of `model` is checked against and written into: its tensors by name (`dest`),
+    the tensor each sent one must match (`expected`: a packed weight's unpacked shape), its packed
+    weights (`packed`, quantised into in place) and its expert count. Built once per update (a
+    bucketed push: once for all its buckets): a state_dict or packed-weights walk is ~1 ms of host
+    time on an 8-layer model."""
 
     dest: dict[str, torch.Tensor]
     expected: dict[str, torch.Tensor]
+    packed: dict
     n_experts: int | None
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "UpdateTargets":
         dest = serving_tensors(model)
+        packed = packed_weights(model)
         # a packed tensor is checked against its unpacked shape (packed_weights.py)
-        expected = dict(dest, **{n: p.logical for n, p in packed_weights(model).items()})
-        return cls(dest, expected, getattr(getattr(model, "config", None), "n_routed_experts", None))
+        expected = dict(dest, **{n: p.logical for n, p in packed.items()})
+        return cls(dest, expected, packed, getattr(getattr(model, "config", None), "n_routed_experts", None))
 
 
-def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False,
-                    targets: UpdateTargets | None = None) -> list[tuple[str, torch.Tensor]]:
-    """All checks of the module docstring, for every tensor, before anything is written. `targets`:
-    `UpdateTargets.of(model)` when the caller checks several parts of one update."""
-    pairs = _pairs(named_tensors)
-    targets = targets or UpdateTargets.of(model)
-    dest, expected, n_experts = targets.dest, targets.expected, targets.n_experts
+class ValidatedUpdate(list):
+    """(name, tensor) pairs that passed validate_update's checks against `model` (made only by
+    validate_update and `joined`): update_weights writes them without checking them again, which
+    would read every value a second time (a bucketed push validates each bucket as it stages it)."""
+
+    def __init__(self, pairs, model: torch.nn.Module, targets: UpdateTargets, partial: bool):
+        super().__init__(pairs)
+        self.model, self.targets, self.partial = model, targets, partial
+
+    @classmethod
+    def joined(cls, parts: "list[ValidatedUpdate]", partial: bool) -> "ValidatedUpdate":
+        """Parts of one update validated apart (each partial, against the same targets): the names
+        are checked across them (sent twice; missing, unless partial); their values were checked."""
+        if not parts or any(part.model is not parts[0].model or part.targets is not parts[0].targets
+                            for part in parts):
+            raise ValueError("ValidatedUpdate.joined takes one or more parts validated against the same targets")
+        pairs = [pair for part in parts for pair in part]
+        _check_names(parts[0].model, parts[0].targets, [name for name, _ in pairs], partial)
+        return cls(pairs, parts[0].model, parts[0].targets, partial)
+
+
+def _check_names(model: torch.nn.Module, targets: UpdateTargets, names: list[str], partial: bool) -> None:
+    """Every name the model's, none twice, and (unless partial) none of the model's missing."""
     seen: set[str] = set()
-    for name, t in pairs:
-        if name not in dest:
+    for name in names:
+        if name not in targets.dest:
             raise WeightUpdateError(f"{name}: unknown tensor name (not a parameter or persistent buffer of "
                                     f"{type(model).__name__})")
         if name in seen:
             raise WeightUpdateError(f"{name}: sent twice in one update")
         seen.add(name)
-        _check_one(name, t, expected[name], n_experts)
-    missing = [] if partial else missing_tensors(dest, seen)
+    missing = [] if partial else missing_tensors(targets.dest, seen)
     if missing:
-        raise WeightUpdateError(f"{missing[0]}: missing from the update ({len(missing)} of the model's {len(dest)} "
-                                f"tensors are); send them all, or mark the update partial")
+        raise WeightUpdateError(f"{missing[0]}: missing from the update ({len(missing)} of the model's "
+                                f"{len(targets.dest)} tensors are); send them all, or mark the update partial")
+
+
+def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False,
+                    targets: UpdateTargets | None = None) -> ValidatedUpdate:
+    """All checks of the module docstring, for every tensor, before anything is written. `targets`:
+    `UpdateTargets.of(model)` when the caller checks several parts of one update."""
+    pairs = _pairs(named_tensors)
+    targets = targets or UpdateTargets.of(model)
+    _check_names(model, targets, [name for name, _ in pairs], partial)
+    for name, t in pairs:
+        _check_one(name, t, targets.expected[name], targets.n_experts)
     nonfinite = _first_nonfinite(pairs)
     if nonfinite is not None:
         raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")
-    return pairs
+    return ValidatedUpdate(pairs, model, targets, partial)
 
 
 @torch.no_grad()
-def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str) -> None:
+def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str,
+                 targets: UpdateTargets | None = None) -> None:
     """Every tensor stored unquantised is copied in one multi-tensor copy (a copy casts exactly as
     served_value's `.to` does); a copy per tensor was ~240 launches, ~5 ms of gpu-848m's update."""
-    dest = serving_tensors(model)
-    packed = packed_weights(model)  # packed fp8 storage (engine/packed_weights.py): quantised into in place
+    targets = targets or UpdateTargets.of(model)
+    dest, packed = targets.dest, targets.packed  # packed storage (engine/packed_weights.py): quantised into in place
     copies: tuple[list, list] = ([], [])
     for name, t in pairs:
         d = dest[name]
@@ -174,9 +207,12 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
 
 
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False) -> int:
-    """Validate all, then write all; returns the number of tensors written."""
-    pairs = validate_update(model, named_tensors, partial)
-    write_served(model, pairs, fmt)
+    """Validate all, then write all; returns the number of tensors written. A ValidatedUpdate of this
+    model (validated as a whole update, or partial where this one is) is not checked again."""
+    pairs = named_tensors
+    if not (isinstance(pairs, ValidatedUpdate) and pairs.model is model and (partial or not pairs.partial)):
+        pairs = validate_update(model, named_tensors, partial)
+    write_served(model, pairs, fmt, pairs.targets)
     return len(pairs)
 
 

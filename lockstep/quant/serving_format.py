@@ -17,6 +17,7 @@ MLP projections are quantised like DeepSeek's LINEAR role, everything else stays
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -30,8 +31,11 @@ _DENSE_BF16 = re.compile(r"embed_tokens\.weight|lm_head\.weight|(?:\w+\.)*\w*nor
 _LINEAR_STORAGE = {ServingFormat.BF16: Storage.BF16, ServingFormat.FP8: Storage.FP8, ServingFormat.FP8_FP4: Storage.FP8}
 
 
+@functools.lru_cache(maxsize=1 << 16)
 def serving_storage(name: str, fmt: str | ServingFormat) -> Storage:
-    """How tensor `name` (lockstep / transformers in-memory name) is stored when served in `fmt`."""
+    """How tensor `name` (lockstep / transformers in-memory name) is stored when served in `fmt`.
+    Cached: a function of the name, asked per tensor per weight update (~20 regular expressions
+    each, ~3 ms of an 8-layer model's update on the host)."""
     try:
         return storage_for(name, fmt)
     except UnknownTensorError:

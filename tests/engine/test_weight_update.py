@@ -190,3 +190,33 @@ def test_first_nonfinite_over_mixed_dtypes_names_the_first_bad_tensor():
     assert _first_nonfinite(pairs) == ("b", 2)
     assert _first_nonfinite(pairs[2:]) == ("d", 1)
     assert _first_nonfinite([pairs[0], pairs[2], pairs[4]]) is None
+
+
+def test_a_validated_update_is_written_without_reading_its_values_again(monkeypatch):
+    """A bucketed push validates each bucket as it stages it and joins them; the update then writes
+    them without a second finiteness pass. A part validated as partial is checked again when it is
+    sent as a whole update, and the join checks the names across the parts."""
+    from lockstep.engine import weight_update as wu
+
+    engine = make_engine(seed=35, serving_format="fp8")
+    weights = list(trainer_weights(36).items())
+    targets = wu.UpdateTargets.of(engine.model)
+    parts = [wu.validate_update(engine.model, weights[i::3], partial=True, targets=targets) for i in range(3)]
+    reference = make_engine(seed=37, serving_format="fp8")
+    reference.update_weights(dict(weights), version=1)
+    reads = []
+    first_nonfinite = wu._first_nonfinite
+    monkeypatch.setattr(wu, "_first_nonfinite", lambda pairs: reads.append(len(pairs)) or first_nonfinite(pairs))
+    engine.update_weights(wu.ValidatedUpdate.joined(parts, partial=False), version=1)
+    assert reads == []  # no value read twice
+    assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in engine.model.state_dict().items())
+    with pytest.raises(WeightUpdateError, match="missing from the update"):
+        engine.update_weights(parts[0], version=2)  # partial: validated again as a whole update
+    assert engine.weight_version == 1
+    with pytest.raises(WeightUpdateError, match="sent twice"):
+        wu.ValidatedUpdate.joined([parts[0], parts[0]], partial=True)
+    with pytest.raises(WeightUpdateError, match="missing from the update"):
+        wu.ValidatedUpdate.joined(parts[:2], partial=False)
+    other = wu.validate_update(engine.model, weights[:1], partial=True)  # its own targets
+    with pytest.raises(ValueError, match="same targets"):
+        wu.ValidatedUpdate.joined([parts[0], other], partial=True)
