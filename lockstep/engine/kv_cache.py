@@ -147,5 +147,5 @@ class SlotCacheManager:
             seq.slot = None
 
     def reset_all(self) -> None:
-        self.cache.reset(list(range(self.num_blocks)))
+        self.cache.reset_all()
         self._dirty.clear()

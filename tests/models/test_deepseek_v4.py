@@ -96,6 +96,24 @@ def test_reused_slot_is_clean_after_reset():
     assert torch.allclose(reused, model(b), atol=1e-5)
 
 
+def test_resetting_every_slot_restores_a_fresh_cache():
+    # reset_all (after a weight update) clears whole tensors; it must leave what a new cache holds,
+    # as resetting each slot does (the compressors' gate maxima at -inf, the rest zero)
+    config = CONFIGS["mixed"]
+    model = DeepseekV4ForCausalLM(config)
+    init_deepseek_v4_(model, 4)
+    a = torch.randint(0, config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(5))
+    _, used = run_incremental(model, a, [[7, 13], [20]], num_slots=2)
+    fresh = model.new_cache(2, 28)  # run_incremental's: S + 8
+    assert any(t.isneginf().any() for layer in fresh.layers for t in layer.tensors())
+    touched = [t.clone() for layer in used.layers for t in layer.tensors()]
+    assert any(not torch.equal(t, f) for t, f in zip(touched, (f for layer in fresh.layers for f in layer.tensors())))
+    used.reset_all()
+    for layer, new in zip(used.layers, fresh.layers):
+        for t, f in zip(layer.tensors(), new.tensors()):
+            assert torch.equal(t, f)
+
+
 def test_packed_sequences_equal_padded():
     config = CONFIGS["mixed"]
     model = DeepseekV4ForCausalLM(config)

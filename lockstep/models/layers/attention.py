@@ -80,11 +80,17 @@ class LayerCache:
         """The extra last slot that absorbs masked-out writes (never handed to a sequence)."""
         return self.window.shape[0] - 1
 
-    def reset(self, slots: torch.Tensor) -> None:
-        self.window[slots] = 0
+    def initial_values(self) -> list[tuple[torch.Tensor, float]]:
+        """Each cache tensor of the layer and the value an empty slot holds."""
+        values = [(self.window, 0.0)]
         for s in (self.compressor, self.indexer):
             if s is not None:
-                s.reset(slots)
+                values += s.initial_values()
+        return values
+
+    def reset(self, slots: torch.Tensor) -> None:
+        for t, value in self.initial_values():
+            t[slots] = value
 
     def tensors(self) -> list[torch.Tensor]:
         out = [self.window]

@@ -236,13 +236,16 @@ class CompressorState:
     def scratch_slot(self) -> int:
         return self.entries.shape[0] - 1
 
-    def reset(self, slots: torch.Tensor) -> None:
-        self.entries[slots] = 0
-        self.buf_kv[slots] = 0
-        self.buf_gate[slots] = 0
+    def initial_values(self) -> list[tuple[torch.Tensor, float]]:
+        """Each state tensor and the value an empty slot holds (the gates' running max starts at -inf)."""
+        values = [(self.entries, 0.0), (self.buf_kv, 0.0), (self.buf_gate, 0.0)]
         if self.prev_kv is not None:
-            self.prev_kv[slots] = 0
-            self.prev_gate[slots] = float("-inf")
+            values += [(self.prev_kv, 0.0), (self.prev_gate, float("-inf"))]
+        return values
+
+    def reset(self, slots: torch.Tensor) -> None:
+        for t, value in self.initial_values():
+            t[slots] = value
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.entries, self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate) if t is not None]
