@@ -102,6 +102,11 @@ class Manifest:
 
     def to_bytes(self) -> bytes:
         """Canonical serialised form (what the hash covers and what a mismatch report ships)."""
+        return self._serialised
+
+    @functools.cached_property
+    def _serialised(self) -> bytes:
+        # once per manifest: a push asks for it (and the hash) several times, a JSON dump each
         body = {"bucket_bytes": self.bucket_bytes, "entries": [[e.name, list(e.shape), e.dtype] for e in self.entries]}
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -111,7 +116,7 @@ class Manifest:
         return cls(entries=tuple(TensorSpec(n, tuple(s), d) for n, s, d in body["entries"]),
                    bucket_bytes=body["bucket_bytes"])
 
-    @property
+    @functools.cached_property
     def hash(self) -> int:
         """sha256 of `to_bytes`, first 8 bytes as a signed int64 (it travels in an int64 header)."""
         return int.from_bytes(hashlib.sha256(self.to_bytes()).digest()[:8], "little", signed=True)
