@@ -136,7 +136,8 @@ class UpdateTargets:
 class ValidatedUpdate(list):
     """(name, tensor) pairs that passed validate_update's checks against `model` (made only by
     validate_update and `joined`): update_weights writes them without checking them again, which
-    would read every value a second time (a bucketed push validates each bucket as it stages it)."""
+    would read every value a second time (a bucketed push validates each bucket as it stages it).
+    Its tensors are not copied: whoever holds one must not change them before it is written."""
 
     def __init__(self, pairs, model: torch.nn.Module, targets: UpdateTargets, partial: bool):
         super().__init__(pairs)

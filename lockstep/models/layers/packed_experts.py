@@ -13,8 +13,8 @@ A decode step on CUDA in bf16 (the triton_moe switch on) runs the format's group
 (grouped_gemm_triton's fused SwiGLU reads bf16 weights); any other call (prefill, CPU, fp32)
 dequantises the experts to the compute dtype for the call and takes Experts' own path. Either way
 the values are the emulation's (serving_format.served_value). In fp8 storage the decode step's
-shared expert, packed in fp8 too, runs inside the same two kernels (Experts.folds_shared). Expert-parallel shards (subclasses
-of Experts) are not packed.
+shared expert, packed in fp8 too, runs inside the same two kernels (Experts.folds_shared).
+Expert-parallel shards (subclasses of Experts) are not packed.
 """
 
 from __future__ import annotations
