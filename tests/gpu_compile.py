@@ -43,10 +43,12 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 
 def variants():
     """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode
-    attention, mHC pre stage and router."""
+    attention, mHC pre stage, router and routed experts."""
     from lockstep.models.layers import compressor_step_triton as cs
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
+    from lockstep.models.layers import grouped_gemm_fp8 as g8
+    from lockstep.models.layers import grouped_gemm_triton as gg
     from lockstep.models.layers import hc_pre_triton as hp
     from lockstep.models.layers import hc_projection_triton as hc
     from lockstep.models.layers import logprob_entropy_triton as le
@@ -142,9 +144,21 @@ def variants():
             {"D", "ROPE_HALF", "stride_kn", "stride_gn", "stride_bs", "stride_bt", "stride_ps", "stride_pt",
              "stride_bias", "stride_cn", "stride_on"}, {"eps"}, M=m, OVERLAP=overlap, HALF=64, SB=cs.SLOT_BLOCK, BF16=True,
             INTERPRETED=False)
-    yield "decode router", lambda: ptx(
-        ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
-        {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64, BLOCK_H=ro.BLOCK_H)
+    for block_t in (ro.BLOCK_T, 16):  # broadcast products; tl.dot in tf32x3
+        yield f"decode router, {block_t} tokens a program", lambda block_t=block_t: ptx(
+            ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
+            {"scaling"}, K=6, SCORING=0, BLOCK_T=block_t, BLOCK_E=64, BLOCK_H=ro.BLOCK_H, INTERPRETED=False)
+    # the routed experts' decode GEMMs (the shared expert's groups read a second weight pointer)
+    grouped = {"G_ROUTED", "N", "K", "stride_xm", "stride_xk", "stride_wg", "stride_wn", "stride_wk", "stride_om",
+               "stride_on"}
+    for swiglu in (True, False):
+        yield f"decode grouped GEMM swiglu={swiglu}", lambda swiglu=swiglu: ptx(
+            gg._grouped_kernel, dict(x_ptr=BF, w_ptr=BF, ws_ptr=BF, out_ptr=BF, offs_ptr="*i32"), grouped, {"limit"},
+            SWIGLU=swiglu, INTERPRETED=False, BLOCK_M=gg.BLOCK_M, EVEN_K=True, BLOCK_N=32, BLOCK_K=128)
+    yield "decode grouped GEMM fp8", lambda: ptx(
+        g8._grouped_fp8_kernel, dict(x_ptr=BF, w_ptr="*u8", s_ptr=FP, ws_ptr="*u8", ss_ptr=FP, out_ptr=BF,
+                                     offs_ptr="*i32"), grouped | {"stride_sg", "stride_sn", "stride_sk"},
+        num_warps=2, INTERPRETED=False, SCALE_BLOCK=128, BLOCK_M=gg.BLOCK_M, BLOCK_N=64, BLOCK_K=128)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -55,12 +55,16 @@ def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
 
 
 if triton is not None:
+    _dot = _gt._dot  # by name: a compile worker rebuilds the kernel from the functions it names
+
     @triton.jit
     def _logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                BLOCK_H: tl.constexpr):
-        """[BLOCK_T, BLOCK_E] fp32 logits of rows rt against experts re (x and W contiguous): products
-        broadcast and summed over each [BLOCK_H] slice, not tl.dot (fp32 "ieee" tl.dot on an H200 made
-        this kernel 48 us at batch 64, 2.3x the torch ops it replaces)."""
+                BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+        """[BLOCK_T, BLOCK_E] fp32 logits of rows rt against experts re (x and W contiguous). One token a
+        program: products broadcast and summed over each [BLOCK_H] slice. 16 or more: tl.dot in
+        "tf32x3" (three tf32 products per fp32 one, hc_projection_triton.py: 1.9e-6 from fp32 there),
+        so the programs read W once per 16 tokens (fp32 "ieee" tl.dot, the first form, took 48 us a
+        call at batch 64 on an H200, 2.3x the torch ops it replaces)."""
         acc = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
         rh = tl.arange(0, BLOCK_H)
         for h0 in range(0, H, BLOCK_H):
@@ -68,7 +72,13 @@ if triton is not None:
             h_ok = h < H
             a = tl.load(x_ptr + rt[:, None] * H + h[None, :], mask=t_ok[:, None] & h_ok[None, :], other=0.0)
             b = tl.load(w_ptr + re[:, None] * H + h[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0)
-            acc += tl.sum(a.to(tl.float32)[:, None, :] * b.to(tl.float32)[None, :, :], axis=2)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+            if BLOCK_T < 16:
+                acc += tl.sum(a[:, None, :] * b[None, :, :], axis=2)
+            elif INTERPRETED:  # products summed in index order (grouped_gemm_triton._dot)
+                acc = _dot(a, tl.trans(b), acc, True)
+            else:
+                acc = tl.dot(a, tl.trans(b), acc, input_precision="tf32x3")
         return acc
 
     @triton.jit
@@ -94,11 +104,12 @@ if triton is not None:
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
                       K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_H: tl.constexpr):
+                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         re = tl.arange(0, BLOCK_E)
         t_ok, e_ok = rt < T, re < E
-        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H), e_ok, SCORING)
+        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H, INTERPRETED),
+                         e_ok, SCORING)
         biased = scores + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]
         # NaN as -inf: a broken row still gets k distinct experts below E (the dispatch indexes with them)
         biased = tl.where(e_ok[None, :] & (biased == biased), biased, float("-inf"))
@@ -124,7 +135,8 @@ if triton is not None:
     def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
                    scaling: float, block_t: int = 0, block_h: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32).
-        block_t, block_h: nonzero, override BLOCK_T and BLOCK_H (benchmarks/router_step.py)."""
+        block_t, block_h: nonzero, override BLOCK_T and BLOCK_H (benchmarks/router_step.py); from 16
+        tokens a program the logits take tl.dot (`_logits`)."""
         block_t, block_h = block_t or BLOCK_T, block_h or BLOCK_H
         T, H = x.shape
         E = weight.shape[0]
@@ -134,7 +146,7 @@ if triton is not None:
             torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, block_t),)](
                 x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
                 K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                BLOCK_H=block_h, num_warps=4)
+                BLOCK_H=block_h, INTERPRETED=_gt.interpreted(), num_warps=4)
         return experts, weights
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
