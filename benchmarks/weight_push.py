@@ -25,6 +25,8 @@ in-process 0.020 s, push 0.536 s, weight sync ratio 665 (copy bound 0.81 ms at 2
 With the shared transport (`--transport`, auto picks it on one GPU; one H200, 2026-12-04, one call):
 bf16 0.027 s (ratio 33.3), fp8 --packed 0.031 s (39.2), fp8-fp4 --packed 0.038 s (47.2); broadcast
 fp8 --packed 0.543 s (674) in the same call.
+Each rank also prints its fastest push's phases (weight_push.PHASES: agree, transfer, vote, write,
+release), from the push's `perf/weight_sync/<phase>_time` metrics.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from lockstep.dist.groups import Layout, init_distributed, launched  # noqa: E40
 from lockstep.dist.launch import launch  # noqa: E402
 from lockstep.dist.manifest import build_manifest  # noqa: E402
 from lockstep.dist.shared_buckets import TRANSPORTS, resolve_transport  # noqa: E402
-from lockstep.dist.weight_push import push_weights  # noqa: E402
+from lockstep.dist.weight_push import PHASES, push_weights  # noqa: E402
 from lockstep.engine import Engine  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
 
@@ -107,6 +109,13 @@ def ratio_line(sync_s: float, nbytes: int, copy_s: float) -> str:
             f"at {nbytes / copy_s / 1e9:.1f} GB/s measured in this run)")
 
 
+def phase_line(pushes: list[dict]) -> str:
+    """The fastest push's phases on this rank (weight_push.PHASES), in ms."""
+    best = min(pushes, key=lambda m: m["perf/weight_sync_time"])
+    return "phases of the fastest push (ms): " + ", ".join(
+        f"{phase} {best[f'perf/weight_sync/{phase}_time'] * 1e3:.2f}" for phase in PHASES)
+
+
 def rank_main(args) -> None:
     bench = _configs()[args.config]
     one_gpu = torch.cuda.is_available() and torch.cuda.device_count() == 1
@@ -116,8 +125,9 @@ def rank_main(args) -> None:
     manifest = build_manifest(trainer_model, dtype, args.bucket_mib * 2 ** 20)
     transport = resolve_transport(ctx, args.transport)  # every rank: a collective
     if ctx.rank == 0:
-        for v in range(1, args.pushes + 1):
-            push_weights(ctx, manifest, v, named_tensors=trainer_model.state_dict().items(), transport=transport)
+        pushes = [push_weights(ctx, manifest, v, named_tensors=trainer_model.state_dict().items(), transport=transport)
+                  for v in range(1, args.pushes + 1)]
+        print(f"trainer rank, {phase_line(pushes)}", flush=True)
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
                        dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
@@ -131,8 +141,8 @@ def rank_main(args) -> None:
         _sync(device)
         in_process = min(in_process, time.perf_counter() - start)
     del trainer_model
-    times = [push_weights(ctx, manifest, None, engine=pushed, transport=transport)["perf/weight_sync_time"]
-             for _ in range(args.pushes)]
+    pushes = [push_weights(ctx, manifest, None, engine=pushed, transport=transport) for _ in range(args.pushes)]
+    times = [m["perf/weight_sync_time"] for m in pushes]
     ref = reference.model.state_dict()
     differ = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
     push_s = min(times)
@@ -141,6 +151,7 @@ def rank_main(args) -> None:
           f"{manifest.total_bytes / push_s / 1e9:.2f} GB/s) vs in-process update {in_process:.3f} s (best): "
           f"ratio {push_s / in_process:.2f}; tensors differing from the in-process update: {len(differ)} "
           f"{differ[:3]}", flush=True)
+    print(f"engine rank, {phase_line(pushes)}", flush=True)
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
     print(f"{args.serving_format}{' packed' if args.packed else ''}: {ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
 

@@ -293,12 +293,19 @@ def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
     return [r for r, f in enumerate(flags) if f.item()]
 
 
+# the push's phases, as push_weights times them on each rank: the header and manifest agreement;
+# packing, moving and staging the buckets; the commit vote; the engine's write (Engine.update_weights,
+# and the wait for its device work); dropping the buckets (with the shared transport, a barrier)
+PHASES = ("agree", "transfer", "vote", "write", "release")
+
+
 def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, named_tensors=None, engine=None,
                  device: torch.device | None = None, transport: str = "auto") -> dict[str, float]:
     """One push (module docstring), called on every rank. The source rank must pass `version` and
     `named_tensors`; engine ranks may pass version None (they take the header's). `transport`:
     broadcast | shared | auto (shared_buckets.resolve_transport; every rank passes the same).
-    Returns metrics `perf/weight_sync_time` (s) and `perf/weight_sync_bytes` (bytes pushed)."""
+    Returns metrics `perf/weight_sync_time` (s), `perf/weight_sync_bytes` (bytes pushed) and
+    `perf/weight_sync/<phase>_time` (s) for each of PHASES on this rank."""
     start = time.perf_counter()
     device = device or ctx.device
     if ctx.rank == ctx.weight_src and (named_tensors is None or version is None):
@@ -312,18 +319,23 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
         version = header[0]
         stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport))
         every_rank_here, update_error = False, None
+        clock = [time.perf_counter()]  # the phases' ends: agreed, transferred, voted, written, released
         try:
             stream.run()
+            clock.append(time.perf_counter())
             failed = _vote(ctx, stream.error, op)
+            clock.append(time.perf_counter())
             if not failed and engine is not None:
                 try:  # every rank is past the vote: a local failure here still meets the others at release
                     engine.update_weights(stream.staged, version)
                 except Exception as e:
                     update_error = e
             _drain(device)
+            clock.append(time.perf_counter())
             every_rank_here = True
         finally:
             stream.release(every_rank_here)
+            clock.append(time.perf_counter())
         if update_error is not None:
             raise update_error
         if failed:
@@ -332,4 +344,6 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
             raise WeightPushError(f"rank {ctx.rank}: {op} aborted, rank(s) {failed} failed to pack or stage "
                                   f"({mine}){kept}") from stream.error
     pushed = manifest.total_bytes if ctx.weight_group is not None else 0
-    return {"perf/weight_sync_time": time.perf_counter() - start, "perf/weight_sync_bytes": float(pushed)}
+    return {"perf/weight_sync_time": time.perf_counter() - start, "perf/weight_sync_bytes": float(pushed),
+            **{f"perf/weight_sync/{phase}_time": b - a for phase, a, b in zip(PHASES, [start, *clock], clock)}}
+

@@ -29,7 +29,7 @@ from lockstep.config import EngineConfig
 from lockstep.dist.config import DistConfig
 from lockstep.dist.groups import init_distributed
 from lockstep.dist.manifest import build_manifest
-from lockstep.dist.weight_push import push_weights
+from lockstep.dist.weight_push import PHASES, push_weights
 from lockstep.engine import Engine
 from lockstep.models import load_pretrained
 from lockstep.models.registry import config_from_hf_dict, model_class
@@ -139,6 +139,10 @@ def test_push_equals_in_process_update_in_every_format(device, transport):
     assert r1.value["asset_equal"]["bf16"] == {TID2EID: False, BIAS: False}
     m = r0.value["metrics"][0]  # 622k parameters, 4 bytes each in fp32 (CPU), 2 in bf16 (CUDA)
     assert m["perf/weight_sync_bytes"] >= (4 if device == "cpu" else 2) * 600_000 and m["perf/weight_sync_time"] > 0
+    for metrics in (r0.value["metrics"][0], r1.value["metrics"][0]):  # each rank's phases, within the push's time
+        phases = [metrics[f"perf/weight_sync/{phase}_time"] for phase in PHASES]
+        assert all(t >= 0 for t in phases) and 0 < sum(phases) <= metrics["perf/weight_sync_time"]
+    assert r1.value["metrics"][0]["perf/weight_sync/write_time"] > 0  # the engine wrote; the trainer had nothing to
     # a NaN in the router bias: engine rank 1 fails staging, both ranks abort, version 3 keeps serving
     assert r0.value["nan_error"].startswith("WeightPushError: rank 0: weight push v4 aborted, rank(s) [1]")
     assert "WeightPushError: rank 1: weight push v4 aborted" in r1.value["nan_error"]
