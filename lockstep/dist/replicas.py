@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from lockstep.dist.groups import DistContext
 from lockstep.dist.sample_gather import gather_samples
+from lockstep.dist.shared_buckets import resolve_transport
 from lockstep.dist.weight_push import push_weights
 
 
@@ -59,6 +60,7 @@ class EngineReplicas:
         self.ctx, self.engine, self.manifest = ctx, engine, manifest
         self._tokenizer = tokenizer if engine is None else engine.tokenizer
         self._version = 0  # a trainer-only rank's record of what the engines serve
+        self._transport: str | None = None  # the push's, agreed at the first push (a collective)
 
     @property
     def tokenizer(self):
@@ -89,6 +91,9 @@ class EngineReplicas:
         if self.ctx.layout.is_colocated:
             self.engine.update_weights(named_tensors, version=version)
             return {}
-        metrics = push_weights(self.ctx, self.manifest, version, named_tensors=named_tensors, engine=self.engine)
+        if self._transport is None:  # every rank is here at the same point of the loop
+            self._transport = resolve_transport(self.ctx)
+        metrics = push_weights(self.ctx, self.manifest, version, named_tensors=named_tensors, engine=self.engine,
+                               transport=self._transport)
         self._version = version
         return metrics
