@@ -6,9 +6,10 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
 
 1. Engines pause (the current step finishes) and CUDA work drains (a broadcast racing in-flight
    kernels hung sglang#22620).
-2. Header on the gloo control group: the trainer source rank broadcasts [version, manifest hash,
-   manifest length]. Any rank whose own manifest hash differs makes every rank raise
-   `ManifestMismatch` naming the first differing tensor, both sides' view of it.
+2. Header on the gloo control group: every rank all-gathers each rank's [version, manifest hash,
+   manifest length], the trainer source rank's row the header. Any rank whose own manifest hash
+   differs makes every rank raise `ManifestMismatch` naming the first differing tensor, both
+   sides' view of it.
 3. Buckets on the weight group: the source packs each bucket's tensors (cast to the manifest's
    wire dtype, a no-op for the trainer's own dtype) into one flat uint8 buffer and broadcasts it;
    two buckets are in flight at once (packing bucket i+1 overlaps broadcasting bucket i). Every
@@ -77,13 +78,17 @@ def _paused(engine, device: torch.device):
 
 # ---- header and manifest agreement ---------------------------------------------------------
 
-def _header(ctx: DistContext, manifest: Manifest, version: int | None, op: str) -> tuple[int, int, int]:
-    """The source's (version, hash, manifest length), known to every rank afterwards."""
-    body = manifest.to_bytes()
-    hdr = torch.tensor([version if version is not None else -1, manifest.hash, len(body)], dtype=torch.int64)
-    with ctx.collective(f"{op}: header broadcast"):
-        dist.broadcast(hdr, src=ctx.weight_src, group=ctx.control_group)
-    return tuple(int(x) for x in hdr.tolist())
+def _header(ctx: DistContext, manifest: Manifest, version: int | None, op: str) -> tuple[tuple[int, int, int], bool]:
+    """The source's (version, hash, manifest length), and whether every rank's manifest hash is the
+    source's: every rank learns both from one all-gather of each rank's own (version, hash, length)
+    on the control group (which holds every rank, in order)."""
+    mine = torch.tensor([version if version is not None else -1, manifest.hash, len(manifest.to_bytes())],
+                        dtype=torch.int64)
+    rows = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    with ctx.collective(f"{op}: header"):
+        dist.all_gather(rows, mine, group=ctx.control_group)
+    source = tuple(int(x) for x in rows[ctx.weight_src].tolist())
+    return source, all(int(row[1]) == source[1] for row in rows)
 
 
 def _mismatch_report(ctx: DistContext, mine: Manifest, length: int, op: str) -> str:
@@ -111,13 +116,13 @@ def _mismatch_report(ctx: DistContext, mine: Manifest, length: int, op: str) -> 
 
 
 def _check_manifest(ctx: DistContext, manifest: Manifest, expected_version: int | None,
-                    header: tuple[int, int, int], op: str) -> None:
-    sent_version, sent_hash, length = header
+                    header: tuple[int, int, int], same_hash: bool, op: str) -> None:
+    sent_version, _, length = header
+    if not same_hash:  # every rank knows it: all take part in the report
+        raise ManifestMismatch(_mismatch_report(ctx, manifest, length, op))
     if expected_version is not None and sent_version != expected_version:
         raise WeightPushError(f"rank {ctx.rank}: {op}: the trainer pushes version {sent_version}, this rank "
                               f"expected {expected_version} (the loop is out of step)")
-    if not ctx.all_true(sent_hash == manifest.hash, f"{op}: manifest hash"):
-        raise ManifestMismatch(_mismatch_report(ctx, manifest, length, op))
 
 
 # ---- buckets ---------------------------------------------------------------------------------
@@ -313,9 +318,10 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
     if ctx.is_engine and engine is None:
         raise ValueError(f"rank {ctx.rank}: push_weights on an engine rank needs its engine")
     with _paused(engine, device):
-        header = _header(ctx, manifest, version, "weight push" if version is None else f"weight push v{version}")
+        header, same_hash = _header(ctx, manifest, version,
+                                    "weight push" if version is None else f"weight push v{version}")
         op = f"weight push v{header[0]}"
-        _check_manifest(ctx, manifest, version, header, op)
+        _check_manifest(ctx, manifest, version, header, same_hash, op)
         version = header[0]
         stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport))
         every_rank_here, update_error = False, None
