@@ -223,14 +223,15 @@ class CompressorState:
 
     def __init__(self, num_slots: int, max_entries: int, comp: Compressor, dtype, device):
         m, d, w = comp.m, comp.head_dim, comp.width
-        self.entries = torch.zeros(num_slots, max_entries, d, dtype=dtype, device=device)
-        self.buf_kv = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
-        self.buf_gate = torch.zeros(num_slots, m, w, dtype=dtype, device=device)
-        self.prev_kv = torch.zeros(num_slots, m, d, dtype=dtype, device=device) if comp.overlap else None
+        self.entries = torch.empty(num_slots, max_entries, d, dtype=dtype, device=device)
+        self.buf_kv = torch.empty(num_slots, m, w, dtype=dtype, device=device)
+        self.buf_gate = torch.empty(num_slots, m, w, dtype=dtype, device=device)
+        self.prev_kv = torch.empty(num_slots, m, d, dtype=dtype, device=device) if comp.overlap else None
         # fp32 whatever the cache dtype: the position bias (kept in fp32) is already added, and a
         # training forward pools the same gates unrounded
-        self.prev_gate = (torch.full((num_slots, m, d), float("-inf"), dtype=torch.float32, device=device)
-                          if comp.overlap else None)
+        self.prev_gate = torch.empty(num_slots, m, d, dtype=torch.float32, device=device) if comp.overlap else None
+        for t, value in self.initial_values():  # every slot empty
+            t.fill_(value)
 
     @property
     def scratch_slot(self) -> int:

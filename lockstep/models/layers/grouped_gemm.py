@@ -47,6 +47,11 @@ def grouped_mm_gathered(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) 
     return torch.bmm(w[group_of_row], x.unsqueeze(-1)).squeeze(-1)
 
 
+def group_offsets(counts: torch.Tensor) -> torch.Tensor:
+    """counts [G] -> the int32 cumulative row counts the grouped kernels take (`offs`)."""
+    return torch.cumsum(counts, 0).to(torch.int32)
+
+
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     if torch.is_autocast_enabled(x.device.type):
         # torch._grouped_mm has no autocast rule (fp32 weights met bf16 rows in `lockstep sft`'s bf16
@@ -54,8 +59,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
         dtype = torch.get_autocast_dtype(x.device.type)
         x, w = x.to(dtype), w.to(dtype)
     if _can_use_native(x, w):
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=group_offsets(counts))
     if torch.compiler.is_compiling():
         return grouped_mm_gathered(x, w, counts)
     return grouped_mm_reference(x, w, counts)

@@ -22,7 +22,7 @@ from torch import nn
 
 from . import grouped_gemm_triton, moe_combine_triton, router_triton, swiglu_triton
 from .fused_linear import project
-from .grouped_gemm import grouped_mm, triton_experts
+from .grouped_gemm import group_offsets, grouped_mm, triton_experts
 from .kernel_switch import Switched
 from .row_blocks import in_rows_forward
 from .whole_rows import (apply_linear, in_whole_rows, linear, row_local, sigmoid_any_size, softmax_in_order,
@@ -157,6 +157,12 @@ def _held_rows(n_experts: int) -> range:
     return rows
 
 
+def _combine_sorted(ys: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """ys [T k, H] in expert order (row i is token-slot order[i]) -> `_combine` of them in token order."""
+    T, k = weights.shape
+    return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, dtype)
+
+
 def _combine(per_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """per_slot [T, k, H] (slot j: the j-th chosen expert's output) -> [T, H]: each token's k outputs
     added one at a time in ascending expert order, so the sum does not depend on the batch."""
@@ -183,7 +189,7 @@ class _KernelExperts(torch.autograd.Function):
     def forward(ctx, xs, gate_up, down, counts, limit: float):
         ctx.save_for_backward(xs, gate_up, down, counts)
         ctx.limit = limit
-        offs = torch.cumsum(counts, 0).to(torch.int32)
+        offs = group_offsets(counts)
         return grouped_gemm_triton.grouped_mm(grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, limit), down, offs)
 
     @staticmethod
@@ -214,7 +220,7 @@ class Experts(Switched, nn.Module):
         shared expert's weights where `folds_shared` took them; the result then includes its output."""
         if in_rows_forward():
             return self.rows_mlp(x, experts, weights)
-        T, k = experts.shape
+        k = experts.shape[1]
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         if shared is not None:
             return self._with_shared(x, order, counts, weights, shared)
@@ -224,7 +230,7 @@ class Experts(Switched, nn.Module):
         ys = self.sorted_mlp(xs, counts, decode)
         if ys.dtype == x.dtype and moe_combine_triton.applies(ys, weights, kernels):
             return moe_combine_triton.combine(ys, order, weights)
-        return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
+        return _combine_sorted(ys, order, weights, x.dtype)
 
     def folds_shared(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
         """Whether a decode step's shared expert (gate_up [2F, H]: gate rows then up, down [H, F]) can
@@ -241,11 +247,9 @@ class Experts(Switched, nn.Module):
         expert; combined as `forward` combines, then the shared output added, as MoE adds it."""
         T, k = weights.shape
         rows = torch.cat([order // k, torch.arange(T, device=x.device)])
-        offs = grouped_gemm_triton.with_shared_groups(torch.cumsum(counts, 0).to(torch.int32), T)
+        offs = grouped_gemm_triton.with_shared_groups(group_offsets(counts), T)
         ys = self.decode_mlp(x[rows], offs, shared)
-        routed = ys[:T * k]
-        out = _combine(torch.empty_like(routed).index_copy(0, order, routed).view(T, k, -1), weights, x.dtype)
-        return out + ys[T * k:]
+        return _combine_sorted(ys[:T * k], order, weights, x.dtype) + ys[T * k:]
 
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The true-on-policy experts (deepseek_v4_rows.py): a row's output must not depend on which
@@ -261,7 +265,7 @@ class Experts(Switched, nn.Module):
         if _row_invariant_kernels(x, gate_up, down):
             order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=True)
             ys = _KernelExperts.apply(x[order // k], gate_up, down, counts, self.limit)
-            return _combine(torch.empty_like(ys).index_copy(0, order, ys).view(T, k, -1), weights, x.dtype)
+            return _combine_sorted(ys, order, weights, x.dtype)
         E, F2, H = gate_up.shape
         gate, up = F.linear(x, gate_up.reshape(E * F2, H)).view(-1, E, F2).transpose(0, 1).chunk(2, dim=-1)
         ys = torch.bmm(swiglu_clamped(gate, up, self.limit), down.transpose(1, 2))  # [E, T, H]
@@ -289,7 +293,7 @@ class Experts(Switched, nn.Module):
         row count, adds no compile guard: a compiled graph is already specialised to S = 1."""
         gate_up, down = self.expert_weights()
         if decode and triton_experts(xs, gate_up, down, self.kernels.on("triton_moe")):
-            return self.decode_mlp(xs, torch.cumsum(counts, 0).to(torch.int32))
+            return self.decode_mlp(xs, group_offsets(counts))
         h = grouped_mm(xs, gate_up, counts)
         if swiglu_triton.applies(h):  # the trainer's: one kernel each way (swiglu_triton.py)
             return grouped_mm(swiglu_triton.swiglu_clamped(h, self.limit), down, counts)

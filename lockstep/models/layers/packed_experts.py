@@ -26,6 +26,7 @@ from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, fp8_scale_shape,
 from lockstep.quant.scales import E8M0
 
 from . import grouped_gemm_fp4, grouped_gemm_fp8
+from .grouped_gemm import group_offsets
 from .grouped_gemm_triton import laid_out_as_one
 from .kernel_switch import forward_kernel_allowed
 from .moe import Experts, swiglu_clamped
@@ -121,7 +122,7 @@ class PackedExperts(Experts):
 
     def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         if decode and self._decode_kernels(xs):
-            return self.decode_mlp(xs, torch.cumsum(counts, 0).to(torch.int32))
+            return self.decode_mlp(xs, group_offsets(counts))
         return super().mlp(xs, counts, decode=False)
 
     def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
