@@ -39,6 +39,9 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--block-t", type=int, nargs="*", default=[],
                     help="also time the kernel with these tokens per program (router_triton.BLOCK_T is the default)")
+    ap.add_argument("--block-h", type=int, nargs="*", default=[0],
+                    help="with --block-t: hidden columns per step of the logits' loop, each timed with each "
+                         "--block-t (0: router_triton.BLOCK_H)")
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -67,8 +70,9 @@ def main(argv=None) -> None:
         "eager": torch_ops,
     }
     for b in args.block_t:
-        calls[f"kernel t{b}"] = lambda x, b=b: router_triton.route_step(
-            x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b)
+        for h in args.block_h:
+            calls[f"kernel t{b}" + (f" h{h}" if h else "")] = lambda x, b=b, h=h: router_triton.route_step(
+                x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b, block_h=h)
     print(f"{torch.cuda.get_device_name()}: {args.experts} experts of {args.hidden}, top {args.top_k}, bf16 x, "
           f"fp32 weight; {args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
     print(table_header("batch", calls, "compiled/kernel", ["kernel: rows differ", "max|dw|",

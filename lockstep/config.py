@@ -167,10 +167,10 @@ class EngineConfig:
     window ring and the compressed entries (C4 layers: the indexer's picks only) where they are cached (CUDA,
     bf16; models/layers/step_attention_triton.py); off: torch ops over the keys gathered from the caches.
     LOCKSTEP_TRITON_ATTENTION=0 / 1, when set, overrides."""
-    triton_router: bool = False
+    triton_router: bool = True
     """A decode step's top-k router (fp32 logits, scores, top-k, weights) is one Triton kernel (CUDA;
-    models/layers/router_triton.py); off: torch ops. Off by default until its second form is measured on a
-    GPU (the first was slower than the ops). LOCKSTEP_TRITON_ROUTER=0 / 1, when set, overrides."""
+    models/layers/router_triton.py: its figures); off: torch ops (cuBLAS's fp32 GEMM, inductor's top-k).
+    LOCKSTEP_TRITON_ROUTER=0 / 1, when set, overrides."""
     triton_compressor: bool = True
     """The compressed entry a decode step's token closes is one Triton kernel reading the compressor's open
     block where it is cached, and only the token is written into it (CUDA; models/layers/compressor_step_triton.py);

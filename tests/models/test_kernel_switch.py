@@ -32,7 +32,7 @@ def test_the_environment_wins_when_set(monkeypatch):
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == (
         "triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), triton_attention on, "
-        "triton_router off, triton_compressor on, compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, "
+        "triton_router on, triton_compressor on, compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, "
         "fixed_order on CUDA, triton_index off, "
         "compile_rows on CUDA, flash_attention on CUDA, triton_norm on CUDA, triton_rope on CUDA, "
         "triton_combine on CUDA, fused_logprobs on CUDA")
