@@ -144,7 +144,7 @@ def variants():
             {"D", "ROPE_HALF", "stride_kn", "stride_gn", "stride_bs", "stride_bt", "stride_ps", "stride_pt",
              "stride_bias", "stride_cn", "stride_on"}, {"eps"}, M=m, OVERLAP=overlap, HALF=64, SB=cs.SLOT_BLOCK, BF16=True,
             INTERPRETED=False)
-    for block_t in (ro.BLOCK_T, 16):  # broadcast products; tl.dot in tf32x3
+    for block_t in (1, ro.BLOCK_T):  # broadcast products; tl.dot in tf32x3 (the default, 16)
         yield f"decode router, {block_t} tokens a program", lambda block_t=block_t: ptx(
             ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
             {"scaling"}, K=6, SCORING=0, BLOCK_T=block_t, BLOCK_E=64, BLOCK_H=ro.BLOCK_H, INTERPRETED=False)
