@@ -19,16 +19,19 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    parts are joined into one `ValidatedUpdate`, its names checked across buckets, so a tensor no
    bucket held fails the vote too). Where every rank is on one
    host and the weight group is gloo (ranks sharing a GPU, or CPU ranks), the "shared" transport
-   (shared_buckets.py) replaces the broadcast: the source packs into shared memory (CUDA IPC on a
-   GPU) and broadcasts only its handle on the control group; engines stage views of the mapping.
+   (shared_buckets.py) replaces the broadcast: the source packs every bucket into shared memory
+   (CUDA IPC on a GPU) and broadcasts only their handles on the control group, once; engines stage
+   views of the mappings. A `BucketPool` passed in keeps the buckets, mappings and views for the
+   next push (allocated, exported and mapped once).
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
    re-quantises to its serving format (without checking the staged values again), re-fuses and
    flushes its caches; otherwise every rank keeps
    the old version and raises `WeightPushError` naming the failed ranks. A sender that fails
    mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
-5. Staged views and mappings are dropped; with the shared transport the source frees its buckets
-   after a barrier (every engine has written). Engines resume (in `finally`: a failed push never
+5. Staged views are dropped; with the shared transport and a pool made for this push, engines
+   unmap and the source frees its buckets after a barrier (every engine has written); a kept pool
+   keeps them. Engines resume (in `finally`: a failed push never
    leaves an engine paused, slime#2371).
 
 A dead or hung peer surfaces as `DistributedError` (groups.collective) naming rank and step.
@@ -49,7 +52,7 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
-from lockstep.dist.shared_buckets import MappedBucket, SharedBucket, resolve_transport
+from lockstep.dist.shared_buckets import BucketPool, resolve_transport
 from lockstep.engine.weight_update import UpdateTargets, ValidatedUpdate, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
@@ -150,10 +153,11 @@ def _take(tensors: Iterator, manifest: Manifest, bucket: Bucket, rank: int, op: 
     return out
 
 
-def _pack(manifest: Manifest, bucket: Bucket, tensors: list[torch.Tensor], buf: torch.Tensor) -> None:
-    buf.zero_()  # alignment gaps between tensors: the bytes a receiver gets do not depend on the allocator
+def _pack(tensors: list[torch.Tensor], views: list[tuple[str, torch.Tensor]]) -> None:
+    """A bucket's tensors into its buffer's views (_views). The buffer was zeroed when allocated: the
+    alignment gaps between tensors, never written, do not depend on the allocator."""
     # one multi-tensor copy (it casts to the wire dtype as copy_ does): a copy per tensor is a launch each
-    torch._foreach_copy_([view for _, view in _views(manifest, bucket, buf)], [t.detach() for t in tensors])
+    torch._foreach_copy_([view for _, view in views], [t.detach() for t in tensors])
 
 
 def _engine_share(engine, pairs: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -170,17 +174,17 @@ class _Stream:
 
     transport "broadcast": each bucket broadcast on the weight group, two in flight (packing bucket
     i + 1 overlaps broadcasting bucket i); "shared" (shared_buckets.py, one host): the source packs
-    into shared memory and broadcasts its handle on the control group, engines stage mapped views."""
+    every bucket into shared memory and broadcasts their handles on the control group, engines stage
+    mapped views; `pool` holds the buckets (None: a pool for this push alone)."""
 
     def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str,
-                 transport: str):
+                 transport: str, pool: BucketPool | None = None):
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
         self.transport = transport
+        self.pool, self.owns_pool = pool or BucketPool(), pool is None
         self.tensors = iter(named_tensors) if named_tensors is not None else None
         self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
         self.staged: ValidatedUpdate | None = None  # the parts joined once every bucket is staged
-        self.shared: list[SharedBucket] = []  # the source's buckets, kept until every rank has written
-        self.mapped: list[MappedBucket] = []  # an engine's mappings of them
         self.error: BaseException | None = None
         self.targets = UpdateTargets.of(engine.model) if engine is not None else None  # every bucket's checks
         if engine is not None:
@@ -201,10 +205,11 @@ class _Stream:
             self.error = e
             return None
 
-    def stage(self, bucket: Bucket, buf: torch.Tensor) -> None:
+    def stage(self, views: list[tuple[str, torch.Tensor]]) -> None:
+        """Validate an engine's share of one bucket's tensors (views of the bytes it received)."""
         if self.engine is None or self.error is not None:
             return
-        pairs = _engine_share(self.engine, _views(self.manifest, bucket, buf))
+        pairs = _engine_share(self.engine, views)
         try:
             self.parts.append(validate_update(self.engine.model, pairs, partial=True, targets=self.targets))
         except ValueError as e:
@@ -228,11 +233,12 @@ class _Stream:
             tensors = self.source_tensors(bucket)
             if self.ctx.weight_group is None:
                 continue  # a trainer rank that is not the source: it only kept its gathers in step
-            buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
-            if self.ctx.rank == self.ctx.weight_src and tensors is not None:
-                _pack(self.manifest, bucket, tensors, buf)
-            elif self.ctx.rank == self.ctx.weight_src:  # failed earlier: zeros keep the receivers in step
-                buf.zero_()
+            if self.ctx.rank == self.ctx.weight_src:  # failed earlier: zeros keep the receivers in step
+                buf = torch.zeros(bucket.nbytes, dtype=torch.uint8, device=self.device)
+                if tensors is not None:
+                    _pack(tensors, _views(self.manifest, bucket, buf))
+            else:
+                buf = torch.empty(bucket.nbytes, dtype=torch.uint8, device=self.device)
             with self.ctx.collective(f"{self.op}: broadcast bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
                 work = dist.broadcast(buf, src=self.ctx.weight_src, group=self.ctx.weight_group, async_op=True)
             self._finish(in_flight, n)
@@ -244,47 +250,58 @@ class _Stream:
             return
         work, buf, b = in_flight
         self.ctx.wait(work, f"{self.op}: broadcast bucket {b + 1}/{n}")
-        self.stage(self.manifest.buckets[b], buf)
+        self.stage(_views(self.manifest, self.manifest.buckets[b], buf))
 
     def _run_shared(self) -> None:
-        n = len(self.manifest.buckets)
-        for b, bucket in enumerate(self.manifest.buckets):
-            tensors = self.source_tensors(bucket)
-            handle = [None]  # the source's None after a failure: nothing to stage, the vote aborts
-            if self.ctx.rank == self.ctx.weight_src and tensors is not None:
-                shared = SharedBucket(bucket.nbytes, self.device)
-                self.shared.append(shared)
-                _pack(self.manifest, bucket, tensors, shared.tensor)
-                _drain(self.device)  # packed before any reader maps it
-                handle = [shared.handle()]
-            with self.ctx.collective(f"{self.op}: share bucket {b + 1}/{n} ({bucket.nbytes} bytes)"):
-                dist.broadcast_object_list(handle, src=self.ctx.weight_src, group=self.ctx.control_group)
-            if handle[0] is None:
-                continue
-            source = self.ctx.rank == self.ctx.weight_src
-            view = self.shared[-1].tensor if source else None  # this bucket's bytes as this rank sees them
-            if not source and self.engine is not None:
-                self.mapped.append(MappedBucket(handle[0]))
-                view = self.mapped[-1].tensor
-            with self.ctx.collective(f"{self.op}: bucket {b + 1}/{n} mapped"):
+        buckets, source = self.manifest.buckets, self.ctx.rank == self.ctx.weight_src
+        buffers, offer = self._pack_shared() if source else (None, None)
+        if not source:
+            for bucket in buckets:  # a trainer rank takes each bucket as the source does (FSDP's gathers)
+                self.source_tensors(bucket)
+        with self.ctx.collective(f"{self.op}: share buckets ({len(buckets)}, {self.manifest.total_bytes} bytes)"):
+            dist.broadcast_object_list(box := [offer], src=self.ctx.weight_src, group=self.ctx.control_group)
+        if box[0] is None:  # the source failed to pack: nothing to stage, the vote aborts
+            return
+        handles, unannounced = box[0]
+        if not source and self.engine is not None:
+            buffers = self.pool.reader_buffers(handles)
+        if unannounced:  # new buckets: a CPU segment loses its name once every reader has mapped it
+            with self.ctx.collective(f"{self.op}: buckets mapped"):
                 dist.barrier(group=self.ctx.control_group)
             if source:
-                self.shared[-1].mapped_everywhere()
-            if view is not None:
-                self.stage(bucket, view)  # at once on a rank with no engine
+                self.pool.mapped_everywhere()
+        if buffers is not None and self.engine is not None:
+            for b, bucket in enumerate(buckets):
+                self.stage(self._bucket_views(b, bucket, buffers[b]))
+
+    def _bucket_views(self, b: int, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        return self.pool.views((self.manifest.hash, b), lambda: _views(self.manifest, bucket, buf))
+
+    def _pack_shared(self) -> tuple[list[torch.Tensor], tuple[list[tuple], bool] | None]:
+        """The source packs every bucket into its pool's buffers, taking each bucket's tensors from the
+        iterator as the other trainer ranks do: (the buffers, the offer to broadcast, BucketPool.offer,
+        or None where taking a bucket failed)."""
+        buffers = self.pool.source_buffers([b.nbytes for b in self.manifest.buckets], self.device)
+        for b, bucket in enumerate(self.manifest.buckets):
+            tensors = self.source_tensors(bucket)
+            if tensors is not None:
+                _pack(tensors, self._bucket_views(b, bucket, buffers[b]))
+        if self.error is not None:
+            return buffers, None
+        _drain(self.device)  # packed before any reader stages (reads) it
+        return buffers, self.pool.offer()
 
     def release(self, every_rank_here: bool) -> None:
-        """Drop the staged views and mappings; the source frees its buckets once every rank has
-        (`every_rank_here`: a barrier first; after a failed collective the peers are not waited for)."""
+        """Drop the staged views; a pool made for this push is freed: readers unmap, then the source
+        frees its buckets once every rank has (`every_rank_here`: a barrier first; after a failed
+        collective the peers are not waited for)."""
         self.parts, self.staged = [], None
-        for m in self.mapped:
-            m.close()
-        self.mapped = []
+        if not self.owns_pool:
+            return
+        self.pool.unmap()
         if self.transport == "shared" and every_rank_here:
             self.ctx.barrier(f"{self.op}: release shared buckets")
-        for s in self.shared:
-            s.release()
-        self.shared = []
+        self.pool.free()
 
 
 # ---- commit ----------------------------------------------------------------------------------
@@ -305,10 +322,13 @@ PHASES = ("agree", "transfer", "vote", "write", "release")
 
 
 def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, named_tensors=None, engine=None,
-                 device: torch.device | None = None, transport: str = "auto") -> dict[str, float]:
+                 device: torch.device | None = None, transport: str = "auto",
+                 pool: BucketPool | None = None) -> dict[str, float]:
     """One push (module docstring), called on every rank. The source rank must pass `version` and
     `named_tensors`; engine ranks may pass version None (they take the header's). `transport`:
     broadcast | shared | auto (shared_buckets.resolve_transport; every rank passes the same).
+    `pool`: with the shared transport, the rank's buckets kept from push to push (every rank passes
+    one, or none does); None: allocated for this push and freed at its end.
     Returns metrics `perf/weight_sync_time` (s), `perf/weight_sync_bytes` (bytes pushed) and
     `perf/weight_sync/<phase>_time` (s) for each of PHASES on this rank."""
     start = time.perf_counter()
@@ -323,7 +343,8 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
         op = f"weight push v{header[0]}"
         _check_manifest(ctx, manifest, version, header, same_hash, op)
         version = header[0]
-        stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport))
+        stream = _Stream(ctx, manifest, named_tensors, engine, device, version, op, resolve_transport(ctx, transport),
+                         pool)
         every_rank_here, update_error = False, None
         clock = [time.perf_counter()]  # the phases' ends: agreed, transferred, voted, written, released
         try:
