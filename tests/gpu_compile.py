@@ -148,6 +148,9 @@ def variants():
         yield f"decode router, {block_t} tokens a program", lambda block_t=block_t: ptx(
             ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},
             {"scaling"}, K=6, SCORING=0, BLOCK_T=block_t, BLOCK_E=64, BLOCK_H=ro.BLOCK_H, INTERPRETED=False)
+    yield "decode router from split-K partial logits", lambda: ptx(
+        ro._route_partials_kernel, dict(p_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP),
+        {"T", "E", "S", "stride_ps", "stride_pt"}, {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64)
     # the routed experts' decode GEMMs (the shared expert's groups read a second weight pointer)
     grouped = {"G_ROUTED", "N", "K", "stride_xm", "stride_xk", "stride_wg", "stride_wn", "stride_wk", "stride_om",
                "stride_on"}

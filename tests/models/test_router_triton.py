@@ -27,9 +27,9 @@ def _x(T, H, dtype, seed):
     return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
-def _kernel(router, x, block_t=0):
+def _kernel(router, x, block_t=0, split=-1):
     return rt.route_step(x, router.weight, router.e_score_correction_bias, router.top_k, router.scoring_func,
-                         router.routed_scaling_factor, block_t=block_t)
+                         router.routed_scaling_factor, block_t=block_t, split=split)
 
 
 def _margins(router, x):
@@ -46,12 +46,13 @@ def _margins(router, x):
 # the 1b config's router (64 experts of 1024, k = 6); fewer tokens than a program's rows, E and H
 # not powers of two (padding), logits large enough to take softplus's linear branch
 @pytest.mark.parametrize("T,E,H,k,spread", [(20, 64, 1024, 6, 1.0), (5, 40, 200, 3, 30.0)])
-# one token a program (broadcast products), and the default 16 (tl.dot in tf32x3 on a GPU; rows past T masked)
-@pytest.mark.parametrize("block_t", [1, 0])
-def test_the_kernel_equals_the_routers_torch_ops(scoring, dtype, T, E, H, k, spread, block_t):
+# one token a program (broadcast products), the default 16 (tl.dot in tf32x3 on a GPU; rows past T
+# masked), and the logits as 4 split-K partial sums (a first kernel, hc_projection_triton's)
+@pytest.mark.parametrize("form", [dict(block_t=1), dict(), dict(split=4)], ids=["t1", "t16", "split4"])
+def test_the_kernel_equals_the_routers_torch_ops(scoring, dtype, T, E, H, k, spread, form):
     router, x = _router(E, H, k, scoring, T + E, spread), _x(T, H, dtype, H)
     with torch.no_grad():
-        experts, weights = _kernel(router, x, block_t)
+        experts, weights = _kernel(router, x, **form)
         ref_experts, ref_weights = router.route(router.logits(x), None)
         margins = _margins(router, x)
     assert experts.dtype == torch.long and weights.dtype == torch.float32 and experts.shape == (T, k)

@@ -132,6 +132,11 @@ if triton is not None:
         fp32: per split of K, the products x @ fn^T (columns < J) and the rows' sums of squares
         (column J). Nonzero keywords override `launch_config`, `precision` PRECISION (the
         benchmark's --precision)."""
+        return launch_partials(x, fn, split, block_t, block_k, num_warps, num_stages, precision)
+
+    def launch_partials(x: torch.Tensor, fn: torch.Tensor, split: int, block_t: int = 0, block_k: int = 0,
+                        num_warps: int = 0, num_stages: int = 0, precision: str = "") -> torch.Tensor:
+        """hc_mix_partials' launch, for the body of a custom op (it and router_triton.route_step)."""
         T, K = x.shape
         J = fn.shape[0]
         cfg = launch_config(J, K, split)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
+from . import hc_projection_triton as _hp
 from .kernel_switch import forward_kernel_allowed
 
 triton = _gt.triton
@@ -48,6 +49,12 @@ BLOCK_T = 16  # tokens per program: tl.dot's minimum, W read from L2 once per 16
 # hidden columns per step of the logits' loop: on an H200 at 16 tokens a program 14.6 us a call
 # (64: 15.5, 32: 15.9, 256: 216, its tiles spilled; router_step.py --block-h, batch 64)
 BLOCK_H = 128
+# 0: the logits inside the routing kernel (above). S > 0: a first kernel computes them as S split-K
+# partial sums (mHC's hc_projection_triton kernel: T / 16 x S programs read W in parallel, where
+# the one kernel's T / 16 programs, 4 at a decode step of 64, each stream all of W), and the routing
+# kernel adds the S partials first to last (E <= hc_projection_triton.MAX_J; more experts take the
+# one kernel). Not yet timed on a GPU (router_step.py --split).
+SPLIT = 0
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
@@ -105,14 +112,9 @@ if triton is not None:
         return s
 
     @triton.jit
-    def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
-                      K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
-        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-        re = tl.arange(0, BLOCK_E)
-        t_ok, e_ok = rt < T, re < E
-        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H, INTERPRETED),
-                         e_ok, SCORING)
+    def _choose(scores, bias_ptr, experts_ptr, weights_ptr, rt, re, t_ok, e_ok, scaling,
+                K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+        """The k experts of highest score + bias per row, ascending, and their normalised weights."""
         biased = scores + tl.load(bias_ptr + re, mask=e_ok, other=0.0).to(tl.float32)[None, :]
         # NaN as -inf: a broken row still gets k distinct experts below E (the dispatch indexes with them)
         biased = tl.where(e_ok[None, :] & (biased == biased), biased, float("-inf"))
@@ -134,18 +136,52 @@ if triton is not None:
         tl.store(experts_ptr + out, (re[None, :] + tl.zeros_like(place)).to(tl.int64), mask=keep)
         tl.store(weights_ptr + out, weights, mask=keep)
 
+    @triton.jit
+    def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
+                      K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        re = tl.arange(0, BLOCK_E)
+        t_ok, e_ok = rt < T, re < E
+        scores = _scores(_logits(x_ptr, w_ptr, rt, re, t_ok, e_ok, H, BLOCK_T, BLOCK_E, BLOCK_H, INTERPRETED),
+                         e_ok, SCORING)
+        _choose(scores, bias_ptr, experts_ptr, weights_ptr, rt, re, t_ok, e_ok, scaling, K, BLOCK_T, BLOCK_E)
+
+    @triton.jit
+    def _route_partials_kernel(p_ptr, bias_ptr, experts_ptr, weights_ptr, T, E, S, stride_ps, stride_pt, scaling,
+                               K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr,
+                               BLOCK_E: tl.constexpr):
+        """As _route_kernel, from logits given as S split-K partial sums p [S, T, >= E] (added in order)."""
+        rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        re = tl.arange(0, BLOCK_E)
+        t_ok, e_ok = rt < T, re < E
+        rows = p_ptr + rt[:, None].to(tl.int64) * stride_pt + re[None, :]
+        logits = tl.zeros((BLOCK_T, BLOCK_E), dtype=tl.float32)
+        for s in range(S):
+            logits += tl.load(rows + s * stride_ps, mask=t_ok[:, None] & e_ok[None, :], other=0.0)
+        _choose(_scores(logits, e_ok, SCORING), bias_ptr, experts_ptr, weights_ptr, rt, re, t_ok, e_ok, scaling,
+                K, BLOCK_T, BLOCK_E)
+
     @torch.library.triton_op("lockstep::route_step", mutates_args=())
     def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
-                   scaling: float, block_t: int = 0, block_h: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   scaling: float, block_t: int = 0, block_h: int = 0, split: int = -1
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32).
         block_t, block_h: nonzero, override BLOCK_T and BLOCK_H (benchmarks/router_step.py); from 16
-        tokens a program the logits take tl.dot (`_logits`)."""
+        tokens a program the logits take tl.dot (`_logits`). split: >= 0 overrides SPLIT."""
         block_t, block_h = block_t or BLOCK_T, block_h or BLOCK_H
+        split = SPLIT if split < 0 else split
         T, H = x.shape
         E = weight.shape[0]
         experts = torch.empty(T, k, dtype=torch.long, device=x.device)
         weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
-        if T:
+        if T and split and E <= _hp.MAX_J:  # the partials kernel holds at most MAX_J columns
+            partials = _hp.launch_partials(x, weight, split)
+            torch.library.wrap_triton(_route_partials_kernel)[(triton.cdiv(T, block_t),)](
+                partials, bias.contiguous(), experts, weights, T, E, split, partials.stride(0), partials.stride(1),
+                scaling, K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                num_warps=4)
+        elif T:
             torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, block_t),)](
                 x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
                 K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
@@ -154,5 +190,5 @@ if triton is not None:
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @route_step.register_fake
-    def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0):
+    def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0, split=-1):
         return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
