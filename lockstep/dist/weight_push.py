@@ -206,7 +206,7 @@ class _Stream:
             return None
 
     def stage(self, views: list[tuple[str, torch.Tensor]]) -> None:
-        """Validate an engine's share of one bucket's tensors (views of the bytes it received)."""
+        """Validate an engine's share of received tensors (views of the bytes of a bucket, or of all)."""
         if self.engine is None or self.error is not None:
             return
         pairs = _engine_share(self.engine, views)
@@ -270,9 +270,8 @@ class _Stream:
                 dist.barrier(group=self.ctx.control_group)
             if source:
                 self.pool.mapped_everywhere()
-        if buffers is not None and self.engine is not None:
-            for b, bucket in enumerate(buckets):
-                self.stage(self._bucket_views(b, bucket, buffers[b]))
+        if buffers is not None and self.engine is not None:  # every bucket at once: one finiteness read
+            self.stage([pair for b, bucket in enumerate(buckets) for pair in self._bucket_views(b, bucket, buffers[b])])
 
     def _bucket_views(self, b: int, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return self.pool.views((self.manifest.hash, b), lambda: _views(self.manifest, bucket, buf))

@@ -258,8 +258,8 @@ def _dead_peer_world(rank, dying, transport):
         return "pushed"
     e = engine(device=dev)
     before = state(e)
-    if dying == 1:  # the engine dies while staging its third bucket
-        wp.validate_update = _exit_after(3, wp.validate_update)
+    if dying == 1:  # the engine dies while staging: its third bucket (broadcast), all of them at once (shared)
+        wp.validate_update = _exit_after(3 if transport == "broadcast" else 1, wp.validate_update)
     try:
         push_weights(ctx, build_manifest(e.model, wire, BUCKET), None, engine=e, transport=transport)
     finally:
