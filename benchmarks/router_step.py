@@ -20,7 +20,8 @@ Printed per batch: those timings (the kernel with each --block-t B in a column "
 each --split S, the logits first as S split-K partials, in "kernel sS"), the
 ratio compiled / kernel (graph), for the kernel and the partials form the rows whose chosen experts
 differ from the eager ops' and the largest weight difference among the rows that agree, then the
-ratio compiled / partials. GPU only; --help works anywhere.
+ratio compiled / partials. --hash: a hash layer's router the same way (router_triton.hash_route_step
+against the torch ops). GPU only; --help works anywhere.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None) -> None:
     ap.add_argument("--split", type=int, nargs="*", default=[],
                     help="also time the two-kernel form: the logits as S split-K partial sums, then the routing "
                          "(router_triton.SPLIT is the default form; 0 the one kernel)")
+    ap.add_argument("--hash", action="store_true",
+                    help="also time a hash layer's router: router_triton.hash_route_step against the torch ops")
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per top-k layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -97,6 +100,36 @@ def main(argv=None) -> None:
                 extras += [str(int((~same).sum())), f"{dw:.1e}"]
             print(table_row(batch, row, calls, ("compiled", "kernel"), extras))
             print(f"{'':>7}   compiled / partials {row['compiled'][0] / row['partials'][0]:.2f}x")
+    if args.hash:
+        time_hash_router(args, g)
+
+
+def time_hash_router(args, g: torch.Generator) -> None:
+    """A hash layer's routing (experts from a table row per token id): the kernel against the
+    torch ops compiled and eager, with the largest weight difference (the experts must be equal)."""
+    from lockstep.models.layers import moe, router_triton
+
+    vocab = 32768
+    router = moe.Router(args.hidden, args.experts, args.top_k, vocab_size=vocab, is_hash=True,
+                        scoring_func="sqrtsoftplus", routed_scaling_factor=1.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(args.experts, args.hidden, generator=g) * args.hidden ** -0.5)
+        router.tid2eid.copy_(torch.randint(0, args.experts, (vocab, args.top_k), generator=g))
+    router = router.cuda().requires_grad_(False)
+    torch_ops = lambda xi: router.route(router.logits(xi[0]), xi[1])  # noqa: E731
+    calls = {"hash kernel": lambda xi: router_triton.hash_route_step(xi[0], router.weight, router.tid2eid, xi[1],
+                                                                      "sqrtsoftplus", 1.5),
+             "compiled": torch.compile(torch_ops, dynamic=True), "eager": torch_ops}
+    print(f"hash router: {args.experts} experts of {args.hidden}, {args.top_k} a token from a {vocab}-row table")
+    print(table_header("batch", calls, "compiled/kernel", ["experts equal", "max|dw|"]))
+    with torch.no_grad():
+        for batch in args.batch:
+            xs = [(torch.randn(batch, args.hidden, generator=g).bfloat16().cuda(),
+                   torch.randint(0, vocab, (batch,), generator=g).cuda()) for _ in range(args.graph_calls)]
+            row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
+            (experts, weights), (ref_experts, ref_weights) = calls["hash kernel"](xs[0]), torch_ops(xs[0])
+            extras = [str(bool(torch.equal(experts, ref_experts))), f"{(weights - ref_weights).abs().max().item():.1e}"]
+            print(table_row(batch, row, calls, ("compiled", "hash kernel"), extras))
 
 
 if __name__ == "__main__":

@@ -104,11 +104,52 @@ def test_the_router_takes_the_kernel_only_at_a_decode_step_on_cuda(monkeypatch):
             assert len(seen) == 1
             router(x, None)  # prefill: torch ops
             router(x, None, forced=torch.zeros(2, 4, dtype=torch.long, device="cuda"), decode=True)  # replayed
-            router.kernels = KernelSwitches()  # the default: off
+            router.kernels = KernelSwitches(triton_router=False)  # switched off
             router(x, None, decode=True)
         router.kernels = KernelSwitches(triton_router=True)
         router(x, None, decode=True)  # gradients wanted (the weight's): torch ops
         assert len(seen) == 1
+
+
+def _hash_router(E, H, k, scoring, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    router = moe.Router(H, E, k, vocab_size=vocab, is_hash=True, scoring_func=scoring, routed_scaling_factor=1.5)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, H, generator=g) * H ** -0.5)
+        router.tid2eid.copy_(torch.randint(0, E, (vocab, k), generator=g))
+        router.tid2eid[0] = torch.arange(k).flip(0)  # descending in the table: stored ascending
+        router.tid2eid[1] = 3  # one expert k times: k equal entries
+    return router.to(DEVICE)
+
+
+@needs_triton
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+# the 1b config's hash layers (64 experts of 1024, k = 6), and H not a multiple of the program's step
+@pytest.mark.parametrize("E,H,k", [(64, 1024, 6), (40, 200, 3)])
+def test_the_hash_kernel_equals_the_routers_torch_ops(scoring, dtype, E, H, k):
+    router, x = _hash_router(E, H, k, scoring, 50, E + H), _x(20, H, dtype, H)
+    ids = torch.cat([torch.tensor([0, 1]), torch.randint(0, 50, (18,), generator=torch.Generator().manual_seed(1))])
+    ids = ids.to(DEVICE)
+    with torch.no_grad():
+        experts, weights = rt.hash_route_step(x, router.weight, router.tid2eid, ids, scoring, 1.5)
+        ref_experts, ref_weights = router.route(router.logits(x), ids)
+    assert experts.dtype == torch.long and weights.dtype == torch.float32 and experts.shape == (20, k)
+    assert torch.equal(experts, ref_experts)  # the table's experts, ascending, repeats kept
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_the_hash_kernel_is_taken_only_where_it_applies(monkeypatch):
+    """runs_hash: the HASH switch, an element-wise scoring, and runs' conditions (CUDA, no gradient)."""
+    x, w = torch.zeros(2, 8), torch.zeros(4, 8)
+    monkeypatch.setattr(rt, "runs", lambda *a: True)
+    monkeypatch.setattr(rt, "HASH", True)
+    assert rt.runs_hash(x, w, "sqrtsoftplus", True) and not rt.runs_hash(x, w, "softmax", True)
+    monkeypatch.setattr(rt, "HASH", False)
+    assert not rt.runs_hash(x, w, "sqrtsoftplus", True)
+    monkeypatch.setattr(rt, "HASH", True)
+    monkeypatch.setattr(rt, "runs", lambda *a: False)
+    assert not rt.runs_hash(x, w, "sqrtsoftplus", True)
 
 
 @needs_triton

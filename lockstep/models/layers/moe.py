@@ -61,11 +61,15 @@ class Router(Switched, nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
                 forced: torch.Tensor | None = None, decode: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (experts [T, k] ascending, weights [T, k] fp32). `decode`: the rows are a
-        decode step's, which a top-k router computes in one kernel (router_triton.py)."""
-        if (decode and forced is None and not self.is_hash and not in_whole_rows()
-                and router_triton.runs(x, self.weight, self.kernels.on("triton_router"))):
-            return router_triton.route_step(x, self.weight, self.e_score_correction_bias, self.top_k,
-                                            self.scoring_func, self.routed_scaling_factor)
+        decode step's, which a router computes in one kernel (router_triton.py)."""
+        if decode and forced is None and not in_whole_rows():
+            on = self.kernels.on("triton_router")
+            if self.is_hash and router_triton.runs_hash(x, self.weight, self.scoring_func, on):
+                return router_triton.hash_route_step(x, self.weight, self.tid2eid, token_ids, self.scoring_func,
+                                                     self.routed_scaling_factor)
+            if not self.is_hash and router_triton.runs(x, self.weight, on):
+                return router_triton.route_step(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                self.scoring_func, self.routed_scaling_factor)
         return self.route(self.logits(x), token_ids, forced)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -55,6 +55,18 @@ BLOCK_H = 128
 # kernel adds the S partials first to last (E <= hc_projection_triton.MAX_J; more experts take the
 # one kernel). Not yet timed on a GPU (router_step.py --split).
 SPLIT = 0
+# A hash layer's router (its experts are a table's row for the token id): one program a token
+# computes only its k experts' logits, k x H products, where the torch ops compute all E (on one
+# H200, 1b config, batch 64: an fp32 sgemm 6.4 us, its split-K reduce 1.9 and two inductor kernels
+# 3.4 + 5.0, ~17 us a layer). Not yet timed on a GPU: off (`runs_hash`; router_step.py --hash).
+HASH = False
+HASH_BLOCK_H = 256  # hidden columns per step of a program's loop (k rows of W, one of x)
+
+
+def runs_hash(x: torch.Tensor, weight: torch.Tensor, scoring: str, enabled: bool) -> bool:
+    """Whether a hash layer's x [T, H] routes through hash_route_step: `runs`, HASH on, and a scoring
+    applied to each logit alone (softmax normalises over every expert's)."""
+    return HASH and scoring != "softmax" and runs(x, weight, enabled)
 
 
 def runs(x: torch.Tensor, weight: torch.Tensor, enabled: bool) -> bool:
@@ -191,4 +203,52 @@ if triton is not None:
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @route_step.register_fake
     def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0, split=-1):
+        return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
+
+    @triton.jit
+    def _hash_route_kernel(x_ptr, w_ptr, table_ptr, ids_ptr, experts_ptr, weights_ptr, H, scaling,
+                           K: tl.constexpr, SCORING: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+        """One token a program: its k experts from the hash table's row of its token id, their k
+        logits (the only ones an element-wise scoring needs), scores and normalised weights, stored
+        in ascending expert order (a stable rank: equal ids keep their table order)."""
+        t = tl.program_id(0)
+        rk = tl.arange(0, BLOCK_K)
+        k_ok = rk < K
+        ids = tl.load(table_ptr + tl.load(ids_ptr + t).to(tl.int64) * K + rk, mask=k_ok, other=0)
+        rh = tl.arange(0, BLOCK_H)
+        acc = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + rh
+            h_ok = h < H
+            xh = tl.load(x_ptr + t.to(tl.int64) * H + h, mask=h_ok, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + ids[:, None].to(tl.int64) * H + h[None, :], mask=k_ok[:, None] & h_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(w * xh[None, :], axis=1)
+        scores = tl.where(k_ok, _scores(acc, k_ok, SCORING), 0.0)  # element-wise scorings only
+        weights = scores / (tl.sum(scores, axis=0) + 1e-20) * tl.cast(scaling, tl.float32)
+        below = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (rk[None, :] < rk[:, None]))
+        place = tl.sum((below & k_ok[None, :]).to(tl.int32), axis=1)  # [BLOCK_K]: earlier in ascending order
+        out = t.to(tl.int64) * K + place
+        tl.store(experts_ptr + out, ids.to(tl.int64), mask=k_ok)
+        tl.store(weights_ptr + out, weights, mask=k_ok)
+
+    @torch.library.triton_op("lockstep::hash_route_step", mutates_args=())
+    def hash_route_step(x: torch.Tensor, weight: torch.Tensor, tid2eid: torch.Tensor, token_ids: torch.Tensor,
+                        scoring: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H], weight [E, H], tid2eid [V, k], token_ids [T] -> (experts [T, k] int64 ascending,
+        weights [T, k] fp32): a hash layer's decode routing (element-wise scorings only: `runs_hash`)."""
+        T, H = x.shape
+        k = tid2eid.shape[1]
+        experts = torch.empty(T, k, dtype=torch.long, device=x.device)
+        weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+        if T:
+            torch.library.wrap_triton(_hash_route_kernel)[(T,)](
+                x.contiguous(), weight.contiguous(), tid2eid.contiguous(), token_ids.reshape(-1).contiguous(),
+                experts, weights, H, scaling, K=k, SCORING=SCORING[scoring],
+                BLOCK_K=triton.next_power_of_2(k), BLOCK_H=HASH_BLOCK_H, num_warps=4)
+        return experts, weights
+
+    @hash_route_step.register_fake
+    def _(x, weight, tid2eid, token_ids, scoring, scaling):
+        k = tid2eid.shape[1]
         return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
