@@ -28,6 +28,8 @@ as max(x, 0) + log1p(exp(-|x|)) with log1p(u) = u * log(1 + u) / ((1 + u) - 1) (
 Where (`runs`): moe.Router at a decode step (one new token per sequence: the compiled graph's
 specialisation) on CUDA, without gradients, the triton_router switch on (the default),
 no forced (replayed) experts, not a hash layer, not over whole rows (whole_rows.py). Forward only.
+A hash layer's router (`lockstep::hash_route_step`, `runs_hash`) under the same conditions, where
+HASH (below) is on and the scoring is element-wise.
 Testable on CPU with TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
 """
 
