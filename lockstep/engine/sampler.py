@@ -93,13 +93,14 @@ class DrawPlan(NamedTuple):
     temperature: float | None  # the one temperature of every row, or None: the table's column
     sampled: bool  # some row samples (temperature > 0)
     truncated: bool  # some sampled row has top-k or top-p
+    greedy: bool = True  # some row is greedy (an RL rollout's rows all sample: no argmax is needed)
 
 
 def draw_plan(params: list[SamplingParams]) -> DrawPlan:
     temps = {_temperature(p) for p in params}
     sampled = [p for p in params if p.temperature > 0]
     return DrawPlan(temps.pop() if len(temps) == 1 else None, bool(sampled),
-                    any(p.top_k > 0 or p.top_p < 1.0 for p in sampled))
+                    any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), len(sampled) < len(params))
 
 
 class Sampler:
@@ -140,13 +141,14 @@ class Sampler:
         x = x.float()
         T = plan.temperature if plan.temperature is not None else table[:, 1:2].float()
         logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
-        tokens = x.argmax(dim=-1)
+        tokens = x.argmax(dim=-1) if plan.greedy else None  # a [M, V] reduction: only where a row wants it
         if plan.sampled:
             probs = logp.exp()
             if plan.truncated:
                 probs = truncate_probs(probs, table[:, 3].long(), table[:, 4])
             u = table[:, 2:3]
-            tokens = torch.where(u[:, 0] >= 0, inverse_cdf(probs, u.clamp(min=0)), tokens)
+            drawn = inverse_cdf(probs, u.clamp(min=0))
+            tokens = torch.where(u[:, 0] >= 0, drawn, tokens) if plan.greedy else drawn
         return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 

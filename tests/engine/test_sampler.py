@@ -4,7 +4,7 @@ depend on the batch, and one device->host read per call."""
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine.sampler import Sampler, truncate_probs, uniform
+from lockstep.engine.sampler import Sampler, draw_plan, truncate_probs, uniform
 from lockstep.engine.sync_audit import SyncAudit
 
 
@@ -74,7 +74,8 @@ def test_draws_depend_only_on_the_sequence_seed_and_token_index():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, top_k=20 if s % 2 else -1, seed=s) for s in range(6)]
     steps = [0, 5, 2, 9, 1, 3]
-    batch, batch_lp = draw(logits, params, list(range(6)), steps)
+    batch, batch_lp = draw(logits, params, list(range(6)), steps)  # every row samples: no argmax computed
+    assert not draw_plan(params).greedy and draw_plan(params + [SamplingParams(temperature=0.0)]).greedy
     alone = [draw(logits[i:i + 1], [params[i]], [i], [steps[i]]) for i in range(6)]
     assert batch == [a[0][0] for a in alone]
     assert batch_lp == [a[1][0] for a in alone]
