@@ -151,6 +151,10 @@ def variants():
     yield "decode router from split-K partial logits", lambda: ptx(
         ro._route_partials_kernel, dict(p_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP),
         {"T", "E", "S", "stride_ps", "stride_pt"}, {"scaling"}, K=6, SCORING=0, BLOCK_T=ro.BLOCK_T, BLOCK_E=64)
+    from lockstep.models.layers import dispatch_order_triton as do
+    yield "decode dispatch order", lambda: ptx(
+        do._dispatch_order_kernel, dict(flat_ptr=I64, order_ptr=I64, counts_ptr=I64), {"M", "E"}, (),
+        BLOCK=do.BLOCK, BLOCK_E=64)
     yield "decode hash router", lambda: ptx(
         ro._hash_route_kernel, dict(x_ptr=BF, w_ptr=FP, table_ptr=I64, ids_ptr=I64, experts_ptr=I64, weights_ptr=FP),
         {"H"}, {"scaling"}, K=6, SCORING=0, BLOCK_K=8, BLOCK_H=ro.HASH_BLOCK_H)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import grouped_gemm_triton, moe_combine_triton, router_triton, swiglu_triton
+from . import dispatch_order_triton, grouped_gemm_triton, moe_combine_triton, router_triton, swiglu_triton
 from .fused_linear import project
 from .grouped_gemm import group_offsets, grouped_mm, triton_experts
 from .kernel_switch import Switched
@@ -118,14 +118,22 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     host (bincount would read the max id back to size its output: a device sync).
     counting: True counts, False sorts, None decides by size. The layers pass the step's kind
     (decode counts): in a compiled prefill graph a size test is a guard, and the first prefill
-    past it compiled every layer kind again (4 graphs, 100 s at the 1b config's first prefill, H200)."""
+    past it compiled every layer kind again (4 graphs, 100 s at the 1b config's first prefill, H200).
+    Asked to count on CUDA, one Triton kernel may do it (dispatch_order_triton.py; off until timed)."""
     if counting is None:
         counting = flat.numel() * n_experts <= COUNTING_MAX_ENTRIES
+    elif counting and dispatch_order_triton.runs(flat):  # the same integers in one kernel
+        return dispatch_order_triton.dispatch_order_step(flat, n_experts)
     if not counting:
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(n_experts, dtype=flat.dtype, device=flat.device).scatter_add_(
             0, flat, torch.ones_like(flat))
         return order, counts
+    return counting_order(flat, n_experts)
+
+
+def counting_order(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """dispatch_order's counting form in torch ops."""
     # [E, M], the scan along the last dim: a cumulative sum over dim 0 of [M, E] was CUDA's
     # outer-dim scan, 63 us per layer in an eager decode step (H200), ~7% of the step
     one_hot = (torch.arange(n_experts, device=flat.device).unsqueeze(1) == flat).long()

@@ -1,0 +1,52 @@
+"""Latency of a decode step's MoE dispatch order as one Triton kernel against the torch ops it replaces.
+
+    python benchmarks/dispatch_order.py                  # GPU: batch 8, 64, 256; 64 experts, k = 6 (1b config)
+
+Each MoE layer of a decode step sorts its T x k slots by expert (moe.dispatch_order, counting form):
+- kernel: dispatch_order_triton.dispatch_order_step (`lockstep::dispatch_order_step`);
+- compiled: moe.dispatch_order's torch ops under torch.compile (inductor, dynamic shapes, as the
+  engine compiles its decoder layers: in the step, six inductor kernels and a scatter);
+- eager: the same uncompiled;
+each two ways (cuda_graph_timing.py): graph (--graph-calls calls on distinct inputs in one CUDA
+graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI). Printed per batch,
+in microseconds per call: those timings, the ratio compiled / kernel (graph), and whether the
+kernel's order and counts equal the torch ops'. GPU only; --help works anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from cuda_graph_timing import add_timing_arguments, require_kernels, table_header, table_row, time_calls
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[8, 64, 256], help="tokens in the step")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=6)
+    add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per MoE layer)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    from lockstep.models.layers import dispatch_order_triton, moe
+
+    require_kernels("dispatch_order.py", dispatch_order_triton)
+    g = torch.Generator().manual_seed(args.seed)
+    torch_ops = lambda flat: moe.counting_order(flat, args.experts)  # noqa: E731
+    calls = {"kernel": lambda flat: dispatch_order_triton.dispatch_order_step(flat, args.experts),
+             "compiled": torch.compile(torch_ops, dynamic=True), "eager": torch_ops}
+    print(f"{torch.cuda.get_device_name()}: {args.experts} experts, top {args.top_k}; "
+          f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
+    print(table_header("batch", calls, "compiled/kernel", ["equal"]))
+    for batch in args.batch:
+        xs = [torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(batch)]).flatten().cuda()
+              for _ in range(args.graph_calls)]
+        row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
+        same = all(torch.equal(a, b) for a, b in zip(calls["kernel"](xs[0]), torch_ops(xs[0])))
+        print(table_row(batch, row, calls, ("compiled", "kernel"), [str(same)]))
+
+
+if __name__ == "__main__":
+    main()

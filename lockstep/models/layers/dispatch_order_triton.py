@@ -1,0 +1,81 @@
+"""A decode step's MoE dispatch order as one Triton kernel, registered as the custom op
+`lockstep::dispatch_order_step`: moe.dispatch_order's counting form, the same integers.
+
+What: flat [M] expert ids (a step's T x k slots) -> order [M], the slots sorted by expert stably
+(a slot's place is the number of slots of lower experts plus the earlier slots of its own), and
+counts [E]. A program takes BLOCK slots and counts, for each, the slots that go before it by
+comparing it with every slot, BLOCK at a time (M x M comparisons: a decode step's M is a few
+hundred); it stores each slot's index at its place. One more program counts the slots per expert.
+Integers only, so the result is moe.dispatch_order's bit for bit.
+
+Why: in the compiled decode step (1b config, batch 64, one H200, `rollout_throughput.py
+--step-trace`, 2026-12-04) the counting form is six inductor kernels and a scatter between the
+router and the grouped GEMMs, ~11 us of device time a MoE layer (plus ~0.4 us idle before each),
+~100 us of a 1,320 us step over 8 layers. Not yet timed on a GPU: off (ENABLED) until it is.
+
+Where (`runs`): moe.dispatch_order asked to count (decode steps, the true-on-policy experts) on
+CUDA, ENABLED, at most MAX_SLOTS slots (the comparisons grow as M^2). Testable on CPU with
+TRITON_INTERPRET=1 (tests/models/test_dispatch_order_triton.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import grouped_gemm_triton as _gt
+
+triton = _gt.triton
+if triton is not None:
+    import triton.language as tl
+
+ENABLED = False
+MAX_SLOTS = 4096  # a decode step of 512 sequences at k = 8
+BLOCK = 64  # slots a program places, and slots compared per step of its loop
+
+
+def runs(flat: torch.Tensor) -> bool:
+    """Whether dispatch_order's counting form takes the kernel for these expert ids (module docstring)."""
+    return (triton is not None and ENABLED and flat.is_cuda and flat.dim() == 1
+            and flat.dtype == torch.long and 0 < flat.numel() <= MAX_SLOTS)
+
+
+if triton is not None:
+    @triton.jit
+    def _dispatch_order_kernel(flat_ptr, order_ptr, counts_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+        pid = tl.program_id(0)
+        rj = tl.arange(0, BLOCK)
+        if pid == tl.num_programs(0) - 1:  # the last program: slots per expert
+            re = tl.arange(0, BLOCK_E)
+            counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+            for j0 in range(0, M, BLOCK):
+                j = j0 + rj
+                ej = tl.load(flat_ptr + j, mask=j < M, other=-1)
+                counts += tl.sum((ej[None, :] == re[:, None]).to(tl.int32), axis=1)
+            tl.store(counts_ptr + re, counts.to(tl.int64), mask=re < E)
+        else:  # BLOCK slots: each one's place in expert order
+            ri = pid * BLOCK + rj
+            i_ok = ri < M
+            ei = tl.load(flat_ptr + ri, mask=i_ok, other=0)
+            place = tl.zeros((BLOCK,), dtype=tl.int32)
+            for j0 in range(0, M, BLOCK):
+                j = j0 + rj
+                ej = tl.load(flat_ptr + j, mask=j < M, other=0)
+                before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < ri[:, None]))
+                place += tl.sum((before & (j < M)[None, :]).to(tl.int32), axis=1)
+            tl.store(order_ptr + place, ri.to(tl.int64), mask=i_ok)
+
+    @torch.library.triton_op("lockstep::dispatch_order_step", mutates_args=())
+    def dispatch_order_step(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [M] int64 expert ids in [0, n_experts) -> (order [M] int64, counts [n_experts] int64)."""
+        M = flat.shape[0]
+        order = torch.empty(M, dtype=torch.long, device=flat.device)
+        counts = torch.empty(n_experts, dtype=torch.long, device=flat.device)
+        torch.library.wrap_triton(_dispatch_order_kernel)[(triton.cdiv(M, BLOCK) + 1,)](
+            flat.contiguous(), order, counts, M, n_experts, BLOCK=BLOCK,
+            BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
+        return order, counts
+
+    # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
+    @dispatch_order_step.register_fake
+    def _(flat, n_experts):
+        return flat.new_empty(flat.shape[0]), flat.new_empty(n_experts)
