@@ -157,23 +157,24 @@ def _kept_pool_world(rank):
     pool, seen = BucketPool(), []
     if rank == 0:
         trainer = new_policy()
-        manifest = build_manifest(trainer.model, torch.float32, BUCKET)
-        for v in (1, 2, 3):
+        for v in (1, 2, 3, 4):
             if v == 3:  # the trainer moves on: new weights through the same buckets
                 with torch.no_grad():
                     next(trainer.model.parameters()).add_(1.0)
+            # push 4 cuts the weights into other buckets: new ones replace the pool's
+            manifest = build_manifest(trainer.model, torch.float32, BUCKET if v < 4 else BUCKET // 2)
             push_weights(ctx, manifest, v, named_tensors=trainer.named_weights(), transport="shared", pool=pool)
             seen.append([b.tensor.data_ptr() for b in pool._own])
             seen.append(shared_segments())
         pool.free()
         return seen
     pushed, reference = engine(), engine()
-    manifest = build_manifest(pushed.model, torch.float32, BUCKET)
     new = new_policy()
-    for v in (1, 2, 3):
+    for v in (1, 2, 3, 4):
         if v == 3:
             with torch.no_grad():
                 next(new.model.parameters()).add_(1.0)
+        manifest = build_manifest(pushed.model, torch.float32, BUCKET if v < 4 else BUCKET // 2)
         poison(pushed)
         push_weights(ctx, manifest, None, engine=pushed, transport="shared", pool=pool)
         reference.update_weights(new.named_weights(), version=v)
@@ -187,16 +188,18 @@ def _kept_pool_world(rank):
 def test_a_kept_pool_reuses_its_buckets_and_mappings():
     """A BucketPool kept from push to push: the source packs into the same buckets and the engine
     keeps its mappings (made once), every push still equals the in-process update, new weights
-    included, and no segment is left named in /dev/shm while the pool lives."""
+    included, and no segment is left named in /dev/shm while the pool lives; a manifest cut into
+    other buckets gets new buckets and new mappings, and still equals it."""
     before = shared_segments()
     r0, r1 = run_world(_kept_pool_world, 2, guard_s=120)
     assert r0.ok and r1.ok, (r0.error, r1.error)
     ptrs, segments = r0.value[0::2], r0.value[1::2]
-    assert len(ptrs[0]) > 5 and ptrs[0] == ptrs[1] == ptrs[2]
+    assert len(ptrs[0]) > 5 and ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[3]) > len(ptrs[0])
     assert all(s <= before for s in segments) and shared_segments() <= before
     mappings, differs = zip(*r1.value)
     assert len(mappings[0]) == len(ptrs[0]) and mappings[0] == mappings[1] == mappings[2]
-    assert differs == ([], [], []), differs
+    assert len(mappings[3]) == len(ptrs[3]) and not set(mappings[3]) & set(mappings[0])
+    assert differs == ([], [], [], []), differs
 
 
 def _narrow_experts():
