@@ -29,9 +29,11 @@ Each rank also prints its fastest push's phases (weight_push.PHASES: agree, tran
 release), from the push's `perf/weight_sync/<phase>_time` metrics.
 With the shared transport the pushes run twice: each with buckets of its own (allocated, exported,
 mapped and freed per push), then with a `BucketPool` kept from push to push (as EngineReplicas
-keeps one); the ratio line is the kept pool's. One H200, 2026-12-04, buckets per push (session
-before the pool): bf16 0.017 s (ratio 20.7; engine phases agree 2.7 ms, transfer 10.7, vote 0.3,
-write 2.3, release 0.8), fp8 --packed 0.025 s (31.0; write 9.7).
+keeps one); a ratio line for each. One H200, 2026-12-04, buckets per push (before the pool and
+the one-broadcast sharing): bf16 0.017 s (ratio 20.7; engine phases agree 2.7 ms, transfer 10.7, vote 0.3,
+write 2.3, release 0.8), fp8 --packed 0.025 s (31.0; write 9.7). After (one call, best of 5):
+buckets per push bf16 0.0149 s (18.6), fp8 --packed 0.0229 s (28.5); kept pool bf16 0.0095 s
+(11.8), fp8 --packed 0.0168 s (20.9).
 """
 
 from __future__ import annotations
@@ -52,8 +54,7 @@ from lockstep.dist.config import DistConfig  # noqa: E402
 from lockstep.dist.groups import Layout, init_distributed, launched  # noqa: E402
 from lockstep.dist.launch import launch  # noqa: E402
 from lockstep.dist.manifest import build_manifest  # noqa: E402
-from lockstep.dist.shared_buckets import TRANSPORTS, resolve_transport  # noqa: E402
-from lockstep.dist.shared_buckets import BucketPool  # noqa: E402
+from lockstep.dist.shared_buckets import TRANSPORTS, BucketPool, resolve_transport  # noqa: E402
 from lockstep.dist.weight_push import PHASES, push_weights  # noqa: E402
 from lockstep.engine import Engine  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
