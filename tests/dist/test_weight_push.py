@@ -79,10 +79,27 @@ def state(e):
     return {k: v.clone() for k, v in e.model.state_dict().items()}
 
 
+def record_segments() -> list[str]:
+    """The names of the shared-memory segments this process's pushes create, as they are created
+    (other tests' segments may come and go meanwhile: pytest-xdist runs them side by side)."""
+    import lockstep.dist.shared_buckets as sb
+
+    created = []
+
+    class Recorded(sb.SharedMemory):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self.name)
+
+    sb.SharedMemory = Recorded
+    return created
+
+
 def _push_world(rank, transport):
     ctx = init_distributed(30.0, config=DISAGGREGATED)
     dev, wire = ctx.device, getattr(torch, dtype_of(ctx.device))
     if rank == 0:
+        created = record_segments()
         trainer = new_policy(dev)
         manifest = build_manifest(trainer.model, wire, BUCKET)
         metrics = [push_weights(ctx, manifest, v, named_tensors=trainer.named_weights(), transport=transport)
@@ -91,8 +108,9 @@ def _push_world(rank, transport):
         try:
             push_weights(ctx, manifest, len(FORMATS) + 1, named_tensors=bad, transport=transport)
         except Exception as e:
-            return {"metrics": metrics, "nan_error": f"{type(e).__name__}: {e}", "buckets": len(manifest.buckets)}
-        return {"metrics": metrics, "nan_error": None}
+            return {"metrics": metrics, "nan_error": f"{type(e).__name__}: {e}", "buckets": len(manifest.buckets),
+                    "segments": created}
+        return {"metrics": metrics, "nan_error": None, "segments": created}
     new = dict(new_policy(dev).named_weights())  # the trainer's weights, made on this rank's GPU
     out = {"differs": {}, "versions": [], "asset_equal": {}, "metrics": []}
     for v, fmt in enumerate(FORMATS, start=1):
@@ -125,10 +143,11 @@ def shared_segments() -> set[str]:
 @pytest.mark.parametrize("transport", ["shared", "broadcast"])
 @pytest.mark.parametrize("device", world_devices())
 def test_push_equals_in_process_update_in_every_format(device, transport):
-    before = shared_segments()
     r0, r1 = run_world(_push_world, 2, guard_s=120 if device == "cpu" else 240, args=(transport,), device=device)
     assert r0.ok and r1.ok, (r0.error, r1.error)
-    assert shared_segments() <= before  # the source unlinked every bucket, the engine kept no mapping
+    # shared memory on the CPU only; the source unlinked every bucket it made, the engine kept no mapping
+    assert bool(r0.value["segments"]) == (transport == "shared" and device == "cpu")
+    assert not set(r0.value["segments"]) & shared_segments()
     if device != "cpu":
         report(check=f"weight push ({transport}) vs in-process update ({device})", differing=r1.value["differs"],
                tensors=r1.value["n_tensors"], formats=FORMATS, trainer=r0.value["metrics"],
@@ -156,6 +175,7 @@ def _kept_pool_world(rank):
     ctx = init_distributed(30.0, config=DISAGGREGATED)
     pool, seen = BucketPool(), []
     if rank == 0:
+        created = record_segments()
         trainer = new_policy()
         for v in (1, 2, 3, 4):
             if v == 3:  # the trainer moves on: new weights through the same buckets
@@ -165,9 +185,9 @@ def _kept_pool_world(rank):
             manifest = build_manifest(trainer.model, torch.float32, BUCKET if v < 4 else BUCKET // 2)
             push_weights(ctx, manifest, v, named_tensors=trainer.named_weights(), transport="shared", pool=pool)
             seen.append([b.tensor.data_ptr() for b in pool._own])
-            seen.append(shared_segments())
+            seen.append(set(created) & shared_segments())  # named after the push: none
         pool.free()
-        return seen
+        return seen, created
     pushed, reference = engine(), engine()
     new = new_policy()
     for v in (1, 2, 3, 4):
@@ -190,12 +210,13 @@ def test_a_kept_pool_reuses_its_buckets_and_mappings():
     keeps its mappings (made once), every push still equals the in-process update, new weights
     included, and no segment is left named in /dev/shm while the pool lives; a manifest cut into
     other buckets gets new buckets and new mappings, and still equals it."""
-    before = shared_segments()
     r0, r1 = run_world(_kept_pool_world, 2, guard_s=120)
     assert r0.ok and r1.ok, (r0.error, r1.error)
-    ptrs, segments = r0.value[0::2], r0.value[1::2]
+    seen, created = r0.value
+    ptrs, named = seen[0::2], seen[1::2]
     assert len(ptrs[0]) > 5 and ptrs[0] == ptrs[1] == ptrs[2] and len(ptrs[3]) > len(ptrs[0])
-    assert all(s <= before for s in segments) and shared_segments() <= before
+    assert len(created) == len(ptrs[0]) + len(ptrs[3])  # allocated twice: at the first push and the fourth
+    assert named == [set()] * 4 and not set(created) & shared_segments()
     mappings, differs = zip(*r1.value)
     assert len(mappings[0]) == len(ptrs[0]) and mappings[0] == mappings[1] == mappings[2]
     assert len(mappings[3]) == len(ptrs[3]) and not set(mappings[3]) & set(mappings[0])
