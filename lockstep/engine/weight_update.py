@@ -63,7 +63,7 @@ def _pairs(named_tensors) -> list[tuple[str, torch.Tensor]]:
     return list(named_tensors)
 
 
-def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
+def _check_one(name: str, t, dest: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise WeightUpdateError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != tuple(dest.shape):
@@ -74,8 +74,17 @@ def _check_one(name: str, t, dest: torch.Tensor, n_experts: int | None) -> None:
         return
     if t.is_floating_point() or t.is_complex():
         raise WeightUpdateError(f"{name}: expected an integer tensor like the model's {dest.dtype}, got {t.dtype}")
-    if name.endswith("tid2eid") and n_experts is not None and t.numel():
-        lo, hi = t.min().item(), t.max().item()
+
+
+def _check_expert_ids(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None) -> None:
+    """Every hash table (tid2eid) holds expert ids in [0, n_experts): all tables' extremes in one
+    host read (a read per table and extreme was two device syncs per hash layer)."""
+    tables = [(name, t) for name, t in pairs if name.endswith("tid2eid") and t.numel()]
+    if n_experts is None or not tables:
+        return
+    device = tables[0][1].device
+    extremes = torch.stack([torch.stack([t.min(), t.max()]).to(device, torch.long) for _, t in tables]).tolist()
+    for (name, _), (lo, hi) in zip(tables, extremes):
         if lo < 0 or hi >= n_experts:
             raise WeightUpdateError(f"{name}: expert ids must be in [0, {n_experts}), got [{lo}, {hi}]")
 
@@ -179,7 +188,8 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     targets = targets or UpdateTargets.of(model)
     _check_names(model, targets, [name for name, _ in pairs], partial)
     for name, t in pairs:
-        _check_one(name, t, targets.expected[name], targets.n_experts)
+        _check_one(name, t, targets.expected[name])
+    _check_expert_ids(pairs, targets.n_experts)
     nonfinite = _first_nonfinite(pairs)
     if nonfinite is not None:
         raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")

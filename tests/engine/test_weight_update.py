@@ -220,3 +220,18 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
     other = wu.validate_update(engine.model, weights[:1], partial=True)  # its own targets
     with pytest.raises(ValueError, match="same targets"):
         wu.ValidatedUpdate.joined([parts[0], other], partial=True)
+
+
+def test_every_hash_table_is_range_checked_and_the_bad_one_named():
+    """The tables' extremes are read together; the table out of range is the one named, whatever
+    the integer dtype of each."""
+    from lockstep.engine.weight_update import _check_expert_ids
+
+    good = ("model.layers.0.mlp.gate.tid2eid", torch.tensor([[0, 7], [3, 1]], dtype=torch.int32))
+    bad = ("model.layers.1.mlp.gate.tid2eid", torch.tensor([[2, -1], [3, 1]]))
+    _check_expert_ids([good, ("model.layers.1.mlp.gate.weight", torch.zeros(2))], n_experts=8)
+    with pytest.raises(WeightUpdateError, match=r"layers\.1\.mlp\.gate\.tid2eid: expert ids must be in \[0, 8\), "
+                                                r"got \[-1, 3\]"):
+        _check_expert_ids([good, bad], n_experts=8)
+    with pytest.raises(WeightUpdateError, match=r"layers\.0\.mlp\.gate\.tid2eid: .* got \[0, 7\]"):
+        _check_expert_ids([good], n_experts=7)
