@@ -244,9 +244,5 @@ class CompressorState:
             values += [(self.prev_kv, 0.0), (self.prev_gate, float("-inf"))]
         return values
 
-    def reset(self, slots: torch.Tensor) -> None:
-        for t, value in self.initial_values():
-            t[slots] = value
-
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.entries, self.buf_kv, self.buf_gate, self.prev_kv, self.prev_gate) if t is not None]

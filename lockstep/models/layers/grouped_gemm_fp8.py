@@ -92,11 +92,8 @@ if triton is not None:
                            ("num_stages", num_stages)):
             cfg[key] = value or cfg[key]  # 0: the default
         assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
-        if shared_w is None:
-            shared_w, shared_scale = w, scale  # never read: every group is w's
-        else:
-            for name, t, of in (("bytes", shared_w, w), ("scale", shared_scale, scale)):
-                _gt.check_shared_layout(f"the shared expert's fp8 {name}", t, of)
+        shared_w = _gt.shared_operand("the shared expert's fp8 bytes", shared_w, w)
+        shared_scale = _gt.shared_operand("the shared expert's fp8 scale", shared_scale, scale)
         out = x.new_empty(x.shape[0], N)
         torch.library.wrap_triton(_grouped_fp8_kernel)[(offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))](
             x, w, scale, shared_w, shared_scale, out, offs, G, N, K, *x.stride(), *w.stride(), *scale.stride(),

@@ -97,11 +97,17 @@ def laid_out_as_one(t: torch.Tensor, stacked: torch.Tensor) -> bool:
     return t.dtype == stacked.dtype and t.shape == stacked.shape[1:] and t.stride() == stacked.stride()[1:]
 
 
-def check_shared_layout(what: str, shared: torch.Tensor, stacked: torch.Tensor) -> None:
+def shared_operand(what: str, shared: torch.Tensor | None, stacked: torch.Tensor) -> torch.Tensor:
+    """The kernel argument for the shared expert's tensor: `shared`, checked to be laid out as one
+    entry of the routed experts' `stacked` (a clear error otherwise), or, without one, `stacked`
+    itself (a pointer the kernel never reads: every group is a routed expert's)."""
+    if shared is None:
+        return stacked
     if not laid_out_as_one(shared, stacked):
         raise ValueError(f"{what} {tuple(shared.shape)} {shared.dtype} (strides {shared.stride()}) must be laid "
                          f"out as one routed expert's {tuple(stacked.shape[1:])} {stacked.dtype} "
                          f"(strides {stacked.stride()[1:]})")
+    return shared
 
 
 def _launch(x, w, offs, limit, N, fused, overrides, shared):
@@ -110,10 +116,7 @@ def _launch(x, w, offs, limit, N, fused, overrides, shared):
     K = x.shape[1]
     cfg = launch_config(N, K, fused)
     cfg.update({key: value for key, value in zip(cfg, overrides) if value})
-    if shared is None:
-        shared = w  # never read: every group is w's
-    else:
-        check_shared_layout("the shared expert's weight", shared, w)
+    shared = shared_operand("the shared expert's weight", shared, w)
     out = x.new_empty(x.shape[0], N)
     grid = (offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
     torch.library.wrap_triton(_grouped_kernel)[grid](

@@ -65,6 +65,12 @@ HASH = False
 HASH_BLOCK_H = 256  # hidden columns per step of a program's loop (k rows of W, one of x)
 
 
+def _routing_outputs(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (experts [T, k] int64, weights [T, k] fp32) on x's device: the ops' results, and
+    their shapes for torch.compile's tracing."""
+    return x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32)
+
+
 def runs_hash(x: torch.Tensor, weight: torch.Tensor, scoring: str, enabled: bool) -> bool:
     """Whether a hash layer's x [T, H] routes through hash_route_step: `runs`, HASH on, and a scoring
     applied to each logit alone (softmax normalises over every expert's)."""
@@ -187,8 +193,7 @@ if triton is not None:
         split = SPLIT if split < 0 else split
         T, H = x.shape
         E = weight.shape[0]
-        experts = torch.empty(T, k, dtype=torch.long, device=x.device)
-        weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+        experts, weights = _routing_outputs(x, k)
         if T and split and E <= _hp.MAX_J:  # the partials kernel holds at most MAX_J columns
             partials = _hp.launch_partials(x, weight, split)
             torch.library.wrap_triton(_route_partials_kernel)[(triton.cdiv(T, block_t),)](
@@ -205,7 +210,7 @@ if triton is not None:
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @route_step.register_fake
     def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0, split=-1):
-        return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
+        return _routing_outputs(x, k)
 
     @triton.jit
     def _hash_route_kernel(x_ptr, w_ptr, table_ptr, ids_ptr, experts_ptr, weights_ptr, H, scaling,
@@ -241,8 +246,7 @@ if triton is not None:
         weights [T, k] fp32): a hash layer's decode routing (element-wise scorings only: `runs_hash`)."""
         T, H = x.shape
         k = tid2eid.shape[1]
-        experts = torch.empty(T, k, dtype=torch.long, device=x.device)
-        weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+        experts, weights = _routing_outputs(x, k)
         if T:
             torch.library.wrap_triton(_hash_route_kernel)[(T,)](
                 x.contiguous(), weight.contiguous(), tid2eid.contiguous(), token_ids.reshape(-1).contiguous(),
@@ -252,5 +256,4 @@ if triton is not None:
 
     @hash_route_step.register_fake
     def _(x, weight, tid2eid, token_ids, scoring, scaling):
-        k = tid2eid.shape[1]
-        return (x.new_empty(x.shape[0], k, dtype=torch.long), x.new_empty(x.shape[0], k, dtype=torch.float32))
+        return _routing_outputs(x, tid2eid.shape[1])
