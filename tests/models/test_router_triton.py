@@ -46,9 +46,11 @@ def _margins(router, x):
 # the 1b config's router (64 experts of 1024, k = 6); fewer tokens than a program's rows, E and H
 # not powers of two (padding), logits large enough to take softplus's linear branch
 @pytest.mark.parametrize("T,E,H,k,spread", [(20, 64, 1024, 6, 1.0), (5, 40, 200, 3, 30.0)])
-# one token a program (broadcast products), the default 16 (tl.dot in tf32x3 on a GPU; rows past T
-# masked), and the logits as 4 split-K partial sums (a first kernel, hc_projection_triton's)
-@pytest.mark.parametrize("form", [dict(block_t=1), dict(), dict(split=4)], ids=["t1", "t16", "split4"])
+# the one kernel at one token a program (broadcast products) and at the default 16 (tl.dot in
+# tf32x3 on a GPU; rows past T masked), and the logits as 4 or the default SPLIT split-K partial sums
+# (a first kernel, hc_projection_triton's)
+@pytest.mark.parametrize("form", [dict(block_t=1, split=0), dict(split=0), dict(split=4), dict()],
+                         ids=["t1", "t16", "split4", "default"])
 def test_the_kernel_equals_the_routers_torch_ops(scoring, dtype, T, E, H, k, spread, form):
     router, x = _router(E, H, k, scoring, T + E, spread), _x(T, H, dtype, H)
     with torch.no_grad():

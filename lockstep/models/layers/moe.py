@@ -119,7 +119,7 @@ def dispatch_order(flat: torch.Tensor, n_experts: int,
     counting: True counts, False sorts, None decides by size. The layers pass the step's kind
     (decode counts): in a compiled prefill graph a size test is a guard, and the first prefill
     past it compiled every layer kind again (4 graphs, 100 s at the 1b config's first prefill, H200).
-    Asked to count on CUDA, one Triton kernel may do it (dispatch_order_triton.py; off until timed)."""
+    Asked to count on CUDA, one Triton kernel may do it (dispatch_order_triton.py; up to MAX_SLOTS slots)."""
     if counting is None:
         counting = flat.numel() * n_experts <= COUNTING_MAX_ENTRIES
     elif counting and dispatch_order_triton.runs(flat):  # the same integers in one kernel

@@ -16,7 +16,10 @@ so far (benchmarks/router_step.py, same H200, batch 64, CUDA graphs): the first 
 compiled torch ops' 21.5 (eager 37.3), with the same experts chosen on every row. One token a
 program with broadcast products (BLOCK_T = 1) took 22.5 us; 16 tokens a program with a "tf32x3"
 tl.dot (the default now) 15.5 us against the compiled ops' 21.4 (device time, batch 64; batch 8:
-15.4 vs 19.0, batch 256: 15.6 vs 23.2; 2026-12-04), the same experts chosen on every row.
+15.4 vs 19.0, batch 256: 15.6 vs 23.2; 2026-12-04), the same experts chosen on every row. With the
+logits as 8 split-K partials first (SPLIT, the default since) 10.9 us. In the step (rollout_throughput
+--step-trace, bf16, batch 64) SPLIT, HASH and dispatch_order_triton together took the step from 328
+kernels and 1,304 us of device time to 297 and 1,249 us (fp8 packed: 1,228 -> 1,174), same run.
 
 Numerics: the logits are fp32 products summed over H (a tree within each slice of BLOCK_H), in another order
 than cuBLAS's: equal to fp32 rounding, so a near-tie between two experts' biased scores may be
@@ -29,7 +32,7 @@ Where (`runs`): moe.Router at a decode step (one new token per sequence: the com
 specialisation) on CUDA, without gradients, the triton_router switch on (the default),
 no forced (replayed) experts, not a hash layer, not over whole rows (whole_rows.py). Forward only.
 A hash layer's router (`lockstep::hash_route_step`, `runs_hash`) under the same conditions, where
-HASH (below) is on and the scoring is element-wise.
+HASH (below; on) holds and the scoring is element-wise.
 Testable on CPU with TRITON_INTERPRET=1 (tests/models/test_router_triton.py).
 """
 
@@ -55,13 +58,15 @@ BLOCK_H = 128
 # partial sums (mHC's hc_projection_triton kernel: T / 16 x S programs read W in parallel, where
 # the one kernel's T / 16 programs, 4 at a decode step of 64, each stream all of W), and the routing
 # kernel adds the S partials first to last (E <= hc_projection_triton.MAX_J; more experts take the
-# one kernel). Not yet timed on a GPU (router_step.py --split).
-SPLIT = 0
+# one kernel). On one H200 (router_step.py --split, 64 experts of 1024, device time a call, batch
+# 64 / 256): S = 4 12.6 / 12.7 us, 8 10.9 / 11.2, 16 10.6 / 11.8, the one kernel 14.6 / 14.6.
+SPLIT = 8
 # A hash layer's router (its experts are a table's row for the token id): one program a token
 # computes only its k experts' logits, k x H products, where the torch ops compute all E (on one
 # H200, 1b config, batch 64: an fp32 sgemm 6.4 us, its split-K reduce 1.9 and two inductor kernels
-# 3.4 + 5.0, ~17 us a layer). Not yet timed on a GPU: off (`runs_hash`; router_step.py --hash).
-HASH = False
+# 3.4 + 5.0, ~17 us a layer). router_step.py --hash: 5.1 us a call against the compiled ops' 14.9
+# (batch 64; 5.4 vs 15.8 at 256).
+HASH = True
 HASH_BLOCK_H = 256  # hidden columns per step of a program's loop (k rows of W, one of x)
 
 
