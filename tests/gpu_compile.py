@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)  # an H200
-BF, FP, I64 = "*bf16", "*fp32", "*i64"
+BF, FP, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 
 
 def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4, **constexprs) -> str:
@@ -88,7 +88,9 @@ def variants():
                               D=128, HALF=32, BLOCK_D=128, BLOCK_R=16, BF16=True, INTERPRETED=False)
     combine = dict(K=6, K_PAD=8, BLOCK=1024, BF16=True, INTERPRETED=False)
     yield "moe combine", lambda: ptx(mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"},
-                                     **combine)
+                                     SHARED=False, **combine)
+    yield "decode combine with the shared rows", lambda: ptx(
+        mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"}, SHARED=True, **combine)
     yield "moe combine backward", lambda: ptx(mc._combine_backward_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, g_ptr=BF,
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
     yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),
@@ -155,6 +157,9 @@ def variants():
     yield "decode dispatch order", lambda: ptx(
         do._dispatch_order_kernel, dict(flat_ptr=I64, order_ptr=I64, counts_ptr=I64), {"M", "E"}, (),
         BLOCK=do.BLOCK, BLOCK_E=64)
+    yield "decode dispatch rows, offsets and slot rows", lambda: ptx(
+        do._decode_dispatch_kernel, dict(flat_ptr=I64, rows_ptr=I64, offs_ptr=I32, slot_rows_ptr=I64),
+        {"M", "E", "T"}, (), K=6, SHARED_GROUPS=4, BLOCK=do.BLOCK, BLOCK_E=64)
     yield "decode hash router", lambda: ptx(
         ro._hash_route_kernel, dict(x_ptr=BF, w_ptr=FP, table_ptr=I64, ids_ptr=I64, experts_ptr=I64, weights_ptr=FP),
         {"H"}, {"scaling"}, K=6, SCORING=0, BLOCK_K=8, BLOCK_H=ro.HASH_BLOCK_H)

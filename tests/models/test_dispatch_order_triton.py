@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from lockstep.models.layers import dispatch_order_triton as dt
-from lockstep.models.layers import moe
+from lockstep.models.layers import grouped_gemm_triton as gt
+from lockstep.models.layers import moe, moe_combine_triton
+from lockstep.models.layers.grouped_gemm import group_offsets
 
 needs_triton = pytest.mark.skipif(dt.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -27,6 +29,28 @@ def test_the_kernel_is_the_stable_sort(slots, experts):
     assert torch.equal(counts.cpu(), torch.bincount(flat, minlength=experts))
     ref_order, ref_counts = moe.dispatch_order(flat, experts, counting=True)
     assert torch.equal(order.cpu(), ref_order) and torch.equal(counts.cpu(), ref_counts)
+
+
+@needs_triton
+# a decode step of the 1b config (64 tokens x 6 of 64 experts); tokens fewer than the shared groups;
+# a block boundary inside a run of equal experts
+@pytest.mark.parametrize("T,k,experts", [(64, 6, 64), (3, 2, 5), (65, 2, 40)])
+@pytest.mark.parametrize("shared_groups", [0, gt.SHARED_GROUPS])
+def test_decode_dispatch_is_the_torch_ops_integers(T, k, experts, shared_groups):
+    """decode_dispatch: the gather's rows (order // k, then the tokens for the shared expert), the
+    group offsets (cumulative counts, then with_shared_groups') and the combine's slot rows."""
+    flat = torch.randint(0, experts, (T * k,), generator=torch.Generator().manual_seed(T))
+    flat[: T * k // 3] = flat[0]
+    rows, offs, slot_rows = dt.decode_dispatch(flat.to(DEVICE), experts, k, shared_groups)
+    order, counts = moe.dispatch_order(flat, experts)
+    ref_offs = group_offsets(counts)
+    ref_rows = order // k
+    if shared_groups:
+        ref_offs = gt.with_shared_groups(ref_offs, T)
+        ref_rows = torch.cat([ref_rows, torch.arange(T)])
+    assert rows.dtype == torch.long and offs.dtype == torch.int32 and slot_rows.dtype == torch.long
+    assert torch.equal(rows.cpu(), ref_rows) and torch.equal(offs.cpu(), ref_offs)
+    assert torch.equal(slot_rows.cpu(), moe_combine_triton.slot_rows(order, T, k))
 
 
 def test_dispatch_order_takes_the_kernel_only_where_it_runs(monkeypatch):

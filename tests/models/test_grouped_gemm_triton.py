@@ -206,9 +206,15 @@ def test_a_decode_step_folds_the_shared_expert_into_the_expert_kernels(monkeypat
         fuse_linears(layer, layer.input_linears())
         gemms, project = [], moe.project
         monkeypatch.setattr(moe, "project", lambda *a: gemms.append(a) or project(*a))
+        monkeypatch.setattr(moe.dispatch_order_triton, "runs", lambda flat: False)  # the torch ops
         folded, chosen_folded = layer(x, None)
         assert not gemms and torch.equal(chosen_folded, chosen)
         _assert_within_ulps(folded, unfolded, 4, atol=2**-7 * unfolded.abs().max().item())
+        # the dispatch and the combine as one kernel each (CUDA's path): the same bits
+        monkeypatch.setattr(moe.dispatch_order_triton, "runs", lambda flat: True)
+        combines, combine_step = [], moe.moe_combine_triton.combine_step
+        monkeypatch.setattr(moe.moe_combine_triton, "combine_step", lambda *a: combines.append(a) or combine_step(*a))
+        assert torch.equal(layer(x, None)[0], folded) and len(combines) == 1
         layer(x.expand(5, 2, -1).contiguous(), None)  # not a decode step: the shared expert's own GEMM
         assert len(gemms) == 1
         monkeypatch.setattr(moe, "triton_experts", lambda *args: False)
@@ -241,8 +247,11 @@ def test_packed_fp8_experts_fold_a_packed_shared_expert(monkeypatch):
         assert layer._foldable_shared(x.view(5, -1)) is not None
         gemms, project = [], moe.project
         monkeypatch.setattr(moe, "project", lambda *a: gemms.append(a) or project(*a))
+        monkeypatch.setattr(moe.dispatch_order_triton, "runs", lambda flat: False)  # the torch ops
         folded, _ = layer(x, None)
         assert not gemms
         _assert_within_ulps(folded, unfolded, 4, atol=2**-7 * unfolded.abs().max().item())
+        monkeypatch.setattr(moe.dispatch_order_triton, "runs", lambda flat: True)  # one kernel each
+        assert torch.equal(layer(x, None)[0], folded)
         layer.experts.storage = "fp4"  # the fp4 kernel takes no shared expert
         assert layer._foldable_shared(x.view(5, -1)) is None

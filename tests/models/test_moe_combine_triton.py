@@ -38,6 +38,29 @@ def test_the_eager_combines_bits_and_gradients(dtype, H):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("H", [40, 1100])
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_decode_steps_combine_is_the_torch_ops(dtype, H, shared):
+    """combine_step (a decode step's, compiled): moe._combine of the unsorted outputs, then the shared
+    expert's rows (ys's rows past T k) added, as Experts._with_shared adds them, bit for bit."""
+    g = torch.Generator().manual_seed(H + 2)
+    T, k, E = 9, 3, 5
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    order, _ = dispatch_order(experts.flatten(), E, counting=False)
+    ys = (torch.randn(T * k + T * shared, H, generator=g) * 3).to(DEVICE, dtype)
+    weights = torch.rand(T, k, generator=g).to(DEVICE)
+    rows = moe_combine_triton.slot_rows(order, T, k)
+    want = _combine(torch.empty_like(ys[:T * k]).index_copy(0, order, ys[:T * k]).view(T, k, -1), weights, dtype)
+    if shared:
+        want = want + ys[T * k:]
+    same = torch.equal if dtype == torch.bfloat16 or DEVICE == "cpu" else torch.allclose  # as above
+    got = moe_combine_triton.combine_step(ys, rows, weights, shared)
+    assert got.dtype == dtype and same(got, want)
+    compiled = torch.compile(moe_combine_triton.combine_step, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(ys, rows, weights, shared), got)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+@pytest.mark.parametrize("H", [40, 1100])
 def test_the_dispatch_gradient_adds_a_tokens_rows_once_rounded(dtype, H):
     """Dispatch: forward x[order // k]; d x[t] = the sum of its k rows' gradients, the fp32 sum rounded
     once (against fp64: within half a unit in the last place of x's dtype, where the eager index_put may

@@ -45,28 +45,60 @@ def runs(flat: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
+    def _counts(flat_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+        """[BLOCK_E] int32: the slots per expert (experts past E count nothing)."""
+        rj = tl.arange(0, BLOCK)
+        re = tl.arange(0, BLOCK_E)
+        counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
+        for j0 in range(0, M, BLOCK):
+            j = j0 + rj
+            ej = tl.load(flat_ptr + j, mask=j < M, other=-1)
+            counts += tl.sum((ej[None, :] == re[:, None]).to(tl.int32), axis=1)
+        return counts
+
+    @triton.jit
+    def _places(flat_ptr, ri, M, BLOCK: tl.constexpr):
+        """[BLOCK] int32: each slot ri's place in expert order (slots of lower experts, then the
+        earlier slots of its own)."""
+        rj = tl.arange(0, BLOCK)
+        ei = tl.load(flat_ptr + ri, mask=ri < M, other=0)
+        place = tl.zeros((BLOCK,), dtype=tl.int32)
+        for j0 in range(0, M, BLOCK):
+            j = j0 + rj
+            ej = tl.load(flat_ptr + j, mask=j < M, other=0)
+            before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < ri[:, None]))
+            place += tl.sum((before & (j < M)[None, :]).to(tl.int32), axis=1)
+        return place
+
+    @triton.jit
     def _dispatch_order_kernel(flat_ptr, order_ptr, counts_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
         pid = tl.program_id(0)
-        rj = tl.arange(0, BLOCK)
         if pid == tl.num_programs(0) - 1:  # the last program: slots per expert
             re = tl.arange(0, BLOCK_E)
-            counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
-            for j0 in range(0, M, BLOCK):
-                j = j0 + rj
-                ej = tl.load(flat_ptr + j, mask=j < M, other=-1)
-                counts += tl.sum((ej[None, :] == re[:, None]).to(tl.int32), axis=1)
-            tl.store(counts_ptr + re, counts.to(tl.int64), mask=re < E)
+            tl.store(counts_ptr + re, _counts(flat_ptr, M, E, BLOCK, BLOCK_E).to(tl.int64), mask=re < E)
         else:  # BLOCK slots: each one's place in expert order
-            ri = pid * BLOCK + rj
-            i_ok = ri < M
-            ei = tl.load(flat_ptr + ri, mask=i_ok, other=0)
-            place = tl.zeros((BLOCK,), dtype=tl.int32)
-            for j0 in range(0, M, BLOCK):
-                j = j0 + rj
-                ej = tl.load(flat_ptr + j, mask=j < M, other=0)
-                before = (ej[None, :] < ei[:, None]) | ((ej[None, :] == ei[:, None]) & (j[None, :] < ri[:, None]))
-                place += tl.sum((before & (j < M)[None, :]).to(tl.int32), axis=1)
-            tl.store(order_ptr + place, ri.to(tl.int64), mask=i_ok)
+            ri = pid * BLOCK + tl.arange(0, BLOCK)
+            tl.store(order_ptr + _places(flat_ptr, ri, M, BLOCK), ri.to(tl.int64), mask=ri < M)
+
+    @triton.jit
+    def _decode_dispatch_kernel(flat_ptr, rows_ptr, offs_ptr, slot_rows_ptr, M, E, T, K: tl.constexpr,
+                                SHARED_GROUPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid == tl.num_programs(0) - 1:  # the last program: the group offsets, the shared rows
+            re = tl.arange(0, BLOCK_E)
+            offs = tl.cumsum(_counts(flat_ptr, M, E, BLOCK, BLOCK_E), axis=0)
+            tl.store(offs_ptr + re, offs, mask=re < E)
+            if SHARED_GROUPS > 0:
+                for g in tl.static_range(SHARED_GROUPS):  # grouped_gemm_triton.with_shared_groups
+                    tl.store(offs_ptr + E + g, (M + (g + 1) * T // SHARED_GROUPS).to(tl.int32))
+                for t0 in range(0, T, BLOCK):
+                    t = t0 + tl.arange(0, BLOCK)
+                    tl.store(rows_ptr + M + t, t.to(tl.int64), mask=t < T)
+        else:  # BLOCK slots: the row of x each one reads, and the row its output lands in
+            ri = pid * BLOCK + tl.arange(0, BLOCK)
+            place = _places(flat_ptr, ri, M, BLOCK)
+            tl.store(rows_ptr + place, (ri // K).to(tl.int64), mask=ri < M)
+            tl.store(slot_rows_ptr + ri, place.to(tl.int64), mask=ri < M)
 
     @torch.library.triton_op("lockstep::dispatch_order_step", mutates_args=())
     def dispatch_order_step(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,3 +115,29 @@ if triton is not None:
     @dispatch_order_step.register_fake
     def _(flat, n_experts):
         return flat.new_empty(flat.shape[0]), flat.new_empty(n_experts)
+
+
+    @torch.library.triton_op("lockstep::decode_dispatch", mutates_args=())
+    def decode_dispatch(flat: torch.Tensor, n_experts: int, k: int, shared_groups: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """flat [M = T k] int64 expert ids -> what the decode kernels and the combine read, from one
+        kernel: rows [M (+ T)] int64, the row of x each expert-sorted row is (order // k; then the T
+        tokens once more for the shared expert's groups when shared_groups > 0), offs [E (+
+        shared_groups)] int32 (group_offsets of the counts, then with_shared_groups'), slot_rows [T, k]
+        int64 (the sorted row holding token t's slot j: moe_combine_triton.slot_rows of the order)."""
+        M = flat.shape[0]
+        T = M // k
+        rows = torch.empty(M + (T if shared_groups else 0), dtype=torch.long, device=flat.device)
+        offs = torch.empty(n_experts + shared_groups, dtype=torch.int32, device=flat.device)
+        slot_rows = torch.empty(T, k, dtype=torch.long, device=flat.device)
+        torch.library.wrap_triton(_decode_dispatch_kernel)[(triton.cdiv(M, BLOCK) + 1,)](
+            flat.contiguous(), rows, offs, slot_rows, M, n_experts, T, K=k, SHARED_GROUPS=shared_groups,
+            BLOCK=BLOCK, BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
+        return rows, offs, slot_rows
+
+    @decode_dispatch.register_fake
+    def _(flat, n_experts, k, shared_groups):
+        M = flat.shape[0]
+        T = M // k
+        return (flat.new_empty(M + (T if shared_groups else 0)),
+                flat.new_empty(n_experts + shared_groups, dtype=torch.int32), flat.new_empty(T, k))

@@ -232,10 +232,10 @@ class Experts(Switched, nn.Module):
         shared expert's weights where `folds_shared` took them; the result then includes its output."""
         if in_rows_forward():
             return self.rows_mlp(x, experts, weights)
+        if shared is not None:
+            return self._with_shared(x, experts, weights, shared)
         k = experts.shape[1]
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
-        if shared is not None:
-            return self._with_shared(x, order, counts, weights, shared)
         kernels = self.kernels.on("triton_combine")  # the trainer's, when switched on
         dispatched = moe_combine_triton.applies(x, x, kernels)  # the kernel where x's gradient is wanted
         xs = moe_combine_triton.dispatch(x, order, k) if dispatched else x[order // k]
@@ -253,11 +253,19 @@ class Experts(Switched, nn.Module):
         return (isinstance(gate_up, torch.Tensor) and triton_experts(x, *mine, self.kernels.on("triton_moe"))
                 and all(grouped_gemm_triton.laid_out_as_one(w, m) for w, m in zip((gate_up, down), mine)))
 
-    def _with_shared(self, x: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, weights: torch.Tensor,
+    def _with_shared(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
                      shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """The decode kernels over the routed rows and then every token once more for the shared
-        expert; combined as `forward` combines, then the shared output added, as MoE adds it."""
+        """A decode step's kernels over the routed rows and then every token once more for the shared
+        expert; combined as `forward` combines, then the shared output added, as MoE adds it. On
+        CUDA the rows, offsets and combine's rows come from one kernel and the combine is one more
+        (the same bits; six inductor kernels, an index_copy and a cumsum otherwise)."""
         T, k = weights.shape
+        flat = experts.flatten()
+        if dispatch_order_triton.runs(flat) and moe_combine_triton.step_applies(x, weights):
+            rows, offs, slot_rows = dispatch_order_triton.decode_dispatch(
+                flat, self.n_experts, k, grouped_gemm_triton.SHARED_GROUPS)
+            return moe_combine_triton.combine_step(self.decode_mlp(x[rows], offs, shared), slot_rows, weights, True)
+        order, counts = dispatch_order(flat, self.n_experts, counting=True)
         rows = torch.cat([order // k, torch.arange(T, device=x.device)])
         offs = grouped_gemm_triton.with_shared_groups(group_offsets(counts), T)
         ys = self.decode_mlp(x[rows], offs, shared)

@@ -41,6 +41,12 @@ def applies(ys: torch.Tensor, weights: torch.Tensor, enabled: bool | None) -> bo
     return trainer_kernel_takes(ys, enabled)
 
 
+def step_applies(ys: torch.Tensor, weights: torch.Tensor) -> bool:
+    """Whether a decode step's combine can take `combine_step`: Triton present, ys bf16 or fp32 (the
+    dtypes the kernel rounds to), fp32 routing weights."""
+    return triton is not None and ys.dtype in (torch.bfloat16, torch.float32) and weights.dtype == torch.float32
+
+
 def slot_rows(order: torch.Tensor, T: int, k: int) -> torch.Tensor:
     """[T, k]: the row of the expert-sorted rows that holds token t's slot j (order inverted)."""
     rows = torch.empty_like(order)
@@ -131,8 +137,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(ys_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
-                        BLOCK: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
-        """One token: its K slots added in order, each product and each sum rounded (moe._combine)."""
+                        BLOCK: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
+                        SHARED: tl.constexpr = False):
+        """One token: its K slots added in order, each product and each sum rounded (moe._combine);
+        SHARED: then its row of the shared expert's outputs (ys's rows past T K) added, rounded."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         for h0 in range(0, H, BLOCK):
@@ -142,7 +150,29 @@ if triton is not None:
                 row = tl.load(rows_ptr + t * K + j).to(tl.int64)
                 y = tl.load(ys_ptr + row * H + h0 + cols, mask=ok, other=0.0).to(tl.float32)
                 acc = _round(acc + _round(y * tl.load(w_ptr + t * K + j), BF16, INTERPRETED), BF16, INTERPRETED)
+            if SHARED:
+                y = tl.load(ys_ptr + (tl.num_programs(0) * K + t) * H + h0 + cols, mask=ok, other=0.0)
+                acc = _round(acc + y.to(tl.float32), BF16, INTERPRETED)
             tl.store(out_ptr + t * H + h0 + cols, acc, mask=ok)
+
+    @torch.library.triton_op("lockstep::combine_step", mutates_args=())
+    def combine_step(ys: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, shared: bool) -> torch.Tensor:
+        """A decode step's combine without autograd, for the compiled graph: ys [T k (+ T), H] in
+        expert order (then the shared expert's T rows where `shared`), slot_rows [T, k] (as
+        dispatch_order_triton.decode_dispatch gives them), weights [T, k] fp32 -> [T, H] in ys's
+        dtype: moe._combine of the unsorted outputs (plus the shared rows, added last)."""
+        T, k = slot_rows.shape
+        H = ys.shape[1]
+        out = ys.new_empty(T, H)
+        if T:
+            torch.library.wrap_triton(_combine_kernel)[(T,)](
+                ys.contiguous(), slot_rows.contiguous(), weights.contiguous(), out, H, SHARED=shared,
+                **_config(k, H, ys))
+        return out
+
+    @combine_step.register_fake
+    def _(ys, slot_rows, weights, shared):
+        return ys.new_empty(slot_rows.shape[0], ys.shape[1])
 
     @triton.jit
     def _dispatch_backward_kernel(g_ptr, rows_ptr, dx_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
