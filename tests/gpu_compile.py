@@ -160,6 +160,14 @@ def variants():
     yield "decode dispatch rows, offsets and slot rows", lambda: ptx(
         do._decode_dispatch_kernel, dict(flat_ptr=I64, rows_ptr=I64, offs_ptr=I32, slot_rows_ptr=I64),
         {"M", "E", "T"}, (), K=6, SHARED_GROUPS=4, BLOCK=do.BLOCK, BLOCK_E=64)
+    from lockstep.models.layers import output_a_triton as oa
+    for fp8 in (False, True):  # the rotation back and wo_a over bf16 or packed fp8 weights
+        yield f"decode output projection a fp8={fp8}", lambda fp8=fp8: ptx(
+            oa._derope_output_a_kernel, dict(o_ptr=BF, pos_ptr=I64, inv_ptr=FP, w_ptr="*u8" if fp8 else BF, s_ptr=FP,
+                                             srow_ptr=I32, out_ptr=BF),
+            {"M", "N", "K", "stride_om", "stride_og", "stride_ok", "stride_wn", "stride_wk", "stride_sr", "stride_sc",
+             "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8, SCALE_COLS=128,
+            INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **oa.launch_config(256, 512))
     yield "decode hash router", lambda: ptx(
         ro._hash_route_kernel, dict(x_ptr=BF, w_ptr=FP, table_ptr=I64, ids_ptr=I64, experts_ptr=I64, weights_ptr=FP),
         {"H"}, {"scaling"}, K=6, SCORING=0, BLOCK_K=8, BLOCK_H=ro.HASH_BLOCK_H)

@@ -19,10 +19,11 @@ import torch
 from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
-from . import step_attention_triton
+from . import output_a_triton, step_attention_triton
 from .attention_rows import attention_rows
 from .compressor import Compressor, CompressorState
 from .fixed_shapes import fixed_shape
+from .fp8_linear import Fp8Linear
 from .flash_sink_attention_triton import flash_banded_sink_attention, runs as flash_attention_runs
 from .fused_linear import project
 from .indexer import Indexer
@@ -190,6 +191,24 @@ class DeepseekV4Attention(Switched, nn.Module):
         grouped = self.o_a_proj(o.reshape(*o.shape[:-2], self.o_groups, -1))
         return apply_linear(self.o_b_proj, grouped.flatten(-2))
 
+    def _output_step(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`_output` of a step's o [N, S, H, D]: at a decode step the rotation back and wo_a in one
+        kernel (output_a_triton.py) where wo_a is a GroupedLinear or its packed fp8 form."""
+        if not output_a_triton.runs(o, self.kernels.on("triton_attention")):
+            return self._output(o, cos, sin)
+        wo_a = self.o_a_proj
+        if isinstance(wo_a, GroupedLinear):
+            packed = ()
+        elif isinstance(wo_a, Fp8Linear) and wo_a.n_groups == self.o_groups:
+            packed = (wo_a.weight_scale, wo_a.scale_row)
+        else:
+            return self._output(o, cos, sin)
+        N, S, H, D = o.shape
+        weight = wo_a.weight.view(torch.uint8) if packed else wo_a.weight
+        grouped = output_a_triton.derope_output_a(o.reshape(N * S, H, D), positions.reshape(-1), self.inv_freq,
+                                                  weight, self.o_groups, *packed)
+        return apply_linear(self.o_b_proj, grouped.view(N, S, -1))
+
     def _compressed_bias(self, x: InputProjections, q_res, positions, num_entries: int, index_keys) -> torch.Tensor:
         if self.layer_type == CSA:
             return self.compressor.indexer.select(x.index_weights, q_res, positions, index_keys, self.inv_freq)
@@ -231,7 +250,7 @@ class DeepseekV4Attention(Switched, nn.Module):
             o = self._attend_in_cache(x, q_res, q, kv, batch, cache)
         else:
             o = self._attend_gathered(x, q_res, q, kv, batch, cache)
-        return self._output(o, cos, sin)
+        return self._output_step(o, cos, sin, batch.positions)
 
     def _attend_in_cache(self, x: InputProjections, q_res, q, kv, batch, cache: LayerCache) -> torch.Tensor:
         """A decode step's attention by the kernel that reads the ring and the entries where they
