@@ -163,9 +163,9 @@ def variants():
     from lockstep.models.layers import output_a_triton as oa
     for fp8 in (False, True):  # the rotation back and wo_a over bf16 or packed fp8 weights
         yield f"decode output projection a fp8={fp8}", lambda fp8=fp8: ptx(
-            oa._derope_output_a_kernel, dict(o_ptr=BF, pos_ptr=I64, inv_ptr=FP, w_ptr="*u8" if fp8 else BF, s_ptr=FP,
+            oa._derope_output_a_kernel, dict(o_ptr=BF, cos_ptr=FP, sin_ptr=FP, w_ptr="*u8" if fp8 else BF, s_ptr=FP,
                                              srow_ptr=I32, out_ptr=BF),
-            {"M", "N", "K", "stride_om", "stride_og", "stride_ok", "stride_wn", "stride_wk", "stride_sr", "stride_sc",
+            {"M", "N", "K", "stride_om", "stride_og", "stride_cm", "stride_wn", "stride_wk", "stride_sr", "stride_sc",
              "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8, SCALE_COLS=128,
             INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **oa.launch_config(256, 512))
     yield "decode hash router", lambda: ptx(

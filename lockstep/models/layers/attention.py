@@ -191,7 +191,7 @@ class DeepseekV4Attention(Switched, nn.Module):
         grouped = self.o_a_proj(o.reshape(*o.shape[:-2], self.o_groups, -1))
         return apply_linear(self.o_b_proj, grouped.flatten(-2))
 
-    def _output_step(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _output_step(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """`_output` of a step's o [N, S, H, D]: at a decode step the rotation back and wo_a in one
         kernel (output_a_triton.py) where wo_a is a GroupedLinear or its packed fp8 form."""
         if not output_a_triton.runs(o, self.kernels.on("triton_attention")):
@@ -205,7 +205,8 @@ class DeepseekV4Attention(Switched, nn.Module):
             return self._output(o, cos, sin)
         N, S, H, D = o.shape
         weight = wo_a.weight.view(torch.uint8) if packed else wo_a.weight
-        grouped = output_a_triton.derope_output_a(o.reshape(N * S, H, D), positions.reshape(-1), self.inv_freq,
+        half = cos.shape[-1]
+        grouped = output_a_triton.derope_output_a(o.reshape(N * S, H, D), cos.reshape(-1, half), sin.reshape(-1, half),
                                                   weight, self.o_groups, *packed)
         return apply_linear(self.o_b_proj, grouped.view(N, S, -1))
 
@@ -250,7 +251,7 @@ class DeepseekV4Attention(Switched, nn.Module):
             o = self._attend_in_cache(x, q_res, q, kv, batch, cache)
         else:
             o = self._attend_gathered(x, q_res, q, kv, batch, cache)
-        return self._output_step(o, cos, sin, batch.positions)
+        return self._output_step(o, cos, sin)
 
     def _attend_in_cache(self, x: InputProjections, q_res, q, kv, batch, cache: LayerCache) -> torch.Tensor:
         """A decode step's attention by the kernel that reads the ring and the entries where they

@@ -7,8 +7,8 @@ What, per token (attention.DeepseekV4Attention._output has the torch form):
           cos / sin of position * inv_freq, in fp32), rounded to bf16
     out[g] = o'[heads of group g, flattened] @ W_g^T    (W_g: rows g N ... (g+1) N of wo_a)
 A program owns BLOCK_M tokens x BLOCK_N columns of one group and walks the group's K = heads / G x
-D inputs in BLOCK_K steps; each step loads its o tile and the tile of each channel's rotation
-partner (channel d ^ 1), rotates the ROPE channels in registers and runs a bf16 tl.dot with fp32
+D inputs in BLOCK_K steps; each step loads its o tile, splits it into even and odd channels (the
+rotation's pairs), rotates the ROPE channels in registers and runs a bf16 tl.dot with fp32
 accumulation (W8A16: e4m3 bytes times their 128 x 128 block's power-of-two scale first, exact in
 bf16, as fp8_linear.py's kernel does).
 
@@ -18,10 +18,11 @@ cuBLAS's batched GEMM, the permuted copy out), ~10 us of device time and ~2 us i
 a layer on one H200 (`rollout_throughput.py --step-trace`, 2026-12-04); fp8 three (the rotation,
 the concatenation, the fp8 GEMM).
 
-Numerics: the rotation is apply_rope's products in fp32 (sin and cos are Triton's, torch's to an
-fp32 ulp or so), rounded once to bf16; the GEMM sums in another order than cuBLAS: the torch form's
-result to bf16 rounding, not bitwise (tests/models/test_output_a_triton.py). The true-on-policy
-forward never takes it.
+Numerics: the rotation is apply_rope's products in fp32 on the same cos / sin (the caller's,
+rope_cos_sin's: Triton's own sin and cos are approximations on a GPU), rounded once to bf16 (a GPU
+compiler may contract a product and the add into an fma); the GEMM sums in another order than
+cuBLAS: the torch form's result to bf16 rounding, not bitwise (tests/models/test_output_a_triton.py).
+The true-on-policy forward never takes it.
 
 Where (`runs`): DeepseekV4Attention.forward_step at a decode step (one new token per sequence) on
 CUDA without gradients, bf16 activations, the `triton_attention` switch on (the step attention
@@ -52,10 +53,10 @@ def runs(o: torch.Tensor, enabled: bool) -> bool:
 
 
 def launch_config(N: int, K: int) -> dict:
-    """Output columns per program by the group's width, as fp8_linear's launch_config: 16 up to 512
-    (the 1b config's 256 a group: 4 x 16 x 4 programs at 64 tokens)."""
-    return dict(BLOCK_N=min(16 if N <= 512 else 32, max(16, triton.next_power_of_2(N))),
-                BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=3)
+    """32 output columns a program (the 1b config's 256 a group: 4 x 8 x 4 programs at 64 tokens;
+    each program rotates its rows' inputs once more, so not fewer columns), 2 stages."""
+    return dict(BLOCK_N=min(32, max(16, triton.next_power_of_2(N))),
+                BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=2)
 
 
 if triton is not None:
@@ -63,31 +64,33 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
-    def _derope_tile(o_tile, pos, inv_ptr, k, m_ok, k_ok, stride_ok, D: tl.constexpr, ROPE: tl.constexpr,
-                     INTERPRETED: tl.constexpr):
-        """The [BLOCK_M, BLOCK_K] tile of o at inputs k (a group's, head-major) with each head's
-        trailing ROPE channels rotated back, as bf16."""
-        ok = m_ok[:, None] & k_ok[None, :]
-        x = tl.load(o_tile, mask=ok, other=0.0).to(tl.float32)
-        partner = tl.load(o_tile + ((k ^ 1) - k)[None, :] * stride_ok, mask=ok, other=0.0).to(tl.float32)
-        d = k % D
-        rotated = d >= D - ROPE
-        freq = tl.load(inv_ptr + (d - (D - ROPE)) // 2, mask=rotated & k_ok, other=0.0)
-        angle = pos.to(tl.float32)[:, None] * freq[None, :]
-        c = tl.cos(angle)
-        s = -tl.sin(angle)  # the inverse rotation: apply_rope with -sin
-        even = (d % 2 == 0)[None, :]
-        y = tl.where(even, x * c - partner * s, x * c + partner * s)
-        return _bf16(tl.where(rotated[None, :], y, x), INTERPRETED)
+    def _derope_tile(o_tile, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D: tl.constexpr, ROPE: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+        """The [BLOCK_M, BLOCK_K] tile of o at inputs k0 ... (a group's, head-major) with each head's
+        trailing ROPE channels rotated back (apply_rope with -sin: its products, in fp32), as bf16.
+        The tile is split into its even and odd channels in registers (one contiguous load)."""
+        k_ok = k0 + tl.arange(0, BLOCK_K) < K
+        x = tl.load(o_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        even, odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
+        pair = (k0 + 2 * tl.arange(0, BLOCK_K // 2)) % D  # a pair's first channel within its head (D even)
+        rotated = (pair >= D - ROPE) & (k0 + 2 * tl.arange(0, BLOCK_K // 2) < K)
+        at = rm[:, None] * stride_cm + ((pair - (D - ROPE)) // 2)[None, :]
+        both = m_ok[:, None] & rotated[None, :]
+        cos = tl.load(cos_ptr + at, mask=both, other=1.0)
+        sin = -tl.load(sin_ptr + at, mask=both, other=0.0)
+        y_even = tl.where(rotated[None, :], even * cos - odd * sin, even)
+        y_odd = tl.where(rotated[None, :], odd * cos + even * sin, odd)
+        return _bf16(tl.reshape(tl.join(y_even, y_odd), (BLOCK_M, BLOCK_K)), INTERPRETED)
 
     @triton.jit
-    def _derope_output_a_kernel(o_ptr, pos_ptr, inv_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
-                                stride_om, stride_og, stride_ok, stride_wn, stride_wk, stride_sr, stride_sc,
+    def _derope_output_a_kernel(o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
+                                stride_om, stride_og, stride_cm, stride_wn, stride_wk, stride_sr, stride_sc,
                                 stride_outm, stride_outg, stride_outn,
                                 D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, SCALE_COLS: tl.constexpr,
                                 INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 BLOCK_K: tl.constexpr):
-        """out[m, g, n] = derope(o)[m, g, :] . w[g N + n, :] (times its block scale where FP8)."""
+        """out[m, g, n] = derope(o)[m, g, :] . w[g N + n, :] (times its block scale where FP8); o's
+        inputs contiguous (stride 1 along K)."""
         rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         g = tl.program_id(2)
@@ -95,16 +98,15 @@ if triton is not None:
         m_ok = rm < M
         n_ok = rn < N
         row = g * N + rn  # the weight's rows
-        pos = tl.load(pos_ptr + rm, mask=m_ok, other=0)
-        o_tile = o_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rk[None, :] * stride_ok
+        o_tile = o_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rk[None, :]
         w_tile = w_ptr + row[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
         if FP8:
             s_rows = s_ptr + tl.load(srow_ptr + row, mask=n_ok, other=0).to(tl.int64) * stride_sr
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k = k0 + rk
-            k_ok = k < K
-            a = _derope_tile(o_tile + k0 * stride_ok, pos, inv_ptr, k, m_ok, k_ok, stride_ok, D, ROPE, INTERPRETED)
+            k_ok = k0 + rk < K
+            a = _derope_tile(o_tile + k0, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D, ROPE, BLOCK_M, BLOCK_K,
+                             INTERPRETED)
             w = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0)
             if FP8:  # e4m3 times a power of two: exact in fp32 and in bf16
                 s = tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0)
@@ -114,32 +116,33 @@ if triton is not None:
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
     @torch.library.triton_op("lockstep::derope_output_a", mutates_args=())
-    def derope_output_a(o: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, weight: torch.Tensor,
+    def derope_output_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                         n_groups: int, scale: torch.Tensor | None = None, scale_row: torch.Tensor | None = None
                         ) -> torch.Tensor:
-        """o [M, H, D] bf16 (the attention's output), positions [M] int64, inv_freq [ROPE / 2] fp32,
-        weight [G N, H D / G] (bf16, or e4m3 bytes as uint8 with scale [R, ceil(K / 128)] fp32 and
-        scale_row [G N] int32, fp8_linear.py's storage), n_groups G -> [M, G, N] bf16."""
+        """o [M, H, D] bf16 (the attention's output), cos / sin [M, ROPE / 2] fp32 (rope.rope_cos_sin of
+        the tokens' positions), weight [G N, H D / G] (bf16, or e4m3 bytes as uint8 with scale [R,
+        ceil(K / 128)] fp32 and scale_row [G N] int32, fp8_linear.py's storage), n_groups G ->
+        [M, G, N] bf16."""
         M, H, D = o.shape
         G = n_groups
         N, K = weight.shape[0] // G, H * D // G
         fp8 = scale is not None
-        assert not fp8 or FP8_BLOCK[1] % BLOCK_K == 0, "a K step must lie within one scale column"
-        x = o.reshape(M, G, K)
+        cfg = launch_config(N, K)
+        assert not fp8 or FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
+        x = o.reshape(M, G, K).contiguous()
+        cos, sin = cos.contiguous(), sin.contiguous()
         out = o.new_empty(M, G, N)
         if M:
-            cfg = launch_config(N, K)
-            scale_args = (scale, scale_row, *scale.stride()) if fp8 else (weight, weight, 0, 0)  # unread
-            s_ptr, srow_ptr, stride_sr, stride_sc = scale_args
+            s_ptr, srow_ptr, stride_sr, stride_sc = (scale, scale_row, *scale.stride()) if fp8 else (cos, cos, 0, 0)
             torch.library.wrap_triton(_derope_output_a_kernel)[
                 (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]), G)](
-                x, positions.contiguous(), inv_freq.contiguous(), weight, s_ptr, srow_ptr, out, M, N, K,
-                *x.stride(), *weight.stride(), stride_sr, stride_sc, *out.stride(),
-                D=D, ROPE=2 * inv_freq.shape[0], FP8=fp8, SCALE_COLS=FP8_BLOCK[1], INTERPRETED=_gt.interpreted(),
+                x, cos, sin, weight, s_ptr, srow_ptr, out, M, N, K, x.stride(0), x.stride(1), cos.stride(0),
+                *weight.stride(), stride_sr, stride_sc, *out.stride(),
+                D=D, ROPE=2 * cos.shape[1], FP8=fp8, SCALE_COLS=FP8_BLOCK[1], INTERPRETED=_gt.interpreted(),
                 BLOCK_M=BLOCK_M, **cfg)
         return out
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @derope_output_a.register_fake
-    def _(o, positions, inv_freq, weight, n_groups, scale=None, scale_row=None):
+    def _(o, cos, sin, weight, n_groups, scale=None, scale_row=None):
         return o.new_empty(o.shape[0], n_groups, weight.shape[0] // n_groups)
