@@ -78,7 +78,10 @@ def test_a_decode_steps_output_takes_the_kernel(monkeypatch, packed):
     GroupedLinear or its packed form), the torch form otherwise; the same output to bf16 rounding."""
     cfg = tiny_config()
     torch.manual_seed(3)
-    attn = DeepseekV4Attention(cfg, 0).to(DEVICE, torch.bfloat16)
+    attn = DeepseekV4Attention(cfg, 0)
+    for p in attn.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    attn = attn.to(DEVICE, torch.bfloat16)
     if packed:
         attn.o_a_proj = Fp8Linear.packing(attn.o_a_proj)
     N, H, D = 6, cfg.num_attention_heads, cfg.head_dim

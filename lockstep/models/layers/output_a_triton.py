@@ -117,17 +117,20 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::derope_output_a", mutates_args=())
     def derope_output_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-                        n_groups: int, scale: torch.Tensor | None = None, scale_row: torch.Tensor | None = None
-                        ) -> torch.Tensor:
+                        n_groups: int, scale: torch.Tensor | None = None, scale_row: torch.Tensor | None = None,
+                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
         """o [M, H, D] bf16 (the attention's output), cos / sin [M, ROPE / 2] fp32 (rope.rope_cos_sin of
         the tokens' positions), weight [G N, H D / G] (bf16, or e4m3 bytes as uint8 with scale [R,
         ceil(K / 128)] fp32 and scale_row [G N] int32, fp8_linear.py's storage), n_groups G ->
-        [M, G, N] bf16."""
+        [M, G, N] bf16. Nonzero launch settings override launch_config's (benchmarks/output_a.py --sweep)."""
         M, H, D = o.shape
         G = n_groups
         N, K = weight.shape[0] // G, H * D // G
         fp8 = scale is not None
         cfg = launch_config(N, K)
+        for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
+                           ("num_stages", num_stages)):
+            cfg[key] = value or cfg[key]
         assert not fp8 or FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
         x = o.reshape(M, G, K).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
@@ -144,5 +147,5 @@ if triton is not None:
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @derope_output_a.register_fake
-    def _(o, cos, sin, weight, n_groups, scale=None, scale_row=None):
+    def _(o, cos, sin, weight, n_groups, scale=None, scale_row=None, *config):
         return o.new_empty(o.shape[0], n_groups, weight.shape[0] // n_groups)
