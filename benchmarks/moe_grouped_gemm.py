@@ -27,6 +27,8 @@ block scales, dequantised in registers) against the bf16 Triton grouped_mm on th
 (gate_up without the SwiGLU, down), each with GB/s of the bytes it must read (1 byte a parameter
 for fp8) and that as a fraction of the copy bandwidth; fp8 reads half the bytes, so at the same
 fraction it takes half the time. With --sweep its launch settings are swept too (SWEEP_FP8).
+Then gate_up with the SwiGLU: fp8's kernel followed by the SwiGLU compiled (the engine's step) against
+grouped_gemm_fp8.grouped_swiglu_fp8 (fused; swept too with --sweep).
 
 --shared: each decode kernel over the routed rows alone and with a shared expert's rows (every
 token once more) as groups of their own (moe.Experts.folds_shared, grouped_gemm_triton.with_shared_groups),
@@ -152,6 +154,29 @@ def compare_fp8(args, layers, packed, batch, bw):
             print(f"  sweep fp8 {name}: default {g8.launch_config(*layers[0][j].shape[1:])} {fp8:.1f} us; fastest:")
             for us, cfg, err in ranked[:6]:
                 print(f"    {us:8.1f} us  {cfg}  max |diff to the default| {err:.3g}")
+    compare_fp8_swiglu(args, packed, xs, offs)
+
+
+def compare_fp8_swiglu(args, packed, xs, offs):
+    """fp8 gate_up then the SwiGLU compiled (the engine's decode step without FUSED_SWIGLU) against
+    grouped_swiglu_fp8 (the SwiGLU in the kernel), each --calls calls a CUDA graph; --sweep: the fused
+    kernel's settings."""
+    L, lim = len(packed), args.limit
+    swiglu = torch.compile(lambda h: swiglu_clamped(*h.chunk(2, dim=-1), lim), dynamic=True)
+    two_step = time_us(lambda i: swiglu(g8.grouped_mm_fp8(xs, *packed[i][0], offs)), L, args.calls, args.reps)
+    fused = time_us(lambda i: g8.grouped_swiglu_fp8(xs, *packed[i][0], offs, lim), L, args.calls, args.reps)
+    same = torch.equal(swiglu(g8.grouped_mm_fp8(xs, *packed[0][0], offs)),
+                       g8.grouped_swiglu_fp8(xs, *packed[0][0], offs, lim))
+    print(f"  gate_up+swiglu fp8: kernel then compiled SwiGLU {two_step:.1f} us, fused {fused:.1f} us "
+          f"({two_step / fused:.2f}x; same bits: {same})")
+    if args.sweep:
+        ref = g8.grouped_swiglu_fp8(xs, *packed[0][0], offs, lim)
+        ranked = fastest(SWEEP_FP8, lambda cfg: g8.grouped_swiglu_fp8(xs, *packed[0][0], offs, lim, **cfg),
+                         lambda cfg: time_us(lambda i: g8.grouped_swiglu_fp8(xs, *packed[i][0], offs, lim, **cfg), L,
+                                             args.calls, args.reps), ref)
+        print("  sweep fp8 fused gate_up+swiglu; fastest:")
+        for us, cfg, err in ranked[:6]:
+            print(f"    {us:8.1f} us  {cfg}  max |diff to the default| {err:.3g}")
 
 
 def compare_shared(args, layers, packed, batch):

@@ -178,10 +178,12 @@ def variants():
         yield f"decode grouped GEMM swiglu={swiglu}", lambda swiglu=swiglu: ptx(
             gg._grouped_kernel, dict(x_ptr=BF, w_ptr=BF, ws_ptr=BF, out_ptr=BF, offs_ptr="*i32"), grouped, {"limit"},
             SWIGLU=swiglu, INTERPRETED=False, BLOCK_M=gg.BLOCK_M, EVEN_K=True, BLOCK_N=32, BLOCK_K=128)
-    yield "decode grouped GEMM fp8", lambda: ptx(
-        g8._grouped_fp8_kernel, dict(x_ptr=BF, w_ptr="*u8", s_ptr=FP, ws_ptr="*u8", ss_ptr=FP, out_ptr=BF,
-                                     offs_ptr="*i32"), grouped | {"stride_sg", "stride_sn", "stride_sk"},
-        num_warps=2, INTERPRETED=False, SCALE_BLOCK=128, BLOCK_M=gg.BLOCK_M, BLOCK_N=64, BLOCK_K=128)
+    for swiglu in (False, True):
+        yield f"decode grouped GEMM fp8 swiglu={swiglu}", lambda swiglu=swiglu: ptx(
+            g8._grouped_fp8_kernel, dict(x_ptr=BF, w_ptr="*u8", s_ptr=FP, ws_ptr="*u8", ss_ptr=FP, out_ptr=BF,
+                                         offs_ptr="*i32"), grouped | {"stride_sg", "stride_sn", "stride_sk"},
+            {"limit"}, num_warps=2, SWIGLU=swiglu, INTERPRETED=False, SCALE_BLOCK=128, BLOCK_M=gg.BLOCK_M,
+            BLOCK_N=64, BLOCK_K=128)
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lockstep.models.layers import grouped_gemm_fp8 as g8
+from lockstep.models.layers.moe import swiglu_clamped
 from lockstep.quant.fp8 import quantize_fp8_block
 
 needs_triton = pytest.mark.skipif(g8.triton is None, reason="triton is not installed")
@@ -76,3 +77,28 @@ def test_shared_groups_read_the_shared_experts_bytes_and_scales():
     assert torch.equal(out[len(x):], _reference(xs, qs[None], ss[None], torch.tensor([T])))
     with pytest.raises(ValueError, match="shared expert's fp8 scale"):
         g8.grouped_mm_fp8(torch.cat([x, xs]), q, scale, with_shared_groups(offs, T), shared=(qs, ss[:1]))
+
+
+@needs_triton
+# F = 100: the up rows start inside a scale block (their scales: the rows' own, (n + F) // 128); F = 128:
+# block-aligned, as the 1b config's 512; the default config and 32 columns a program
+@pytest.mark.parametrize("F,cfg", [(100, dict(block_n=32, block_k=32)), (128, {})])
+def test_the_fused_swiglu_is_the_bf16_fused_kernel_on_the_dequantised_experts(F, cfg):
+    """grouped_swiglu_fp8 equals grouped_gemm_triton.grouped_swiglu over dequant(w) bit for bit (the
+    same tiles' dot products and the same SwiGLU roundings), shared groups included."""
+    from lockstep.models.layers import grouped_gemm_triton as gt
+    from lockstep.quant.fp8 import dequantize_fp8_block
+
+    x, q, scale, counts, offs = _setup(4, 2 * F, 72)
+    g = torch.Generator().manual_seed(5)
+    T = 9
+    xs = torch.randn(T, 72, generator=g).bfloat16().to(DEVICE)
+    shared = tuple(t.to(DEVICE) for t in quantize_fp8_block(torch.randn(2 * F, 72, generator=g) * 0.1))
+    rows, ext = torch.cat([x, xs]), gt.with_shared_groups(offs, T)
+    got = g8.grouped_swiglu_fp8(rows, q, scale, ext, 7.0, shared=shared, **cfg)
+    dq = dequantize_fp8_block(q, scale, torch.bfloat16)
+    want = gt.grouped_swiglu(rows, dq, ext, 7.0, **cfg, shared=dequantize_fp8_block(*shared, torch.bfloat16))
+    assert got.shape == (len(rows), F) and torch.equal(got, want)
+    unfused = g8.grouped_mm_fp8(x, q, scale, offs, **cfg)  # the two-step form it replaces: to rounding
+    ref = swiglu_clamped(*unfused.chunk(2, dim=-1), 7.0)
+    torch.testing.assert_close(got[:len(x)].float(), ref.float(), rtol=2**-7, atol=2**-7 * ref.abs().max().item())

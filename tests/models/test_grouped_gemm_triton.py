@@ -253,5 +253,11 @@ def test_packed_fp8_experts_fold_a_packed_shared_expert(monkeypatch):
         _assert_within_ulps(folded, unfolded, 4, atol=2**-7 * unfolded.abs().max().item())
         monkeypatch.setattr(moe.dispatch_order_triton, "runs", lambda flat: True)  # one kernel each
         assert torch.equal(layer(x, None)[0], folded)
+        # the SwiGLU inside the fp8 gate_up kernel: eager's roundings, so the same bits
+        monkeypatch.setattr(packed_experts.grouped_gemm_fp8, "FUSED_SWIGLU", True)
+        fused_calls, fused = [], packed_experts.grouped_gemm_fp8.grouped_swiglu_fp8
+        monkeypatch.setattr(packed_experts.grouped_gemm_fp8, "grouped_swiglu_fp8",
+                            lambda *a, **k: fused_calls.append(a) or fused(*a, **k))
+        assert torch.equal(layer(x, None)[0], folded) and len(fused_calls) == 1
         layer.experts.storage = "fp4"  # the fp4 kernel takes no shared expert
         assert layer._foldable_shared(x.view(5, -1)) is None

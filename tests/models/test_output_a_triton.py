@@ -67,7 +67,8 @@ def test_the_kernel_is_output_projection_a(packed):
         weights = (wo_a.weight, G)
     got = oa.derope_output_a(o, cos, sin, *weights)
     assert got.shape == (M, G, N) and got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 * BF16_ULP, atol=2 * BF16_ULP * want.abs().max().item())
+    tol = 2 * BF16_ULP
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
     compiled = torch.compile(oa.derope_output_a, backend="eager", fullgraph=True)
     assert torch.equal(compiled(o, cos, sin, *weights), got)
 
@@ -96,7 +97,8 @@ def test_a_decode_steps_output_takes_the_kernel(monkeypatch, packed):
         monkeypatch.setattr(oa, "runs", lambda o, enabled: enabled and o.shape[1] == 1)
         got = attn._output_step(o, cos, sin)
         assert len(calls) == 1
-        torch.testing.assert_close(got.float(), want.float(), rtol=4 * BF16_ULP, atol=4 * BF16_ULP * want.abs().max().item())
+        tol = 4 * BF16_ULP
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
         o2 = o.expand(N, 2, H, D).contiguous()  # not a decode step
         attn._output_step(o2, *rope_cos_sin(attn.inv_freq, positions.expand(N, 2)))
         assert len(calls) == 1

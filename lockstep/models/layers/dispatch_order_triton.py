@@ -90,7 +90,8 @@ if triton is not None:
             tl.store(offs_ptr + re, offs, mask=re < E)
             if SHARED_GROUPS > 0:
                 for g in tl.static_range(SHARED_GROUPS):  # grouped_gemm_triton.with_shared_groups
-                    tl.store(offs_ptr + E + g, M + (g + 1) * T // SHARED_GROUPS)  # M, T can be Python ints (torch.compile specialises them): no .to
+                    # M, T can be Python ints here (torch.compile's analysis specialises them): no .to
+                    tl.store(offs_ptr + E + g, M + (g + 1) * T // SHARED_GROUPS)
                 for t0 in range(0, T, BLOCK):
                     t = t0 + tl.arange(0, BLOCK)
                     tl.store(rows_ptr + M + t, t.to(tl.int64), mask=t < T)

@@ -9,6 +9,8 @@ in BLOCK_M tiles, bounds from `offs` on the device) with fp8_linear.py's tile de
 bytes bitcast to e4m3, times each row's block scale in fp32 (exact), to bf16, a bf16 dot with fp32
 accumulation, rounded once. BLOCK_K divides 128: one scale column per step. The shared expert
 rides along as grouped_gemm_triton's does (`shared=` (bytes, scale), groups past w's).
+`grouped_swiglu_fp8` fuses the clamped SwiGLU into the gate_up GEMM as grouped_gemm_triton's
+grouped_swiglu does (a gate and an up tile a step; FUSED_SWIGLU says whether the engine takes it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from .grouped_gemm import grouped_mm_reference
 triton = _gt.triton
 if triton is not None:
     import triton.language as tl
+
+
+# The decode step's gate_up GEMM with the clamped SwiGLU fused in (grouped_swiglu_fp8), where the
+# step ran this kernel, then inductor's SwiGLU kernel (1.7 us a layer on one H200 at batch 64,
+# 2026-12-04) over a written and re-read [M, 2F]. CPU-tested (bit for bit the bf16 fused kernel on
+# the dequantised weights) and compiled to sm_90; off until timed on a GPU
+# (benchmarks/moe_grouped_gemm.py --fp8 times both forms).
+FUSED_SWIGLU = False
 
 
 def grouped_mm_fp8_reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -46,14 +56,25 @@ def launch_config(N: int, K: int, shared: bool = False) -> dict:
 if triton is not None:
     # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
     # from the JIT functions it references directly, so a module alias is undefined there
-    _dot, _bf16 = _gt._dot, _gt._bf16
+    _dot, _bf16, _swiglu_clamped = _gt._dot, _gt._bf16, _gt._swiglu_clamped
 
     @triton.jit
-    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, G_ROUTED, N, K,
+    def _dequant_tile(w_rows, s_rows, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK: tl.constexpr):
+        """[BLOCK_K, BLOCK_N] of dequant(w)^T at k0: e4m3 bytes times their block's scale, in fp32
+        (exact), as bf16."""
+        qb = tl.load(w_rows + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
+        s = tl.load(s_rows + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
+        return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+
+    @triton.jit
+    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, limit, G_ROUTED, N, K,
                             stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
-                            stride_om, stride_on, INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T (ws, ss for g >= G_ROUTED)."""
+                            stride_om, stride_on, SWIGLU: tl.constexpr, INTERPRETED: tl.constexpr,
+                            SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T (ws, ss for g >= G_ROUTED);
+        with SWIGLU, w[g] holds N gate rows then N up rows (each row reads its own block's scale) and
+        out = swiglu_clamped(gate, up), rounded as grouped_gemm_triton's fused kernel rounds it."""
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -67,26 +88,36 @@ if triton is not None:
             s_g = ss_ptr
         w_tile = w_g + rn[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk
         s_row = s_g + (rn // SCALE_BLOCK) * stride_sn
+        up_tile = w_tile + tl.cast(N, tl.int64) * stride_wn  # the up rows lie N rows further on
+        up_s_row = s_g + ((rn + N) // SCALE_BLOCK) * stride_sn
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
             m_ok = (rm < end)[:, None]
             x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_ok = k0 + rk < K
                 a = tl.load(x_tile + k0 * stride_xk, mask=m_ok & k_ok[None, :], other=0.0)
-                qb = tl.load(w_tile + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
-                s = tl.load(s_row + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
-                w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+                w = _dequant_tile(w_tile, s_row, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK)
                 acc = _dot(a, w, acc, INTERPRETED)
-            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
-                     _bf16(acc, INTERPRETED), mask=m_ok & n_in[None, :])
+                if SWIGLU:
+                    w_up = _dequant_tile(up_tile, up_s_row, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK)
+                    acc_up = _dot(a, w_up, acc_up, INTERPRETED)
+            if SWIGLU:
+                result = _swiglu_clamped(acc, acc_up, limit, INTERPRETED)
+            else:
+                result = _bf16(acc, INTERPRETED)
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, result,
+                     mask=m_ok & n_in[None, :])
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                         block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
-                        shared_w: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None) -> torch.Tensor:
+                        shared_w: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None,
+                        limit: float = 0.0, swiglu: bool = False) -> torch.Tensor:
         G, N, K = w.shape
+        N = N // 2 if swiglu else N  # the output's columns: gate rows, then as many up rows
         cfg = launch_config(N, K, shared_w is not None)
         for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
                            ("num_stages", num_stages)):
@@ -96,14 +127,14 @@ if triton is not None:
         shared_scale = _gt.shared_operand("the shared expert's fp8 scale", shared_scale, scale)
         out = x.new_empty(x.shape[0], N)
         torch.library.wrap_triton(_grouped_fp8_kernel)[(offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))](
-            x, w, scale, shared_w, shared_scale, out, offs, G, N, K, *x.stride(), *w.stride(), *scale.stride(),
-            *out.stride(),
+            x, w, scale, shared_w, shared_scale, out, offs, limit, G, N, K, *x.stride(), *w.stride(), *scale.stride(),
+            *out.stride(), SWIGLU=swiglu,
             INTERPRETED=_gt.interpreted(), SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
         return out
 
     @_grouped_mm_fp8.register_fake
-    def _(x, w, scale, offs, *config, shared_w=None, shared_scale=None):
-        return x.new_empty(x.shape[0], w.shape[1])
+    def _(x, w, scale, offs, *config, shared_w=None, shared_scale=None, limit=0.0, swiglu=False):
+        return x.new_empty(x.shape[0], w.shape[1] // 2 if swiglu else w.shape[1])
 
 
 def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
@@ -117,3 +148,14 @@ def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: 
     shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
     return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
                                              num_stages, shared_w, shared_scale)
+
+
+def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, limit: float,
+                       block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
+                       shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """grouped_mm_fp8 over packed gate_up experts w [G, 2F, K] (gate rows, then up) with the clamped
+    SwiGLU fused in -> swiglu_clamped(gate, up, limit) [M, F] bf16: the bits of the bf16 fused kernel
+    (grouped_gemm_triton.grouped_swiglu) on the dequantised weights. Arguments as grouped_mm_fp8's."""
+    shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
+    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
+                                             num_stages, shared_w, shared_scale, limit, True)

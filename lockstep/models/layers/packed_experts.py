@@ -126,10 +126,17 @@ class PackedExperts(Experts):
         return super().mlp(xs, counts, decode=False)
 
     def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
-        """The format's grouped GEMM for both expert GEMMs, the eager SwiGLU between (module docstring)."""
+        """The format's grouped GEMM for both expert GEMMs, the eager SwiGLU between (module docstring);
+        fp8 with grouped_gemm_fp8.FUSED_SWIGLU: the SwiGLU inside the first kernel."""
         shared_gate_up, shared_down = shared or (None, None)
-        gate, up = self._grouped_mm(xs, "gate_up_proj", offs, shared_gate_up).chunk(2, dim=-1)
-        return self._grouped_mm(swiglu_clamped(gate, up, self.limit), "down_proj", offs, shared_down)
+        if self.storage == "fp8" and grouped_gemm_fp8.FUSED_SWIGLU:
+            attr = "gate_up_proj"
+            act = grouped_gemm_fp8.grouped_swiglu_fp8(xs, getattr(self, attr), getattr(self, _scale_attr(attr)), offs,
+                                                      self.limit, shared=shared_gate_up)
+        else:
+            gate, up = self._grouped_mm(xs, "gate_up_proj", offs, shared_gate_up).chunk(2, dim=-1)
+            act = swiglu_clamped(gate, up, self.limit)
+        return self._grouped_mm(act, "down_proj", offs, shared_down)
 
     def extra_repr(self) -> str:
         return f"n_experts={self.n_experts}, packed {self.storage}"
