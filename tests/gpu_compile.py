@@ -87,10 +87,15 @@ def variants():
     yield "rope", lambda: ptx(rt._rope_kernel, dict(x_ptr=BF, cos_ptr=FP, sin_ptr=FP, out_ptr=BF), {"rows", "G"},
                               D=128, HALF=32, BLOCK_D=128, BLOCK_R=16, BF16=True, INTERPRETED=False)
     combine = dict(K=6, K_PAD=8, BLOCK=1024, BF16=True, INTERPRETED=False)
+    no_hc = dict(x_ptr=None, post_ptr=None, comb_ptr=None, N_HC=0)
     yield "moe combine", lambda: ptx(mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"},
-                                     SHARED=False, **combine)
+                                     SHARED=False, **no_hc, **combine)
     yield "decode combine with the shared rows", lambda: ptx(
-        mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"}, SHARED=True, **combine)
+        mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF), {"H"}, SHARED=True, **no_hc,
+        **combine)
+    yield "decode combine with the shared rows and the mHC combine", lambda: ptx(
+        mc._combine_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, out_ptr=BF, x_ptr=BF, post_ptr=FP, comb_ptr=FP),
+        {"H"}, SHARED=True, N_HC=4, **combine)
     yield "moe combine backward", lambda: ptx(mc._combine_backward_kernel, dict(ys_ptr=BF, rows_ptr=I64, w_ptr=FP, g_ptr=BF,
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
     yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),

@@ -102,10 +102,12 @@ class DeepseekV4DecoderLayer(nn.Module):
         streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
         collapsed, post, comb = self.ffn_hc(streams)
         forced = routing.forced_for(self.layer_idx) if routing is not None else None
-        out, experts = self.mlp(self.post_attention_layernorm(collapsed), token_ids, forced)
+        # the MoE returns the streams after the combine (its decode kernel may do that combine too)
+        streams, experts = self.mlp(self.post_attention_layernorm(collapsed), token_ids, forced,
+                                    hc=(streams, post, comb))
         if routing is not None:
             routing.chosen.append(experts)
-        return hc_combine(streams, out, post, comb)
+        return streams
 
 
 class DeepseekV4Model(nn.Module):

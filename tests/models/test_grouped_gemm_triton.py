@@ -215,6 +215,17 @@ def test_a_decode_step_folds_the_shared_expert_into_the_expert_kernels(monkeypat
         combines, combine_step = [], moe.moe_combine_triton.combine_step
         monkeypatch.setattr(moe.moe_combine_triton, "combine_step", lambda *a: combines.append(a) or combine_step(*a))
         assert torch.equal(layer(x, None)[0], folded) and len(combines) == 1
+        # with the block's mHC streams: the combine kernel does hc_combine too where FUSED_HC says so
+        from lockstep.models.layers.hyper_connection import hc_combine
+        n = 4
+        streams = torch.randn(5, 1, n, cfg.hidden_size, device=DEVICE).bfloat16()
+        post, comb = torch.rand(5, 1, n, device=DEVICE) * 2, torch.rand(5, 1, n, n, device=DEVICE)
+        want = hc_combine(streams, folded, post, comb)
+        assert torch.equal(layer(x, None, hc=(streams, post, comb))[0], want) and len(combines) == 2
+        monkeypatch.setattr(moe.moe_combine_triton, "FUSED_HC", True)
+        fused = layer(x, None, hc=(streams, post, comb))[0]
+        assert len(combines) == 3 and fused.shape == streams.shape
+        _assert_within_ulps(fused, want, 2, atol=2**-7 * want.abs().max().item())
         layer(x.expand(5, 2, -1).contiguous(), None)  # not a decode step: the shared expert's own GEMM
         assert len(gemms) == 1
         monkeypatch.setattr(moe, "triton_experts", lambda *args: False)

@@ -59,6 +59,42 @@ def test_the_decode_steps_combine_is_the_torch_ops(dtype, H, shared):
     assert torch.equal(compiled(ys, rows, weights, shared), got)
 
 
+@pytest.mark.parametrize("H", [40, 1100])
+def test_the_decode_steps_combine_can_do_the_mhc_combine(H):
+    """combine_step with the block's streams: X'_k = post_k y + sum_j comb[j, k] X_j of its result y,
+    the coefficients rounded to bf16, the sum over j in fp32 in order, rounded once, then the
+    product and the add as bf16 ops: that, bit for bit (an fma on a GPU may round once where this
+    rounds twice: there to a bf16 ulp), and hyper_connection.hc_combine to a bf16 ulp."""
+    from lockstep.models.layers.hyper_connection import hc_combine
+
+    g = torch.Generator().manual_seed(H + 3)
+    T, k, E, n = 9, 3, 5, 4
+    experts = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(DEVICE)
+    order, _ = dispatch_order(experts.flatten(), E, counting=False)
+    ys = torch.randn(T * k + T, H, generator=g).to(DEVICE, torch.bfloat16)
+    weights = torch.rand(T, k, generator=g).to(DEVICE)
+    rows = moe_combine_triton.slot_rows(order, T, k)
+    streams = torch.randn(T, n, H, generator=g).to(DEVICE, torch.bfloat16)
+    post = (torch.rand(T, n, generator=g) * 2).to(DEVICE)
+    comb = torch.rand(T, n, n, generator=g).to(DEVICE)
+    y = moe_combine_triton.combine_step(ys, rows, weights, True)
+    got = moe_combine_triton.combine_step(ys, rows, weights, True, streams, post, comb)
+    c, x = comb.bfloat16().float(), streams.float()
+    mixed = torch.zeros(T, n, H, device=DEVICE)
+    for j in range(n):
+        mixed = mixed + c[:, j, :, None] * x[:, j, None, :]
+    want = (post.bfloat16()[..., None] * y[:, None, :]).float() + mixed.bfloat16().float()
+    assert got.shape == streams.shape and got.dtype == torch.bfloat16
+    tol = 2**-7 * want.abs().max().item()
+    if DEVICE == "cpu":
+        assert torch.equal(got, want.bfloat16())
+    torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2**-7, atol=tol)
+    ref = hc_combine(streams, y, post, comb)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=2 * tol)
+    compiled = torch.compile(moe_combine_triton.combine_step, backend="eager", fullgraph=True)
+    assert torch.equal(compiled(ys, rows, weights, True, streams, post, comb), got)
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 @pytest.mark.parametrize("H", [40, 1100])
 def test_the_dispatch_gradient_adds_a_tokens_rows_once_rounded(dtype, H):

@@ -23,6 +23,7 @@ from torch import nn
 from . import dispatch_order_triton, grouped_gemm_triton, moe_combine_triton, router_triton, swiglu_triton
 from .fused_linear import project
 from .grouped_gemm import group_offsets, grouped_mm, triton_experts
+from .hyper_connection import hc_combine
 from .kernel_switch import Switched
 from .row_blocks import in_rows_forward
 from .whole_rows import (apply_linear, in_whole_rows, linear, row_local, sigmoid_any_size, softmax_in_order,
@@ -227,13 +228,16 @@ class Experts(Switched, nn.Module):
         self.down_proj = nn.Parameter(torch.empty(len(self.rows), hidden_size, intermediate_size))
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                decode: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                decode: bool = False, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                hc: tuple | None = None) -> torch.Tensor:
         """decode: the rows are a decode step's (one new token per sequence), see `mlp`. shared: the
-        shared expert's weights where `folds_shared` took them; the result then includes its output."""
+        shared expert's weights where `folds_shared` took them; the result then includes its output.
+        hc: the block's mHC (streams [T, n, H], post, comb) where `fuses_hc` said so: the result is
+        then the streams after hyper_connection.hc_combine of the output."""
         if in_rows_forward():
             return self.rows_mlp(x, experts, weights)
         if shared is not None:
-            return self._with_shared(x, experts, weights, shared)
+            return self._with_shared(x, experts, weights, shared, hc)
         k = experts.shape[1]
         order, counts = dispatch_order(experts.flatten(), self.n_experts, counting=decode)
         kernels = self.kernels.on("triton_combine")  # the trainer's, when switched on
@@ -253,18 +257,28 @@ class Experts(Switched, nn.Module):
         return (isinstance(gate_up, torch.Tensor) and triton_experts(x, *mine, self.kernels.on("triton_moe"))
                 and all(grouped_gemm_triton.laid_out_as_one(w, m) for w, m in zip((gate_up, down), mine)))
 
+    def fuses_hc(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, streams: torch.Tensor) -> bool:
+        """Whether a decode step's combine kernel (with the shared expert folded) can also do the block's
+        mHC combine into `streams` (moe_combine_triton.FUSED_HC): one kernel less a layer."""
+        return (moe_combine_triton.FUSED_HC and streams.dtype == torch.bfloat16 == x.dtype
+                and self._fused_dispatch(experts.flatten(), x, weights))
+
+    def _fused_dispatch(self, flat: torch.Tensor, x: torch.Tensor, weights: torch.Tensor) -> bool:
+        return dispatch_order_triton.runs(flat) and moe_combine_triton.step_applies(x, weights)
+
     def _with_shared(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor,
-                     shared: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                     shared: tuple[torch.Tensor, torch.Tensor], hc: tuple | None = None) -> torch.Tensor:
         """A decode step's kernels over the routed rows and then every token once more for the shared
         expert; combined as `forward` combines, then the shared output added, as MoE adds it. On
         CUDA the rows, offsets and combine's rows come from one kernel and the combine is one more
         (the same bits; six inductor kernels, an index_copy and a cumsum otherwise)."""
         T, k = weights.shape
         flat = experts.flatten()
-        if dispatch_order_triton.runs(flat) and moe_combine_triton.step_applies(x, weights):
+        if self._fused_dispatch(flat, x, weights):
             rows, offs, slot_rows = dispatch_order_triton.decode_dispatch(
                 flat, self.n_experts, k, grouped_gemm_triton.SHARED_GROUPS)
-            return moe_combine_triton.combine_step(self.decode_mlp(x[rows], offs, shared), slot_rows, weights, True)
+            return moe_combine_triton.combine_step(self.decode_mlp(x[rows], offs, shared), slot_rows, weights, True,
+                                                   *(hc or ()))
         order, counts = dispatch_order(flat, self.n_experts, counting=True)
         rows = torch.cat([order // k, torch.arange(T, device=x.device)])
         offs = grouped_gemm_triton.with_shared_groups(group_offsets(counts), T)
@@ -353,10 +367,12 @@ class MoE(nn.Module):
         self.shared_experts = (SharedExpert(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit)
                                if c.n_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None,
-                forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None, forced: torch.Tensor | None = None,
+                hc: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [..., H] -> (output [..., H], experts chosen [..., k]). In the true-on-policy forward
-        (deepseek_v4_rows.py) the rows go through in row blocks, the experts as Experts.rows_mlp says."""
+        (deepseek_v4_rows.py) the rows go through in row blocks, the experts as Experts.rows_mlp says.
+        hc: the block's mHC (streams [..., n, H], post, comb): the first result is then the streams
+        after hyper_connection.hc_combine of the output (at a decode step one kernel may do both)."""
         if in_rows_forward():
             flat = x.reshape(-1, x.shape[-1])
             ids = None if token_ids is None else token_ids.reshape(-1)
@@ -364,21 +380,30 @@ class MoE(nn.Module):
             # whole rows (whole_rows.py) where the routed experts take the row-invariant kernels
             whole = in_whole_rows() and _row_invariant_kernels(flat, *self.experts.expert_weights())
             out, experts = row_local(whole, MoE._route_and_compute, flat, ids, fixed, owner=self)
-            return out.view(x.shape), experts.view(*x.shape[:-1], -1)
-        return self._route_and_compute(x, token_ids, forced)
+            out = out.view(x.shape)
+            return (out if hc is None else hc_combine(hc[0], out, hc[1], hc[2])), experts.view(*x.shape[:-1], -1)
+        return self._route_and_compute(x, token_ids, forced, hc)
 
-    def _route_and_compute(self, x: torch.Tensor, token_ids: torch.Tensor | None,
-                           forced: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_and_compute(self, x: torch.Tensor, token_ids: torch.Tensor | None, forced: torch.Tensor | None = None,
+                           hc: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         forced_flat = forced.reshape(-1, forced.shape[-1]) if forced is not None else None
         decode = x.dim() == 3 and x.shape[1] == 1
         experts, weights = self.gate(flat, token_ids, forced_flat, decode=decode)
+        chosen = experts.view(*shape[:-1], -1)
         shared = self._foldable_shared(flat) if decode else None
+        if shared is not None and hc is not None and self.experts.fuses_hc(flat, experts, weights, hc[0]):
+            streams, post, comb = hc  # the combine kernel does the mHC combine too
+            n = streams.shape[-2]
+            flat_hc = (streams.reshape(-1, n, shape[-1]), post.reshape(-1, n), comb.reshape(-1, n, n))
+            combined = self.experts(flat, experts, weights, decode=decode, shared=shared, hc=flat_hc)
+            return combined.view(streams.shape), chosen
         out = self.experts(flat, experts, weights, decode=decode, shared=shared)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts.from_gate_up(*project(self, self.input_linears(), flat))
-        return out.view(shape), experts.view(*shape[:-1], -1)
+        out = out.view(shape)
+        return (out if hc is None else hc_combine(hc[0], out, hc[1], hc[2])), chosen
 
     def _foldable_shared(self, x: torch.Tensor) -> tuple | None:
         """The shared expert's (gate_up, down) where the routed experts' decode kernels can compute it

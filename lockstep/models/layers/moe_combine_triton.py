@@ -118,6 +118,11 @@ class Combine(torch.autograd.Function):
         return d_ys, None, d_w.to(ctx.weights_dtype)
 
 
+# A decode step's combine kernel also does the block's mHC combine into the streams (combine_step's
+# streams / post / comb; moe.MoE.forward's hc), where inductor's kernel after it took 1.7-2.2 us a
+# layer on one H200 (1b config, batch 64, 2026-12-04). CPU-tested against hc_combine; off until timed.
+FUSED_HC = False
+
 # columns a decode step's combine program takes: 8 bf16 a thread of one warp; 64 tokens x 1,024
 # columns are 256 programs (one program a token, 1,024 columns, took 4.6 us in the 1b step)
 STEP_BLOCK = 256
@@ -141,13 +146,33 @@ if triton is not None:
         return y
 
     @triton.jit
+    def _hc_combine(y, t, cols, ok, x_ptr, post_ptr, comb_ptr, out_ptr, H, N_HC: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
+        """mHC's combine of block output y (token t's columns `cols`, bf16 values in fp32) into its
+        N_HC streams x [T, N_HC, H]: X'_k = post_k y + sum_j comb[j, k] X_j, the coefficients rounded
+        to bf16, the stream sum in fp32 over j in order and rounded once, the product and the add
+        rounded as bf16 ops (hyper_connection.hc_combine)."""
+        for k in tl.static_range(N_HC):
+            mixed = tl.zeros_like(y)
+            for j in tl.static_range(N_HC):
+                c = _bf16(tl.load(comb_ptr + (t * N_HC + j) * N_HC + k), INTERPRETED).to(tl.float32)
+                x = tl.load(x_ptr + (t * N_HC + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
+                mixed += c * x
+            post = _bf16(tl.load(post_ptr + t * N_HC + k), INTERPRETED).to(tl.float32)
+            scaled = _bf16(post * y, INTERPRETED).to(tl.float32)
+            new = _bf16(scaled + _bf16(mixed, INTERPRETED).to(tl.float32), INTERPRETED)
+            tl.store(out_ptr + (t * N_HC + k) * H + cols, new, mask=ok)
+
+    @triton.jit
     def _combine_kernel(ys_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
                         BLOCK: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                        SHARED: tl.constexpr = False):
+                        SHARED: tl.constexpr = False, x_ptr=None, post_ptr=None, comb_ptr=None,
+                        N_HC: tl.constexpr = 0):
         """One token (program (t, c): its column blocks c, c + C, ...): its K slots added in order,
         each product and each sum rounded (moe._combine); SHARED: then its row of the shared
         expert's outputs (ys's rows past T K) added, rounded. The slots' loop is unrolled, so their
-        loads are issued together (the adds wait on them one by one)."""
+        loads are issued together (the adds wait on them one by one). N_HC > 0 (bf16): out is the
+        mHC streams after the combine of the result into x's (`_hc_combine`), not the result."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         for h0 in range(tl.program_id(1) * BLOCK, H, tl.num_programs(1) * BLOCK):
@@ -160,27 +185,36 @@ if triton is not None:
             if SHARED:
                 y = tl.load(ys_ptr + (tl.num_programs(0) * K + t) * H + h0 + cols, mask=ok, other=0.0)
                 acc = _round(acc + y.to(tl.float32), BF16, INTERPRETED)
-            tl.store(out_ptr + t * H + h0 + cols, acc, mask=ok)
+            if N_HC > 0:
+                _hc_combine(acc, t, h0 + cols, ok, x_ptr, post_ptr, comb_ptr, out_ptr, H, N_HC, INTERPRETED)
+            else:
+                tl.store(out_ptr + t * H + h0 + cols, acc, mask=ok)
 
     @torch.library.triton_op("lockstep::combine_step", mutates_args=())
-    def combine_step(ys: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, shared: bool) -> torch.Tensor:
+    def combine_step(ys: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, shared: bool,
+                     streams: torch.Tensor | None = None, post: torch.Tensor | None = None,
+                     comb: torch.Tensor | None = None) -> torch.Tensor:
         """A decode step's combine without autograd, for the compiled graph: ys [T k (+ T), H] in
         expert order (then the shared expert's T rows where `shared`), slot_rows [T, k] (as
         dispatch_order_triton.decode_dispatch gives them), weights [T, k] fp32 -> [T, H] in ys's
-        dtype: moe._combine of the unsorted outputs (plus the shared rows, added last)."""
+        dtype: moe._combine of the unsorted outputs (plus the shared rows, added last). With the
+        block's mHC streams [T, n, H] (bf16) and its post [T, n] / comb [T, n, n] coefficients:
+        -> the streams after hyper_connection.hc_combine of that result, [T, n, H]."""
         T, k = slot_rows.shape
         H = ys.shape[1]
-        out = ys.new_empty(T, H)
+        hc = {} if streams is None else dict(x_ptr=streams.contiguous(), post_ptr=post.contiguous(),
+                                             comb_ptr=comb.contiguous(), N_HC=streams.shape[1])
+        out = ys.new_empty(T, H) if streams is None else torch.empty_like(hc["x_ptr"])
         if T:  # a decode step's few tokens: STEP_BLOCK columns a program, for more programs
             config = {**_config(k, H, ys), "BLOCK": min(STEP_BLOCK, triton.next_power_of_2(H)), "num_warps": 1}
             torch.library.wrap_triton(_combine_kernel)[(T, triton.cdiv(H, config["BLOCK"]))](
                 ys.contiguous(), slot_rows.contiguous(), weights.float().contiguous(), out, H, SHARED=shared,
-                **config)
+                **hc, **config)
         return out
 
     @combine_step.register_fake
-    def _(ys, slot_rows, weights, shared):
-        return ys.new_empty(slot_rows.shape[0], ys.shape[1])
+    def _(ys, slot_rows, weights, shared, streams=None, post=None, comb=None):
+        return ys.new_empty(slot_rows.shape[0], ys.shape[1]) if streams is None else torch.empty_like(streams)
 
     @triton.jit
     def _dispatch_backward_kernel(g_ptr, rows_ptr, dx_ptr, H, K: tl.constexpr, BLOCK: tl.constexpr,
