@@ -137,6 +137,10 @@ class DistContext:
         """`collective(op)` with this world's rank and timeout."""
         return collective(op, rank=self.rank, timeout_s=self.timeout_s)
 
+    def computing(self, op: str):
+        """`computing(op)` with this world's rank and timeout."""
+        return computing(op, rank=self.rank, timeout_s=self.timeout_s)
+
     def wait(self, work, op: str) -> None:
         """Wait for an asynchronous collective's `work`, failing with `op` named. On CUDA the host
         waits (at most the timeout), so a dead NCCL peer raises here, not later as a stuck host sync."""
@@ -278,6 +282,33 @@ def collective(op: str, *, rank: int | None = None, timeout_s: float | None = No
     """Run torch.distributed calls; a timeout or peer failure inside raises `DistributedError`
     "rank R: OP timed out after Ts: ..." (or "failed after Ws ..."). Rank and timeout default to
     the current world's."""
+    with _named(op, rank, timeout_s, lambda error: True, waits=True):
+        yield
+
+
+@contextlib.contextmanager
+def computing(op: str, *, rank: int | None = None, timeout_s: float | None = None) -> Iterator[None]:
+    """Computation with collectives inside that lockstep does not issue itself (FSDP's all-gathers and
+    reduce-scatters in a train step's forward and backward): a collective's failure there raises
+    `DistributedError` naming the rank and `op`, as `collective` does; any other error (a bug, an
+    out-of-memory) passes unchanged, not mistaken for a dead peer. A launcher's SIGTERM meanwhile
+    names `op` too. The time it reports is the computation's so far, never called a timeout."""
+    with _named(op, rank, timeout_s, from_a_collective, waits=False):
+        yield
+
+
+def from_a_collective(error: BaseException) -> bool:
+    """Whether a RuntimeError came from a torch.distributed collective: torch's DistError family
+    (NCCL's, the store's, timeouts) or gloo's transport errors, which are plain RuntimeErrors whose
+    message carries gloo's source path."""
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
+@contextlib.contextmanager
+def _named(op: str, rank: int | None, timeout_s: float | None, converts, waits: bool) -> Iterator[None]:
+    """`op` as this process's current operation (the launcher-stop message names it); a RuntimeError
+    inside that `converts(error)` says is distributed becomes a DistributedError naming rank and op
+    (`waits`: op is a wait, whose length near the timeout means it timed out)."""
     if rank is None and dist.is_initialized():
         rank = dist.get_rank()
     if timeout_s is None:
@@ -289,7 +320,10 @@ def collective(op: str, *, rank: int | None = None, timeout_s: float | None = No
     except DistributedError:
         raise
     except RuntimeError as e:  # torch.distributed.DistError and gloo's errors are RuntimeErrors
+        if not converts(e):
+            raise
         _ops["failed"] = True
-        raise DistributedError(_describe(op, rank, timeout_s, time.monotonic() - start, e)) from e
+        waited_s = time.monotonic() - start
+        raise DistributedError(_describe(op, rank, timeout_s if waits else None, waited_s, e)) from e
     finally:
         _ops["current"] = outer

@@ -19,6 +19,8 @@ the first trainer rank (the loop decides on them whether to push), whose `named_
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.distributed as dist
 
 from lockstep.dist.replicas import shard
@@ -49,15 +51,22 @@ class TrainerShard:
         """Per-sample logprobs of the whole batch, in its order (each rank computes its block)."""
         if self.trainer is None:
             return [None] * len(samples)
-        local = self.trainer.logprobs(samples[self._mine(samples)])
+        with self._computing("the logprob forward"):
+            local = self.trainer.logprobs(samples[self._mine(samples)])
         return [t for (block,) in self.dp.gather_tensors(local) for t in block]
 
     def train_step(self, samples, old_logprobs=None) -> dict[str, float]:
         metrics = None
         if self.trainer is not None:
             mine = self._mine(samples)
-            metrics = self.trainer.train_step(samples[mine], old_logprobs=old_logprobs[mine] if old_logprobs else None)
+            with self._computing("the train step"):
+                metrics = self.trainer.train_step(samples[mine],
+                                                  old_logprobs=old_logprobs[mine] if old_logprobs else None)
         return self._shared(metrics) if self._share else metrics
+
+    def _computing(self, what: str):
+        """The trainer's own computation, whose collectives (FSDP's) fail named (groups.computing)."""
+        return self.ctx.computing(f"{what} (the trainers' collectives inside)") if self.ctx else contextlib.nullcontext()
 
     def _shared(self, metrics):
         box = [metrics]

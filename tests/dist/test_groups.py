@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from dist_world import rank_values, run_world, shared_gpu, world_devices
 from lockstep.dist.config import DistConfig
-from lockstep.dist.groups import DistributedError, Layout, collective, init_distributed
+from lockstep.dist.groups import DistributedError, Layout, collective, computing, init_distributed
 
 
 def _layout_world(rank, disaggregated):
@@ -100,6 +100,32 @@ def test_collective_wraps_runtime_errors_with_rank_and_op():
     with pytest.raises(ValueError):  # not a distributed failure: left alone
         with collective("x", rank=0, timeout_s=1.0):
             raise ValueError("bad shape")
+
+
+def test_computing_names_a_collectives_failure_inside_and_lets_other_errors_by():
+    """groups.computing (a train step, FSDP's collectives inside): gloo's transport error or torch's
+    DistError becomes a DistributedError naming rank and operation ("failed after", never a timeout:
+    the time is the computation's); a bug or an out-of-memory error passes as it is; a nested
+    collective's DistributedError keeps its own operation."""
+    gloo = RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    with pytest.raises(DistributedError, match=r"rank 1: the train step failed after .*a peer probably exited.*"
+                                               r"Connection reset by peer") as failed:
+        with computing("the train step", rank=1, timeout_s=1e-9):
+            time.sleep(0.01)  # past the timeout: still not called one
+            raise gloo
+    assert failed.value.__cause__ is gloo and "timed out" not in str(failed.value)
+    with pytest.raises(DistributedError, match="rank 0: the logprob forward failed after"):
+        with computing("the logprob forward", rank=0, timeout_s=5.0):
+            raise dist.DistNetworkError("store connection lost")
+    oom = RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    with pytest.raises(RuntimeError) as passed:
+        with computing("the train step", rank=0, timeout_s=5.0):
+            raise oom
+    assert passed.value is oom
+    with pytest.raises(DistributedError, match="rank 2: all_reduce grad norm failed"):
+        with computing("the train step", rank=2, timeout_s=5.0):
+            with collective("all_reduce grad norm", rank=2, timeout_s=5.0):
+                raise RuntimeError("boom")
 
 
 def _sigterm() -> str:
