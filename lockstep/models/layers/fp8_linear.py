@@ -133,6 +133,13 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
+    def _dequantize_tile(qb, s):
+        """e4m3 bytes qb [BLOCK_K, BLOCK_N] (a tile of w^T, as uint8) times each column's block scale
+        s [BLOCK_N] in fp32 -- exact: e4m3 times a power of two is a bf16 value -- as bf16 (the
+        dequantisation of every fp8 weight kernel: this one, grouped_gemm_fp8's, output_a_triton's)."""
+        return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+
+    @triton.jit
     def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
                            stride_xm, stride_xg, stride_xk, stride_qn, stride_qk, stride_sr, stride_sc,
                            stride_om, stride_og, stride_on,
@@ -156,9 +163,7 @@ if triton is not None:
             a = tl.load(x_tile + k0 * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             qb = tl.load(q_tile + k0 * stride_qk, mask=n_ok[None, :] & k_ok[:, None], other=0)
             s = tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0)
-            # e4m3 times a power of two: exact in fp32 and in bf16
-            w = (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
-            acc = _dot(a, w, acc, INTERPRETED)
+            acc = _dot(a, _dequantize_tile(qb, s), acc, INTERPRETED)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rn[None, :] * stride_on,
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 

@@ -19,6 +19,7 @@ import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
+from . import fp8_linear
 from . import grouped_gemm_triton as _gt
 from .grouped_gemm import grouped_mm_reference
 
@@ -57,14 +58,13 @@ if triton is not None:
     # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
     # from the JIT functions it references directly, so a module alias is undefined there
     _dot, _bf16, _swiglu_clamped = _gt._dot, _gt._bf16, _gt._swiglu_clamped
+    _dequantize_tile = fp8_linear._dequantize_tile
 
     @triton.jit
     def _dequant_tile(w_rows, s_rows, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK: tl.constexpr):
-        """[BLOCK_K, BLOCK_N] of dequant(w)^T at k0: e4m3 bytes times their block's scale, in fp32
-        (exact), as bf16."""
+        """[BLOCK_K, BLOCK_N] of dequant(w)^T at k0: the e4m3 tile and its blocks' scales, loaded."""
         qb = tl.load(w_rows + k0 * stride_wk, mask=n_in[None, :] & k_ok[:, None], other=0)
-        s = tl.load(s_rows + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0)
-        return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+        return _dequantize_tile(qb, tl.load(s_rows + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0))
 
     @triton.jit
     def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, limit, G_ROUTED, N, K,

@@ -37,6 +37,7 @@ import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK
 
+from . import fp8_linear
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
 
@@ -65,7 +66,7 @@ def launch_config(N: int, K: int) -> dict:
 
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
-    _dot, _bf16 = _gt._dot, _gt._bf16
+    _dot, _bf16, _dequantize_tile = _gt._dot, _gt._bf16, fp8_linear._dequantize_tile
 
     @triton.jit
     def _derope_tile(o_tile, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D: tl.constexpr, ROPE: tl.constexpr,
@@ -112,9 +113,8 @@ if triton is not None:
             a = _derope_tile(o_tile + k0, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D, ROPE, BLOCK_M, BLOCK_K,
                              INTERPRETED)
             w = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0)
-            if FP8:  # e4m3 times a power of two: exact in fp32 and in bf16
-                s = tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0)
-                w = (w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+            if FP8:
+                w = _dequantize_tile(w, tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0))
             acc = _dot(a, w, acc, INTERPRETED)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_outm + g * stride_outg + rn[None, :] * stride_outn,
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
