@@ -140,19 +140,22 @@ if triton is not None:
         return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
 
     @triton.jit
+    def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Program (i, j, g) of a grouped linear's grid: its rows rm, columns rn, group g, the K step's
+        offsets rk, the row and column masks, and the weight's rows g N + rn."""
+        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        g = tl.program_id(2)
+        return rm, rn, g, tl.arange(0, BLOCK_K), rm < M, rn < N, g * N + rn
+
+    @triton.jit
     def _fp8_linear_kernel(x_ptr, q_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
                            stride_xm, stride_xg, stride_xk, stride_qn, stride_qk, stride_sr, stride_sc,
                            stride_om, stride_og, stride_on,
                            INTERPRETED: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[m, g, n] = sum_k x[m, g, k] * q[g N + n, k] * scale[scale_row[g N + n], k // SCALE_COLS]."""
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = tl.program_id(2)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        row = g * N + rn  # the weight's rows
+        rm, rn, g, rk, m_ok, n_ok, row = _grouped_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         srow = tl.load(srow_ptr + row, mask=n_ok, other=0)
         x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + g * stride_xg + rk[None, :] * stride_xk
         q_tile = q_ptr + row[None, :].to(tl.int64) * stride_qn + rk[:, None] * stride_qk  # [BLOCK_K, BLOCK_N] of w^T

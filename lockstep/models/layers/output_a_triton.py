@@ -66,7 +66,8 @@ def launch_config(N: int, K: int) -> dict:
 
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
-    _dot, _bf16, _dequantize_tile = _gt._dot, _gt._bf16, fp8_linear._dequantize_tile
+    _dot, _bf16 = _gt._dot, _gt._bf16
+    _dequantize_tile, _grouped_tile = fp8_linear._dequantize_tile, fp8_linear._grouped_tile
 
     @triton.jit
     def _derope_tile(o_tile, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D: tl.constexpr, ROPE: tl.constexpr,
@@ -96,13 +97,7 @@ if triton is not None:
                                 BLOCK_K: tl.constexpr):
         """out[m, g, n] = derope(o)[m, g, :] . w[g N + n, :] (times its block scale where FP8); o's
         inputs contiguous (stride 1 along K)."""
-        rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        g = tl.program_id(2)
-        rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
-        n_ok = rn < N
-        row = g * N + rn  # the weight's rows
+        rm, rn, g, rk, m_ok, n_ok, row = _grouped_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         o_tile = o_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rk[None, :]
         w_tile = w_ptr + row[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
         if FP8:
