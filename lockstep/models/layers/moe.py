@@ -357,6 +357,11 @@ class SharedExpert(nn.Module):
         return apply_linear(self.down_proj, swiglu_clamped(gate, up, self.limit))
 
 
+def _combined(out: torch.Tensor, hc: tuple | None) -> torch.Tensor:
+    """The block's output, or given its mHC (streams, post, comb) the streams after hc_combine of it."""
+    return out if hc is None else hc_combine(hc[0], out, hc[1], hc[2])
+
+
 class MoE(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
@@ -380,8 +385,7 @@ class MoE(nn.Module):
             # whole rows (whole_rows.py) where the routed experts take the row-invariant kernels
             whole = in_whole_rows() and _row_invariant_kernels(flat, *self.experts.expert_weights())
             out, experts = row_local(whole, MoE._route_and_compute, flat, ids, fixed, owner=self)
-            out = out.view(x.shape)
-            return (out if hc is None else hc_combine(hc[0], out, hc[1], hc[2])), experts.view(*x.shape[:-1], -1)
+            return _combined(out.view(x.shape), hc), experts.view(*x.shape[:-1], -1)
         return self._route_and_compute(x, token_ids, forced, hc)
 
     def _route_and_compute(self, x: torch.Tensor, token_ids: torch.Tensor | None, forced: torch.Tensor | None = None,
@@ -402,8 +406,7 @@ class MoE(nn.Module):
         out = self.experts(flat, experts, weights, decode=decode, shared=shared)
         if self.shared_experts is not None and shared is None:
             out = out + self.shared_experts.from_gate_up(*project(self, self.input_linears(), flat))
-        out = out.view(shape)
-        return (out if hc is None else hc_combine(hc[0], out, hc[1], hc[2])), chosen
+        return _combined(out.view(shape), hc), chosen
 
     def _foldable_shared(self, x: torch.Tensor) -> tuple | None:
         """The shared expert's (gate_up, down) where the routed experts' decode kernels can compute it
