@@ -7,6 +7,10 @@ counts [E]. A program takes BLOCK slots and counts, for each, the slots that go 
 comparing it with every slot, BLOCK at a time (M x M comparisons: a decode step's M is a few
 hundred); it stores each slot's index at its place. One more program counts the slots per expert.
 Integers only, so the result is moe.dispatch_order's bit for bit.
+`lockstep::decode_dispatch` places the slots the same way and writes what a decode step with the
+shared expert folded reads instead (moe.Experts._with_shared): the gather's rows (order // k, then
+each token once more for the shared expert), the group offsets (the shared groups included) and the
+combine's slot rows (the order inverted), where torch ops took a concatenation, a cumsum and a scatter.
 
 Why: in the compiled decode step (1b config, batch 64, one H200, `rollout_throughput.py
 --step-trace`, 2026-12-04) the counting form is six inductor kernels and a scatter between the
@@ -116,7 +120,6 @@ if triton is not None:
     @dispatch_order_step.register_fake
     def _(flat, n_experts):
         return flat.new_empty(flat.shape[0]), flat.new_empty(n_experts)
-
 
     @torch.library.triton_op("lockstep::decode_dispatch", mutates_args=())
     def decode_dispatch(flat: torch.Tensor, n_experts: int, k: int, shared_groups: int

@@ -15,6 +15,10 @@ The forward and d ys are eager's bits (the same fp32 products and one rounding e
 order); d w sums over h in another order (fp32 rounding). The dispatch that feeds the grouped GEMMs,
 x[order // k], gets its gradient from the same slot_rows (`Dispatch`): d x[t] = sum_j d xs[slot_rows[t, j]].
 
+A decode step (compiled, no autograd) combines through `combine_step` (`lockstep::combine_step`):
+the same forward kernel, STEP_BLOCK columns a program, the shared expert's rows added last, and
+optionally (FUSED_HC) the block's mHC combine into the streams in the same pass.
+
 Where they run (`applies`): CUDA bf16 (or the interpreter with the switch set to True: the CPU tests,
 bf16 or fp32), a gradient wanted, eager, and the `triton_combine` switch (kernel_switch.py;
 TrainConfig.triton_combine), on by default on CUDA (an H200, 1b config: 1.10x the train step alone).
