@@ -77,5 +77,27 @@ def decode_step_trace(engine, requests) -> str:
     idle = [0.0] + [max(b.time_range.start - a.time_range.end, 0.0) for a, b in zip(step, step[1:])]
     lines = [f"last step: {len(step)} kernels, {sum(e.device_time for e in step):.0f} us device, {total:.0f} us span, "
              f"{sum(idle):.0f} us idle between kernels"]
+    lines += family_table([(e.name, e.device_time) for e in step])
     lines += [f"{e.device_time:7.1f} {gap:6.1f}  {e.name[:150]}" for e, gap in zip(step, idle)]
     return "\n".join(lines)
+
+
+def kernel_family(name: str) -> str:
+    """Which family a kernel belongs to in a step's table: inductor's generated kernels, cuBLAS's
+    GEMMs, torch's native kernels, or (lockstep's Triton kernels and anything else) its own name."""
+    if name.startswith("triton_"):
+        return "inductor (triton_*)"
+    if any(tag in name for tag in ("nvjet", "cutlass", "cublas", "gemm")):
+        return "cuBLAS / CUTLASS"
+    if name.startswith(("void at::native", "void (anonymous namespace)", "Memcpy", "Memset")):
+        return "torch native / copies"
+    return name[:60]
+
+
+def family_table(kernels: list[tuple[str, float]]) -> list[str]:
+    """Lines "  total_us  count  family", largest first, for (name, device us) pairs."""
+    totals: dict[str, list[float]] = {}
+    for name, us in kernels:
+        totals.setdefault(kernel_family(name), []).append(us)
+    ranked = sorted(totals.items(), key=lambda kv: -sum(kv[1]))
+    return ["by family (us, kernels):"] + [f"  {sum(t):8.1f} {len(t):5d}  {family}" for family, t in ranked]

@@ -187,3 +187,17 @@ def test_the_index_kernel_row_sets_the_switch_for_that_row_only(monkeypatch, cap
                              ["--index-kernel", "--fused-adamw"])
     assert seen == [False, True, False] and "LOCKSTEP_TRITON_INDEX" not in os.environ
     assert "lockstep train_step (index kernel):" in capsys.readouterr().out
+
+
+def test_the_step_trace_groups_kernels_by_family():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        from kernel_profile import family_table
+    finally:
+        sys.path.pop(0)
+    lines = family_table([("triton_poi_fused_2", 1.5), ("_grouped_kernel", 40.0), ("triton_per_fused_1", 2.0),
+                          ("nvjet_sm90_tst_64x8_64x16_2x4_h_bz_TNT", 4.5), ("_grouped_kernel", 19.0),
+                          ("void at::native::reduce_kernel<512, 1>", 10.0)])
+    assert lines == ["by family (us, kernels):", "      59.0     2  _grouped_kernel",
+                     "      10.0     1  torch native / copies", "       4.5     1  cuBLAS / CUTLASS",
+                     "       3.5     2  inductor (triton_*)"]
