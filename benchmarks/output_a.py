@@ -45,9 +45,9 @@ def main(argv=None) -> None:
     H, D, G = args.heads, args.head_dim, args.groups
     wo_a = GroupedLinear(H * D // G, G * args.rank, G).cuda().bfloat16()
     torch.nn.init.normal_(wo_a.weight, std=(H * D // G) ** -0.5)
-    formats = {"bf16": (wo_a, (wo_a.weight, G)), "fp8": None}
     packed = Fp8Linear.packing(wo_a)
-    formats["fp8"] = (packed, (packed.weight.view(torch.uint8), G, packed.weight_scale, packed.scale_row))
+    formats = {"bf16": (wo_a, (wo_a.weight, G)),  # format: (the module, the kernel's weight arguments)
+               "fp8": (packed, (packed.weight.view(torch.uint8), G, packed.weight_scale, packed.scale_row))}
     inv_freq = default_inv_freq(args.rope_dim, 10_000.0).cuda()
     print(f"{torch.cuda.get_device_name()}: {H} heads x {D}, rope {args.rope_dim}, {G} groups of {args.rank}; "
           f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")

@@ -145,9 +145,7 @@ def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: 
     The launch settings override launch_config's (0: its value; benchmarks/moe_grouped_gemm.py --fp8 sweeps them).
     shared: the shared expert's (bytes [N, K], scale), for the groups of offs past G
     (grouped_gemm_triton.with_shared_groups)."""
-    shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
-    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
-                                             num_stages, shared_w, shared_scale)
+    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, 0.0, False)
 
 
 def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, limit: float,
@@ -156,6 +154,11 @@ def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, of
     """grouped_mm_fp8 over packed gate_up experts w [G, 2F, K] (gate rows, then up) with the clamped
     SwiGLU fused in -> swiglu_clamped(gate, up, limit) [M, F] bf16: the bits of the bf16 fused kernel
     (grouped_gemm_triton.grouped_swiglu) on the dequantised weights. Arguments as grouped_mm_fp8's."""
+    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, limit, True)
+
+
+def _call_op(x, w, scale, offs, launch: tuple, shared, limit: float, swiglu: bool) -> torch.Tensor:
+    """lockstep::grouped_mm_fp8 on the e4m3 tensors' bytes (the op takes uint8)."""
     shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
-    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, block_n, block_k, num_warps,
-                                             num_stages, shared_w, shared_scale, limit, True)
+    return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, *launch, shared_w, shared_scale,
+                                             limit, swiglu)

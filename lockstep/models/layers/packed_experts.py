@@ -77,9 +77,13 @@ class PackedExperts(Experts):
             self.register_buffer(_scale_attr(attr), scale, persistent=False)
             self.load_(attr, w.detach())
 
+    def stored(self, attr: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The packed storage of weight `attr`: (its bytes, its block scales)."""
+        return getattr(self, attr), getattr(self, _scale_attr(attr))
+
     @torch.no_grad()
     def load_(self, attr: str, w: torch.Tensor) -> None:
-        storage = (getattr(self, attr), getattr(self, _scale_attr(attr)))  # quantised in place, no staging copy
+        storage = self.stored(attr)  # quantised in place, no staging copy
         w = w.to(storage[0].device)
         if self.storage == "fp8":
             quantize_fp8_block(w, scale_fmt="ue8m0", out=storage)
@@ -90,7 +94,7 @@ class PackedExperts(Experts):
         return {attr: PackedTensor(self, attr, shape, self.dtype) for attr, shape in self.shapes.items()}
 
     def dequantized(self, attr: str, dtype: torch.dtype) -> torch.Tensor:
-        q, scale = getattr(self, attr), getattr(self, _scale_attr(attr))
+        q, scale = self.stored(attr)
         if self.storage == "fp8":
             return dequantize_fp8_block(q, scale, dtype)
         return dequantize_fp4_block(q, scale.view(E8M0), dtype)
@@ -111,14 +115,13 @@ class PackedExperts(Experts):
             return False
         if (gate_up[0].shape[0] // 2) % FP8_BLOCK[0]:
             return False
-        mine = [getattr(self, attr) for attr in ATTRS] + [getattr(self, _scale_attr(attr)) for attr in ATTRS]
-        return all(laid_out_as_one(t, m) for t, m in zip((gate_up[0], down[0], gate_up[1], down[1]), mine))
+        mine = [self.stored(attr) for attr in ATTRS]  # [(gate_up bytes, scale), (down bytes, scale)]
+        return all(laid_out_as_one(t, m) for theirs, ours in zip((gate_up, down), mine) for t, m in zip(theirs, ours))
 
     def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor, shared=None) -> torch.Tensor:
         if self.storage == "fp4":
-            return grouped_gemm_fp4.grouped_mm_fp4(x, getattr(self, attr), getattr(self, _scale_attr(attr)), offs)
-        return grouped_gemm_fp8.grouped_mm_fp8(x, getattr(self, attr), getattr(self, _scale_attr(attr)), offs,
-                                               shared=shared)
+            return grouped_gemm_fp4.grouped_mm_fp4(x, *self.stored(attr), offs)
+        return grouped_gemm_fp8.grouped_mm_fp8(x, *self.stored(attr), offs, shared=shared)
 
     def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         if decode and self._decode_kernels(xs):
@@ -130,9 +133,8 @@ class PackedExperts(Experts):
         fp8 with grouped_gemm_fp8.FUSED_SWIGLU: the SwiGLU inside the first kernel."""
         shared_gate_up, shared_down = shared or (None, None)
         if self.storage == "fp8" and grouped_gemm_fp8.FUSED_SWIGLU:
-            attr = "gate_up_proj"
-            act = grouped_gemm_fp8.grouped_swiglu_fp8(xs, getattr(self, attr), getattr(self, _scale_attr(attr)), offs,
-                                                      self.limit, shared=shared_gate_up)
+            act = grouped_gemm_fp8.grouped_swiglu_fp8(xs, *self.stored("gate_up_proj"), offs, self.limit,
+                                                      shared=shared_gate_up)
         else:
             gate, up = self._grouped_mm(xs, "gate_up_proj", offs, shared_gate_up).chunk(2, dim=-1)
             act = swiglu_clamped(gate, up, self.limit)
