@@ -57,7 +57,7 @@ def launch_config(N: int, K: int, shared: bool = False) -> dict:
 if triton is not None:
     # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
     # from the JIT functions it references directly, so a module alias is undefined there
-    _dot, _bf16, _swiglu_clamped = _gt._dot, _gt._bf16, _gt._swiglu_clamped
+    _dot, _result = _gt._dot, _gt._result
     _dequantize_tile = fp8_linear._dequantize_tile
 
     @triton.jit
@@ -104,12 +104,8 @@ if triton is not None:
                 if SWIGLU:
                     w_up = _dequant_tile(up_tile, up_s_row, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK)
                     acc_up = _dot(a, w_up, acc_up, INTERPRETED)
-            if SWIGLU:
-                result = _swiglu_clamped(acc, acc_up, limit, INTERPRETED)
-            else:
-                result = _bf16(acc, INTERPRETED)
-            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, result,
-                     mask=m_ok & n_in[None, :])
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
+                     _result(acc, acc_up, limit, SWIGLU, INTERPRETED), mask=m_ok & n_in[None, :])
 
     @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,

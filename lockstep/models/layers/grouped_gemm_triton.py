@@ -182,6 +182,16 @@ if triton is not None:
         return _bf16(silu * up, INTERPRETED)
 
     @triton.jit
+    def _result(acc, acc_up, limit, SWIGLU: tl.constexpr, INTERPRETED: tl.constexpr):
+        """A grouped kernel's output tile: swiglu_clamped(gate, up) where SWIGLU, else the product,
+        rounded to bf16 (this kernel's and grouped_gemm_fp8's)."""
+        if SWIGLU:
+            result = _swiglu_clamped(acc, acc_up, limit, INTERPRETED)
+        else:
+            result = _bf16(acc, INTERPRETED)
+        return result
+
+    @triton.jit
     def _grouped_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, limit, G_ROUTED, N, K,
                         stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_om, stride_on,
                         SWIGLU: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -213,12 +223,8 @@ if triton is not None:
                 if SWIGLU:
                     b_up = _load(w_tile + up_shift + k0 * stride_wk, n_ok, k_ok[:, None], EVEN_K)
                     acc_up = _dot(a, b_up, acc_up, INTERPRETED)
-            if SWIGLU:
-                result = _swiglu_clamped(acc, acc_up, limit, INTERPRETED)
-            else:
-                result = _bf16(acc, INTERPRETED)
-            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on, result,
-                     mask=m_ok & n_ok)
+            tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
+                     _result(acc, acc_up, limit, SWIGLU, INTERPRETED), mask=m_ok & n_ok)
 
     @torch.library.triton_op("lockstep::grouped_mm", mutates_args=())
     def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_n: int = 0, block_k: int = 0,
