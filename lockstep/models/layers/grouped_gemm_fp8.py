@@ -29,10 +29,11 @@ if triton is not None:
 
 
 # The decode step's gate_up GEMM with the clamped SwiGLU fused in (grouped_swiglu_fp8), where the
-# step ran this kernel, then inductor's SwiGLU kernel (1.7 us a layer on one H200 at batch 64,
-# 2026-12-04) over a written and re-read [M, 2F]. CPU-tested (bit for bit the bf16 fused kernel on
-# the dequantised weights) and compiled to sm_90; off until timed on a GPU
-# (benchmarks/moe_grouped_gemm.py --fp8 times both forms).
+# step runs this kernel, then inductor's SwiGLU kernel (1.7 us a layer) over a written and re-read
+# [M, 2F]. Off: slower. CPU-tested (bit for bit the bf16 fused kernel on the dequantised weights) and
+# equal on an H200, but there (`benchmarks/moe_grouped_gemm.py --batch 64 --fp8`, 2026-12-04) 40.2 us
+# a call against 26.8 for this kernel then the compiled SwiGLU (its launch config not swept yet:
+# `--fp8 --sweep` sweeps the fused form too).
 FUSED_SWIGLU = False
 
 

@@ -124,8 +124,10 @@ class Combine(torch.autograd.Function):
 
 # A decode step's combine kernel also does the block's mHC combine into the streams (combine_step's
 # streams / post / comb; moe.MoE.forward's hc), where inductor's kernel after it took 1.7-2.2 us a
-# layer on one H200 (1b config, batch 64, 2026-12-04). CPU-tested against hc_combine; off until timed.
-FUSED_HC = False
+# layer. Measured on one H200 (1b config, batch 64, rollout_throughput.py --step-trace, 2026-12-04):
+# the fused kernel 2.8-2.9 us a call against the plain combine's 2.0 plus inductor's combine, and a
+# kernel less a layer (bf16 step 241 -> 233 kernels).
+FUSED_HC = True
 
 # columns a decode step's combine program takes: 8 bf16 a thread of one warp; 64 tokens x 1,024
 # columns are 256 programs (one program a token, 1,024 columns, took 4.6 us in the 1b step)
