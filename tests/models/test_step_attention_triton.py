@@ -15,6 +15,7 @@ from lockstep.models.deepseek_v4_config import CSA, HCA, SLIDING
 from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers import step_attention_triton as sa
 from lockstep.models.layers.sink_attention import sink_attention
+from lockstep.models.layers.window_ring import write_window
 
 needs_triton = pytest.mark.skipif(sa.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -60,12 +61,17 @@ def _both_forms(model, layer_idx, lengths, seed=0):
     batch = StepBatch(slots=slots, start_pos=torch.tensor(lengths, device=DEVICE),
                       num_new=torch.ones(N, dtype=torch.long, device=DEVICE), max_new=1)
     outs, caches = [], []
-    for attend in (attn._attend_in_cache, attn._attend_gathered):
+    for in_cache in (True, False):
         layer_cache = copy.deepcopy(cache.layers[layer_idx])
         with torch.no_grad():
             x = attn._input_projections(h)
             q_res, q, kv, _, _ = attn._project(x, batch.positions)
-            outs.append(attend(x, q_res, q, kv, batch, layer_cache))
+            if in_cache:  # the kernel reads the step's key from the ring
+                write_window(layer_cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv,
+                             layer_cache.scratch_slot)
+                outs.append(attn._attend_in_cache(x, q_res, q, batch, layer_cache))
+            else:
+                outs.append(attn._attend_gathered(x, q_res, q, kv, batch, layer_cache))
         caches.append(layer_cache)
     return outs[0], outs[1], caches[0], caches[1]
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..deepseek_v4_config import CSA, HCA, SLIDING
-from . import output_a_triton, step_attention_triton
+from . import output_a_triton, qk_norm_rope_triton, step_attention_triton
 from .attention_rows import attention_rows
 from .compressor import Compressor, CompressorState
 from .fixed_shapes import fixed_shape
@@ -176,14 +176,24 @@ class DeepseekV4Attention(Switched, nn.Module):
 
     def _project(self, x: InputProjections, positions: torch.Tensor):
         """Projections at positions [...] (any leading shape) -> q_res, q [..., H, D], kv [..., D], cos, sin."""
+        q_res, q, cos, sin = self._queries(x, positions)
+        q, kv = self._normed_rotated(q, x.kv, cos, sin)
+        return q_res, q, kv, cos, sin
+
+    def _queries(self, x: InputProjections, positions: torch.Tensor):
+        """-> q_res, the queries before their norm [..., H, D], and the positions' cos, sin."""
         cos, sin = rope_cos_sin(self.inv_freq, positions)
         q_res = self.q_a_norm(x.q_a)
-        q = rms_norm(apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim),
-                     self.norm_eps, triton=self.kernels.on("triton_norm"))
+        q = apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim)
+        return q_res, q, cos, sin
+
+    def _normed_rotated(self, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """The queries' per-head norm and the key's norm, then their rotary embeddings -> q, kv."""
+        q = rms_norm(q, self.norm_eps, triton=self.kernels.on("triton_norm"))
         rope = self.kernels.on("triton_rope")
         q = apply_rope(q, cos.unsqueeze(-2), sin.unsqueeze(-2), rope)
-        kv = apply_rope(self.kv_norm(x.kv), cos, sin, rope)
-        return q_res, q, kv, cos, sin
+        kv = apply_rope(self.kv_norm(kv), cos, sin, rope)
+        return q, kv
 
     def _output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Attention output o [..., H, D] -> the layer's output [..., hidden]."""
@@ -246,18 +256,30 @@ class DeepseekV4Attention(Switched, nn.Module):
     def forward_step(self, h: torch.Tensor, batch, cache: LayerCache) -> torch.Tensor:
         """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
         x = self._input_projections(h)
-        q_res, q, kv, cos, sin = self._project(x, batch.positions)
+        q_res, q, cos, sin = self._queries(x, batch.positions)
         if step_attention_triton.runs(q, self.kernels.on("triton_attention")):
-            o = self._attend_in_cache(x, q_res, q, kv, batch, cache)
+            q = self._prepare_in_cache(q, x.kv, cos, sin, batch, cache)
+            o = self._attend_in_cache(x, q_res, q, batch, cache)
         else:
+            q, kv = self._normed_rotated(q, x.kv, cos, sin)
             o = self._attend_gathered(x, q_res, q, kv, batch, cache)
         return self._output_step(o, cos, sin)
 
-    def _attend_in_cache(self, x: InputProjections, q_res, q, kv, batch, cache: LayerCache) -> torch.Tensor:
-        """A decode step's attention by the kernel that reads the ring and the entries where they
-        are cached (step_attention_triton.py): the caches are written first."""
+    def _prepare_in_cache(self, q, kv, cos, sin, batch, cache: LayerCache) -> torch.Tensor:
+        """`_normed_rotated`, the key written into the window ring -> the queries; one kernel where
+        it runs (qk_norm_rope_triton.py)."""
+        if qk_norm_rope_triton.runs(q, cache.window):
+            return qk_norm_rope_triton.qk_norm_rope_step(q, kv, self.kv_norm.weight, cos, sin, self.norm_eps,
+                                                         cache.window, batch.slots, batch.positions, batch.valid,
+                                                         batch.num_new, cache.scratch_slot)
+        q, kv = self._normed_rotated(q, kv, cos, sin)
         write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv,
                      cache.scratch_slot)
+        return q
+
+    def _attend_in_cache(self, x: InputProjections, q_res, q, batch, cache: LayerCache) -> torch.Tensor:
+        """A decode step's attention by the kernel that reads the ring and the entries where they
+        are cached (step_attention_triton.py): the window ring holds the step's keys already."""
         entries = picks = None
         rate = 0
         if self.compressor is not None:

@@ -37,7 +37,7 @@ import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK
 
-from . import fp8_linear
+from . import fp8_linear, rope_triton
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
 
@@ -68,6 +68,7 @@ if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
     _dot, _bf16 = _gt._dot, _gt._bf16
     _dequantize_tile, _grouped_tile = fp8_linear._dequantize_tile, fp8_linear._grouped_tile
+    _rotate_pairs = rope_triton._rotate_pairs
 
     @triton.jit
     def _derope_tile(o_tile, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D: tl.constexpr, ROPE: tl.constexpr,
@@ -77,16 +78,13 @@ if triton is not None:
         The tile is split into its even and odd channels in registers (one contiguous load)."""
         k_ok = k0 + tl.arange(0, BLOCK_K) < K
         x = tl.load(o_tile, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        even, odd = tl.split(tl.reshape(x, (BLOCK_M, BLOCK_K // 2, 2)))
         pair = (k0 + 2 * tl.arange(0, BLOCK_K // 2)) % D  # a pair's first channel within its head (D even)
         rotated = (pair >= D - ROPE) & (k0 + 2 * tl.arange(0, BLOCK_K // 2) < K)
         at = rm[:, None] * stride_cm + ((pair - (D - ROPE)) // 2)[None, :]
         both = m_ok[:, None] & rotated[None, :]
         cos = tl.load(cos_ptr + at, mask=both, other=1.0)
         sin = -tl.load(sin_ptr + at, mask=both, other=0.0)
-        y_even = tl.where(rotated[None, :], even * cos - odd * sin, even)
-        y_odd = tl.where(rotated[None, :], odd * cos + even * sin, odd)
-        return _bf16(tl.reshape(tl.join(y_even, y_odd), (BLOCK_M, BLOCK_K)), INTERPRETED)
+        return _bf16(_rotate_pairs(x, cos, sin, rotated, BLOCK_M, BLOCK_K), INTERPRETED)
 
     @triton.jit
     def _derope_output_a_kernel(o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,

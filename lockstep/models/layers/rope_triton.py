@@ -93,6 +93,17 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
+    def _rotate_pairs(x, cos, sin, rotated, R: tl.constexpr, C: tl.constexpr):
+        """apply_rope's products on a tile x [R, C] (fp32) held whole in registers: channel pairs
+        (2i, 2i + 1) where rotated [C / 2] turned by cos / sin [R or 1, C / 2] (fp32), the others as
+        they are. For kernels that load whole rows (the decode step's); this trainer kernel loads
+        each channel's partner instead."""
+        even, odd = tl.split(tl.reshape(x, (R, C // 2, 2)))
+        y_even = tl.where(rotated[None, :], even * cos - odd * sin, even)
+        y_odd = tl.where(rotated[None, :], odd * cos + even * sin, odd)
+        return tl.reshape(tl.join(y_even, y_odd), (R, C))
+
+    @triton.jit
     def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, rows, G, D: tl.constexpr, HALF: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         """BLOCK_R rows: the last 2 HALF channels rotated in pairs by their row group's angle."""
