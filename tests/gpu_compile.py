@@ -175,9 +175,10 @@ def variants():
             INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **oa.launch_config(256, 512))
     from lockstep.models.layers import qk_norm_rope_triton as qk
     yield "decode query / key norms, rotation and ring write", lambda: ptx(
-        qk._qk_norm_rope_kernel, dict(q_ptr=BF, kv_ptr=BF, w_ptr=BF, cos_ptr=FP, sin_ptr=FP, q_out_ptr=BF, ring_ptr=BF,
-                                      slots_ptr=I64, pos_ptr=I64, valid_ptr="*i1", num_new_ptr=I64),
-        {"stride_qt", "stride_kvt", "stride_ct", "S", "W", "scratch_slot"}, {"eps"}, H=16, D=128, ROPE=64,
+        qk._qk_norm_rope_kernel, dict(q_ptr=BF, kv_ptr=BF, w_ptr=BF, inv_freq_ptr=FP, q_out_ptr=BF, cos_ptr=FP,
+                                      sin_ptr=FP, ring_ptr=BF, slots_ptr=I64, pos_ptr=I64, valid_ptr="*i1",
+                                      num_new_ptr=I64),
+        {"stride_qt", "stride_kvt", "S", "W", "scratch_slot"}, {"eps"}, H=16, D=128, ROPE=64,
         BLOCK_H=qk.BLOCK_H, INTERPRETED=False)
     yield "decode hash router", lambda: ptx(
         ro._hash_route_kernel, dict(x_ptr=BF, w_ptr=FP, table_ptr=I64, ids_ptr=I64, experts_ptr=I64, weights_ptr=FP),

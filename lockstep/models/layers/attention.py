@@ -176,16 +176,15 @@ class DeepseekV4Attention(Switched, nn.Module):
 
     def _project(self, x: InputProjections, positions: torch.Tensor):
         """Projections at positions [...] (any leading shape) -> q_res, q [..., H, D], kv [..., D], cos, sin."""
-        q_res, q, cos, sin = self._queries(x, positions)
+        q_res, q = self._queries(x, positions)
+        cos, sin = rope_cos_sin(self.inv_freq, positions)
         q, kv = self._normed_rotated(q, x.kv, cos, sin)
         return q_res, q, kv, cos, sin
 
     def _queries(self, x: InputProjections, positions: torch.Tensor):
-        """-> q_res, the queries before their norm [..., H, D], and the positions' cos, sin."""
-        cos, sin = rope_cos_sin(self.inv_freq, positions)
+        """-> q_res and the queries before their norm [..., H, D]."""
         q_res = self.q_a_norm(x.q_a)
-        q = apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim)
-        return q_res, q, cos, sin
+        return q_res, apply_linear(self.q_b_proj, q_res).view(*positions.shape, self.n_heads, self.head_dim)
 
     def _normed_rotated(self, q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """The queries' per-head norm and the key's norm, then their rotary embeddings -> q, kv."""
@@ -256,26 +255,28 @@ class DeepseekV4Attention(Switched, nn.Module):
     def forward_step(self, h: torch.Tensor, batch, cache: LayerCache) -> torch.Tensor:
         """h [N, S, H]; batch: StepBatch (slots, start_pos, num_new, positions, valid)."""
         x = self._input_projections(h)
-        q_res, q, cos, sin = self._queries(x, batch.positions)
+        q_res, q = self._queries(x, batch.positions)
         if step_attention_triton.runs(q, self.kernels.on("triton_attention")):
-            q = self._prepare_in_cache(q, x.kv, cos, sin, batch, cache)
+            q, cos, sin = self._prepare_in_cache(q, x.kv, batch, cache)
             o = self._attend_in_cache(x, q_res, q, batch, cache)
         else:
+            cos, sin = rope_cos_sin(self.inv_freq, batch.positions)
             q, kv = self._normed_rotated(q, x.kv, cos, sin)
             o = self._attend_gathered(x, q_res, q, kv, batch, cache)
         return self._output_step(o, cos, sin)
 
-    def _prepare_in_cache(self, q, kv, cos, sin, batch, cache: LayerCache) -> torch.Tensor:
-        """`_normed_rotated`, the key written into the window ring -> the queries; one kernel where
-        it runs (qk_norm_rope_triton.py)."""
+    def _prepare_in_cache(self, q, kv, batch, cache: LayerCache):
+        """The positions' cos / sin, `_normed_rotated`, the key written into the window ring -> the
+        queries, cos, sin; one kernel where it runs (qk_norm_rope_triton.py)."""
         if qk_norm_rope_triton.runs(q, cache.window):
-            return qk_norm_rope_triton.qk_norm_rope_step(q, kv, self.kv_norm.weight, cos, sin, self.norm_eps,
+            return qk_norm_rope_triton.qk_norm_rope_step(q, kv, self.kv_norm.weight, self.inv_freq, self.norm_eps,
                                                          cache.window, batch.slots, batch.positions, batch.valid,
                                                          batch.num_new, cache.scratch_slot)
+        cos, sin = rope_cos_sin(self.inv_freq, batch.positions)
         q, kv = self._normed_rotated(q, kv, cos, sin)
         write_window(cache.window, batch.slots, batch.positions, batch.valid, batch.num_new, kv,
                      cache.scratch_slot)
-        return q
+        return q, cos, sin
 
     def _attend_in_cache(self, x: InputProjections, q_res, q, batch, cache: LayerCache) -> torch.Tensor:
         """A decode step's attention by the kernel that reads the ring and the entries where they

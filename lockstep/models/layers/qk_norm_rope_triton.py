@@ -1,24 +1,27 @@
 """A decode step's query and key preparation as one Triton kernel, registered as the custom op
-`lockstep::qk_norm_rope_step`: the per-head query norm and the key norm, their rotary embeddings, and
-the key's write into the sliding-window ring (vLLM's fused_qk_norm_rope with its reshape_and_cache).
+`lockstep::qk_norm_rope_step`: the rotation's cos / sin, the per-head query norm and the key norm,
+their rotary embeddings, and the key's write into the sliding-window ring (vLLM's fused_qk_norm_rope
+with its reshape_and_cache).
 
 What, per token t (attention.DeepseekV4Attention._normed_rotated and window_ring.write_window have
 the torch form):
     q'[t, h] = rope(rms_norm(q[t, h]))                     (unweighted, per head)
     k'[t]    = rope(kv_norm.weight * rms_norm(kv[t]))      -> ring[slot, position % W]
-rms_norm in fp32, rounded to bf16; rope rotates the trailing ROPE channels in adjacent pairs on the
-caller's cos / sin (rope_cos_sin's), in fp32, rounded to bf16. A grid of (tokens, H / BLOCK_H + 1)
-programs: programs (t, c < H / BLOCK_H) take BLOCK_H query heads each, program (t, last) the key
-and its ring slot (the dropped writes go to the scratch slot, as write_window's).
+rms_norm in fp32, rounded to bf16; rope rotates the trailing ROPE channels in adjacent pairs by
+cos / sin of position * inv_freq (rope_cos_sin's), in fp32, rounded to bf16. A grid of (tokens,
+H / BLOCK_H + 1) programs: programs (t, c < H / BLOCK_H) take BLOCK_H query heads each, program
+(t, last) the key and its ring slot (the dropped writes go to the scratch slot, as write_window's),
+and writes t's cos / sin for the output's rotation back (output_a_triton.py).
 
-Why: compiled, the same is five inductor kernels a layer in the 1b decode step (the query norm, its
-rotation, the key norm, its rotation, the ring's scatter): ~7.3 us of device time and ~2.5 us idle
-between them a layer on one H200 (`rollout_throughput.py --step-trace`, 2026-12-04).
+Why: compiled, the same is six inductor kernels a layer in the 1b decode step (cos / sin, the
+query norm, its rotation, the key norm, its rotation, the ring's scatter): ~9 us of device time and
+~3 us idle between them a layer on one H200 (`rollout_throughput.py --step-trace`, 2026-12-04).
 
-Numerics: the same formulas and roundings; the sum of squares is a tree (tl.sum, not inductor's
-order), rsqrt is libdevice's (inductor's too) and a GPU compiler may contract a rotation's product
-and sum into an fma: the torch form's values to a bf16 ulp, most of them bit for bit
-(tests/models/test_qk_norm_rope_triton.py). The true-on-policy forward never takes it.
+Numerics: the same formulas and roundings; cos / sin are the same fp32 product and, on a GPU, the
+same functions (libdevice's, which inductor's kernels call too); the sum of squares is a tree
+(tl.sum, not inductor's order), rsqrt is libdevice's (inductor's too) and a GPU compiler may
+contract a rotation's product and sum into an fma: the torch form's values to a bf16 ulp, most of
+them bit for bit (tests/models/test_qk_norm_rope_triton.py). The true-on-policy forward never takes it.
 
 Where (`runs`): DeepseekV4Attention.forward_step where the step attention kernel reads the ring (a
 decode step on CUDA without gradients, bf16, the `triton_attention` switch), not over whole rows,
@@ -50,7 +53,7 @@ def runs(q: torch.Tensor, ring: torch.Tensor) -> bool:
 
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
-    _bf16, _rotate_pairs = _gt._bf16, rope_triton._rotate_pairs
+    _bf16, _cos_sin, _rotate_pairs = _gt._bf16, rope_triton._cos_sin, rope_triton._rotate_pairs
 
     @triton.jit
     def _normed_rotated(x, weight, cos, sin, eps, R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
@@ -67,19 +70,18 @@ if triton is not None:
         return _bf16(_rotate_pairs(y, cos, sin, rotated, R, D), INTERPRETED)
 
     @triton.jit
-    def _qk_norm_rope_kernel(q_ptr, kv_ptr, w_ptr, cos_ptr, sin_ptr, q_out_ptr, ring_ptr, slots_ptr, pos_ptr,
-                             valid_ptr, num_new_ptr, stride_qt, stride_kvt, stride_ct, S, W, scratch_slot, eps,
+    def _qk_norm_rope_kernel(q_ptr, kv_ptr, w_ptr, inv_freq_ptr, q_out_ptr, cos_ptr, sin_ptr, ring_ptr, slots_ptr,
+                             pos_ptr, valid_ptr, num_new_ptr, stride_qt, stride_kvt, S, W, scratch_slot, eps,
                              H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
                              INTERPRETED: tl.constexpr):
-        """Program (t, c): query heads c BLOCK_H ... of token t, or (c past them) t's key into the ring."""
+        """Program (t, c): query heads c BLOCK_H ... of token t, or (c past them) t's key into the ring
+        and its cos / sin out."""
         t = tl.program_id(0).to(tl.int64)
         h0 = tl.program_id(1) * BLOCK_H
         cols = tl.arange(0, D)
         pair = tl.arange(0, D // 2)
-        at = t * stride_ct + pair - (D - ROPE) // 2
         turns = 2 * pair >= D - ROPE
-        cos = tl.load(cos_ptr + at, mask=turns, other=1.0)[None, :]
-        sin = tl.load(sin_ptr + at, mask=turns, other=0.0)[None, :]
+        cos, sin = _cos_sin(tl.load(pos_ptr + t + tl.zeros((1,), tl.int64)), inv_freq_ptr, pair - (D - ROPE) // 2, turns)
         if h0 < H:
             heads = h0 + tl.arange(0, BLOCK_H)
             ok = (heads < H)[:, None]
@@ -97,32 +99,36 @@ if triton is not None:
             row = tl.where(keep, tl.load(slots_ptr + n), scratch_slot).to(tl.int64)
             index = tl.where(keep, tl.load(pos_ptr + t) % W, 0).to(tl.int64)
             tl.store(ring_ptr + (row * W + index) * D + cols[None, :], k)
+            half = t * (ROPE // 2) + pair[None, :] - (D - ROPE) // 2
+            tl.store(cos_ptr + half, cos, mask=turns[None, :])
+            tl.store(sin_ptr + half, sin, mask=turns[None, :])
 
     @torch.library.triton_op("lockstep::qk_norm_rope_step", mutates_args=("ring",))
-    def qk_norm_rope_step(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, eps: float, ring: torch.Tensor, slots: torch.Tensor,
-                          positions: torch.Tensor, valid: torch.Tensor, num_new: torch.Tensor,
-                          scratch_slot: int) -> torch.Tensor:
+    def qk_norm_rope_step(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, inv_freq: torch.Tensor,
+                          eps: float, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                          valid: torch.Tensor, num_new: torch.Tensor,
+                          scratch_slot: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [N, S, H, D] (q_b's output), kv [N, S, D] (kv_proj's, any row stride), kv_weight [D]
-        (kv_norm's), cos / sin [N, S, ROPE / 2] fp32, the ring [slots, W, D] and the step's slots [N],
-        positions / valid [N, S], num_new [N] (StepBatch's) -> the queries [N, S, H, D]; the keys are
-        written into the ring (window_ring.write_window's places)."""
+        (kv_norm's), inv_freq [ROPE / 2] fp32 (the layer's rotary frequencies), the ring [slots, W, D]
+        and the step's slots [N], positions / valid [N, S], num_new [N] (StepBatch's) -> the queries
+        [N, S, H, D] and the rotation's cos, sin [N, S, ROPE / 2] fp32 (rope_cos_sin's: the output's
+        rotation back takes them); the keys are written into the ring (window_ring.write_window's places)."""
         N, S, H, D = q.shape
         T, W = N * S, ring.shape[1]
         q = q.reshape(T, H, D).contiguous()
         kv = kv.reshape(T, D)
         kv = kv if kv.stride(-1) == 1 else kv.contiguous()
-        cos, sin = cos.reshape(T, -1).contiguous(), sin.reshape(T, -1).contiguous()
         out = torch.empty_like(q)
+        cos, sin = (inv_freq.new_empty(N, S, inv_freq.shape[0]) for _ in range(2))
         if T:
             torch.library.wrap_triton(_qk_norm_rope_kernel)[(T, triton.cdiv(H, BLOCK_H) + 1)](
-                q, kv, kv_weight.contiguous(), cos, sin, out, ring, slots.contiguous(), positions.contiguous(),
-                valid.contiguous(), num_new.contiguous(), q.stride(0), kv.stride(0), cos.stride(0),
-                S, W, scratch_slot, eps, H=H, D=D, ROPE=2 * cos.shape[1], BLOCK_H=BLOCK_H,
+                q, kv, kv_weight.contiguous(), inv_freq.contiguous(), out, cos, sin, ring, slots.contiguous(),
+                positions.contiguous(), valid.contiguous(), num_new.contiguous(), q.stride(0), kv.stride(0),
+                S, W, scratch_slot, eps, H=H, D=D, ROPE=2 * inv_freq.shape[0], BLOCK_H=BLOCK_H,
                 INTERPRETED=_gt.interpreted(), num_warps=4)
-        return out.view(N, S, H, D)
+        return out.view(N, S, H, D), cos, sin
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @qk_norm_rope_step.register_fake
-    def _(q, kv, kv_weight, cos, sin, eps, ring, slots, positions, valid, num_new, scratch_slot):
-        return q.new_empty(q.shape)
+    def _(q, kv, kv_weight, inv_freq, eps, ring, slots, positions, valid, num_new, scratch_slot):
+        return q.new_empty(q.shape), *(inv_freq.new_empty(*q.shape[:2], inv_freq.shape[0]) for _ in range(2))

@@ -93,6 +93,14 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
+    def _cos_sin(positions, inv_freq_ptr, j, rotated):
+        """rope_cos_sin inside a kernel: positions [R] (integers) times inv_freq[j] (fp32, j [C]) where
+        `rotated` [C] -> cos, sin [R, C], 1 and 0 elsewhere. The same fp32 product, and on a GPU the
+        same cos / sin (libdevice's: what inductor's kernels and torch's call) as the torch form."""
+        angle = positions.to(tl.float32)[:, None] * tl.load(inv_freq_ptr + j, mask=rotated, other=0.0)[None, :]
+        return tl.where(rotated[None, :], tl.cos(angle), 1.0), tl.where(rotated[None, :], tl.sin(angle), 0.0)
+
+    @triton.jit
     def _rotate_pairs(x, cos, sin, rotated, R: tl.constexpr, C: tl.constexpr):
         """apply_rope's products on a tile x [R, C] (fp32) held whole in registers: channel pairs
         (2i, 2i + 1) where rotated [C / 2] turned by cos / sin [R or 1, C / 2] (fp32), the others as
