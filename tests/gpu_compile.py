@@ -134,10 +134,13 @@ def variants():
             {"W", "capacity", "num_picks", "rate", "stride_pos", "stride_rs", "stride_rw", "stride_es", "stride_ee",
              "stride_pn"}, {"scale"}, H=16, D=128, BLOCK_H=16, BLOCK_D=128, BLOCK_K=sa.BLOCK_K, ENTRIES=entries,
             BF16=True, INTERPRETED=False)
-    yield "decode mHC pre", lambda: ptx(
-        hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP, comb_ptr=FP),
-        {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
-        {"hc_eps", "norm_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=hp.BLOCK_D, BF16=True, INTERPRETED=False, num_warps=1)
+    for norm in (False, True):  # the collapse alone, or a whole row then the block's norm
+        yield f"decode mHC pre norm={norm}", lambda norm=norm: ptx(
+            hp._hc_pre_kernel, dict(p_ptr=FP, x_ptr=BF, base_ptr=FP, scale_ptr=FP, out_ptr=BF, post_ptr=FP,
+                                    comb_ptr=FP, w_ptr=BF),
+            {"S", "K", "D", "iters", "stride_ps", "stride_pt", "stride_xt", "stride_xn", "stride_xd"},
+            {"hc_eps", "norm_eps", "block_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=1024 if norm else hp.BLOCK_D,
+            NORM=norm, BF16=True, INTERPRETED=False, num_warps=1)
     # the mHC projection's partials as the engine launches them (tf32x3 tl.dot)
     yield "decode mHC partials", lambda: ptx(
         hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP),

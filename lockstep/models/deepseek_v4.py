@@ -98,13 +98,13 @@ class DeepseekV4DecoderLayer(nn.Module):
         source (FullSequences / StepKeys): then the true-on-policy forward (deepseek_v4_rows.py)."""
         if isinstance(attend, KeySource):
             return layer_rows(self, streams, token_ids, attend, routing)
-        collapsed, post, comb = self.attn_hc(streams)
-        streams = hc_combine(streams, attend(self.input_layernorm(collapsed)), post, comb)
-        collapsed, post, comb = self.ffn_hc(streams)
+        # each block's input is the collapsed streams after its norm (the decode kernel does both)
+        block_in, post, comb = self.attn_hc(streams, self.input_layernorm)
+        streams = hc_combine(streams, attend(block_in), post, comb)
+        block_in, post, comb = self.ffn_hc(streams, self.post_attention_layernorm)
         forced = routing.forced_for(self.layer_idx) if routing is not None else None
         # the MoE returns the streams after the combine (its decode kernel may do that combine too)
-        streams, experts = self.mlp(self.post_attention_layernorm(collapsed), token_ids, forced,
-                                    hc=(streams, post, comb))
+        streams, experts = self.mlp(block_in, token_ids, forced, hc=(streams, post, comb))
         if routing is not None:
             routing.chosen.append(experts)
         return streams

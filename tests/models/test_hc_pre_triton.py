@@ -14,6 +14,7 @@ from lockstep.models.layers import hc_pre_triton as hp
 from lockstep.models.layers import hyper_connection, sinkhorn_triton
 from lockstep.models.layers.hyper_connection import HyperConnection, _coefficients, _collapse, _mixes, pre_step
 from lockstep.models.layers.kernel_switch import KernelSwitches
+from lockstep.models.layers.norm import RMSNorm
 
 needs_triton = pytest.mark.skipif(hp.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -75,6 +76,46 @@ def test_the_kernels_equal_the_torch_chain(dtype, T, n, D):
 
 
 @needs_triton
+@pytest.mark.parametrize("T,D", [(5, 1024), (3, 200)])
+def test_the_kernel_can_apply_the_blocks_norm(T, D):
+    """With the block's RMSNorm passed (bf16 streams), the block input comes out normed: the
+    unnormed kernel's output through RMSNorm, to a bf16 ulp of the row's largest (the sum of squares
+    in another order); the coefficients as without it."""
+    hc, streams = _block(4, D, T), _streams(T, 4, D, torch.bfloat16, D)
+    norm = RMSNorm(D, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=torch.Generator().manual_seed(2)) + 0.5)
+    norm = norm.to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        x_in, post, comb = _pre_step(hc, streams)
+        normed, post_n, comb_n = pre_step(streams, hc.fn, hc.base, hc.scale, ITERS, HC_EPS, NORM_EPS, norm)
+        want = norm(x_in)
+    assert torch.equal(post_n, post) and torch.equal(comb_n, comb)
+    assert normed.shape == want.shape and normed.dtype == torch.bfloat16
+    diff = (normed.float() - want.float()).abs()
+    assert (diff <= 2 ** -7 * want.float().abs().amax(-1, keepdim=True)).all()
+    assert (diff == 0).float().mean() > 0.98
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_block_passes_its_norm_to_the_kernel_for_bf16_streams(monkeypatch, dtype):
+    """HyperConnection.forward(streams, norm) on the kernel path: bf16 streams hand the norm to the
+    kernel, other dtypes get it applied after (the kernel's norm rounds to bf16)."""
+    monkeypatch.setattr(hyper_connection, "_triton_mixes", lambda *a: True)  # the decode path, on this CPU
+    seen = []
+    monkeypatch.setattr(hyper_connection, "pre_step", lambda *a: seen.append(a[-1]) or pre_step(*a))
+    hc, streams = _block(4, 128, 3), _streams(3, 4, 128, dtype, 4)
+    norm = RMSNorm(128).to(DEVICE, dtype)
+    with torch.no_grad():
+        normed, _, _ = hc(streams, norm)
+        want = norm(hc(streams)[0])
+    assert seen[0] is (norm if dtype == torch.bfloat16 else None) and seen[1] is None
+    torch.testing.assert_close(normed.float(), want.float(), rtol=2 ** -7, atol=2 ** -7)
+    assert dtype == torch.bfloat16 or torch.equal(normed, want)
+
+
+@needs_triton
 def test_the_sinkhorn_agrees_with_the_fused_sinkhorn_kernel():
     # the coefficients' softmax in torch, then the fused Sinkhorn kernel, against this kernel's comb:
     # the same steps and division, sums in another order and the mixes' roundings between them
@@ -103,9 +144,13 @@ def test_the_block_takes_the_kernels_only_at_a_decode_step_on_cuda(monkeypatch):
     seen = []
     monkeypatch.setattr(hyper_connection, "pre_step", lambda *a: seen.append(a) or pre_step(*a))
     streams = torch.randn(2, 1, 4, 64)
+    norm = RMSNorm(64)
     with torch.no_grad():
         hc(streams)  # CPU: the torch chain
+        collapsed, post, comb = hc(streams)
+        normed, post_n, comb_n = hc(streams, norm)  # the block's norm after it
     assert seen == []
+    assert torch.equal(normed, norm(collapsed)) and torch.equal(post_n, post) and torch.equal(comb_n, comb)
     if torch.cuda.is_available():
         hc.cuda()
         with torch.no_grad():

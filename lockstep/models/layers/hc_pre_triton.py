@@ -95,13 +95,21 @@ if triton is not None:
         tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], comb, mask=ok)
 
     @triton.jit
-    def _hc_pre_kernel(p_ptr, x_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr,
-                       S, K, D, iters, hc_eps, norm_eps,
+    def _normed(x, w_ptr, rd, d_ok, D, eps):
+        """RMSNorm of a whole row x [BLOCK_D] (fp32 values of bf16, zeros past D) with weight w:
+        norm.RMSNorm's formula, w (x rsqrt(mean x^2 + eps)) in fp32."""
+        inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
+        return tl.load(w_ptr + rd, mask=d_ok, other=0.0).to(tl.float32) * (x * inv)
+
+    @triton.jit
+    def _hc_pre_kernel(p_ptr, x_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, w_ptr,
+                       S, K, D, iters, hc_eps, norm_eps, block_eps,
                        stride_ps, stride_pt, stride_xt, stride_xn, stride_xd,
                        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+                       NORM: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (t, 0): token t's post and comb. Program (t, c > 0): its pre, and the collapse of
-        the streams' c-th block of BLOCK_D columns. The Sinkhorn's chain of dependent steps is the
+        the streams' c-th block of BLOCK_D columns; with NORM one program, the whole row, then the
+        block's RMSNorm (weight w, block_eps) of it. The Sinkhorn's chain of dependent steps is the
         long one; the collapse programs run beside it instead of after it."""
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
@@ -128,6 +136,8 @@ if triton is not None:
             x = tl.load(x_ptr + t * stride_xt + rn[:, None] * stride_xn + rd[None, :] * stride_xd,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc = tl.sum(pre[:, None] * x, axis=0)
+            if NORM:  # the collapse rounded to bf16 (as the block input), then the norm, rounded
+                acc = _normed(_bf16(acc, INTERPRETED).to(tl.float32), w_ptr, rd, d_ok, D, tl.cast(block_eps, tl.float32))
             if BF16:
                 tl.store(out_ptr + t * D + rd, _bf16(acc, INTERPRETED), mask=d_ok)
             else:
@@ -135,27 +145,32 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::hc_pre_step", mutates_args=())
     def hc_pre_step(partials: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-                    iters: int, hc_eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    iters: int, hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
+                    block_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """partials [S, T, J + 1] (hc_projection_triton.hc_mix_partials of the flattened streams),
         streams [T, n, D], base [J], scale [3] -> (block input [T, D] in the streams' dtype,
-        post [T, n] fp32, comb [T, n, n] fp32)."""
+        post [T, n] fp32, comb [T, n, n] fp32). With norm_weight [D] (bf16 streams): the block input
+        after the block's RMSNorm (that weight, eps block_eps), one program a token doing both."""
         T, n, D = streams.shape
         partials = partials.contiguous()  # the kernel steps along a row's mixes by 1
         out = streams.new_empty(T, D)
         post = streams.new_empty(T, n, dtype=torch.float32)
         comb = streams.new_empty(T, n, n, dtype=torch.float32)
-        if T:
-            block_d = min(BLOCK_D, triton.next_power_of_2(D))
+        norm = norm_weight is not None
+        assert not norm or streams.dtype == torch.bfloat16, "the normed block input is bf16 streams' only"
+        if T:  # with the norm, a token's whole row in one program
+            block_d = triton.next_power_of_2(D) if norm else min(BLOCK_D, triton.next_power_of_2(D))
             torch.library.wrap_triton(_hc_pre_kernel)[(T, 1 + triton.cdiv(D, block_d))](
-                partials, streams, base, scale, out, post, comb, partials.shape[0], n * D, D, iters, hc_eps,
-                norm_eps, partials.stride(0), partials.stride(1), *streams.stride(), N=n,
-                BLOCK_N=triton.next_power_of_2(n), BLOCK_S=triton.next_power_of_2(partials.shape[0]),
-                BLOCK_D=block_d, BF16=streams.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=1)
+                partials, streams, base, scale, out, post, comb, norm_weight if norm else base,
+                partials.shape[0], n * D, D, iters, hc_eps, norm_eps, block_eps, partials.stride(0), partials.stride(1),
+                *streams.stride(), N=n, BLOCK_N=triton.next_power_of_2(n),
+                BLOCK_S=triton.next_power_of_2(partials.shape[0]), BLOCK_D=block_d, NORM=norm,
+                BF16=streams.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), num_warps=1)
         return out, post, comb
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @hc_pre_step.register_fake
-    def _(partials, streams, base, scale, iters, hc_eps, norm_eps):
+    def _(partials, streams, base, scale, iters, hc_eps, norm_eps, norm_weight=None, block_eps=0.0):
         T, n, D = streams.shape
         return (streams.new_empty(T, D), streams.new_empty(T, n, dtype=torch.float32),
                 streams.new_empty(T, n, n, dtype=torch.float32))

@@ -140,26 +140,36 @@ class HyperConnection(Switched, nn.Module):
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
 
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32)."""
+    def forward(self, streams: torch.Tensor, norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32);
+        norm (the block's RMSNorm): collapsed after it."""
         triton = self.kernels.on("triton_hc")
         # a decode step on CUDA: two kernels; over whole rows the splits are added in order instead
         if _triton_mixes(streams, self.fn, triton) and hc_pre_triton.available(streams) and not in_whole_rows():
-            return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps)
-        mixes = _mixes(streams, self.fn, self.norm_eps, triton)
-        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters, self.hc_eps,
-                                          compiled=self.kernels.on("compile_hc"))
-        return _collapse(pre, streams), post, comb
+            # bf16 streams: the block's norm in the second kernel too (one kernel less a block)
+            fused = norm is not None and streams.dtype == torch.bfloat16
+            collapsed, post, comb = pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
+                                             self.norm_eps, norm if fused else None)
+            if fused:
+                return collapsed, post, comb
+        else:
+            mixes = _mixes(streams, self.fn, self.norm_eps, triton)
+            pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                                              self.hc_eps, compiled=self.kernels.on("compile_hc"))
+            collapsed = _collapse(pre, streams)
+        return (collapsed if norm is None else norm(collapsed)), post, comb
 
 
-def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float):
+def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm=None):
     """HyperConnection's forward as two kernels: the projection's split-K partials
     (hc_projection_triton.py), then the mixes, coefficients, Sinkhorn and collapse in one
-    (hc_pre_triton.py: 61 us less of a 1b decode step's device time than compiled torch ops)."""
+    (hc_pre_triton.py: 61 us less of a 1b decode step's device time than compiled torch ops), with
+    the block's RMSNorm `norm` (bf16 streams) after the collapse."""
     n, D = streams.shape[-2:]
     flat = streams.reshape(-1, n, D)
     partials = hc_projection_triton.hc_mix_partials(flat.flatten(-2), fn, hc_projection_triton.default_split(n * D))
-    x_in, post, comb = hc_pre_triton.hc_pre_step(partials, flat, base, scale, iters, hc_eps, norm_eps)
+    normed = {} if norm is None else dict(norm_weight=norm.weight, block_eps=norm.eps)
+    x_in, post, comb = hc_pre_triton.hc_pre_step(partials, flat, base, scale, iters, hc_eps, norm_eps, **normed)
     lead = streams.shape[:-2]
     return x_in.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
 
