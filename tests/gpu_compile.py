@@ -189,10 +189,11 @@ def variants():
     # the routed experts' decode GEMMs (the shared expert's groups read a second weight pointer)
     grouped = {"G_ROUTED", "N", "K", "stride_xm", "stride_xk", "stride_wg", "stride_wn", "stride_wk", "stride_om",
                "stride_on"}
-    for swiglu in (True, False):
+    for swiglu in (True, False):  # the first reads the dispatch's rows where they are (GATHER)
         yield f"decode grouped GEMM swiglu={swiglu}", lambda swiglu=swiglu: ptx(
-            gg._grouped_kernel, dict(x_ptr=BF, w_ptr=BF, ws_ptr=BF, out_ptr=BF, offs_ptr="*i32"), grouped, {"limit"},
-            SWIGLU=swiglu, INTERPRETED=False, BLOCK_M=gg.BLOCK_M, EVEN_K=True, BLOCK_N=32, BLOCK_K=128)
+            gg._grouped_kernel, dict(x_ptr=BF, w_ptr=BF, ws_ptr=BF, out_ptr=BF, offs_ptr="*i32", rows_ptr=I64), grouped,
+            {"limit"}, SWIGLU=swiglu, GATHER=swiglu, INTERPRETED=False, BLOCK_M=gg.BLOCK_M, EVEN_K=True, BLOCK_N=32,
+            BLOCK_K=128)
     for swiglu in (False, True):
         yield f"decode grouped GEMM fp8 swiglu={swiglu}", lambda swiglu=swiglu: ptx(
             g8._grouped_fp8_kernel, dict(x_ptr=BF, w_ptr="*u8", s_ptr=FP, ws_ptr="*u8", ss_ptr=FP, out_ptr=BF,

@@ -177,6 +177,10 @@ def test_shared_groups_take_the_shared_weight(T):
     assert torch.equal(act[:len(x)], gt.grouped_swiglu(x, w_gate_up, offs, 7.0))
     gate, up = _reference(xs, shared_up[None], torch.tensor([T])).chunk(2, -1)
     assert torch.equal(act[len(x):], moe.swiglu_clamped(gate, up, 7.0))
+    # the same rows read through an index (a decode step's dispatch: no gathered copy), in another order
+    perm = torch.randperm(len(rows), generator=g).to(DEVICE)
+    source = torch.empty_like(rows).index_copy_(0, perm, rows)  # source[perm[i]] = rows[i]
+    assert torch.equal(gt.grouped_swiglu(source, w_gate_up, ext, 7.0, shared=shared_up, rows=perm), act)
 
 
 @needs_triton

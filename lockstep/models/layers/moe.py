@@ -277,12 +277,12 @@ class Experts(Switched, nn.Module):
         if self._fused_dispatch(flat, x, weights):
             rows, offs, slot_rows = dispatch_order_triton.decode_dispatch(
                 flat, self.n_experts, k, grouped_gemm_triton.SHARED_GROUPS)
-            return moe_combine_triton.combine_step(self.decode_mlp(x[rows], offs, shared), slot_rows, weights, True,
+            return moe_combine_triton.combine_step(self.decode_mlp(x, offs, shared, rows), slot_rows, weights, True,
                                                    *(hc or ()))
         order, counts = dispatch_order(flat, self.n_experts, counting=True)
         rows = torch.cat([order // k, torch.arange(T, device=x.device)])
         offs = grouped_gemm_triton.with_shared_groups(group_offsets(counts), T)
-        ys = self.decode_mlp(x[rows], offs, shared)
+        ys = self.decode_mlp(x, offs, shared, rows)
         return _combine_sorted(ys[:T * k], order, weights, x.dtype) + ys[T * k:]
 
     def rows_mlp(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -333,12 +333,13 @@ class Experts(Switched, nn.Module):
             return grouped_mm(swiglu_triton.swiglu_clamped(h, self.limit), down, counts)
         return grouped_mm(swiglu_clamped(*h.chunk(2, dim=-1), self.limit), down, counts)
 
-    def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
-        """The decode kernels (SwiGLU fused into the first) over rows sorted by expert, offs int32
-        cumulative counts; `shared` as `folds_shared` took it, its groups at the end of offs."""
+    def decode_mlp(self, x: torch.Tensor, offs: torch.Tensor, shared=None, rows=None) -> torch.Tensor:
+        """The decode kernels (SwiGLU fused into the first) over the rows x[rows] (x itself without
+        `rows`) sorted by expert, offs int32 cumulative counts; `shared` as `folds_shared` took it, its
+        groups at the end of offs. The first kernel reads the rows where they are (no gathered copy)."""
         gate_up, down = self.expert_weights()
         shared_gate_up, shared_down = shared or (None, None)
-        act = grouped_gemm_triton.grouped_swiglu(xs, gate_up, offs, self.limit, shared=shared_gate_up)
+        act = grouped_gemm_triton.grouped_swiglu(x, gate_up, offs, self.limit, shared=shared_gate_up, rows=rows)
         return grouped_gemm_triton.grouped_mm(act, down, offs, shared=shared_down)
 
 

@@ -128,9 +128,11 @@ class PackedExperts(Experts):
             return self.decode_mlp(xs, group_offsets(counts))
         return super().mlp(xs, counts, decode=False)
 
-    def decode_mlp(self, xs: torch.Tensor, offs: torch.Tensor, shared=None) -> torch.Tensor:
-        """The format's grouped GEMM for both expert GEMMs, the eager SwiGLU between (module docstring);
-        fp8 with grouped_gemm_fp8.FUSED_SWIGLU: the SwiGLU inside the first kernel."""
+    def decode_mlp(self, x: torch.Tensor, offs: torch.Tensor, shared=None, rows=None) -> torch.Tensor:
+        """The format's grouped GEMM for both expert GEMMs over the rows x[rows] (x without `rows`),
+        the eager SwiGLU between (module docstring); fp8 with grouped_gemm_fp8.FUSED_SWIGLU: the
+        SwiGLU inside the first kernel. The packed kernels take the rows gathered."""
+        xs = x if rows is None else x[rows]
         shared_gate_up, shared_down = shared or (None, None)
         if self.storage == "fp8" and grouped_gemm_fp8.FUSED_SWIGLU:
             act = grouped_gemm_fp8.grouped_swiglu_fp8(xs, *self.stored("gate_up_proj"), offs, self.limit,
