@@ -225,8 +225,9 @@ def test_a_decode_step_folds_the_shared_expert_into_the_expert_kernels(monkeypat
         streams = torch.randn(5, 1, n, cfg.hidden_size, device=DEVICE).bfloat16()
         post, comb = torch.rand(5, 1, n, device=DEVICE) * 2, torch.rand(5, 1, n, n, device=DEVICE)
         want = hc_combine(streams, folded, post, comb)
+        monkeypatch.setattr(moe.moe_combine_triton, "FUSED_HC", False)  # hc_combine after the kernel
         assert torch.equal(layer(x, None, hc=(streams, post, comb))[0], want) and len(combines) == 2
-        monkeypatch.setattr(moe.moe_combine_triton, "FUSED_HC", True)
+        monkeypatch.setattr(moe.moe_combine_triton, "FUSED_HC", True)  # the default
         fused = layer(x, None, hc=(streams, post, comb))[0]
         assert len(combines) == 3 and fused.shape == streams.shape
         _assert_within_ulps(fused, want, 2, atol=2**-7 * want.abs().max().item())
