@@ -142,10 +142,11 @@ def variants():
             {"hc_eps", "norm_eps", "block_eps"}, N=4, BLOCK_N=4, BLOCK_S=32, BLOCK_D=1024 if norm else hp.BLOCK_D,
             NORM=norm, BF16=True, INTERPRETED=False, num_warps=1)
     # the mHC projection's partials as the engine launches them (tf32x3 tl.dot)
-    yield "decode mHC partials", lambda: ptx(
-        hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP),
-        {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot"},
-        BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False)
+    for n_hc in (0, 4):  # alone, or after the previous block's mHC combine (hc_combine_partials)
+        yield f"decode mHC partials, combine of {n_hc} streams", lambda n_hc=n_hc: ptx(
+            hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP, y_ptr=BF, post_ptr=FP, comb_ptr=FP, new_ptr=BF),
+            {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot",
+             "D"}, BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False, N_HC=n_hc)
     for m, overlap in ((4, True), (128, False)):  # the C4 and C128 layers' entries
         yield f"decode compressor entry, m {m}", lambda m=m, overlap=overlap: ptx(
             cs._closing_entry_kernel, dict(kv_new_ptr=BF, gate_new_ptr=BF, pos_ptr=I64, num_new_ptr=I64, slots_ptr=I64,

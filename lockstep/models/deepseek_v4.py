@@ -26,7 +26,7 @@ from .layers.attention import DeepseekV4Attention, LayerCache
 from .layers.attention_rows import FullSequences, KeySource, StepKeys
 from .layers.fp32_logits import fp32_logits
 from .layers.fused_linear import fuse_linears
-from .layers.hyper_connection import HyperConnection, HyperHead, hc_combine
+from .layers.hyper_connection import HyperConnection, HyperHead
 from .layers.moe import MoE
 from .layers.norm import RMSNorm
 
@@ -100,8 +100,9 @@ class DeepseekV4DecoderLayer(nn.Module):
             return layer_rows(self, streams, token_ids, attend, routing)
         # each block's input is the collapsed streams after its norm (the decode kernel does both)
         block_in, post, comb = self.attn_hc(streams, self.input_layernorm)
-        streams = hc_combine(streams, attend(block_in), post, comb)
-        block_in, post, comb = self.ffn_hc(streams, self.post_attention_layernorm)
+        # the attention's combine, then the MoE's mHC pre (a decode step: the combine in its kernel)
+        streams, block_in, post, comb = self.ffn_hc.after(streams, attend(block_in), post, comb,
+                                                          self.post_attention_layernorm)
         forced = routing.forced_for(self.layer_idx) if routing is not None else None
         # the MoE returns the streams after the combine (its decode kernel may do that combine too)
         streams, experts = self.mlp(block_in, token_ids, forced, hc=(streams, post, comb))

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from lockstep.models.layers import hc_projection_triton as hp
 from lockstep.models.layers import hyper_connection
 from lockstep.models.layers.hyper_connection import HyperConnection, HyperHead
-from lockstep.models.layers.norm import rms_norm
+from lockstep.models.layers.norm import RMSNorm, rms_norm
+from lockstep.models.layers.whole_rows import whole_rows
 
 needs_triton = pytest.mark.skipif(hp.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -157,3 +158,63 @@ def test_hyper_connections_take_the_kernel_without_gradients(monkeypatch):
     for out, ref in zip((*fused_hc, fused_head), (*ref_hc, ref_head)):
         torch.testing.assert_close(out.float(), ref.float(), rtol=2**-7 if out.dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-5)
+
+
+def _combine_inputs(T, n, D, seed):
+    """Streams [T, n, D] and a block output y [T, D] (bf16), post [T, n] in (0, 2) and comb [T, n, n]
+    rows of a doubly stochastic scale (fp32, as hc_pre_step gives them)."""
+    g = torch.Generator().manual_seed(seed)
+    streams = (torch.randn(T, n, D, generator=g) * 3).bfloat16()
+    y = torch.randn(T, D, generator=g).bfloat16()
+    post = torch.rand(T, n, generator=g) * 2
+    comb = torch.softmax(torch.randn(T, n, n, generator=g), -1)
+    return [t.to(DEVICE) for t in (streams, y, post, comb)]
+
+
+@needs_triton
+@pytest.mark.parametrize("T,D", [(5, 1024), (17, 128)])
+def test_the_combine_rides_the_partials_kernel(T, D):
+    """hc_combine_partials: the combined streams are hc_combine's (eager's roundings, the sum over j
+    in order: its whole-rows form) and the partials those of the combined streams, bit for bit on
+    the CPU (on a GPU the mix's fp32 sum may contract into fmas: within a bf16 ulp)."""
+    n = 4
+    streams, y, post, comb = _combine_inputs(T, n, D, D + T)
+    fn = (torch.randn((2 + n) * n, n * D, generator=torch.Generator().manual_seed(1)) * 0.02).to(DEVICE)
+    assert hp.combines(n, D, fn)
+    split = hp.default_split(n * D)
+    partials, combined = hp.hc_combine_partials(streams, y, post, comb, fn, split)
+    with whole_rows():  # hc_combine's sum over j in order
+        want = hyper_connection.hc_combine(streams, y, post, comb)
+    assert combined.shape == streams.shape and combined.dtype == torch.bfloat16
+    if DEVICE == "cuda":
+        diff = (combined.float() - want.float()).abs()
+        assert (diff <= 2 ** -7 * want.float().abs()).all()
+    else:
+        assert torch.equal(combined, want)
+    assert torch.equal(partials, hp.hc_mix_partials(combined.flatten(-2), fn, split))
+
+
+@needs_triton
+def test_a_decode_step_combines_in_the_partials_kernel(monkeypatch):
+    """HyperConnection.after at a decode step (the kernels' path, forced on this CPU): the combine
+    inside the partials' kernel, the same streams, block input and coefficients as hc_combine then
+    the connection's forward; elsewhere exactly those."""
+    n, D, T = 4, 128, 3
+    hc = HyperConnection(n, D, 20, 1e-6, 1e-6)
+    torch.nn.init.normal_(hc.fn, std=0.02)
+    norm = RMSNorm(D).to(DEVICE, torch.bfloat16)
+    hc = hc.to(DEVICE)
+    streams, y, post, comb = _combine_inputs(T, n, D, 5)
+    streams, y, post, comb = streams[:, None], y[:, None], post[:, None], comb[:, None]  # [N, S = 1, ...]
+    with torch.no_grad():
+        combined_ref = hyper_connection.hc_combine(streams, y, post, comb)
+        ref = hc(combined_ref, norm)
+        assert all(torch.equal(a, b) for a, b in zip(hc.after(streams, y, post, comb, norm), (combined_ref, *ref)))
+        calls, kernel = [], hp.hc_combine_partials
+        monkeypatch.setattr(hyper_connection, "_triton_mixes", lambda *a: True)
+        monkeypatch.setattr(hp, "hc_combine_partials", lambda *a: calls.append(a) or kernel(*a))
+        got = hc.after(streams, y, post, comb, norm)
+    assert len(calls) == 1
+    for a, b in zip(got, (combined_ref, *ref)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=2 ** -7 * b.float().abs().max().item())

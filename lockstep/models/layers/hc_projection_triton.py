@@ -27,6 +27,13 @@ The default launch config depends on J and K only and a row's sums do not involv
 rows, so a row's partials do not depend on the batch; the second stage's sum over splits is
 torch's (or inductor's) reduction.
 
+`lockstep::hc_combine_partials` is the same kernel with the previous block's mHC combine in front
+(X'_k = post_k y + sum_j comb[j, k] X_j, stream_mix_triton._combined_stream: eager's roundings):
+each program makes its tile of the combined streams, writes it and goes on with it as x. At a decode
+step that is the attention's combine, which inductor ran as a kernel of its own (1.5 us and ~0.4 us
+idle a layer in the 1b step on one H200, 2026-12-04) between the attention and the MoE's mHC pre
+(hyper_connection.HyperConnection.after).
+
 Forward only (no autograd): callers take it with gradients off (hyper_connection._mixes). No
 triton.autotune (it would benchmark during CUDA-graph capture): `launch_config` picks by shape,
 keyword arguments override it (benchmarks/hc_projection.py). Testable on CPU with
@@ -38,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
+from . import stream_mix_triton
 from . import sum_splits_triton as _ss
 
 triton = _gt.triton  # None without Triton: hyper_connection.py's torch expression is always there
@@ -61,6 +69,13 @@ def available(x: torch.Tensor, fn: torch.Tensor) -> bool:
             and x.numel() > 0)
 
 
+def combines(n: int, D: int, fn: torch.Tensor) -> bool:
+    """Whether hc_combine_partials can take streams [T, n, D] for fn: every tile of the default
+    launch within one stream (D a multiple of its BLOCK_K)."""
+    K = n * D
+    return triton is not None and D % launch_config(fn.shape[0], K, default_split(K))["BLOCK_K"] == 0
+
+
 def default_split(K: int) -> int:
     """Splits of K: ~128 of K per program (K = 4096: 32 splits), at most 32, by K only."""
     return max(1, min(32, K // 128))
@@ -76,16 +91,21 @@ def launch_config(J: int, K: int, split: int) -> dict:
 
 
 if triton is not None:
-    _dot = _gt._dot  # by name: torch.compile's compile worker cannot resolve a module alias
+    # by name: torch.compile's compile worker cannot resolve a module alias
+    _dot, _combined_stream = _gt._dot, stream_mix_triton._combined_stream
 
     @triton.jit
     def _partials_kernel(x_ptr, fn_ptr, out_ptr, T, J, K, k_per_split,
                          stride_xt, stride_xk, stride_fj, stride_fk, stride_os, stride_ot,
+                         y_ptr, post_ptr, comb_ptr, new_ptr, D,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr):
+                         EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+                         N_HC: tl.constexpr = 0):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
-        K is one too and no tile crosses K."""
+        K is one too and no tile crosses K. N_HC > 0: x is first the mHC combine of the streams at
+        x_ptr [T, N_HC, D] (contiguous; every BLOCK_K tile within one stream) with the block output y
+        [T, D] and post / comb (hyper_connection.hc_combine), written to new_ptr as it is made."""
         s = tl.program_id(1)
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         rj = tl.arange(0, BLOCK_J)
@@ -110,7 +130,15 @@ if triton is not None:
             # converted to fp32 exactly; fp32 tiles also avoid the interpreter's broken bf16 dot.
             # fn is loaded as stored, [J, K] rows along k (coalesced), and transposed in registers:
             # read as [K, J] directly, neighbouring lanes were K * 4 bytes apart
-            a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
+            if N_HC > 0:  # this tile of the combined streams: stream k0 // D, its columns k0 % D ...
+                cols = k0 % D + rk
+                y = tl.load(y_ptr + rt[:, None].to(tl.int64) * D + cols[None, :], mask=a_mask, other=0.0)
+                new = _combined_stream(y.to(tl.float32), k0 // D, rt.to(tl.int64), t_ok, cols, a_mask, x_ptr,
+                                       post_ptr, comb_ptr, stride_xt, D, N_HC, INTERPRETED)
+                tl.store(new_ptr + rt[:, None].to(tl.int64) * stride_xt + kk[None, :], new, mask=a_mask)
+                a = new.to(tl.float32)
+            else:
+                a = tl.load(x_rows + kk[None, :] * stride_xk, mask=a_mask, other=0.0).to(tl.float32)
             b = tl.load(fn_rows + kk[None, :] * stride_fk, mask=b_mask, other=0.0).to(tl.float32)
             # the interpreter: products summed in index order (grouped_gemm_triton._dot says why). On a
             # GPU, PRECISION (module constant): "tf32x3" takes the tensor cores three times (a split of
@@ -135,21 +163,44 @@ if triton is not None:
         return launch_partials(x, fn, split, block_t, block_k, num_warps, num_stages, precision)
 
     def launch_partials(x: torch.Tensor, fn: torch.Tensor, split: int, block_t: int = 0, block_k: int = 0,
-                        num_warps: int = 0, num_stages: int = 0, precision: str = "") -> torch.Tensor:
-        """hc_mix_partials' launch, for the body of a custom op (it and router_triton.route_step)."""
+                        num_warps: int = 0, num_stages: int = 0, precision: str = "",
+                        combine: tuple | None = None) -> torch.Tensor:
+        """hc_mix_partials' launch, for the body of a custom op (it, hc_combine_partials and
+        router_triton.route_step). combine (y, post, comb, new, n): x is the streams before the
+        combine, new [T, n D] receives them after it (hc_combine_partials)."""
         T, K = x.shape
         J = fn.shape[0]
         cfg = launch_config(J, K, split)
         cfg.update({key: value for key, value in zip(cfg, (block_t, block_k, num_warps, num_stages)) if value})
         k_per_split = triton.cdiv(triton.cdiv(K, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
         out = torch.empty(split, T, J + 1, device=x.device, dtype=torch.float32)
+        y, post, comb, new, n = combine or (x, out, out, x, 0)
+        D = K // max(n, 1)
+        assert not n or D % cfg["BLOCK_K"] == 0, "a combined tile lies within one stream"
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), split)
         torch.library.wrap_triton(_partials_kernel)[grid](
             x, fn, out, T, J, K, k_per_split, *x.stride(), *fn.stride(), out.stride(0), out.stride(1),
-            BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
-            PRECISION=precision or PRECISION,
-            INTERPRETED=_gt.interpreted(), **cfg)
+            y, post, comb, new, D, BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
+            PRECISION=precision or PRECISION, INTERPRETED=_gt.interpreted(), N_HC=n, **cfg)
         return out
+
+    @torch.library.triton_op("lockstep::hc_combine_partials", mutates_args=())
+    def hc_combine_partials(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                            fn: torch.Tensor, split: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mHC combine after a block and the next block's projection partials in one kernel:
+        streams [T, n, D] bf16, the block output y [T, D] bf16, its post [T, n] and comb [T, n, n]
+        (fp32) -> (hc_mix_partials of the combined streams, the combined streams [T, n, D]
+        (hyper_connection.hc_combine's, in eager's roundings)). D a multiple of the launch's BLOCK_K."""
+        T, n, D = streams.shape
+        x = streams.reshape(T, n * D).contiguous()
+        new = torch.empty_like(x)
+        combine = (y.contiguous(), post.contiguous(), comb.contiguous(), new, n)
+        return launch_partials(x, fn, split, combine=combine), new.view(T, n, D)
+
+    @hc_combine_partials.register_fake
+    def _(streams, y, post, comb, fn, split):
+        T = streams.shape[0]
+        return streams.new_empty(split, T, fn.shape[0] + 1, dtype=torch.float32), torch.empty_like(streams)
 
     # Shapes for torch.compile's tracing, written out: the default (the body run on fake tensors)
     # would launch the kernel itself under the interpreter, which wrap_triton leaves unwrapped.

@@ -145,7 +145,7 @@ class HyperConnection(Switched, nn.Module):
         norm (the block's RMSNorm): collapsed after it."""
         triton = self.kernels.on("triton_hc")
         # a decode step on CUDA: two kernels; over whole rows the splits are added in order instead
-        if _triton_mixes(streams, self.fn, triton) and hc_pre_triton.available(streams) and not in_whole_rows():
+        if self._takes_pre_step(streams, triton):
             # bf16 streams: the block's norm in the second kernel too (one kernel less a block)
             fused = norm is not None and streams.dtype == torch.bfloat16
             collapsed, post, comb = pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
@@ -160,18 +160,46 @@ class HyperConnection(Switched, nn.Module):
         return (collapsed if norm is None else norm(collapsed)), post, comb
 
 
-def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm=None):
+    def _takes_pre_step(self, streams: torch.Tensor, triton: bool) -> bool:
+        """A decode step on CUDA (or the interpreter's tests): `pre_step`'s two kernels."""
+        return _triton_mixes(streams, self.fn, triton) and hc_pre_triton.available(streams) and not in_whole_rows()
+
+    def after(self, streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+              norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The previous block's combine, hc_combine(streams, block_out, post, comb), then this
+        connection's forward of its result -> (the combined streams, this forward's three). At a
+        decode step with bf16 streams the combine runs inside the projection's kernel
+        (hc_projection_triton.hc_combine_partials): inductor's combine kernel goes."""
+        n, D = streams.shape[-2:]
+        if (self._takes_pre_step(streams, self.kernels.on("triton_hc")) and norm is not None
+                and streams.dtype == block_out.dtype == torch.bfloat16 and hc_projection_triton.combines(n, D, self.fn)):
+            return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
+                            norm, after=(block_out, post, comb))
+        combined = hc_combine(streams, block_out, post, comb)
+        return (combined, *self(combined, norm))
+
+
+def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm=None, after=None):
     """HyperConnection's forward as two kernels: the projection's split-K partials
     (hc_projection_triton.py), then the mixes, coefficients, Sinkhorn and collapse in one
     (hc_pre_triton.py: 61 us less of a 1b decode step's device time than compiled torch ops), with
-    the block's RMSNorm `norm` (bf16 streams) after the collapse."""
+    the block's RMSNorm `norm` (bf16 streams) after the collapse. With `after` (the previous block's
+    output, post, comb): its combine into the streams first, inside the partials' kernel, and the
+    combined streams first in the result."""
     n, D = streams.shape[-2:]
+    lead = streams.shape[:-2]
     flat = streams.reshape(-1, n, D)
-    partials = hc_projection_triton.hc_mix_partials(flat.flatten(-2), fn, hc_projection_triton.default_split(n * D))
+    split = hc_projection_triton.default_split(n * D)
+    if after is None:
+        partials = hc_projection_triton.hc_mix_partials(flat.flatten(-2), fn, split)
+    else:
+        y, post, comb = after
+        partials, flat = hc_projection_triton.hc_combine_partials(flat, y.reshape(-1, D), post.reshape(-1, n),
+                                                                 comb.reshape(-1, n, n), fn, split)
     normed = {} if norm is None else dict(norm_weight=norm.weight, block_eps=norm.eps)
     x_in, post, comb = hc_pre_triton.hc_pre_step(partials, flat, base, scale, iters, hc_eps, norm_eps, **normed)
-    lead = streams.shape[:-2]
-    return x_in.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
+    out = x_in.view(*lead, D), post.view(*lead, n), comb.view(*lead, n, n)
+    return out if after is None else (flat.view(streams.shape), *out)
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 from lockstep.triton_support import interpreted, trainer_kernel_takes
 
 from . import grouped_gemm_triton as _gt
+from . import stream_mix_triton
 from .kernel_switch import grad_wanted
 
 triton = _gt.triton
@@ -140,7 +141,8 @@ def _config(k: int, H: int, ys: torch.Tensor) -> dict:
 
 
 if triton is not None:
-    _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
+    # by name: torch.compile's compile worker cannot resolve a module alias
+    _bf16, _combined_stream = _gt._bf16, stream_mix_triton._combined_stream
 
     @triton.jit
     def _round(x, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
@@ -155,19 +157,12 @@ if triton is not None:
     def _hc_combine(y, t, cols, ok, x_ptr, post_ptr, comb_ptr, out_ptr, H, N_HC: tl.constexpr,
                     INTERPRETED: tl.constexpr):
         """mHC's combine of block output y (token t's columns `cols`, bf16 values in fp32) into its
-        N_HC streams x [T, N_HC, H]: X'_k = post_k y + sum_j comb[j, k] X_j, the coefficients rounded
-        to bf16, the stream sum in fp32 over j in order and rounded once, the product and the add
-        rounded as bf16 ops (hyper_connection.hc_combine)."""
+        N_HC streams x [T, N_HC, H] (hyper_connection.hc_combine; stream_mix_triton._combined_stream)."""
+        row = t + tl.zeros((1,), tl.int64)
         for k in tl.static_range(N_HC):
-            mixed = tl.zeros_like(y)
-            for j in tl.static_range(N_HC):
-                c = _bf16(tl.load(comb_ptr + (t * N_HC + j) * N_HC + k), INTERPRETED).to(tl.float32)
-                x = tl.load(x_ptr + (t * N_HC + j) * H + cols, mask=ok, other=0.0).to(tl.float32)
-                mixed += c * x
-            post = _bf16(tl.load(post_ptr + t * N_HC + k), INTERPRETED).to(tl.float32)
-            scaled = _bf16(post * y, INTERPRETED).to(tl.float32)
-            new = _bf16(scaled + _bf16(mixed, INTERPRETED).to(tl.float32), INTERPRETED)
-            tl.store(out_ptr + (t * N_HC + k) * H + cols, new, mask=ok)
+            new = _combined_stream(y[None, :], k, row, row >= 0, cols, ok[None, :], x_ptr, post_ptr, comb_ptr,
+                                   N_HC * H, H, N_HC, INTERPRETED)
+            tl.store(out_ptr + (t * N_HC + k) * H + cols[None, :], new, mask=ok[None, :])
 
     @triton.jit
     def _combine_kernel(ys_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,

@@ -131,6 +131,28 @@ if triton is not None:
     _bf16_bits = _gt._bf16_bits
 
     @triton.jit
+    def _combined(mixed, p, y, INTERPRETED: tl.constexpr):
+        """One stream of hc_combine in bf16 from its fp32 mix sum_j comb[j, k] X_j (not yet rounded),
+        post_k p and the block output y: eager's roundings, each term to bf16, then their sum (p y
+        rounded by integer ops: a cast would be contracted into the add, _bf16_bits)."""
+        return _bf16(_bf16(mixed, INTERPRETED).to(tl.float32) + _bf16_bits(p * y).to(tl.float32), INTERPRETED)
+
+    @triton.jit
+    def _combined_stream(y, k, rows, r_ok, cols, ok, x_ptr, post_ptr, comb_ptr, stride_xt, D,
+                         N_HC: tl.constexpr, INTERPRETED: tl.constexpr):
+        """Stream k of hc_combine, X'_k = post_k y + sum_j comb[j, k] X_j, for tokens `rows` [R] (r_ok)
+        at columns `cols` [C] (ok [R, C]): y [R, C] the block output (fp32 values of bf16), the streams
+        x [T, N_HC, D] (stride_xt a token), post [T, N_HC] and comb [T, N_HC, N_HC] fp32, rounded to
+        bf16 here as hc_combine casts them; the sum over j in order -> [R, C] bf16 (`_combined`)."""
+        mixed = tl.zeros_like(y)
+        for j in tl.static_range(N_HC):
+            c = _bf16(tl.load(comb_ptr + (rows * N_HC + j) * N_HC + k, mask=r_ok, other=0.0), INTERPRETED)
+            x = tl.load(x_ptr + rows[:, None] * stride_xt + j * D + cols[None, :], mask=ok, other=0.0)
+            mixed += c.to(tl.float32)[:, None] * x.to(tl.float32)
+        p = _bf16(tl.load(post_ptr + rows * N_HC + k, mask=r_ok, other=0.0), INTERPRETED).to(tl.float32)
+        return _combined(mixed, p[:, None], y, INTERPRETED)
+
+    @triton.jit
     def _stream_mix_kernel(comb_ptr, x_ptr, post_ptr, y_ptr, out_ptr, D, N: tl.constexpr, K: tl.constexpr,
                            ROUND: tl.constexpr, POST: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         """out_k = sum_j comb[j, k] X_j, plus post_k y where POST (each term rounded to X's dtype,
@@ -148,11 +170,11 @@ if triton is not None:
                 acc += c * x
             if POST:
                 p = tl.load(post_ptr + t * K + k).to(tl.float32)
-                if ROUND:  # p * y rounded by integer ops: a cast would be contracted into the add (_bf16_bits)
-                    acc = _bf16(acc, INTERPRETED).to(tl.float32) + _bf16_bits(p * y).to(tl.float32)
+                if ROUND:
+                    tl.store(out_ptr + (t * K + k) * D + d, _combined(acc, p, y, INTERPRETED), mask=ok)
                 else:
-                    acc = acc + p * y
-            if ROUND:
+                    tl.store(out_ptr + (t * K + k) * D + d, acc + p * y, mask=ok)
+            elif ROUND:
                 tl.store(out_ptr + (t * K + k) * D + d, _bf16(acc, INTERPRETED), mask=ok)
             else:
                 tl.store(out_ptr + (t * K + k) * D + d, acc, mask=ok)
