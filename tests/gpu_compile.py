@@ -146,7 +146,8 @@ def variants():
         yield f"decode mHC partials, combine of {n_hc} streams", lambda n_hc=n_hc: ptx(
             hc._partials_kernel, dict(x_ptr=BF, fn_ptr=FP, out_ptr=FP, y_ptr=BF, post_ptr=FP, comb_ptr=FP, new_ptr=BF),
             {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot",
-             "D"}, BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False, N_HC=n_hc)
+             "D"}, BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False,
+            N_HC=n_hc)
     for m, overlap in ((4, True), (128, False)):  # the C4 and C128 layers' entries
         yield f"decode compressor entry, m {m}", lambda m=m, overlap=overlap: ptx(
             cs._closing_entry_kernel, dict(kv_new_ptr=BF, gate_new_ptr=BF, pos_ptr=I64, num_new_ptr=I64, slots_ptr=I64,

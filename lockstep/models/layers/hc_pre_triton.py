@@ -137,7 +137,8 @@ if triton is not None:
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc = tl.sum(pre[:, None] * x, axis=0)
             if NORM:  # the collapse rounded to bf16 (as the block input), then the norm, rounded
-                acc = _normed(_bf16(acc, INTERPRETED).to(tl.float32), w_ptr, rd, d_ok, D, tl.cast(block_eps, tl.float32))
+                acc = _normed(_bf16(acc, INTERPRETED).to(tl.float32), w_ptr, rd, d_ok, D,
+                              tl.cast(block_eps, tl.float32))
             if BF16:
                 tl.store(out_ptr + t * D + rd, _bf16(acc, INTERPRETED), mask=d_ok)
             else:

@@ -159,7 +159,6 @@ class HyperConnection(Switched, nn.Module):
             collapsed = _collapse(pre, streams)
         return (collapsed if norm is None else norm(collapsed)), post, comb
 
-
     def _takes_pre_step(self, streams: torch.Tensor, triton: bool) -> bool:
         """A decode step on CUDA (or the interpreter's tests): `pre_step`'s two kernels."""
         return _triton_mixes(streams, self.fn, triton) and hc_pre_triton.available(streams) and not in_whole_rows()
@@ -172,7 +171,8 @@ class HyperConnection(Switched, nn.Module):
         (hc_projection_triton.hc_combine_partials): inductor's combine kernel goes."""
         n, D = streams.shape[-2:]
         if (self._takes_pre_step(streams, self.kernels.on("triton_hc")) and norm is not None
-                and streams.dtype == block_out.dtype == torch.bfloat16 and hc_projection_triton.combines(n, D, self.fn)):
+                and streams.dtype == block_out.dtype == torch.bfloat16
+                and hc_projection_triton.combines(n, D, self.fn)):
             return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
                             norm, after=(block_out, post, comb))
         combined = hc_combine(streams, block_out, post, comb)

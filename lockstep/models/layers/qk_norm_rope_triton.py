@@ -81,7 +81,8 @@ if triton is not None:
         cols = tl.arange(0, D)
         pair = tl.arange(0, D // 2)
         turns = 2 * pair >= D - ROPE
-        cos, sin = _cos_sin(tl.load(pos_ptr + t + tl.zeros((1,), tl.int64)), inv_freq_ptr, pair - (D - ROPE) // 2, turns)
+        position = tl.load(pos_ptr + t + tl.zeros((1,), tl.int64))
+        cos, sin = _cos_sin(position, inv_freq_ptr, pair - (D - ROPE) // 2, turns)
         if h0 < H:
             heads = h0 + tl.arange(0, BLOCK_H)
             ok = (heads < H)[:, None]
