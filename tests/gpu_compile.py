@@ -199,9 +199,9 @@ def variants():
     for swiglu in (False, True):
         yield f"decode grouped GEMM fp8 swiglu={swiglu}", lambda swiglu=swiglu: ptx(
             g8._grouped_fp8_kernel, dict(x_ptr=BF, w_ptr="*u8", s_ptr=FP, ws_ptr="*u8", ss_ptr=FP, out_ptr=BF,
-                                         offs_ptr="*i32"), grouped | {"stride_sg", "stride_sn", "stride_sk"},
-            {"limit"}, num_warps=2, SWIGLU=swiglu, INTERPRETED=False, SCALE_BLOCK=128, BLOCK_M=gg.BLOCK_M,
-            BLOCK_N=64, BLOCK_K=128)
+                                         offs_ptr="*i32", rows_ptr=I64), grouped | {"stride_sg", "stride_sn", "stride_sk"},
+            {"limit"}, num_warps=2, SWIGLU=swiglu, GATHER=not swiglu, INTERPRETED=False, SCALE_BLOCK=128,
+            BLOCK_M=gg.BLOCK_M, BLOCK_N=64, BLOCK_K=128)  # the engine's gate_up: the plain kernel, gathering
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -75,6 +75,12 @@ def test_shared_groups_read_the_shared_experts_bytes_and_scales():
     out = g8.grouped_mm_fp8(torch.cat([x, xs]), q, scale, with_shared_groups(offs, T), shared=(qs, ss))
     assert torch.equal(out[:len(x)], _reference(x, q, scale, counts))
     assert torch.equal(out[len(x):], _reference(xs, qs[None], ss[None], torch.tensor([T])))
+    # the same rows read through an index (a decode step's dispatch: no gathered copy), in another order
+    rows = torch.cat([x, xs])
+    perm = torch.randperm(len(rows), generator=g).to(DEVICE)
+    source = torch.empty_like(rows).index_copy_(0, perm, rows)  # source[perm[i]] = rows[i]
+    assert torch.equal(g8.grouped_mm_fp8(source, q, scale, with_shared_groups(offs, T), shared=(qs, ss), rows=perm),
+                       out)
     with pytest.raises(ValueError, match="shared expert's fp8 scale"):
         g8.grouped_mm_fp8(torch.cat([x, xs]), q, scale, with_shared_groups(offs, T), shared=(qs, ss[:1]))
 

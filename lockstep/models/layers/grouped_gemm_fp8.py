@@ -58,7 +58,7 @@ def launch_config(N: int, K: int, shared: bool = False) -> dict:
 if triton is not None:
     # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
     # from the JIT functions it references directly, so a module alias is undefined there
-    _dot, _result = _gt._dot, _gt._result
+    _dot, _result, _row_tile = _gt._dot, _gt._result, _gt._row_tile
     _dequantize_tile = fp8_linear._dequantize_tile
 
     @triton.jit
@@ -68,14 +68,15 @@ if triton is not None:
         return _dequantize_tile(qb, tl.load(s_rows + (k0 // SCALE_BLOCK) * stride_sk, mask=n_in, other=0.0))
 
     @triton.jit
-    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, limit, G_ROUTED, N, K,
+    def _grouped_fp8_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, ss_ptr, out_ptr, offs_ptr, rows_ptr, limit, G_ROUTED, N, K,
                             stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
-                            stride_om, stride_on, SWIGLU: tl.constexpr, INTERPRETED: tl.constexpr,
-                            SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            stride_om, stride_on, SWIGLU: tl.constexpr, GATHER: tl.constexpr,
+                            INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T (ws, ss for g >= G_ROUTED);
         with SWIGLU, w[g] holds N gate rows then N up rows (each row reads its own block's scale) and
-        out = swiglu_clamped(gate, up), rounded as grouped_gemm_triton's fused kernel rounds it."""
+        out = swiglu_clamped(gate, up), rounded as grouped_gemm_triton's fused kernel rounds it. With
+        GATHER, out's row m reads x's row rows[m]."""
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -94,7 +95,7 @@ if triton is not None:
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
             m_ok = (rm < end)[:, None]
-            x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :] * stride_xk
+            x_tile = _row_tile(x_ptr, rows_ptr, rm, end, rk, stride_xm, stride_xk, GATHER)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -112,7 +113,7 @@ if triton is not None:
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                         block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
                         shared_w: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None,
-                        limit: float = 0.0, swiglu: bool = False) -> torch.Tensor:
+                        limit: float = 0.0, swiglu: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
         G, N, K = w.shape
         N = N // 2 if swiglu else N  # the output's columns: gate rows, then as many up rows
         cfg = launch_config(N, K, shared_w is not None)
@@ -122,27 +123,29 @@ if triton is not None:
         assert FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
         shared_w = _gt.shared_operand("the shared expert's fp8 bytes", shared_w, w)
         shared_scale = _gt.shared_operand("the shared expert's fp8 scale", shared_scale, scale)
-        out = x.new_empty(x.shape[0], N)
+        out = x.new_empty(x.shape[0] if rows is None else rows.shape[0], N)
         torch.library.wrap_triton(_grouped_fp8_kernel)[(offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))](
-            x, w, scale, shared_w, shared_scale, out, offs, limit, G, N, K, *x.stride(), *w.stride(), *scale.stride(),
-            *out.stride(), SWIGLU=swiglu,
+            x, w, scale, shared_w, shared_scale, out, offs, offs if rows is None else rows.contiguous(), limit, G, N,
+            K, *x.stride(), *w.stride(), *scale.stride(), *out.stride(), SWIGLU=swiglu, GATHER=rows is not None,
             INTERPRETED=_gt.interpreted(), SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)
         return out
 
     @_grouped_mm_fp8.register_fake
-    def _(x, w, scale, offs, *config, shared_w=None, shared_scale=None, limit=0.0, swiglu=False):
-        return x.new_empty(x.shape[0], w.shape[1] // 2 if swiglu else w.shape[1])
+    def _(x, w, scale, offs, *config, shared_w=None, shared_scale=None, limit=0.0, swiglu=False, rows=None):
+        return x.new_empty(x.shape[0] if rows is None else rows.shape[0], w.shape[1] // 2 if swiglu else w.shape[1])
 
 
 def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                    block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
-                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] bf16 sorted by group, w [G, N, K] float8_e4m3fn, scale [G, ceil(N/128), ceil(K/128)]
     fp32, offs [G] int32 cumulative row counts (rows past offs[-1] unwritten) -> [M, N] bf16.
     The launch settings override launch_config's (0: its value; benchmarks/moe_grouped_gemm.py --fp8 sweeps them).
     shared: the shared expert's (bytes [N, K], scale), for the groups of offs past G
-    (grouped_gemm_triton.with_shared_groups)."""
-    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, 0.0, False)
+    (grouped_gemm_triton.with_shared_groups). rows [M] (int64): row m reads x[rows[m]] (x any [T, K];
+    grouped_gemm_triton.grouped_swiglu's gather)."""
+    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, 0.0, False, rows)
 
 
 def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, limit: float,
@@ -154,8 +157,8 @@ def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, of
     return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, limit, True)
 
 
-def _call_op(x, w, scale, offs, launch: tuple, shared, limit: float, swiglu: bool) -> torch.Tensor:
+def _call_op(x, w, scale, offs, launch: tuple, shared, limit: float, swiglu: bool, rows=None) -> torch.Tensor:
     """lockstep::grouped_mm_fp8 on the e4m3 tensors' bytes (the op takes uint8)."""
     shared_w, shared_scale = (None, None) if shared is None else (shared[0].view(torch.uint8), shared[1])
     return torch.ops.lockstep.grouped_mm_fp8(x, w.view(torch.uint8), scale, offs, *launch, shared_w, shared_scale,
-                                             limit, swiglu)
+                                             limit, swiglu, rows)

@@ -194,6 +194,16 @@ if triton is not None:
         return result
 
     @triton.jit
+    def _row_tile(x_ptr, rows_ptr, rm, end, rk, stride_xm, stride_xk, GATHER: tl.constexpr):
+        """The [BLOCK_M, BLOCK_K] pointers of a group's rows rm (< end) at the first K step: x's rows
+        rm, or with GATHER x's rows rows[rm] (the dispatch's gather read in place)."""
+        if GATHER:
+            src = tl.load(rows_ptr + rm, mask=rm < end, other=0).to(tl.int64)
+        else:
+            src = rm.to(tl.int64)
+        return x_ptr + src[:, None] * stride_xm + rk[None, :] * stride_xk
+
+    @triton.jit
     def _grouped_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, rows_ptr, limit, G_ROUTED, N, K,
                         stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_om, stride_on,
                         SWIGLU: tl.constexpr, GATHER: tl.constexpr, INTERPRETED: tl.constexpr,
@@ -216,11 +226,7 @@ if triton is not None:
         for m0 in range(start, end, BLOCK_M):  # no iteration for an empty group
             rm = m0 + tl.arange(0, BLOCK_M)
             m_ok = (rm < end)[:, None]
-            if GATHER:
-                src = tl.load(rows_ptr + rm, mask=rm < end, other=0).to(tl.int64)
-            else:
-                src = rm.to(tl.int64)
-            x_tile = x_ptr + src[:, None] * stride_xm + rk[None, :] * stride_xk
+            x_tile = _row_tile(x_ptr, rows_ptr, rm, end, rk, stride_xm, stride_xk, GATHER)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

@@ -118,10 +118,11 @@ class PackedExperts(Experts):
         mine = [self.stored(attr) for attr in ATTRS]  # [(gate_up bytes, scale), (down bytes, scale)]
         return all(laid_out_as_one(t, m) for theirs, ours in zip((gate_up, down), mine) for t, m in zip(theirs, ours))
 
-    def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor, shared=None) -> torch.Tensor:
+    def _grouped_mm(self, x: torch.Tensor, attr: str, offs: torch.Tensor, shared=None, rows=None) -> torch.Tensor:
+        """The format's grouped GEMM over x's rows (x[rows] with `rows`: the fp8 kernel reads them in place)."""
         if self.storage == "fp4":
-            return grouped_gemm_fp4.grouped_mm_fp4(x, *self.stored(attr), offs)
-        return grouped_gemm_fp8.grouped_mm_fp8(x, *self.stored(attr), offs, shared=shared)
+            return grouped_gemm_fp4.grouped_mm_fp4(x if rows is None else x[rows], *self.stored(attr), offs)
+        return grouped_gemm_fp8.grouped_mm_fp8(x, *self.stored(attr), offs, shared=shared, rows=rows)
 
     def mlp(self, xs: torch.Tensor, counts: torch.Tensor, decode: bool = False) -> torch.Tensor:
         if decode and self._decode_kernels(xs):
@@ -131,14 +132,13 @@ class PackedExperts(Experts):
     def decode_mlp(self, x: torch.Tensor, offs: torch.Tensor, shared=None, rows=None) -> torch.Tensor:
         """The format's grouped GEMM for both expert GEMMs over the rows x[rows] (x without `rows`),
         the eager SwiGLU between (module docstring); fp8 with grouped_gemm_fp8.FUSED_SWIGLU: the
-        SwiGLU inside the first kernel. The packed kernels take the rows gathered."""
-        xs = x if rows is None else x[rows]
+        SwiGLU inside the first kernel."""
         shared_gate_up, shared_down = shared or (None, None)
         if self.storage == "fp8" and grouped_gemm_fp8.FUSED_SWIGLU:
-            act = grouped_gemm_fp8.grouped_swiglu_fp8(xs, *self.stored("gate_up_proj"), offs, self.limit,
-                                                      shared=shared_gate_up)
+            act = grouped_gemm_fp8.grouped_swiglu_fp8(x if rows is None else x[rows], *self.stored("gate_up_proj"),
+                                                      offs, self.limit, shared=shared_gate_up)
         else:
-            gate, up = self._grouped_mm(xs, "gate_up_proj", offs, shared_gate_up).chunk(2, dim=-1)
+            gate, up = self._grouped_mm(x, "gate_up_proj", offs, shared_gate_up, rows).chunk(2, dim=-1)
             act = swiglu_clamped(gate, up, self.limit)
         return self._grouped_mm(act, "down_proj", offs, shared_down)
 
