@@ -148,14 +148,17 @@ def variants():
             {"T", "J", "K", "k_per_split", "stride_xt", "stride_xk", "stride_fj", "stride_fk", "stride_os", "stride_ot",
              "D"}, BLOCK_T=16, BLOCK_J=32, BLOCK_K=64, EVEN_K=True, PRECISION=hc.PRECISION, INTERPRETED=False,
             N_HC=n_hc)
-    for m, overlap in ((4, True), (128, False)):  # the C4 and C128 layers' entries
-        yield f"decode compressor entry, m {m}", lambda m=m, overlap=overlap: ptx(
+    # the C4 and C128 layers' entries, alone or with the state's writes (compressor_step; fp32 bias)
+    for m, overlap, write in ((4, True, False), (128, False, False), (4, True, True), (128, False, True)):
+        yield f"decode compressor entry, m {m}, state writes {write}", lambda m=m, overlap=overlap, write=write: ptx(
             cs._closing_entry_kernel, dict(kv_new_ptr=BF, gate_new_ptr=BF, pos_ptr=I64, num_new_ptr=I64, slots_ptr=I64,
                                            buf_kv_ptr=BF, buf_gate_ptr=BF, prev_kv_ptr=BF, prev_gate_ptr=FP,
-                                           bias_ptr=BF, weight_ptr=BF, cos_ptr=FP, sin_ptr=FP, out_ptr=BF),
+                                           bias_ptr=FP if write else BF, weight_ptr=BF, cos_ptr=FP, sin_ptr=FP,
+                                           out_ptr=BF),
             {"D", "ROPE_HALF", "stride_kn", "stride_gn", "stride_bs", "stride_bt", "stride_ps", "stride_pt",
-             "stride_bias", "stride_cn", "stride_on"}, {"eps"}, M=m, OVERLAP=overlap, HALF=64, SB=cs.SLOT_BLOCK, BF16=True,
-            INTERPRETED=False)
+             "stride_bias", "stride_cn", "stride_on", "W", "scratch_slot", "stride_ee"}, {"eps"}, M=m,
+            OVERLAP=overlap, HALF=64, SB=cs.SLOT_BLOCK, BF16=True, INTERPRETED=False, WRITE=write,
+            MP=m, WP=256 if overlap else 128, BIAS_BF16=False)
     for block_t in (1, ro.BLOCK_T):  # broadcast products; tl.dot in tf32x3 (the default, 16)
         yield f"decode router, {block_t} tokens a program", lambda block_t=block_t: ptx(
             ro._route_kernel, dict(x_ptr=BF, w_ptr=FP, bias_ptr=FP, experts_ptr=I64, weights_ptr=FP), {"T", "H", "E"},

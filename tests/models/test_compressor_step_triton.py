@@ -140,3 +140,30 @@ def test_the_kernel_runs_only_for_a_decode_step_without_gradients_on_cuda():
         assert cs.runs(kv, True) and not cs.runs(kv, False)
         assert not cs.runs(kv.expand(2, 3, 32), True)  # prefill: several tokens
         assert not cs.runs(kv.requires_grad_(), True)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,m,overlap", [(16, 2, True), (16, 4, False), (32, 4, True)],
+                         ids=["C4-like m 2", "C128-like m 4", "C4 m 4"])
+@pytest.mark.parametrize("fp32_bias", [False, True], ids=["bias in the dtype", "fp32 bias"])
+def test_the_kernel_can_make_the_state_writes_too(monkeypatch, dtype, head_dim, m, overlap, fp32_bias):
+    """WRITES_STATE (`compressor_step`: cos / sin, the entry, the token and the Ca half written by the
+    kernel) against closing_entry with the torch writes, step after step: the buffers and prev_* (data
+    movement, the bias add as torch's: in bf16, or fp32 where the bias is kept fp32 as a bf16 model
+    keeps it) bit for bit, the entries within a bf16 ulp (its cos / sin are the interpreter's, numpy's;
+    on a GPU libdevice's, torch's), the scratch slot aside."""
+    comp = _compressor(head_dim, m, overlap, dtype)
+    if fp32_bias:
+        comp.position_bias.data = comp.position_bias.data.float()
+    lengths = [0, 1, m - 1, m, 2 * m + 1]
+    ref = _run(comp, lengths, 2 * m + 1, True)
+    monkeypatch.setattr(cs, "WRITES_STATE", True)
+    ours = _run(comp, lengths, 2 * m + 1, True)
+    real = slice(0, len(lengths))
+    for a, b in zip(ours, ref):
+        assert torch.equal(a.buf_kv[real], b.buf_kv[real]) and torch.equal(a.buf_gate[real], b.buf_gate[real])
+        if overlap:
+            assert torch.equal(a.prev_kv[real], b.prev_kv[real]) and torch.equal(a.prev_gate[real], b.prev_gate[real])
+        torch.testing.assert_close(a.entries[real].float(), b.entries[real].float(), rtol=2 ** -7, atol=2 ** -8)
+    assert ours[-1].entries[real].abs().sum() > 0

@@ -139,6 +139,12 @@ class Compressor(Switched, nn.Module):
         closed (C4), its Ca half into `prev_*`. A closed block's buffer is left as it is (the torch form
         empties it): its slots are written again before any entry reads them."""
         m, scratch = self.m, state.scratch_slot
+        if compressor_step_triton.WRITES_STATE:  # all of it in the kernel
+            compressor_step_triton.compressor_step(
+                kv_new, gate_new, start_pos, num_new, slots, state.buf_kv, state.buf_gate, state.prev_kv,
+                state.prev_gate, self.position_bias, self.kv_norm.weight, inv_freq, self.kv_norm.eps, state.entries,
+                scratch)
+            return
         cos, sin = rope_cos_sin(inv_freq, start_pos - (m - 1))  # the closing block's start
         entry = compressor_step_triton.closing_entry(
             kv_new, gate_new, start_pos, num_new, slots, state.buf_kv, state.buf_gate, state.prev_kv, state.prev_gate,
