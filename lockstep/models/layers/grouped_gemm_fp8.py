@@ -150,11 +150,12 @@ def grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: 
 
 def grouped_swiglu_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor, limit: float,
                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
-                       shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                       shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
     """grouped_mm_fp8 over packed gate_up experts w [G, 2F, K] (gate rows, then up) with the clamped
     SwiGLU fused in -> swiglu_clamped(gate, up, limit) [M, F] bf16: the bits of the bf16 fused kernel
     (grouped_gemm_triton.grouped_swiglu) on the dequantised weights. Arguments as grouped_mm_fp8's."""
-    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, limit, True)
+    return _call_op(x, w, scale, offs, (block_n, block_k, num_warps, num_stages), shared, limit, True, rows)
 
 
 def _call_op(x, w, scale, offs, launch: tuple, shared, limit: float, swiglu: bool, rows=None) -> torch.Tensor:

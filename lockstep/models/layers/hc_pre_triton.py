@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
-from . import sinkhorn_triton
+from . import rms_norm_grad_triton, sinkhorn_triton
 
 triton = _gt.triton
 if triton is not None:
@@ -56,6 +56,7 @@ def available(streams: torch.Tensor) -> bool:
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
     _bf16, _reciprocal, _divide = _gt._bf16, sinkhorn_triton._reciprocal, sinkhorn_triton._divide
+    _normed_rows = rms_norm_grad_triton._normed_rows
 
     @triton.jit
     def _mixes(p_row, cols, ok, splits, s_ok, r):
@@ -95,13 +96,6 @@ if triton is not None:
         tl.store(comb_ptr + t * N * N + rn[:, None] * N + rn[None, :], comb, mask=ok)
 
     @triton.jit
-    def _normed(x, w_ptr, rd, d_ok, D, eps):
-        """RMSNorm of a whole row x [BLOCK_D] (fp32 values of bf16, zeros past D) with weight w:
-        norm.RMSNorm's formula, w (x rsqrt(mean x^2 + eps)) in fp32."""
-        inv = tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps)
-        return tl.load(w_ptr + rd, mask=d_ok, other=0.0).to(tl.float32) * (x * inv)
-
-    @triton.jit
     def _hc_pre_kernel(p_ptr, x_ptr, base_ptr, scale_ptr, out_ptr, post_ptr, comb_ptr, w_ptr,
                        S, K, D, iters, hc_eps, norm_eps, block_eps,
                        stride_ps, stride_pt, stride_xt, stride_xn, stride_xd,
@@ -136,9 +130,10 @@ if triton is not None:
             x = tl.load(x_ptr + t * stride_xt + rn[:, None] * stride_xn + rd[None, :] * stride_xd,
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
             acc = tl.sum(pre[:, None] * x, axis=0)
-            if NORM:  # the collapse rounded to bf16 (as the block input), then the norm, rounded
-                acc = _normed(_bf16(acc, INTERPRETED).to(tl.float32), w_ptr, rd, d_ok, D,
-                              tl.cast(block_eps, tl.float32))
+            if NORM:  # the collapse rounded to bf16 (as the block input), then the norm (RMSNorm's), rounded
+                w = tl.load(w_ptr + rd, mask=d_ok, other=0.0).to(tl.float32)
+                row = _bf16(acc, INTERPRETED).to(tl.float32)[None, :]
+                acc = tl.reshape(_normed_rows(row, w, D, tl.cast(block_eps, tl.float32), True), (BLOCK_D,))
             if BF16:
                 tl.store(out_ptr + t * D + rd, _bf16(acc, INTERPRETED), mask=d_ok)
             else:

@@ -20,8 +20,8 @@ the concatenation, the fp8 GEMM). With this kernel the bf16 step went 273 -> 241
 -> 1,192 us of device time, decode 46,765 -> 47,883 tok/s (0.317 of the roofline); the kernel took
 7.8-8.9 us a call there (launch_config has the benchmark's figures).
 
-Numerics: the rotation is apply_rope's products in fp32 on the same cos / sin (the caller's,
-rope_cos_sin's: Triton's own sin and cos are approximations on a GPU), rounded once to bf16 (a GPU
+Numerics: the rotation is apply_rope's products in fp32 on the same cos / sin (the caller's: at a
+decode step those qk_norm_rope_triton's kernel computed, rope_cos_sin's bits), rounded once to bf16 (a GPU
 compiler may contract a product and the add into an fma); the GEMM sums in another order than
 cuBLAS: the torch form's result to bf16 rounding, not bitwise (tests/models/test_output_a_triton.py).
 The true-on-policy forward never takes it.

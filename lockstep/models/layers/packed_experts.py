@@ -135,8 +135,8 @@ class PackedExperts(Experts):
         SwiGLU inside the first kernel."""
         shared_gate_up, shared_down = shared or (None, None)
         if self.storage == "fp8" and grouped_gemm_fp8.FUSED_SWIGLU:
-            act = grouped_gemm_fp8.grouped_swiglu_fp8(x if rows is None else x[rows], *self.stored("gate_up_proj"),
-                                                      offs, self.limit, shared=shared_gate_up)
+            act = grouped_gemm_fp8.grouped_swiglu_fp8(x, *self.stored("gate_up_proj"), offs, self.limit,
+                                                      shared=shared_gate_up, rows=rows)
         else:
             gate, up = self._grouped_mm(x, "gate_up_proj", offs, shared_gate_up, rows).chunk(2, dim=-1)
             act = swiglu_clamped(gate, up, self.limit)

@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from . import grouped_gemm_triton as _gt
-from . import rope_triton
+from . import rms_norm_grad_triton, rope_triton
 from .whole_rows import in_whole_rows
 
 triton = _gt.triton
@@ -54,6 +54,7 @@ def runs(q: torch.Tensor, ring: torch.Tensor) -> bool:
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
     _bf16, _cos_sin, _rotate_pairs = _gt._bf16, rope_triton._cos_sin, rope_triton._rotate_pairs
+    _normed_rows = rms_norm_grad_triton._normed_rows
 
     @triton.jit
     def _normed_rotated(x, weight, cos, sin, eps, R: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr,
@@ -61,11 +62,7 @@ if triton is not None:
         """Rows x [R, D] (fp32 values of bf16) -> rms_norm (times weight [D] where WEIGHTED), rounded
         to bf16, then the trailing ROPE channels rotated (cos / sin [1, D / 2], 1 / 0 outside them),
         rounded to bf16."""
-        inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-        y = x * inv[:, None]
-        if WEIGHTED:
-            y = weight[None, :] * y
-        y = _bf16(y, INTERPRETED).to(tl.float32)
+        y = _bf16(_normed_rows(x, weight, D, eps, WEIGHTED), INTERPRETED).to(tl.float32)
         rotated = 2 * tl.arange(0, D // 2) >= D - ROPE
         return _bf16(_rotate_pairs(y, cos, sin, rotated, R, D), INTERPRETED)
 

@@ -106,6 +106,16 @@ if triton is not None:
     _bf16 = _gt._bf16  # by name: torch.compile's compile worker cannot resolve a module alias
 
     @triton.jit
+    def _normed_rows(x, w, D, eps, WEIGHTED: tl.constexpr):
+        """norm.rms_norm (RMSNorm where WEIGHTED) of rows x [R, C] held in registers (fp32, zeros past D),
+        in fp32, not rounded: x rsqrt(mean x^2 + eps), times w [C] (fp32). The decode kernels' norms
+        (qk_norm_rope_triton, hc_pre_triton); the sum of squares a tree (tl.sum), rsqrt libdevice's."""
+        y = x * tl.math.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+        if WEIGHTED:
+            y = w[None, :] * y
+        return y
+
+    @triton.jit
     def _gu_x_tile(x_row, g_row, w_ptr, d0, cols, D, HAS_WEIGHT: tl.constexpr):
         """The tile at d0 of a row: which columns exist, g w (g alone unweighted) and x, in fp32."""
         ok = d0 + cols < D
