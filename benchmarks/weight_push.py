@@ -27,9 +27,15 @@ bf16 0.027 s (ratio 33.3), fp8 --packed 0.031 s (39.2), fp8-fp4 --packed 0.038 s
 fp8 --packed 0.543 s (674) in the same call.
 Each rank also prints its fastest push's phases (weight_push.PHASES: agree, transfer, vote, write,
 release), from the push's `perf/weight_sync/<phase>_time` metrics.
-With the shared transport the pushes run twice: each with buckets of its own (allocated, exported,
-mapped and freed per push), then with a `BucketPool` kept from push to push (as EngineReplicas
-keeps one); a ratio line for each. One H200, 2026-12-04, buckets per push (before the pool and
+On one host (auto) the pushes run four times: the shared transport with buckets of each push's own
+(allocated, exported, mapped and freed per push), then with a `BucketPool` kept from push to push;
+the mapped transport (lockstep/dist/mapped_weights.py: engines read the trainer's tensors in place)
+exporting per push, then with its exports and mappings kept (as EngineReplicas keeps them); a
+ratio line for each. On 2 CPU cores (2026-12-04, `--config gpu-848m --pushes 3`, bf16, 1709 MB,
+copy bound 0.248 s at 6.9 GB/s): shared per push ratio 5.23, shared kept pool 2.91, mapped per
+push 2.10, **mapped kept 1.59** (0.395 s; the in-process update 0.407 s; engine phases: transfer,
+i.e. the finiteness read, 150 ms, write 239 ms). cpu-tiny (5 MB, fixed costs dominate): kept pool
+10.3, kept mappings 12.0. One H200, 2026-12-04, buckets per push (before the pool and
 the one-broadcast sharing): bf16 0.017 s (ratio 20.7; engine phases agree 2.7 ms, transfer 10.7, vote 0.3,
 write 2.3, release 0.8), fp8 --packed 0.025 s (31.0; write 9.7). After (one call, best of 5):
 buckets per push bf16 0.0149 s (18.6), fp8 --packed 0.0229 s (28.5); kept pool bf16 0.0095 s
@@ -54,7 +60,9 @@ from lockstep.dist.config import DistConfig  # noqa: E402
 from lockstep.dist.groups import Layout, init_distributed, launched  # noqa: E402
 from lockstep.dist.launch import launch  # noqa: E402
 from lockstep.dist.manifest import build_manifest  # noqa: E402
-from lockstep.dist.shared_buckets import TRANSPORTS, BucketPool, resolve_transport  # noqa: E402
+from lockstep.dist.mapped_weights import MappedWeights  # noqa: E402
+from lockstep.dist.push_transport import TRANSPORTS, resolve_transport  # noqa: E402
+from lockstep.dist.shared_buckets import BucketPool  # noqa: E402
 from lockstep.dist.weight_push import PHASES, push_weights  # noqa: E402
 from lockstep.engine import Engine  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
@@ -123,10 +131,15 @@ def phase_line(pushes: list[dict]) -> str:
         f"{phase} {best[f'perf/weight_sync/{phase}_time'] * 1e3:.2f}" for phase in PHASES)
 
 
-def series(transport: str) -> list[tuple[str, BucketPool | None]]:
-    """(label, pool) per series of pushes: the shared transport runs with buckets of each push's own
-    (no pool) and then with a pool kept from push to push; a broadcast has no buckets to keep."""
-    return [(" (buckets per push)", None), (" (kept pool)", BucketPool())] if transport == "shared" else [("", None)]
+def series(requested: str, transport: str) -> list[tuple[str, str, BucketPool | MappedWeights | None]]:
+    """(label, transport, pool) per series of pushes: the shared transport with buckets of each push's
+    own (no pool), then with a pool kept from push to push; the mapped transport likewise (exports
+    per push, then kept); auto on one host runs both; a broadcast has nothing to keep."""
+    if transport == "broadcast":
+        return [("", "broadcast", None)]
+    shared = [(" (buckets per push)", "shared", None), (" (kept pool)", "shared", BucketPool())]
+    mapped = [(" (mapped per push)", "mapped", None), (" (kept mappings)", "mapped", MappedWeights())]
+    return {"shared": shared, "mapped": mapped}.get(requested, shared + mapped)
 
 
 def rank_main(args) -> None:
@@ -139,12 +152,12 @@ def rank_main(args) -> None:
     transport = resolve_transport(ctx, args.transport)  # every rank: a collective
     if ctx.rank == 0:
         version = 0
-        for label, pool in series(transport):
+        for label, kind, pool in series(args.transport, transport):
             pushes = []
             for _ in range(args.pushes):
                 version += 1
                 pushes.append(push_weights(ctx, manifest, version, named_tensors=trainer_model.state_dict().items(),
-                                           transport=transport, pool=pool))
+                                           transport=kind, pool=pool))
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
@@ -161,12 +174,12 @@ def rank_main(args) -> None:
     del trainer_model
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
     ref = reference.model.state_dict()
-    for label, pool in series(transport):
-        pushes = [push_weights(ctx, manifest, None, engine=pushed, transport=transport, pool=pool)
+    for label, kind, pool in series(args.transport, transport):
+        pushes = [push_weights(ctx, manifest, None, engine=pushed, transport=kind, pool=pool)
                   for _ in range(args.pushes)]
         differ = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
         push_s = min(m["perf/weight_sync_time"] for m in pushes)
-        print(f"weight push {args.config} {args.serving_format} on {device} ({transport}{label}): "
+        print(f"weight push {args.config} {args.serving_format} on {device} ({kind}{label}): "
               f"{manifest.total_bytes / 1e6:.1f} MB in {len(manifest.buckets)} buckets; push {push_s:.3f} s (best of "
               f"{len(pushes)}, {manifest.total_bytes / push_s / 1e9:.2f} GB/s) vs in-process update {in_process:.3f} s "
               f"(best): ratio {push_s / in_process:.2f}; tensors differing from the in-process update: {len(differ)} "

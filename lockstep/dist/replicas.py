@@ -28,16 +28,16 @@ Weights, `update_weights(named_tensors, version)` on every rank at the same poin
                     named_weights, engine ranks their engine; buckets broadcast from the first
                     trainer rank, two-phase commit. A trainer-only rank holds no engine: it
                     contributes no samples, keeps the version number and needs the tokenizer.
-                    Where the push hands buckets over by handle (one host, gloo), each rank keeps
-                    its `BucketPool` for the run: the source holds one copy of the pushed bytes
-                    between pushes, and no push allocates, exports or maps buckets again.
+                    Where every rank is on one host and the weight group is gloo, the engines
+                    map the trainer's own tensors (push_transport.py: "mapped"); each rank keeps
+                    its pool for the run, so no push exports or maps them again.
 """
 
 from __future__ import annotations
 
 from lockstep.dist.groups import DistContext
+from lockstep.dist.push_transport import new_pool, resolve_transport
 from lockstep.dist.sample_gather import gather_samples
-from lockstep.dist.shared_buckets import BucketPool, resolve_transport
 from lockstep.dist.weight_push import push_weights
 
 
@@ -64,7 +64,7 @@ class EngineReplicas:
         self._tokenizer = tokenizer if engine is None else engine.tokenizer
         self._version = 0  # a trainer-only rank's record of what the engines serve
         self._transport: str | None = None  # the push's, agreed at the first push (a collective)
-        self._pool = BucketPool()  # the shared transport's buckets, kept from push to push
+        self._pool = None  # what the transport keeps from push to push (push_transport.new_pool)
 
     @property
     def tokenizer(self):
@@ -97,6 +97,7 @@ class EngineReplicas:
             return {}
         if self._transport is None:  # every rank is here at the same point of the loop
             self._transport = resolve_transport(self.ctx)
+            self._pool = new_pool(self._transport)
         metrics = push_weights(self.ctx, self.manifest, version, named_tensors=named_tensors, engine=self.engine,
                                transport=self._transport, pool=self._pool)
         self._version = version

@@ -9,12 +9,13 @@ CUDA tensor; on the CPU a POSIX shared-memory segment -- and sends only the hand
 stages views of the mapped bytes and reads them once, when it writes its weights. This is how
 colocated RL stacks hand weights from the training process to the inference server (SGLang's
 `update_weights_from_tensor` takes CUDA IPC handles of flattened buckets; slime's colocated mode).
+The mapped transport (mapped_weights.py) skips the pack: engines read the trainer's own tensors.
 
 Lifetime: the source keeps every bucket until every rank has written the update, so the push's one
 staging copy sits on the source, not on each engine. A `BucketPool` holds one rank's buckets (the
 source's allocations, a reader's mappings and the tensor views cut from them). A pool made for one
 push is freed at its end (weight_push.py's release barrier: every engine has written). A pool kept
-from push to push (`EngineReplicas` keeps one) allocates, exports and maps its buckets once and
+from push to push allocates, exports and maps its buckets once and
 reuses them: each later push only packs, one drain, one small broadcast. On one H200 the buckets'
 allocation, CUDA IPC export / open, a broadcast and a barrier per bucket and their views were most
 of gpu-848m's 17 ms bf16 push (benchmarks/weight_push.py, 2026-12-04). The cost: the source holds
@@ -32,31 +33,7 @@ import os
 from multiprocessing.shared_memory import SharedMemory
 
 import torch
-import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
-
-TRANSPORTS = ("auto", "broadcast", "shared")
-
-
-def one_host(ctx) -> bool:
-    """Every rank of the world runs on this host (torchrun's LOCAL_WORLD_SIZE is the world's size)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "0")) == ctx.world_size
-
-
-def resolve_transport(ctx, requested: str = "auto") -> str:
-    """"shared" or "broadcast" for this world. auto: shared where the weight group would broadcast
-    over gloo (host staging) and every rank is on this host; NCCL's broadcast is kept where it runs."""
-    if requested not in TRANSPORTS:
-        raise ValueError(f"weight push transport must be one of {TRANSPORTS}, got {requested!r}")
-    if requested == "shared" and not one_host(ctx):
-        raise ValueError(f"rank {ctx.rank}: the shared weight-push transport needs every rank on one host "
-                         f"(LOCAL_WORLD_SIZE {os.environ.get('LOCAL_WORLD_SIZE')} != world size {ctx.world_size})")
-    if requested != "auto":
-        return requested
-    # ranks outside the weight group have no say (True); every rank learns the one answer
-    mine = ctx.weight_group is None or (dist.get_backend(ctx.weight_group) == "gloo" and one_host(ctx))
-    return "shared" if ctx.all_true(mine, "weight push transport") else "broadcast"
-
 
 class SharedBucket:
     """The source's side: `tensor` (uint8, `nbytes`, zeroed) to pack into, `handle()` for the others."""

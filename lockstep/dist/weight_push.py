@@ -17,12 +17,13 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    inside `named_weights()` stay in step. Engines keep each bucket's tensors as views of it and run
    `engine.weight_update.validate_update` on them: this is the staging (after the last bucket the
    parts are joined into one `ValidatedUpdate`, its names checked across buckets, so a tensor no
-   bucket held fails the vote too). Where every rank is on one
-   host and the weight group is gloo (ranks sharing a GPU, or CPU ranks), the "shared" transport
-   (shared_buckets.py) replaces the broadcast: the source packs every bucket into shared memory
-   (CUDA IPC on a GPU) and broadcasts only their handles on the control group, once; engines stage
-   views of the mappings. A `BucketPool` passed in keeps the buckets, mappings and views for the
-   next push (allocated, exported and mapped once).
+   bucket held fails the vote too). Where every rank is on one host, two transports replace the
+   broadcast (push_transport.py; auto picks "mapped" where the weight group is gloo: ranks sharing
+   a GPU, or CPU ranks): "shared" (shared_buckets.py), the source packs every bucket into shared
+   memory (CUDA IPC on a GPU) and broadcasts only their handles on the control group, engines
+   stage views of the mappings; "mapped" (mapped_weights.py), the source packs nothing and offers
+   handles to its own tensors, engines stage the mapped tensors. A pool passed in
+   (push_transport.new_pool) keeps the buckets, exports and mappings for the next push.
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
    re-quantises to its serving format (without checking the staged values again), re-fuses and
@@ -31,13 +32,14 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
 5. Staged views are dropped; with the shared transport and a pool made for this push, engines
    unmap and the source frees its buckets after a barrier (every engine has written); a kept pool
-   keeps them. Engines resume (in `finally`: a failed push never
+   keeps them. A mapped push always ends at that barrier: until every engine has written, the
+   trainer must not change its tensors. Engines resume (in `finally`: a failed push never
    leaves an engine paused, slime#2371).
 
 A dead or hung peer surfaces as `DistributedError` (groups.collective) naming rank and step.
 Staging holds one extra copy of the pushed weights on each engine (the received buckets; with the
-shared transport on the source instead); engines whose memory cannot hold it need the KV cache
-freed first (sglang#8076) -- not done yet.
+shared transport on the source instead; the mapped transport holds none); engines whose memory
+cannot hold it need the KV cache freed first (sglang#8076) -- not done yet.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
-from lockstep.dist.shared_buckets import BucketPool, resolve_transport
+from lockstep.dist.mapped_weights import MappedWeights
+from lockstep.dist.push_transport import new_pool, resolve_transport
+from lockstep.dist.shared_buckets import BucketPool
 from lockstep.engine.weight_update import UpdateTargets, ValidatedUpdate, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
@@ -178,10 +182,13 @@ class _Stream:
     mapped views; `pool` holds the buckets (None: a pool for this push alone)."""
 
     def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str,
-                 transport: str, pool: BucketPool | None = None):
+                 transport: str, pool: BucketPool | MappedWeights | None = None):
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
         self.transport = transport
-        self.pool, self.owns_pool = pool or BucketPool(), pool is None
+        self.pool, self.owns_pool = pool or new_pool(transport), pool is None
+        if type(self.pool) is not type(new_pool(transport)):
+            raise ValueError(f"rank {ctx.rank}: {op}: the {transport} transport keeps a {type(new_pool(transport)).__name__}, "
+                             f"got a {type(self.pool).__name__}")
         self.tensors = iter(named_tensors) if named_tensors is not None else None
         self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
         self.staged: ValidatedUpdate | None = None  # the parts joined once every bucket is staged
@@ -218,6 +225,8 @@ class _Stream:
     def run(self) -> None:
         if self.transport == "shared":
             self._run_shared()
+        elif self.transport == "mapped":
+            self._run_mapped()
         else:
             self._run_broadcast()
         if self.engine is not None and self.error is None:
@@ -276,6 +285,35 @@ class _Stream:
     def _bucket_views(self, b: int, bucket: Bucket, buf: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         return self.pool.views((self.manifest.hash, b), lambda: _views(self.manifest, bucket, buf))
 
+    def _run_mapped(self) -> None:
+        """The source offers handles to its own tensors (mapped_weights.py; none where the engines map
+        them already), engines stage the mapped tensors themselves: nothing is packed."""
+        source, names = self.ctx.rank == self.ctx.weight_src, [spec.name for spec in self.manifest.entries]
+        tensors = []
+        for bucket in self.manifest.buckets:  # every trainer rank takes each bucket (FSDP's gathers)
+            taken = self.source_tensors(bucket)
+            if source and taken is not None:
+                tensors += taken
+        offer = None
+        if source:
+            try:  # the wire dtype: a no-op where the trainer's dtype is the manifest's (manifest.py)
+                wire = [t if t.dtype == spec.torch_dtype else t.to(spec.torch_dtype)
+                        for t, spec in zip(tensors, self.manifest.entries)]
+                offer = ("mapped", self.pool.offer(wire)) if self.error is None else ("failed", None)
+            except (RuntimeError, ValueError) as e:
+                self.error, offer = e, ("failed", None)
+        with self.ctx.collective(f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)"):
+            dist.broadcast_object_list(box := [offer], src=self.ctx.weight_src, group=self.ctx.control_group)
+        kind, handles = box[0]
+        if kind == "failed" or self.engine is None or source:
+            return  # a failed source: nothing to stage, the vote aborts
+        try:
+            mapped = self.pool.reader_tensors(handles)
+        except (RuntimeError, ValueError) as e:
+            self.error = e
+            return
+        self.stage(list(zip(names, mapped)))
+
     def _pack_shared(self) -> tuple[list[torch.Tensor], tuple[list[tuple], bool] | None]:
         """The source packs every bucket into its pool's buffers, taking each bucket's tensors from the
         iterator as the other trainer ranks do: (the buffers, the offer to broadcast, BucketPool.offer,
@@ -293,8 +331,17 @@ class _Stream:
     def release(self, every_rank_here: bool) -> None:
         """Drop the staged views; a pool made for this push is freed: readers unmap, then the source
         frees its buckets once every rank has (`every_rank_here`: a barrier first; after a failed
-        collective the peers are not waited for)."""
+        collective the peers are not waited for). A mapped push always ends at that barrier: the
+        engines read the trainer's live memory, which the trainer may change once push_weights returns."""
         self.parts, self.staged = [], None
+        if self.transport == "mapped":
+            if self.owns_pool:
+                self.pool.unmap()
+            if every_rank_here:
+                self.ctx.barrier(f"{self.op}: engines read the mapped weights")
+            if self.owns_pool:
+                self.pool.free()
+            return
         if not self.owns_pool:
             return
         self.pool.unmap()
@@ -322,12 +369,12 @@ PHASES = ("agree", "transfer", "vote", "write", "release")
 
 def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, named_tensors=None, engine=None,
                  device: torch.device | None = None, transport: str = "auto",
-                 pool: BucketPool | None = None) -> dict[str, float]:
+                 pool: BucketPool | MappedWeights | None = None) -> dict[str, float]:
     """One push (module docstring), called on every rank. The source rank must pass `version` and
     `named_tensors`; engine ranks may pass version None (they take the header's). `transport`:
-    broadcast | shared | auto (shared_buckets.resolve_transport; every rank passes the same).
-    `pool`: with the shared transport, the rank's buckets kept from push to push (every rank passes
-    one, or none does); None: allocated for this push and freed at its end.
+    broadcast | shared | mapped | auto (push_transport.resolve_transport; every rank passes the same).
+    `pool`: what the rank keeps from push to push (push_transport.new_pool(transport); every rank
+    passes one, or none does); None: made for this push and freed at its end.
     Returns metrics `perf/weight_sync_time` (s), `perf/weight_sync_bytes` (bytes pushed) and
     `perf/weight_sync/<phase>_time` (s) for each of PHASES on this rank."""
     start = time.perf_counter()

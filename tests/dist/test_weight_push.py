@@ -140,7 +140,7 @@ def shared_segments() -> set[str]:
     return {p.name for p in shm.glob("psm_*")} if shm.is_dir() else set()
 
 
-@pytest.mark.parametrize("transport", ["shared", "broadcast"])
+@pytest.mark.parametrize("transport", ["shared", "broadcast", "mapped"])
 @pytest.mark.parametrize("device", world_devices())
 def test_push_equals_in_process_update_in_every_format(device, transport):
     r0, r1 = run_world(_push_world, 2, guard_s=120 if device == "cpu" else 240, args=(transport,), device=device)
@@ -223,6 +223,56 @@ def test_a_kept_pool_reuses_its_buckets_and_mappings():
     assert differs == ([], [], [], []), differs
 
 
+def _kept_mappings_world(rank):
+    from lockstep.dist.mapped_weights import MappedWeights
+
+    ctx = init_distributed(30.0, config=DISAGGREGATED)
+    pool, seen = MappedWeights(), []
+    first = "model.embed_tokens.weight"
+    if rank == 0:
+        trainer = new_policy()
+        param = dict(trainer.model.named_parameters())[first]
+        for v in (1, 2, 3, 4):
+            with torch.no_grad():
+                if v == 3:  # the trainer steps in place: the engines read the new values through the old mappings
+                    param.add_(1.0)
+                if v == 4:  # a parameter re-homed (new storage): exported again, alone
+                    param.data = param.data + 1.0
+            offered = [h for h in pool._handles]
+            push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), v,
+                         named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
+            seen.append(sum(a is not b for a, b in zip(offered, pool._handles)) if offered else len(pool._handles))
+        return seen, all(t.is_shared() for t in trainer.model.state_dict().values())
+    pushed, reference, new = engine(), engine(), new_policy()
+    param = dict(new.model.named_parameters())[first]
+    for v in (1, 2, 3, 4):
+        with torch.no_grad():
+            if v >= 3:
+                param.add_(1.0)
+        poison(pushed)
+        push_weights(ctx, build_manifest(pushed.model, torch.float32, BUCKET), None, engine=pushed,
+                     transport="mapped", pool=pool)
+        reference.update_weights(new.named_weights(), version=v)
+        ref = reference.model.state_dict()
+        seen.append(([t.data_ptr() for _, t in pool._mapped],
+                     [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]))
+    return seen
+
+
+def test_mapped_pushes_read_the_trainers_own_tensors_mapped_once():
+    """The mapped transport (mapped_weights.py): the engine reads the trainer's live tensors. Kept
+    from push to push, the first push exports every tensor (on the CPU moving the trainer's storages
+    into shared memory), the next ones none even after the trainer stepped in place, and a parameter
+    given new storage is exported again alone; every push equals the in-process update."""
+    r0, r1 = run_world(_kept_mappings_world, 2, guard_s=120)
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    exported, shared = r0.value
+    assert exported[0] > 100 and exported[1:] == [0, 0, 1] and shared
+    ptrs, differs = zip(*r1.value)
+    assert ptrs[0] == ptrs[1] == ptrs[2] and sum(a != b for a, b in zip(ptrs[2], ptrs[3])) == 1
+    assert differs == ([], [], [], []), differs
+
+
 def _narrow_experts():
     import json
 
@@ -291,7 +341,7 @@ def _dead_peer_world(rank, dying, transport):
         assert kept and e.weight_version == 0 and not e.paused  # nothing committed, serving again
 
 
-@pytest.mark.parametrize("transport", ["shared", "broadcast"])
+@pytest.mark.parametrize("transport", ["shared", "broadcast", "mapped"])
 @pytest.mark.parametrize("device", world_devices())
 @pytest.mark.parametrize("dying", [0, 1])
 def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport):
@@ -304,7 +354,7 @@ def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport
     assert dead.exitcode == 7 and not alive.hung
     assert alive.error_type == "DistributedError", alive.error
     assert alive.error.startswith(f"rank {alive.rank}: weight push v1: "), alive.error
-    steps = ("broadcast bucket",) if transport == "broadcast" else ("share bucket", "mapped")
+    steps = {"broadcast": ("broadcast bucket",), "shared": ("share bucket", "mapped"), "mapped": ("map weights",)}[transport]
     assert any(step in alive.error for step in steps) or "commit vote" in alive.error
     # from the rank's start: joining the world and building trainer / engine, then at most the 10 s
     # timeout (NCCL: the wait runs out; gloo: at once when the peer's socket closes)
@@ -312,17 +362,19 @@ def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport
 
 
 def test_transport_choice_is_checked(monkeypatch):
-    """A transport name outside the three, or "shared" on a world spread over hosts, is refused by name."""
+    """A transport name outside the four, or "shared" / "mapped" on a world spread over hosts, is refused
+    by name; a pool of another transport's kind too."""
     from types import SimpleNamespace
 
-    from lockstep.dist.shared_buckets import resolve_transport
+    from lockstep.dist.push_transport import resolve_transport
 
     ctx = SimpleNamespace(rank=1, world_size=4)
-    with pytest.raises(ValueError, match="one of .'auto', 'broadcast', 'shared'.*got 'nccl'"):
+    with pytest.raises(ValueError, match="one of .'auto', 'broadcast', 'shared', 'mapped'.*got 'nccl'"):
         resolve_transport(ctx, "nccl")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two nodes of two ranks
-    with pytest.raises(ValueError, match="rank 1: the shared weight-push transport needs every rank on one host"):
-        resolve_transport(ctx, "shared")
+    for kind in ("shared", "mapped"):
+        with pytest.raises(ValueError, match=f"rank 1: the {kind} weight-push transport needs every rank on one host"):
+            resolve_transport(ctx, kind)
     assert resolve_transport(ctx, "broadcast") == "broadcast"
 
 
