@@ -180,7 +180,7 @@ class _AgreedRunner:
 
 class ExpertParallelEngine:
     """One engine rank of the expert-parallel engine: the Engine seam (generate, update_weights,
-    weight_version, pause / resume, tokenizer, model) over this rank's Engine."""
+    update_targets, weight_version, pause / resume, tokenizer, model) over this rank's Engine."""
 
     def __init__(self, ctx: DistContext, engine: Engine):
         self.ctx, self.engine = ctx, engine
@@ -241,6 +241,9 @@ class ExpertParallelEngine:
             self.agree_step(0, failed=True)
         except DistributedError:
             pass  # a peer is gone too; this rank's own error is the one to raise
+
+    def update_targets(self):
+        return self.engine.update_targets()
 
     def update_weights(self, named_tensors, version: int, partial: bool = False) -> None:
         """Full expert tensors are cut to this rank's experts; the Engine validates and writes."""

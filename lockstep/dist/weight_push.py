@@ -58,7 +58,7 @@ from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.dist.mapped_weights import MappedWeights
 from lockstep.dist.push_transport import new_pool, resolve_transport
 from lockstep.dist.shared_buckets import BucketPool
-from lockstep.engine.weight_update import UpdateTargets, ValidatedUpdate, check_version, validate_update
+from lockstep.engine.weight_update import ValidatedUpdate, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
 
 
@@ -194,7 +194,7 @@ class _Stream:
         self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
         self.staged: ValidatedUpdate | None = None  # the parts joined once every bucket is staged
         self.error: BaseException | None = None
-        self.targets = UpdateTargets.of(engine.model) if engine is not None else None  # every bucket's checks
+        self.targets = engine.update_targets() if engine is not None else None  # every bucket's checks
         if engine is not None:
             try:  # a stale version is a staging failure: voted on, not discovered after the vote
                 check_version(engine.weight_version, version, partial=False)
