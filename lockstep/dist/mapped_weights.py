@@ -96,6 +96,10 @@ class MappedWeights:
             raise RuntimeError("the source offered no handles and this rank has mapped none")
         return [t for _, t in self._mapped]
 
+    def mapped(self) -> bool:
+        """A reader holds mappings from an earlier offer."""
+        return bool(self._mapped)
+
     def unmap(self) -> None:
         """A reader drops its mappings."""
         self._mapped = []

@@ -217,11 +217,21 @@ class _Stream:
         """Validate an engine's share of received tensors (views of the bytes of a bucket, or of all)."""
         if self.engine is None or self.error is not None:
             return
-        pairs = _engine_share(self.engine, views)
+        self.keep(self.validated(views))
+
+    def validated(self, views: list[tuple[str, torch.Tensor]]) -> ValidatedUpdate | ValueError:
+        """The engine's share of `views` validated, or the reason it is not (nothing kept yet)."""
         try:
-            self.parts.append(validate_update(self.engine.model, pairs, partial=True, targets=self.targets))
+            return validate_update(self.engine.model, _engine_share(self.engine, views), partial=True,
+                                   targets=self.targets)
         except ValueError as e:
-            self.error = e
+            return e
+
+    def keep(self, outcome: ValidatedUpdate | ValueError) -> None:
+        if isinstance(outcome, ValueError):
+            self.error = outcome
+        else:
+            self.parts.append(outcome)
 
     def run(self) -> None:
         if self.transport == "shared":
@@ -288,8 +298,14 @@ class _Stream:
 
     def _run_mapped(self) -> None:
         """The source offers handles to its own tensors (mapped_weights.py; none where the engines map
-        them already), engines stage the mapped tensors themselves: nothing is packed."""
+        them already), engines stage the mapped tensors themselves: nothing is packed. An engine that
+        mapped them at an earlier push validates them before the offer comes (past the header the
+        source's tensors are final), so its reads overlap the source's walk of its tensors; the
+        result counts only if the offer brings no new handles."""
         source, names = self.ctx.rank == self.ctx.weight_src, [spec.name for spec in self.manifest.entries]
+        early = None
+        if not source and self.engine is not None and self.error is None and self.pool.mapped():
+            early = self.validated(list(zip(names, self.pool.reader_tensors(None))))
         tensors = []
         for bucket in self.manifest.buckets:  # every trainer rank takes each bucket (FSDP's gathers)
             taken = self.source_tensors(bucket)
@@ -305,8 +321,11 @@ class _Stream:
         failed = source and self.error is not None
         ok, handles = _offer(self.ctx, not failed, handles,
                              f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)")
-        if not ok or self.engine is None or source:
+        if not ok or self.engine is None or source or self.error is not None:
             return  # a failed source: nothing to stage, the vote aborts
+        if handles is None and early is not None:
+            self.keep(early)
+            return
         try:
             mapped = self.pool.reader_tensors(handles)
         except (RuntimeError, ValueError) as e:

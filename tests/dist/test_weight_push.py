@@ -242,6 +242,13 @@ def _kept_mappings_world(rank):
             push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), v,
                          named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
             seen.append(sum(a is not b for a, b in zip(offered, pool._handles)) if offered else len(pool._handles))
+        with torch.no_grad():  # a NaN written in place: the same handles, the engine's early validation fails
+            param[0, 0] = float("nan")
+        try:
+            push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), 5,
+                         named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
+        except Exception as e:
+            seen.append(f"{type(e).__name__}: {e}")
         return seen, all(t.is_shared() for t in trainer.model.state_dict().values())
     pushed, reference, new = engine(), engine(), new_policy()
     param = dict(new.model.named_parameters())[first]
@@ -256,21 +263,33 @@ def _kept_mappings_world(rank):
         ref = reference.model.state_dict()
         seen.append(([t.data_ptr() for _, t in pool._mapped],
                      [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]))
-    return seen
+    before = state(pushed)
+    try:
+        push_weights(ctx, build_manifest(pushed.model, torch.float32, BUCKET), None, engine=pushed,
+                     transport="mapped", pool=pool)
+    except Exception as e:
+        kept = all(torch.equal(t, before[n]) for n, t in pushed.model.state_dict().items())
+        return seen, f"{type(e).__name__}: {e}", kept, pushed.weight_version
+    return seen, None, None, None
 
 
 def test_mapped_pushes_read_the_trainers_own_tensors_mapped_once():
     """The mapped transport (mapped_weights.py): the engine reads the trainer's live tensors. Kept
     from push to push, the first push exports every tensor (on the CPU moving the trainer's storages
     into shared memory), the next ones none even after the trainer stepped in place, and a parameter
-    given new storage is exported again alone; every push equals the in-process update."""
+    given new storage is exported again alone; every push equals the in-process update. A NaN the
+    trainer writes in place (no new handles: the engine's validation ran before the offer) is voted
+    down: both ranks raise naming it, the engine keeps version 4."""
     r0, r1 = run_world(_kept_mappings_world, 2, guard_s=120)
     assert r0.ok and r1.ok, (r0.error, r1.error)
     exported, shared = r0.value
-    assert exported[0] > 100 and exported[1:] == [0, 0, 1] and shared
-    ptrs, differs = zip(*r1.value)
+    assert exported[0] > 100 and exported[1:4] == [0, 0, 1] and shared
+    assert exported[4].startswith("WeightPushError: rank 0: weight push v5 aborted, rank(s) [1]"), exported[4]
+    seen, nan_error, kept, version = r1.value
+    ptrs, differs = zip(*seen)
     assert ptrs[0] == ptrs[1] == ptrs[2] and sum(a != b for a, b in zip(ptrs[2], ptrs[3])) == 1
     assert differs == ([], [], [], []), differs
+    assert "model.embed_tokens.weight: 1 non-finite values" in nan_error and kept and version == 4, nan_error
 
 
 def _narrow_experts():
