@@ -311,18 +311,22 @@ class _Stream:
             taken = self.source_tensors(bucket)
             if source and taken is not None:
                 tensors += taken
-        handles = None
+        handles, wire = None, []
         if source and self.error is None:
             try:  # the wire dtype: a no-op where the trainer's dtype is the manifest's (manifest.py)
-                handles = self.pool.offer([t if t.dtype == spec.torch_dtype else t.to(spec.torch_dtype)
-                                           for t, spec in zip(tensors, self.manifest.entries)])
+                wire = [t if t.dtype == spec.torch_dtype else t.to(spec.torch_dtype)
+                        for t, spec in zip(tensors, self.manifest.entries)]
+                handles = self.pool.offer(wire)
             except (RuntimeError, ValueError) as e:
                 self.error = e
         failed = source and self.error is not None
         ok, handles = _offer(self.ctx, not failed, handles,
                              f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)")
-        if not ok or self.engine is None or source or self.error is not None:
+        if not ok or self.engine is None or self.error is not None:
             return  # a failed source: nothing to stage, the vote aborts
+        if source:  # an engine on the source rank (colocated) reads the tensors themselves
+            self.stage(list(zip(names, wire)))
+            return
         if handles is None and early is not None:
             self.keep(early)
             return
