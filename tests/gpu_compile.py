@@ -60,6 +60,7 @@ def variants():
     from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
+    from lockstep.quant import fp8_triton as q8
     from lockstep.train import adamw_triton as aw
 
     flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
@@ -105,6 +106,10 @@ def variants():
                                {"lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt"},
                                num_warps=8, HAS_P=True, SCALED=True, G_BF16=True, P_BF16=True, INTERPRETED=False,
                                BLOCK=aw.BLOCK, CHUNK=aw.CHUNK)
+    for scale_bytes in (False, True):  # the push's fp8 re-quantisation: fp32 or e8m0-byte scales
+        yield f"fp8 quantise many{' e8m0' if scale_bytes else ''}", lambda scale_bytes=scale_bytes: ptx(
+            q8._fp8_many_kernel, dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32"), {"T"},
+            num_warps=8, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128, UE8M0=True, SCALE_BYTES=scale_bytes)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)

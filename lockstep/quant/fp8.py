@@ -40,6 +40,7 @@ __all__ = [
     "FP8_E4M3_MAX",
     "FP8_BLOCK",
     "quantize_fp8_block",
+    "quantize_fp8_blocks_into",
     "dequantize_fp8_block",
     "fp8_scale_shape",
     "check_fp8_scale",
@@ -150,6 +151,22 @@ def quantize_fp8_block(
             out[1].copy_(scale)
         return out
     return q, scale
+
+
+def quantize_fp8_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
+                             block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "ue8m0") -> None:
+    """quantize_fp8_block(w, block, scale_fmt, out=out) for every pair, those the kernel takes
+    (`fp8_triton.eligible`) in one launch per group (fp8_triton.quantize_fp8_many_into): a weight
+    push writes all of an engine's packed fp8 weights at once."""
+    batch = []
+    for w, out in zip(ws, outs):
+        if fp8_triton.eligible(w) and all(b > 0 and b & (b - 1) == 0 for b in block):
+            _check_out(w, out, block)
+            batch.append((w.detach(), out))
+        else:
+            quantize_fp8_block(w, block, scale_fmt, out=out)
+    if batch:
+        fp8_triton.quantize_fp8_many_into([w for w, _ in batch], [out for _, out in batch], block, scale_fmt)
 
 
 def _check_out(w: torch.Tensor, out, block: tuple[int, int]) -> None:

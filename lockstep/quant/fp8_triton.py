@@ -1,6 +1,7 @@
 """Triton kernels for the weight push's re-quantisation on the GPU: fp8 e4m3 with one scale per
-128x128 block (custom op `lockstep::quantize_fp8_block_`) and, in fp4_triton.py, fp4 e2m1 with
-e8m0 scales per 1x32 (`lockstep::quantize_fp4_block_`). Both write into preallocated storage.
+128x128 block (`quantize_fp8_many_into`, many tensors in one launch) and, in fp4_triton.py, fp4
+e2m1 with e8m0 scales per 1x32 (custom op `lockstep::quantize_fp4_block_`). Both write into
+preallocated storage.
 
 Caller: `fp8.quantize_fp8_block` / `fp4.quantize_fp4_block` take the kernel for CUDA tensors in
 eager mode (`eligible`); CPU tensors, and everything under torch.compile, keep the PyTorch rule,
@@ -24,12 +25,19 @@ Bit-for-bit the reference (tests/quant/test_fp8_triton.py, under TRITON_INTERPRE
   - fp32-format scales (scale_fmt="fp32"): bitwise for finite blocks; non-finite ones get NaN
     codes whose sign bit is the platform's (not pinned down).
 
-Launch: one program per 128x128 block (8 warps). Owed, GPU: this kernel's bitwise check against
-the reference on CUDA (LOCKSTEP_TEST_DEVICE=cuda runs the same tests compiled) and its bandwidth
-(benchmarks/weight_push.py prints the push's ratio to the copy bound); neither has been run.
+Launch: one program per 128x128 block (8 warps) of any of the tensors of one launch, which reads
+its tensor's addresses and strides from a table (int64 addresses cast to typed pointers, as
+train/adamw_triton.py does; the block table, by the shapes only, is made once per set of shapes
+and kept on the device). Launched directly, not as a custom op: eager only (`eligible`), and a
+custom op's call cost ~66 us of host time where a direct launch costs ~20. An fp8 engine's push
+quantises all of its fp8 weights in one or two launches (engine/weight_update.write_served), where a
+launch per tensor was ~80 launches on gpu-848m. Owed, GPU: the bandwidth of the many-tensor launch
+(benchmarks/weight_push.py --serving-format fp8 --packed prints the push's phases).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -95,12 +103,11 @@ if triton is not None:
         return code | sign
 
     @triton.jit
-    def _fp8_block_kernel(w_ptr, q_ptr, s_ptr, rows, cols, stride_wm, stride_wr, nbr, nbc,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
-                          SCALE_BYTES: tl.constexpr):
-        pid_r = tl.program_id(0)
-        pid_c = tl.program_id(1)
-        mat = tl.program_id(2).to(tl.int64)
+    def _quantize_block(w_ptr, q_ptr, s_ptr, mat, pid_r, pid_c, rows, cols, stride_wm, stride_wr, nbr, nbc,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
+                        SCALE_BYTES: tl.constexpr):
+        """Block (pid_r, pid_c) of matrix `mat` of w [M, rows, cols] into q [M, rows, cols] and its
+        scale into s [M, nbr, nbc] (both contiguous)."""
         offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
         offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
         mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols)
@@ -118,35 +125,83 @@ if triton is not None:
         else:
             tl.store(s_ptr + s_off, scale)
 
-    @torch.library.triton_op("lockstep::quantize_fp8_block_", mutates_args={"q", "scale"})
-    def quantize_fp8_block_(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_r: int, block_c: int,
-                            ue8m0: bool) -> None:
-        """w [M, R, C] (C contiguous) -> q [M, R, C] contiguous (float8_e4m3fn or uint8 bytes) and
-        scale [M, ceil(R/block_r), ceil(C/block_c)] contiguous (float32, or e8m0 bytes: uint8 /
-        float8_e8m0fnu, ue8m0 only), written in place."""
-        mats, rows, cols = w.shape
-        nbr, nbc = n_blocks(rows, block_r), n_blocks(cols, block_c)
-        if w.numel() == 0:
-            return
-        torch.library.wrap_triton(_fp8_block_kernel)[(nbr, nbc, mats)](
-            w, _bytes(q), _bytes(scale) if scale.dtype in BYTE_DTYPES else scale, rows, cols,
-            w.stride(0), w.stride(1), nbr, nbc, BLOCK_R=block_r, BLOCK_C=block_c, UE8M0=ue8m0,
-            SCALE_BYTES=scale.dtype in BYTE_DTYPES, num_warps=8)
+    @triton.jit
+    def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
+                         SCALE_BYTES: tl.constexpr):
+        """One block of tensor t = tensor[program]: addr_ptr holds rows w, q, s addresses and w's two
+        strides of T tensors; meta_ptr [T, 4] rows, cols, nbr, nbc."""
+        t = tl.load(tensor_ptr + tl.program_id(0))
+        local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
+        rows, cols = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
+        nbr, nbc = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
+        if W_DTYPE == 0:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.bfloat16))
+        elif W_DTYPE == 1:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float16))
+        else:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
+        q_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
+        if SCALE_BYTES:
+            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.uint8))
+        else:
+            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        per_mat = nbr * nbc
+        rem = local % per_mat
+        _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
+                        tl.load(addr_ptr + 3 * T + t), tl.load(addr_ptr + 4 * T + t), nbr, nbc,
+                        BLOCK_R, BLOCK_C, UE8M0, SCALE_BYTES)
 
 
 def quantize_fp8_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                       scale_fmt: str) -> None:
     """fp8.quantize_fp8_block's rule, by the kernel, into q [..., R, C] and scale [..., nbr, nbc]
     (both contiguous; float32 scales, or e8m0 bytes when scale_fmt is "ue8m0")."""
+    quantize_fp8_many_into([w], [(q, scale)], block, scale_fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tensor index int32 [B], block index within it int32 [B], meta int64 [T, 4]: rows, cols, nbr,
+    nbc) for every block of tensors [M, rows, cols]: by the shapes only, so made once per set of shapes."""
+    meta = [(r, c, n_blocks(r, block[0]), n_blocks(c, block[1])) for _, r, c in shapes]
+    counts = torch.tensor([m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)])
+    tensor = torch.repeat_interleave(torch.arange(len(shapes)), counts)
+    local = torch.cat([torch.arange(n) for n in counts.tolist()])
+    return (tensor.to(device, torch.int32), local.to(device, torch.int32),
+            torch.tensor(meta, dtype=torch.int64, device=device))
+
+
+W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the many-tensor kernel's W_DTYPE
+
+
+def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
+                           block: tuple[int, int], scale_fmt: str) -> None:
+    """quantize_fp8_into for many tensors: one launch per group of one w dtype and one scale storage
+    (an fp8 engine's push: one or two launches where a launch per tensor cost ~60 us of host time
+    each, ~80 tensors on gpu-848m). Block and scale rules as quantize_fp8_into."""
     br, bc = int(block[0]), int(block[1])
     if br & (br - 1) or bc & (bc - 1) or br < 1 or bc < 1:
         raise ValueError(f"the Triton fp8 kernel needs power-of-two blocks, got {br}x{bc}")
-    if scale.dtype in BYTE_DTYPES and scale_fmt != "ue8m0":
-        raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0'")
-    if not (q.is_contiguous() and scale.is_contiguous()):
-        raise ValueError("the Triton fp8 kernel writes contiguous q and scale")
-    *lead, rows, cols = w.shape
-    w3 = w.reshape(-1, rows, cols)
-    if w3.stride(-1) != 1:
-        w3 = w3.contiguous()
-    torch.ops.lockstep.quantize_fp8_block_(w3, q, scale, br, bc, scale_fmt == "ue8m0")
+    groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes) -> [(w [M, R, C], q, scale)]
+    for w, (q, scale) in zip(ws, outs):
+        if scale.dtype in BYTE_DTYPES and scale_fmt != "ue8m0":
+            raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0'")
+        if not (q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError("the Triton fp8 kernel writes contiguous q and scale")
+        if w.numel():
+            *_, rows, cols = w.shape
+            w3 = w.reshape(-1, rows, cols)
+            groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES), []).append(
+                (w3 if w3.stride(-1) == 1 else w3.contiguous(), _bytes(q), _bytes(scale) if
+                 scale.dtype in BYTE_DTYPES else scale))
+    for (w_dtype, scale_bytes), items in groups.items():
+        device = items[0][0].device
+        tensor, local, meta = _block_table(tuple(tuple(w3.shape) for w3, _, _ in items), (br, bc), device)
+        addresses = torch.tensor([[w3.data_ptr() for w3, _, _ in items], [q.data_ptr() for _, q, _ in items],
+                                  [s.data_ptr() for _, _, s in items], [w3.stride(0) for w3, _, _ in items],
+                                  [w3.stride(1) for w3, _, _ in items]], dtype=torch.int64).to(device)
+        _fp8_many_kernel[(tensor.numel(),)](
+            addresses, meta, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc,
+            UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, num_warps=8)

@@ -133,6 +133,28 @@ def test_fp4_ties_zero_blocks_nan_and_subnormal_scales():
     _same(_fp4_kernel(w), quantize_fp4_block(w))
 
 
+def test_many_tensors_in_one_launch_per_group_equal_the_reference_each(monkeypatch):
+    """quantize_fp8_many_into: tensors of several shapes (edge blocks, a 3-D experts tensor, one
+    empty, one read through a transposed view), two w dtypes and both scale storages; one launch
+    per (w dtype, scale storage) group, each tensor bitwise its own reference."""
+    ws = [_wide((200, 300), torch.bfloat16, seed=11), _wide((3, 130, 260), torch.bfloat16, seed=12),
+          _wide((256, 128), torch.float32, seed=13), torch.zeros(0, 128, dtype=torch.bfloat16),
+          _wide((140, 96), torch.bfloat16, seed=14).t(), _wide((5, 3), torch.bfloat16, seed=15)]
+    storages = [torch.float32, E8M0, torch.float32, torch.float32, torch.float32, torch.uint8]
+    refs = [quantize_fp8_block(w, scale_dtype=E8M0 if st != torch.float32 else torch.float32) for w, st in
+            zip(ws, storages)]
+    outs = [(torch.full(w.shape, 7, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn),
+             torch.full(fp8_scale_shape(tuple(w.shape)), 3, dtype=st, device=DEVICE)) for w, st in zip(ws, storages)]
+    launches = []
+    real = fp8_triton._fp8_many_kernel
+    monkeypatch.setattr(fp8_triton, "_fp8_many_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+    fp8_triton.quantize_fp8_many_into([w.to(DEVICE) for w in ws], outs, (128, 128), "ue8m0")
+    assert len(launches) == 3  # bf16 + fp32 scales, bf16 + e8m0 bytes, fp32 + fp32 scales
+    for out, ref in zip(outs, refs):
+        _same(out, ref)
+
+
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     """quantize_fp8_block / quantize_fp4_block take the kernels where `eligible` says (CUDA tensors;
     faked on CPU), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
@@ -172,4 +194,4 @@ def test_out_storage_on_the_reference_path_is_written_as_bytes():
 
 
 def test_ops_are_registered():
-    assert hasattr(torch.ops.lockstep, "quantize_fp8_block_") and hasattr(torch.ops.lockstep, "quantize_fp4_block_")
+    assert hasattr(torch.ops.lockstep, "quantize_fp4_block_")

@@ -51,6 +51,7 @@ if triton is not None:
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
+FP8_SCALE_FMT = "ue8m0"  # packed fp8 weights' block scales (Fp8Linear, fp8 PackedExperts): powers of two
 BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 
@@ -224,7 +225,12 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise w [out, in] (any float dtype) into this module's storage, in place."""
-        quantize_fp8_block(w.to(self.weight.device), scale_fmt="ue8m0", out=(self.weight, self.weight_scale))
+        quantize_fp8_block(w.to(self.weight.device), scale_fmt=FP8_SCALE_FMT, out=self.fp8_target())
+
+    def fp8_target(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The storage load_ quantises into, with FP8_SCALE_FMT and 128x128 blocks: (bytes, scales);
+        a caller loading many weights passes them to quant.fp8.quantize_fp8_blocks_into at once."""
+        return self.weight, self.weight_scale
 
     @property
     def logical(self) -> torch.Tensor:

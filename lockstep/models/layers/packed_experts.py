@@ -29,6 +29,7 @@ from . import grouped_gemm_fp4, grouped_gemm_fp8
 from .grouped_gemm import group_offsets
 from .grouped_gemm_triton import laid_out_as_one
 from .kernel_switch import forward_kernel_allowed
+from .fp8_linear import FP8_SCALE_FMT
 from .moe import Experts, swiglu_clamped
 
 ATTRS = ("gate_up_proj", "down_proj")
@@ -48,6 +49,10 @@ class PackedTensor:
 
     def load_(self, w: torch.Tensor) -> None:
         self.module.load_(self.attr, w)
+
+    def fp8_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Fp8Linear.fp8_target's storage where this tensor is stored in fp8, else None (fp4)."""
+        return self.module.stored(self.attr) if self.module.storage == "fp8" else None
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.module.dequantized(self.attr, dtype)
@@ -86,7 +91,7 @@ class PackedExperts(Experts):
         storage = self.stored(attr)  # quantised in place, no staging copy
         w = w.to(storage[0].device)
         if self.storage == "fp8":
-            quantize_fp8_block(w, scale_fmt="ue8m0", out=storage)
+            quantize_fp8_block(w, scale_fmt=FP8_SCALE_FMT, out=storage)
         else:
             quantize_fp4_block(w, out=storage)
 
