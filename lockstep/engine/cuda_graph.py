@@ -17,7 +17,8 @@ logits [B, V] fp32 and each MoE layer's routed experts [B, 1, k].
 
 Captured graphs stay valid across `Engine.update_weights` (weights are written in place with
 copy_, so the graphs read the new values) and `flush_cache` (cache tensors are zeroed in place);
-`refresh()` re-captures should a parameter or cache tensor ever be re-allocated.
+`refresh()` (after a cache flush) re-captures should a parameter or cache tensor ever be re-allocated;
+an update, written in place by construction, does not call it.
 `capture=False` (and any non-CUDA device) runs the same padded static-shape forward eagerly:
 the CPU tests exercise the padding and the fixed-capacity attention through it.
 
