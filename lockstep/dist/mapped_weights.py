@@ -19,10 +19,11 @@ they hand a training process's weights to a server by CUDA IPC handle (SGLang's
 
 Exports are made once and kept: a later push whose tensors are the same storages, views and dtypes
 as the last (the trainer steps its parameters in place) offers no handles at all, and each engine
-reads through the views it mapped before. A tensor that is new at a push (a full tensor gathered
-from FSDP shards, a cast) is exported then, and the source keeps a reference to every exported
-tensor until it exports another in its place: an address can then never be reused by another
-tensor while an engine maps it, so equal addresses mean equal tensors.
+reads through the views it mapped before. A tensor whose dtype is not the push's wire dtype is cast
+into a buffer kept from push to push (`wire`), so it too is exported once. A tensor that is new at
+a push (a full tensor gathered from FSDP shards) is exported then, and the source keeps a reference
+to every exported tensor until it exports another in its place: an address can then never be
+reused by another tensor while an engine maps it, so equal addresses mean equal tensors.
 
 The engine reads the trainer's memory while the push runs, so the source must not change it until
 every engine has written: push_weights ends a mapped push at a barrier (weight_push.py).
@@ -83,7 +84,23 @@ class MappedWeights:
         self._keys: list[tuple] = []
         self._handles: list[tuple] = []
         self._offered = False  # the readers hold mappings of the current exports
+        self._casts: dict[int, torch.Tensor] = {}  # the source's wire-dtype copies, by tensor index (wire)
         self._mapped: list[tuple[tuple, torch.Tensor]] = []  # a reader's (handle, tensor), in the offer's order
+
+    def wire(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+        """The tensors in the push's wire dtypes: as they are where the dtype is already the wire's (the
+        trainer's own weights: manifest.py), else cast into a buffer kept from push to push (in place:
+        its address, so its export, stays)."""
+        out = []
+        for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
+            if t.dtype == dtype:
+                out.append(t)
+                continue
+            buf = self._casts.get(i)
+            if buf is None or buf.shape != t.shape or buf.dtype != dtype or buf.device != t.device:
+                buf = self._casts[i] = torch.empty(t.shape, dtype=dtype, device=t.device)
+            out.append(buf.copy_(t))
+        return out
 
     def offer(self, tensors: list[torch.Tensor]) -> list[tuple] | None:
         """The source: handles for the readers to map, or None where they map these tensors already.
@@ -118,4 +135,4 @@ class MappedWeights:
 
     def free(self) -> None:
         """The source forgets its exports (the next offer exports again)."""
-        self._exported, self._keys, self._handles, self._offered = [], [], [], False
+        self._exported, self._keys, self._handles, self._offered, self._casts = [], [], [], False, {}

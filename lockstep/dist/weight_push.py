@@ -313,9 +313,8 @@ class _Stream:
                 tensors += taken
         handles, wire = None, []
         if source and self.error is None:
-            try:  # the wire dtype: a no-op where the trainer's dtype is the manifest's (manifest.py)
-                wire = [t if t.dtype == spec.torch_dtype else t.to(spec.torch_dtype)
-                        for t, spec in zip(tensors, self.manifest.entries)]
+            try:
+                wire = self.pool.wire(tensors, [spec.torch_dtype for spec in self.manifest.entries])
                 handles = self.pool.offer(wire)
             except (RuntimeError, ValueError) as e:
                 self.error = e

@@ -292,6 +292,21 @@ def test_mapped_pushes_read_the_trainers_own_tensors_mapped_once():
     assert "model.embed_tokens.weight: 1 non-finite values" in nan_error and kept and version == 4, nan_error
 
 
+def test_a_cast_to_the_wire_dtype_is_exported_once():
+    """A trainer tensor not in the wire dtype is cast into a buffer kept from push to push (its address
+    stays), so a second offer of the same tensors exports nothing; the buffer holds the new values."""
+    from lockstep.dist.mapped_weights import MappedWeights
+
+    pool, w, table = MappedWeights(), torch.randn(4, 8), torch.arange(5)
+    wire = pool.wire([w, table], [torch.bfloat16, torch.int64])
+    assert wire[1] is table and wire[0].dtype == torch.bfloat16 and torch.equal(wire[0], w.to(torch.bfloat16))
+    assert len(pool.offer(wire)) == 2
+    w.add_(1.0)
+    again = pool.wire([w, table], [torch.bfloat16, torch.int64])
+    assert again[0].data_ptr() == wire[0].data_ptr() and torch.equal(again[0], w.to(torch.bfloat16))
+    assert pool.offer(again) is None
+
+
 def _narrow_experts():
     import json
 
