@@ -66,7 +66,11 @@ def open_tensor(handle: tuple) -> torch.Tensor:
         return rebuild(*args)
     if kind == "cpu":
         _, pid, fd, nbytes, dtype, offset, shape, stride = handle
-        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        try:
+            mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
+        except OSError as e:  # e.g. a /proc this process may not read: the shared transport needs no /proc
+            raise ValueError(f"cannot map the trainer's tensor: opening /proc/{pid}/fd/{fd} failed ({e}); "
+                             f"the weight push's shared transport does without it") from e
         try:  # the storage maps the segment through its own copy of the descriptor
             storage = torch.UntypedStorage._new_shared_fd_cpu(mine, nbytes)
         finally:

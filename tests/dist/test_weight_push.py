@@ -307,6 +307,15 @@ def test_a_cast_to_the_wire_dtype_is_exported_once():
     assert pool.offer(again) is None
 
 
+def test_a_mapping_that_cannot_be_opened_is_a_clear_error():
+    """A CPU handle whose descriptor this process cannot open (here: a process that does not exist)
+    is a ValueError naming the /proc path, which a push turns into a staging failure and a vote."""
+    from lockstep.dist.mapped_weights import open_tensor
+
+    with pytest.raises(ValueError, match=r"opening /proc/999999999/fd/7 failed .*shared transport"):
+        open_tensor(("cpu", 999_999_999, 7, 64, torch.float32, 0, (16,), (1,)))
+
+
 def _narrow_experts():
     import json
 
