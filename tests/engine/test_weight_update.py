@@ -190,7 +190,10 @@ def test_updates_cover_every_tensor_and_versions_only_increase():
 def test_first_nonfinite_over_mixed_dtypes_names_the_first_bad_tensor():
     """The finiteness check groups tensors by dtype (one multi-tensor norm each) and still names the
     first bad tensor in the update's order, with its count."""
-    from lockstep.engine.weight_update import _first_nonfinite
+    from lockstep.engine.weight_update import _first_nonfinite as first, _launch_finiteness
+
+    def _first_nonfinite(pairs):
+        return first(*_launch_finiteness(pairs))
 
     bad16 = torch.ones(4, 4, dtype=torch.bfloat16)
     bad16[1, 2] = float("inf")
@@ -216,8 +219,8 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
     reference = make_engine(seed=37, serving_format="fp8")
     reference.update_weights(dict(weights), version=1)
     reads = []
-    first_nonfinite = wu._first_nonfinite
-    monkeypatch.setattr(wu, "_first_nonfinite", lambda pairs: reads.append(len(pairs)) or first_nonfinite(pairs))
+    launch = wu._launch_finiteness
+    monkeypatch.setattr(wu, "_launch_finiteness", lambda pairs: reads.append(len(pairs)) or launch(pairs))
     engine.update_weights(wu.ValidatedUpdate.joined(parts, partial=False), version=1)
     assert reads == []  # no value read twice
     assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in engine.model.state_dict().items())
