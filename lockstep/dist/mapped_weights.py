@@ -13,14 +13,15 @@ parameters keep their identity, optimizer state included) and a reader opens the
 descriptor through /proc/PID/fd (same user, same host), so no name is left in /dev/shm and no
 helper process runs (torch's file_system sharing starts torch_shm_manager, which outlived a
 killed job in tests/dist/test_rank_killed.py). One descriptor per exported storage stays open in
-the source (a few hundred for an 8-layer model). Reading another process's live tensors is what colocated RL stacks do when
-they hand a training process's weights to a server by CUDA IPC handle (SGLang's
-`update_weights_from_tensor`, verl's and slime's colocated modes).
+the source (a few hundred for an 8-layer model). Reading another process's live tensors is what
+colocated RL stacks do when they hand a training process's weights to a server by CUDA IPC handle
+(SGLang's `update_weights_from_tensor`, verl's and slime's colocated modes).
 
 Exports are made once and kept: a later push whose tensors are the same storages, views and dtypes
 as the last (the trainer steps its parameters in place) offers no handles at all, and each engine
 reads through the views it mapped before. A tensor whose dtype is not the push's wire dtype is cast
-into a buffer kept from push to push (`wire`), so it too is exported once. A tensor that is new at
+into a buffer kept from push to push (`wire`), so it too is exported once; the cast is a write
+after the push began, so the offer says so and engines validate again what they read before it. A tensor that is new at
 a push (a full tensor gathered from FSDP shards) is exported then, and the source keeps a reference
 to every exported tensor until it exports another in its place: an address can then never be
 reused by another tensor while an engine maps it, so equal addresses mean equal tensors.
@@ -91,11 +92,12 @@ class MappedWeights:
         self._casts: dict[int, torch.Tensor] = {}  # the source's wire-dtype copies, by tensor index (wire)
         self._mapped: list[tuple[tuple, torch.Tensor]] = []  # a reader's (handle, tensor), in the offer's order
 
-    def wire(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    def wire(self, tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> tuple[list[torch.Tensor], bool]:
         """The tensors in the push's wire dtypes: as they are where the dtype is already the wire's (the
         trainer's own weights: manifest.py), else cast into a buffer kept from push to push (in place:
-        its address, so its export, stays)."""
-        out = []
+        its address, so its export, stays); and whether a kept buffer was written (then what a reader
+        read of it before this call is stale)."""
+        out, rewritten = [], False
         for i, (t, dtype) in enumerate(zip(tensors, dtypes)):
             if t.dtype == dtype:
                 out.append(t)
@@ -103,8 +105,10 @@ class MappedWeights:
             buf = self._casts.get(i)
             if buf is None or buf.shape != t.shape or buf.dtype != dtype or buf.device != t.device:
                 buf = self._casts[i] = torch.empty(t.shape, dtype=dtype, device=t.device)
+            else:
+                rewritten = True
             out.append(buf.copy_(t))
-        return out
+        return out, rewritten
 
     def offer(self, tensors: list[torch.Tensor]) -> list[tuple] | None:
         """The source: handles for the readers to map, or None where they map these tensors already.

@@ -301,7 +301,8 @@ class _Stream:
         them already), engines stage the mapped tensors themselves: nothing is packed. An engine that
         mapped them at an earlier push validates them before the offer comes (past the header the
         source's tensors are final), so its reads overlap the source's walk of its tensors; the
-        result counts only if the offer brings no new handles."""
+        result counts only if the offer brings no new handles and says no value was written since the
+        header (a cast into a kept buffer, mapped_weights.MappedWeights.wire, is such a write)."""
         source, names = self.ctx.rank == self.ctx.weight_src, [spec.name for spec in self.manifest.entries]
         early = None
         if not source and self.engine is not None and self.error is None and self.pool.mapped():
@@ -311,22 +312,22 @@ class _Stream:
             taken = self.source_tensors(bucket)
             if source and taken is not None:
                 tensors += taken
-        handles, wire = None, []
+        handles, wire, rewritten = None, [], False
         if source and self.error is None:
             try:
-                wire = self.pool.wire(tensors, [spec.torch_dtype for spec in self.manifest.entries])
+                wire, rewritten = self.pool.wire(tensors, [spec.torch_dtype for spec in self.manifest.entries])
                 handles = self.pool.offer(wire)
             except (RuntimeError, ValueError) as e:
                 self.error = e
         failed = source and self.error is not None
-        ok, handles = _offer(self.ctx, not failed, handles,
-                             f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)")
+        ok, rewritten, handles = _offer(self.ctx, not failed, rewritten, handles,
+                                        f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)")
         if not ok or self.engine is None or self.error is not None:
             return  # a failed source: nothing to stage, the vote aborts
         if source:  # an engine on the source rank (colocated) reads the tensors themselves
             self.stage(list(zip(names, wire)))
             return
-        if handles is None and early is not None:
+        if handles is None and early is not None and not rewritten:
             self.keep(early)
             return
         try:
@@ -372,21 +373,22 @@ class _Stream:
         self.pool.free()
 
 
-def _offer(ctx: DistContext, ok: bool, payload, op: str) -> tuple[bool, object]:
-    """The source's (ok, payload) on every rank: one broadcast of two integers on the control group,
-    and a second of the payload's pickle only where there is one (payload None: nothing new to map).
-    broadcast_object_list always pays three collectives: ~0.6 ms on 2 CPU cores, where one is ~0.2."""
+def _offer(ctx: DistContext, ok: bool, rewritten: bool, payload, op: str) -> tuple[bool, bool, object]:
+    """The source's (ok, rewritten, payload) on every rank: one broadcast of three integers on the
+    control group, and a second of the payload's pickle only where there is one (payload None:
+    nothing new to map). broadcast_object_list always pays three collectives: ~0.6 ms on 2 CPU
+    cores, where one is ~0.2."""
     source = ctx.rank == ctx.weight_src
     body = pickle.dumps(payload) if source and payload is not None else b""
-    head = torch.tensor([int(ok), len(body)] if source else [0, 0], dtype=torch.int64)
+    head = torch.tensor([int(ok), int(rewritten), len(body)] if source else [0, 0, 0], dtype=torch.int64)
     with ctx.collective(op):
         dist.broadcast(head, src=ctx.weight_src, group=ctx.control_group)
-        ok, length = bool(head[0]), int(head[1])
+        ok, rewritten, length = bool(head[0]), bool(head[1]), int(head[2])
         if not length:
-            return ok, None
+            return ok, rewritten, None
         data = torch.frombuffer(bytearray(body), dtype=torch.uint8) if source else torch.empty(length, dtype=torch.uint8)
         dist.broadcast(data, src=ctx.weight_src, group=ctx.control_group)
-    return ok, payload if source else pickle.loads(data.numpy().tobytes())
+    return ok, rewritten, payload if source else pickle.loads(data.numpy().tobytes())
 
 
 # ---- commit ----------------------------------------------------------------------------------

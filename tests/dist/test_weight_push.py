@@ -294,17 +294,56 @@ def test_mapped_pushes_read_the_trainers_own_tensors_mapped_once():
 
 def test_a_cast_to_the_wire_dtype_is_exported_once():
     """A trainer tensor not in the wire dtype is cast into a buffer kept from push to push (its address
-    stays), so a second offer of the same tensors exports nothing; the buffer holds the new values."""
+    stays), so a second offer of the same tensors exports nothing; the buffer holds the new values,
+    and the rewrite is reported (engines validate again what they read before it)."""
     from lockstep.dist.mapped_weights import MappedWeights
 
     pool, w, table = MappedWeights(), torch.randn(4, 8), torch.arange(5)
-    wire = pool.wire([w, table], [torch.bfloat16, torch.int64])
+    wire, rewritten = pool.wire([w, table], [torch.bfloat16, torch.int64])
     assert wire[1] is table and wire[0].dtype == torch.bfloat16 and torch.equal(wire[0], w.to(torch.bfloat16))
-    assert len(pool.offer(wire)) == 2
+    assert len(pool.offer(wire)) == 2 and not rewritten
     w.add_(1.0)
-    again = pool.wire([w, table], [torch.bfloat16, torch.int64])
+    again, rewritten = pool.wire([w, table], [torch.bfloat16, torch.int64])
     assert again[0].data_ptr() == wire[0].data_ptr() and torch.equal(again[0], w.to(torch.bfloat16))
-    assert pool.offer(again) is None
+    assert pool.offer(again) is None and rewritten  # same handles, but the engines' early reads are stale
+
+
+def _cast_world(rank):
+    """An fp32 trainer pushing to a bf16 wire (every float cast into kept buffers); push 2 carries a
+    NaN written in place after push 1: same handles, but the engine must not keep its early read."""
+    from lockstep.dist.mapped_weights import MappedWeights
+
+    ctx = init_distributed(30.0, config=DISAGGREGATED)
+    pool = MappedWeights()
+    if rank == 0:
+        trainer = new_policy()
+        manifest = build_manifest(trainer.model, torch.bfloat16, BUCKET)
+        push_weights(ctx, manifest, 1, named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
+        with torch.no_grad():
+            dict(trainer.model.named_parameters())["model.embed_tokens.weight"][0, 0] = float("nan")
+        cast = pool.wire
+        pool.wire = lambda *a: time.sleep(1.0) or cast(*a)  # the engine's early read certainly comes first
+        try:
+            push_weights(ctx, manifest, 2, named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return None
+    e = engine(fmt="bf16")
+    manifest = build_manifest(e.model, torch.bfloat16, BUCKET)
+    push_weights(ctx, manifest, None, engine=e, transport="mapped", pool=pool)
+    try:
+        push_weights(ctx, manifest, None, engine=e, transport="mapped", pool=pool)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}", e.weight_version
+    return None, e.weight_version
+
+
+def test_a_cast_rewritten_after_the_header_is_validated_again():
+    r0, r1 = run_world(_cast_world, 2, guard_s=120)
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    assert r0.value and r0.value.startswith("WeightPushError: rank 0: weight push v2 aborted, rank(s) [1]"), r0.value
+    error, version = r1.value
+    assert "model.embed_tokens.weight: 1 non-finite values" in error and version == 1, (error, version)
 
 
 def test_a_mapping_that_cannot_be_opened_is_a_clear_error():
