@@ -26,7 +26,7 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    (push_transport.new_pool) keeps the buckets, exports and mappings for the next push.
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
-   re-quantises to its serving format (without checking the staged values again), re-fuses and
+   re-quantises to its serving format in place (without checking the staged values again) and
    flushes its caches; otherwise every rank keeps
    the old version and raises `WeightPushError` naming the failed ranks. A sender that fails
    mid-push keeps broadcasting zero buckets, so the others reach the vote instead of a timeout.
@@ -180,15 +180,17 @@ class _Stream:
     transport "broadcast": each bucket broadcast on the weight group, two in flight (packing bucket
     i + 1 overlaps broadcasting bucket i); "shared" (shared_buckets.py, one host): the source packs
     every bucket into shared memory and broadcasts their handles on the control group, engines stage
-    mapped views; `pool` holds the buckets (None: a pool for this push alone)."""
+    mapped views; "mapped" (mapped_weights.py, one host): engines stage the source's own tensors,
+    mapped; `pool` holds the buckets, exports and mappings (None: a pool for this push alone)."""
 
     def __init__(self, ctx: DistContext, manifest: Manifest, named_tensors, engine, device, version: int, op: str,
                  transport: str, pool: BucketPool | MappedWeights | None = None):
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
         self.transport = transport
         self.pool, self.owns_pool = pool or new_pool(transport), pool is None
-        if type(self.pool) is not type(new_pool(transport)):
-            raise ValueError(f"rank {ctx.rank}: {op}: the {transport} transport keeps a {type(new_pool(transport)).__name__}, "
+        kind = type(new_pool(transport))
+        if type(self.pool) is not kind:
+            raise ValueError(f"rank {ctx.rank}: {op}: the {transport} transport keeps a {kind.__name__}, "
                              f"got a {type(self.pool).__name__}")
         self.tensors = iter(named_tensors) if named_tensors is not None else None
         self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
@@ -320,8 +322,8 @@ class _Stream:
             except (RuntimeError, ValueError) as e:
                 self.error = e
         failed = source and self.error is not None
-        ok, rewritten, handles = _offer(self.ctx, not failed, rewritten, handles,
-                                        f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)")
+        op = f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)"
+        ok, rewritten, handles = _offer(self.ctx, not failed, rewritten, handles, op)
         if not ok or self.engine is None or self.error is not None:
             return  # a failed source: nothing to stage, the vote aborts
         if source:  # an engine on the source rank (colocated) reads the tensors themselves
@@ -386,7 +388,8 @@ def _offer(ctx: DistContext, ok: bool, rewritten: bool, payload, op: str) -> tup
         ok, rewritten, length = bool(head[0]), bool(head[1]), int(head[2])
         if not length:
             return ok, rewritten, None
-        data = torch.frombuffer(bytearray(body), dtype=torch.uint8) if source else torch.empty(length, dtype=torch.uint8)
+        data = (torch.frombuffer(bytearray(body), dtype=torch.uint8) if source
+                else torch.empty(length, dtype=torch.uint8))
         dist.broadcast(data, src=ctx.weight_src, group=ctx.control_group)
     return ok, rewritten, payload if source else pickle.loads(data.numpy().tobytes())
 

@@ -436,7 +436,8 @@ def test_dead_peer_mid_push_raises_naming_rank_and_step(dying, device, transport
     assert dead.exitcode == 7 and not alive.hung
     assert alive.error_type == "DistributedError", alive.error
     assert alive.error.startswith(f"rank {alive.rank}: weight push v1: "), alive.error
-    steps = {"broadcast": ("broadcast bucket",), "shared": ("share bucket", "mapped"), "mapped": ("map weights",)}[transport]
+    steps = {"broadcast": ("broadcast bucket",), "shared": ("share bucket", "mapped"),
+             "mapped": ("map weights",)}[transport]
     assert any(step in alive.error for step in steps) or "commit vote" in alive.error
     # from the rank's start: joining the world and building trainer / engine, then at most the 10 s
     # timeout (NCCL: the wait runs out; gloo: at once when the peer's socket closes)
