@@ -26,10 +26,10 @@ from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, fp8_scale_shape,
 from lockstep.quant.scales import E8M0
 
 from . import grouped_gemm_fp4, grouped_gemm_fp8
+from .fp8_linear import FP8_SCALE_FMT
 from .grouped_gemm import group_offsets
 from .grouped_gemm_triton import laid_out_as_one
 from .kernel_switch import forward_kernel_allowed
-from .fp8_linear import FP8_SCALE_FMT
 from .moe import Experts, swiglu_clamped
 
 ATTRS = ("gate_up_proj", "down_proj")
