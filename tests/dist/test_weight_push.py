@@ -6,9 +6,10 @@
 (e) a manifest mismatch raises on both ranks naming the first differing tensor; a peer killed
     mid-push makes the survivor raise DistributedError naming its rank and the step, in seconds.
 
-Both transports run: "broadcast" (buckets over the weight group) and "shared" (shared_buckets.py:
-the source's bucket handed over by handle, shared memory on the CPU, CUDA IPC on a GPU; the default
-where every rank is on one host and the weight group is gloo); no shared segment outlives a push.
+The three transports run: "broadcast" (buckets over the weight group), "shared" (shared_buckets.py:
+the source's bucket handed over by handle, shared memory on the CPU, CUDA IPC on a GPU; no shared
+segment outlives a push) and "mapped" (mapped_weights.py: the engine maps the trainer's own tensors;
+the default where every rank is on one host and the weight group is gloo).
 The push and the dead-peer tests run on the CPU over gloo (fp32, as CI runs them) and, with
 LOCKSTEP_TEST_DEVICE=cuda on 2 GPUs, over NCCL (dist_world.world_devices): trainer on cuda:0 in bf16
 (the wire carries bf16, fp32 where the model keeps fp32), engine on cuda:1 in bf16, eager (no decode
