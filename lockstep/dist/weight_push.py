@@ -222,10 +222,12 @@ class _Stream:
         self.keep(self.validated(views))
 
     def validated(self, views: list[tuple[str, torch.Tensor]]) -> ValidatedUpdate | ValueError:
-        """The engine's share of `views` validated, or the reason it is not (nothing kept yet)."""
+        """The engine's share of `views` validated, or the reason it is not (nothing kept yet): a
+        bucket as a partial update; the one-host transports' views, which hold every tensor at once,
+        as the whole update (no join and no second pass over the names)."""
         try:
-            return validate_update(self.engine.model, _engine_share(self.engine, views), partial=True,
-                                   targets=self.targets)
+            return validate_update(self.engine.model, _engine_share(self.engine, views),
+                                   partial=self.transport == "broadcast", targets=self.targets)
         except ValueError as e:
             return e
 
@@ -244,7 +246,8 @@ class _Stream:
             self._run_broadcast()
         if self.engine is not None and self.error is None:
             try:  # the whole update's names (a tensor no bucket held): before the vote, as a staging failure
-                self.staged = ValidatedUpdate.joined(self.parts, partial=False)
+                whole = len(self.parts) == 1 and not self.parts[0].partial
+                self.staged = self.parts[0] if whole else ValidatedUpdate.joined(self.parts, partial=False)
             except ValueError as e:
                 self.error = e
 
