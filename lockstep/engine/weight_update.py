@@ -27,7 +27,7 @@ What depends on the weights (the rollout caches) is the engine's to flush afterw
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 import torch
@@ -147,6 +147,7 @@ class UpdateTargets:
     packed: dict
     n_experts: int | None
     keys: dict[str, tuple]  # storage_keys(dest): ties, for the missing-tensor check
+    plans: dict = field(default_factory=dict)  # write_served's WritePlan per layout of an update
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "UpdateTargets":
@@ -213,34 +214,70 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     return ValidatedUpdate(pairs, model, targets, partial)
 
 
+MAX_PLANS = 64  # layouts whose WritePlan an UpdateTargets keeps (a push's buckets: one each)
+
+
+@dataclass(frozen=True)
+class WritePlan:
+    """How write_served writes one layout of an update (names, dtypes and devices, in order), by
+    position: the unquantised tensors' destinations (one multi-tensor copy), the packed fp8 weights'
+    storage (one quantisation call) and the rest (a packed fp4 weight's load_, or an emulated
+    quantised value), one at a time. Made once per layout and kept in the UpdateTargets: the
+    decisions per tensor were ~0.27 ms of host time per update of gpu-848m's 242 tensors (this
+    project's CPU machine)."""
+
+    copy: list[int]
+    copy_dests: list[torch.Tensor]
+    fp8: list[int]
+    fp8_targets: list[tuple[torch.Tensor, torch.Tensor]]
+    fp8_device: torch.device | None
+    other: list[int]
+
+    @classmethod
+    def of(cls, targets: "UpdateTargets", pairs: list[tuple[str, torch.Tensor]], fmt: str) -> "WritePlan":
+        copy, fp8, other, fp8_targets, fp8_device = [], [], [], [], None
+        for i, (name, t) in enumerate(pairs):
+            d = targets.dest[name]
+            target = getattr(targets.packed.get(name), "fp8_target", lambda: None)()
+            if target is not None:
+                fp8.append(i)
+                fp8_targets.append(target)
+                fp8_device = target[0].device
+            elif name not in targets.packed and copied_unchanged(name, t, fmt, d.dtype) and t.device == d.device:
+                copy.append(i)
+            else:
+                other.append(i)
+        return cls(copy, [targets.dest[pairs[i][0]] for i in copy], fp8, fp8_targets, fp8_device, other)
+
+
 @torch.no_grad()
 def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str,
                  targets: UpdateTargets | None = None) -> None:
     """Every tensor stored unquantised is copied in one multi-tensor copy (a copy casts exactly as
     served_value's `.to` does); a copy per tensor was ~240 launches, ~5 ms of gpu-848m's update.
     Likewise every weight packed in fp8 is quantised in one call (`fp8_target`; on CUDA one launch
-    per dtype group, where a launch per weight cost ~60 us of host time each)."""
+    per dtype group, where a launch per weight cost ~60 us of host time each). Which tensor goes
+    where is a WritePlan, kept per layout."""
     targets = targets or UpdateTargets.of(model)
-    dest, packed = targets.dest, targets.packed  # packed storage (engine/packed_weights.py): quantised into in place
-    copies: tuple[list, list] = ([], [])
-    fp8: tuple[list, list] = ([], [])  # packed fp8 weights: quantised all at once (one launch per group on CUDA)
-    for name, t in pairs:
-        d = dest[name]
-        target = getattr(packed.get(name), "fp8_target", lambda: None)()
-        if target is not None:
-            fp8[0].append(t.to(d.device))
-            fp8[1].append(target)
-        elif name in packed:
-            packed[name].load_(t.to(d.device))
-        elif copied_unchanged(name, t, fmt, d.dtype) and t.device == d.device:
-            copies[0].append(d)
-            copies[1].append(t)
+    pairs = list(pairs)
+    key = (fmt, tuple((name, t.dtype, t.device) for name, t in pairs))
+    plan = targets.plans.get(key)
+    if plan is None:
+        if len(targets.plans) >= MAX_PLANS:  # e.g. many partial updates of different tensors
+            targets.plans.clear()
+        plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
+    if plan.copy:
+        torch._foreach_copy_(plan.copy_dests, [pairs[i][1] for i in plan.copy])
+    if plan.fp8:
+        quantize_fp8_blocks_into([pairs[i][1].to(plan.fp8_device) for i in plan.fp8], plan.fp8_targets,
+                                 scale_fmt=FP8_SCALE_FMT)
+    for i in plan.other:
+        name, t = pairs[i]
+        d = targets.dest[name]
+        if name in targets.packed:  # packed storage (engine/packed_weights.py): quantised into in place
+            targets.packed[name].load_(t.to(d.device))
         else:
             d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
-    if copies[0]:
-        torch._foreach_copy_(*copies)
-    if fp8[0]:
-        quantize_fp8_blocks_into(*fp8, scale_fmt=FP8_SCALE_FMT)
 
 
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,

@@ -53,6 +53,26 @@ def test_update_equals_fresh_engine(fmt, packed):
     same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
 
 
+def test_a_write_plan_is_made_once_per_layout():
+    """write_served decides where each tensor goes once per layout of an update (names, dtypes,
+    devices) and keeps the plan: a second update of the same layout reuses it, a partial update of
+    one tensor gets its own; the values are still the new ones (fp8: a packed weight, a copied one)."""
+    engine = make_engine(seed=23, serving_format="fp8", packed_fp8=True)
+    plans = engine.update_targets().plans
+    first, second = trainer_weights(24), trainer_weights(25)
+    engine.update_weights(first.items(), version=1)
+    plan = next(iter(plans.values()))
+    engine.update_weights(second.items(), version=2)
+    assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.copy and plan.fp8
+    reference = make_engine(seed=26, serving_format="fp8", packed_fp8=True)
+    reference.update_weights(second.items(), version=1)
+    for k, v in reference.model.state_dict().items():
+        assert torch.equal(v, engine.model.state_dict()[k]), k
+    name = "model.norm.weight"
+    engine.update_weights({name: first[name]}, version=3, partial=True)
+    assert len(plans) == 2 and not torch.equal(engine.model.state_dict()[name], reference.model.state_dict()[name])
+
+
 def test_served_values_follow_the_format():
     engine = make_engine(seed=23, serving_format="fp8-fp4")
     sd = engine.model.state_dict()
