@@ -123,6 +123,10 @@ class MappedWeights:
         self._offered = True
         return handles
 
+    def handles(self) -> list[tuple]:
+        """The source: the handles of its current exports (after `offer`)."""
+        return self._handles
+
     def reader_tensors(self, handles: list[tuple] | None) -> list[torch.Tensor]:
         """A reader: the source's tensors, by the handles offered now (a handle mapped before is not
         mapped again), or None: the last push's."""

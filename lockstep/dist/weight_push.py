@@ -196,6 +196,7 @@ class _Stream:
         self.parts: list[ValidatedUpdate] = []  # each staged bucket's pairs
         self.staged: ValidatedUpdate | None = None  # the parts joined once every bucket is staged
         self.error: BaseException | None = None
+        self.voted: list[int] | None = None  # the failed ranks, where the transport held the commit vote
         self.targets = engine.update_targets() if engine is not None else None  # every bucket's checks
         if engine is not None:
             try:  # a stale version is a staging failure: voted on, not discovered after the vote
@@ -302,12 +303,15 @@ class _Stream:
         return self.pool.views((self.manifest.hash, b), lambda: _views(self.manifest, bucket, buf))
 
     def _run_mapped(self) -> None:
-        """The source offers handles to its own tensors (mapped_weights.py; none where the engines map
-        them already), engines stage the mapped tensors themselves: nothing is packed. An engine that
-        mapped them at an earlier push validates them before the offer comes (past the header the
-        source's tensors are final), so its reads overlap the source's walk of its tensors; the
-        result counts only if the offer brings no new handles and says no value was written since the
-        header (a cast into a kept buffer, mapped_weights.MappedWeights.wire, is such a write)."""
+        """The source offers handles to its own tensors (mapped_weights.py), engines stage the mapped
+        tensors themselves: nothing is packed. Where nothing is new -- every engine holds mappings of
+        the source's current exports, and the source wrote none of them since the header (a cast
+        into a kept buffer, MappedWeights.wire, is such a write) -- the push needs no offer: an
+        engine validates what it mapped at an earlier push as soon as the header is past (the
+        source's tensors are final then; its reads overlap the source's walk of its tensors) and the
+        first vote (`_ballots`) is the commit vote. Otherwise some rank votes NOT_READY and a second
+        round follows: the source broadcasts its handles, every engine maps and validates anew, and
+        push_weights holds the commit vote."""
         source, names = self.ctx.rank == self.ctx.weight_src, [spec.name for spec in self.manifest.entries]
         early = None
         if not source and self.engine is not None and self.error is None and self.pool.mapped():
@@ -317,24 +321,28 @@ class _Stream:
             taken = self.source_tensors(bucket)
             if source and taken is not None:
                 tensors += taken
-        handles, wire, rewritten = None, [], False
+        ballot = STAGED
         if source and self.error is None:
             try:
                 wire, rewritten = self.pool.wire(tensors, [spec.torch_dtype for spec in self.manifest.entries])
-                handles = self.pool.offer(wire)
+                if self.pool.offer(wire) is not None or rewritten:
+                    ballot = NOT_READY
+                self.stage(list(zip(names, wire)))  # an engine on the source rank (colocated): its own tensors
             except (RuntimeError, ValueError) as e:
                 self.error = e
-        failed = source and self.error is not None
+        elif self.engine is not None and not source and self.error is None:
+            ballot = NOT_READY if early is None else FAILED if isinstance(early, ValueError) else STAGED
+        ballots = _ballots(self.ctx, FAILED if self.error is not None else ballot, self.op)
+        if NOT_READY not in ballots:  # nothing new: the engines' early validation stands
+            if early is not None:
+                self.keep(early)
+            self.voted = [r for r, b in enumerate(ballots) if b == FAILED]
+            return
         op = f"{self.op}: map weights ({len(names)} tensors, {self.manifest.total_bytes} bytes)"
-        ok, rewritten, handles = _offer(self.ctx, not failed, rewritten, handles, op)
-        if not ok or self.engine is None or self.error is not None:
-            return  # a failed source: nothing to stage, the vote aborts
-        if source:  # an engine on the source rank (colocated) reads the tensors themselves
-            self.stage(list(zip(names, wire)))
-            return
-        if handles is None and early is not None and not rewritten:
-            self.keep(early)
-            return
+        ok, handles = _offer(self.ctx, not (source and self.error is not None),
+                             self.pool.handles() if source and self.error is None else None, op)
+        if not ok or self.engine is None or self.error is not None or source:
+            return  # a failed source: nothing to stage, the commit vote aborts
         try:
             mapped = self.pool.reader_tensors(handles)
         except (RuntimeError, ValueError) as e:
@@ -378,34 +386,43 @@ class _Stream:
         self.pool.free()
 
 
-def _offer(ctx: DistContext, ok: bool, rewritten: bool, payload, op: str) -> tuple[bool, bool, object]:
-    """The source's (ok, rewritten, payload) on every rank: one broadcast of three integers on the
-    control group, and a second of the payload's pickle only where there is one (payload None:
-    nothing new to map). broadcast_object_list always pays three collectives: ~0.6 ms on 2 CPU
-    cores, where one is ~0.2."""
+def _offer(ctx: DistContext, ok: bool, payload, op: str) -> tuple[bool, object]:
+    """The source's (ok, payload) on every rank: one broadcast of two integers on the control group,
+    and a second of the payload's pickle where there is one. (broadcast_object_list pays three
+    collectives: ~0.6 ms on 2 CPU cores, where one is ~0.2.)"""
     source = ctx.rank == ctx.weight_src
     body = pickle.dumps(payload) if source and payload is not None else b""
-    head = torch.tensor([int(ok), int(rewritten), len(body)] if source else [0, 0, 0], dtype=torch.int64)
+    head = torch.tensor([int(ok), len(body)] if source else [0, 0], dtype=torch.int64)
     with ctx.collective(op):
         dist.broadcast(head, src=ctx.weight_src, group=ctx.control_group)
-        ok, rewritten, length = bool(head[0]), bool(head[1]), int(head[2])
+        ok, length = bool(head[0]), int(head[1])
         if not length:
-            return ok, rewritten, None
+            return ok, None
         data = (torch.frombuffer(bytearray(body), dtype=torch.uint8) if source
                 else torch.empty(length, dtype=torch.uint8))
         dist.broadcast(data, src=ctx.weight_src, group=ctx.control_group)
-    return ok, rewritten, payload if source else pickle.loads(data.numpy().tobytes())
+    return ok, payload if source else pickle.loads(data.numpy().tobytes())
 
 
 # ---- commit ----------------------------------------------------------------------------------
 
-def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
-    """Ranks that failed to pack or stage (every rank learns the same list)."""
+# a rank's ballot: it packed or staged everything; it failed; (a mapped push's first vote only) it
+# is not ready: the source has new handles or rewrote a cast, or an engine has nothing mapped yet
+STAGED, FAILED, NOT_READY = 0, 1, 2
+
+
+def _ballots(ctx: DistContext, mine: int, op: str) -> list[int]:
+    """Every rank's ballot, in rank order (every rank learns the same list)."""
     flags = [torch.zeros(1, dtype=torch.int32) for _ in range(ctx.world_size)]
     with ctx.collective(f"{op}: commit vote"):
-        dist.all_gather(flags, torch.tensor([1 if error is not None else 0], dtype=torch.int32),
-                        group=ctx.control_group)
-    return [r for r, f in enumerate(flags) if f.item()]
+        dist.all_gather(flags, torch.tensor([mine], dtype=torch.int32), group=ctx.control_group)
+    return [int(f.item()) for f in flags]
+
+
+def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
+    """Ranks that failed to pack or stage (every rank learns the same list)."""
+    ballots = _ballots(ctx, FAILED if error is not None else STAGED, op)
+    return [r for r, b in enumerate(ballots) if b == FAILED]
 
 
 # the push's phases, as push_weights times them on each rank: the header and manifest agreement;
@@ -443,7 +460,7 @@ def push_weights(ctx: DistContext, manifest: Manifest, version: int | None, *, n
         try:
             stream.run()
             clock.append(time.perf_counter())
-            failed = _vote(ctx, stream.error, op)
+            failed = stream.voted if stream.voted is not None else _vote(ctx, stream.error, op)
             clock.append(time.perf_counter())
             if not failed and engine is not None:
                 try:  # every rank is past the vote: a local failure here still meets the others at release
