@@ -22,8 +22,9 @@ at the same point of the loop (trainer ranks pass `Trainer.named_weights()`, eng
    a GPU, or CPU ranks): "shared" (shared_buckets.py), the source packs every bucket into shared
    memory (CUDA IPC on a GPU) and broadcasts only their handles on the control group, engines
    stage views of the mappings; "mapped" (mapped_weights.py), the source packs nothing and offers
-   handles to its own tensors, engines stage the mapped tensors. A pool passed in
-   (push_transport.new_pool) keeps the buckets, exports and mappings for the next push.
+   handles to its own tensors, engines stage the mapped tensors (where nothing is new, with no
+   offer at all: _Stream._run_mapped). A pool passed in (push_transport.new_pool) keeps the
+   buckets, exports and mappings for the next push.
 4. Commit vote on the control group: every rank reports whether it staged (or packed) everything.
    Only if all did does each engine call `Engine.update_weights(staged, version)`, which
    re-quantises to its serving format in place (without checking the staged values again) and
@@ -426,7 +427,8 @@ def _vote(ctx: DistContext, error: BaseException | None, op: str) -> list[int]:
 
 
 # the push's phases, as push_weights times them on each rank: the header and manifest agreement;
-# packing, moving and staging the buckets; the commit vote; the engine's write (Engine.update_weights,
+# packing, moving and staging the buckets; the commit vote (a mapped push where nothing is new holds
+# it at the end of its transfer); the engine's write (Engine.update_weights,
 # and the wait for its device work); dropping the buckets (with the shared transport, a barrier)
 PHASES = ("agree", "transfer", "vote", "write", "release")
 
