@@ -347,6 +347,34 @@ def test_a_cast_rewritten_after_the_header_is_validated_again():
     assert "model.embed_tokens.weight: 1 non-finite values" in error and version == 1, (error, version)
 
 
+def _unmapped_engine_world(rank):
+    """The source keeps its exports, the engine maps anew at every push (a pool of its own per push):
+    from the second push on, the source has nothing new to offer but the engine has nothing mapped,
+    so its NOT_READY ballot brings the second round, with the source's current handles."""
+    from lockstep.dist.mapped_weights import MappedWeights
+
+    ctx = init_distributed(30.0, config=DISAGGREGATED)
+    if rank == 0:
+        trainer, pool = new_policy(), MappedWeights()
+        for v in (1, 2, 3):
+            push_weights(ctx, build_manifest(trainer.model, torch.float32, BUCKET), v,
+                         named_tensors=trainer.named_weights(), transport="mapped", pool=pool)
+        return None
+    pushed, new, differs = engine(), dict(new_policy().named_weights()), []
+    for _ in (1, 2, 3):
+        poison(pushed)
+        push_weights(ctx, build_manifest(pushed.model, torch.float32, BUCKET), None, engine=pushed, transport="mapped")
+        differs.append([n for n, t in pushed.model.state_dict().items() if n in new and not torch.equal(t, new[n])])
+    return differs, pushed.weight_version
+
+
+def test_an_engine_without_mappings_gets_the_sources_handles():
+    r0, r1 = run_world(_unmapped_engine_world, 2, guard_s=120)
+    assert r0.ok and r1.ok, (r0.error, r1.error)
+    differs, version = r1.value
+    assert version == 3 and differs == [[], [], []], differs
+
+
 def test_a_mapping_that_cannot_be_opened_is_a_clear_error():
     """A CPU handle whose descriptor this process cannot open (here: a process that does not exist)
     is a ValueError naming the /proc path, which a push turns into a staging failure and a vote."""
