@@ -60,6 +60,7 @@ def variants():
     from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
+    from lockstep.quant import fp4_triton as q4
     from lockstep.quant import fp8_triton as q8
     from lockstep.train import adamw_triton as aw
 
@@ -110,6 +111,9 @@ def variants():
         yield f"fp8 quantise many{' e8m0' if scale_bytes else ''}", lambda scale_bytes=scale_bytes: ptx(
             q8._fp8_many_kernel, dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32"), {"T"},
             num_warps=8, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128, UE8M0=True, SCALE_BYTES=scale_bytes)
+    yield "fp4 quantise many", lambda: ptx(q4._fp4_many_kernel, dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32",
+                                                                   local_ptr="*i32"), {"T"},
+                                           W_DTYPE=0, BLOCK_R=16, BLOCK_K=256, BLOCK=32, SCALE_BYTES=True)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)

@@ -33,6 +33,7 @@ from typing import Iterable, Mapping
 import torch
 
 from lockstep.models.layers.fp8_linear import FP8_SCALE_FMT, packed_weights
+from lockstep.quant.fp4 import quantize_fp4_blocks_into
 from lockstep.quant.fp8 import quantize_fp8_blocks_into
 from lockstep.quant.serving_format import copied_unchanged, served_value
 
@@ -220,34 +221,37 @@ MAX_PLANS = 64  # layouts whose WritePlan an UpdateTargets keeps (a push's bucke
 @dataclass(frozen=True)
 class WritePlan:
     """How write_served writes one layout of an update (names, dtypes and devices, in order), by
-    position: the unquantised tensors' destinations (one multi-tensor copy), the packed fp8 weights'
-    storage (one quantisation call) and the rest (a packed fp4 weight's load_, or an emulated
-    quantised value), one at a time. Made once per layout and kept in the UpdateTargets: the
-    decisions per tensor were ~0.27 ms of host time per update of gpu-848m's 242 tensors (this
-    project's CPU machine)."""
+    position: the unquantised tensors' destinations (one multi-tensor copy), the packed weights'
+    storage per format (fp8 / fp4: one quantisation call each) and the rest (an emulated quantised
+    value), one at a time. Made once per layout and kept in the UpdateTargets: the decisions per
+    tensor were ~0.27 ms of host time per update of gpu-848m's 242 tensors (this project's CPU
+    machine)."""
 
     copy: list[int]
     copy_dests: list[torch.Tensor]
-    fp8: list[int]
-    fp8_targets: list[tuple[torch.Tensor, torch.Tensor]]
-    fp8_device: torch.device | None
+    packed: dict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # format -> (positions, storage)
     other: list[int]
 
     @classmethod
     def of(cls, targets: "UpdateTargets", pairs: list[tuple[str, torch.Tensor]], fmt: str) -> "WritePlan":
-        copy, fp8, other, fp8_targets, fp8_device = [], [], [], [], None
+        copy, packed, other = [], {}, []
         for i, (name, t) in enumerate(pairs):
             d = targets.dest[name]
-            target = getattr(targets.packed.get(name), "fp8_target", lambda: None)()
-            if target is not None:
-                fp8.append(i)
-                fp8_targets.append(target)
-                fp8_device = target[0].device
-            elif name not in targets.packed and copied_unchanged(name, t, fmt, d.dtype) and t.device == d.device:
+            if name in targets.packed:
+                kind, storage = targets.packed[name].packed_target()
+                positions, storages = packed.setdefault(kind, ([], []))
+                positions.append(i)
+                storages.append(storage)
+            elif copied_unchanged(name, t, fmt, d.dtype) and t.device == d.device:
                 copy.append(i)
             else:
                 other.append(i)
-        return cls(copy, [targets.dest[pairs[i][0]] for i in copy], fp8, fp8_targets, fp8_device, other)
+        return cls(copy, [targets.dest[pairs[i][0]] for i in copy], packed, other)
+
+
+# how a format's packed storage is written, many weights at once (engine/packed_weights.py)
+_QUANTISE_INTO = {"fp8": lambda ws, outs: quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT),
+                  "fp4": quantize_fp4_blocks_into}
 
 
 @torch.no_grad()
@@ -255,9 +259,10 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
                  targets: UpdateTargets | None = None) -> None:
     """Every tensor stored unquantised is copied in one multi-tensor copy (a copy casts exactly as
     served_value's `.to` does); a copy per tensor was ~240 launches, ~5 ms of gpu-848m's update.
-    Likewise every weight packed in fp8 is quantised in one call (`fp8_target`; on CUDA one launch
-    per dtype group, where a launch per weight cost ~60 us of host time each). Which tensor goes
-    where is a WritePlan, kept per layout."""
+    Likewise every packed weight (packed_weights.py: quantised straight into its storage) is
+    quantised in one call per storage format (on CUDA one launch per dtype group, where a launch
+    per weight cost ~60 us of host time each). Which tensor goes where is a WritePlan, kept per
+    layout."""
     targets = targets or UpdateTargets.of(model)
     pairs = list(pairs)
     key = (fmt, tuple((name, t.dtype, t.device) for name, t in pairs))
@@ -268,16 +273,12 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
     if plan.copy:
         torch._foreach_copy_(plan.copy_dests, [pairs[i][1] for i in plan.copy])
-    if plan.fp8:
-        quantize_fp8_blocks_into([pairs[i][1].to(plan.fp8_device) for i in plan.fp8], plan.fp8_targets,
-                                 scale_fmt=FP8_SCALE_FMT)
+    for kind, (positions, storages) in plan.packed.items():
+        _QUANTISE_INTO[kind]([pairs[i][1].to(storages[0][0].device) for i in positions], storages)
     for i in plan.other:
         name, t = pairs[i]
         d = targets.dest[name]
-        if name in targets.packed:  # packed storage (engine/packed_weights.py): quantised into in place
-            targets.packed[name].load_(t.to(d.device))
-        else:
-            d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
+        d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
 
 
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,

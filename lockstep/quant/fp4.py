@@ -48,6 +48,7 @@ __all__ = [
     "pack_e2m1",
     "unpack_e2m1",
     "quantize_fp4_block",
+    "quantize_fp4_blocks_into",
     "dequantize_fp4_block",
     "fp4_scale_shape",
     "check_fp4_scale",
@@ -182,6 +183,22 @@ def quantize_fp4_block(
             out[1].copy_(scale)
         return out
     return packed, scale
+
+
+def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
+                             block: int = FP4_BLOCK) -> None:
+    """quantize_fp4_block(w, block, out=out) for every pair, those the kernel takes
+    (`fp8_triton.eligible`) in one launch per group (fp4_triton.quantize_fp4_many_into): a weight
+    push writes all of an engine's fp4 experts at once."""
+    batch = []
+    for w, out in zip(ws, outs):
+        if fp8_triton.eligible(w) and block >= 2 and block & (block - 1) == 0 and w.shape[-1] % 2 == 0:
+            _check_out(w, out, block)
+            batch.append((w.detach(), out))
+        else:
+            quantize_fp4_block(w, block, out=out)
+    if batch:
+        fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block)
 
 
 def _check_out(w: torch.Tensor, out, block: int) -> None:

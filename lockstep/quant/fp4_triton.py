@@ -1,6 +1,7 @@
-"""Triton kernel for fp4 e2m1 quantisation with one e8m0 scale per 1x32 block, two codes per byte
-(custom op `lockstep::quantize_fp4_block_`); `fp4.quantize_fp4_block` is its reference and its
-caller for CUDA tensors (fp8_triton.eligible; fp8_triton.py's docstring has the why and the rules).
+"""Triton kernel for fp4 e2m1 quantisation with one e8m0 scale per 1x32 block, two codes per byte,
+many tensors in one launch (`quantize_fp4_many_into`, as fp8_triton.py's: addresses from a table,
+launched directly); `fp4.quantize_fp4_block` is its reference and its caller for CUDA tensors
+(fp8_triton.eligible; fp8_triton.py's docstring has the why and the rules).
 
 Bit-for-bit the reference: the scale by fp8_triton._pow2_scale with fmt_max 6 (NaN / inf blocks and
 amax / 6 == 0 get 1); x / scale with div_rn; the code by fp4.float_to_e2m1's boundaries (ties to
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
+from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_table, launch_table, triton
 
 if triton is not None:
     import triton.language as tl
@@ -31,12 +32,14 @@ if triton is not None:
         return code | ((x.to(tl.int32, bitcast=True) >> 28) & 0x8)
 
     @triton.jit
-    def _fp4_block_kernel(w_ptr, p_ptr, s_ptr, rows, cols, stride_wr, nb,
-                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
-                          SCALE_BYTES: tl.constexpr):
+    def _quantize_tile(w_ptr, p_ptr, s_ptr, pid_r, pid_c, rows, cols, stride_wr, nb,
+                       BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+                       SCALE_BYTES: tl.constexpr):
+        """Rows pid_r x columns pid_c (BLOCK_R x BLOCK_K) of w [rows, cols] into packed [rows, cols / 2]
+        and their scales into s [rows, nb] (both contiguous)."""
         NB: tl.constexpr = BLOCK_K // BLOCK
-        offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = pid_c * BLOCK_K + tl.arange(0, BLOCK_K)
         r_ok = offs_r[:, None] < rows
         x = tl.load(w_ptr + offs_r[:, None].to(tl.int64) * stride_wr + offs_c[None, :],
                     mask=r_ok & (offs_c[None, :] < cols), other=0.0).to(tl.float32)
@@ -48,11 +51,11 @@ if triton is not None:
         code = _e2m1_code(v, x)
         lo, hi = tl.split(tl.reshape(code, (BLOCK_R, BLOCK_K // 2, 2)))
         packed = (lo | (hi << 4)).to(tl.uint8)
-        offs_p = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        offs_p = pid_c * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         half = cols // 2
         tl.store(p_ptr + offs_r[:, None].to(tl.int64) * half + offs_p[None, :], packed,
                  mask=r_ok & (offs_p[None, :] < half))
-        offs_b = tl.program_id(1) * NB + tl.arange(0, NB)
+        offs_b = pid_c * NB + tl.arange(0, NB)
         s_ptrs = s_ptr + offs_r[:, None].to(tl.int64) * nb + offs_b[None, :]
         s_ok = r_ok & (offs_b[None, :] < nb)
         if SCALE_BYTES:
@@ -60,32 +63,67 @@ if triton is not None:
         else:
             tl.store(s_ptrs, scale, mask=s_ok)
 
-    @torch.library.triton_op("lockstep::quantize_fp4_block_", mutates_args={"packed", "scale"})
-    def quantize_fp4_block_(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block: int) -> None:
-        """w [R, K] (K even, last dim contiguous) -> packed [R, K/2] bytes (uint8 / int8 /
-        float4_e2m1fn_x2) and scale [R, ceil(K/block)] (e8m0 bytes, or float32), both contiguous,
-        written in place."""
-        rows, cols = w.shape
-        if w.numel() == 0:
-            return
-        block_k = max(block, min(256, triton.next_power_of_2(cols)))
-        block_r = max(1, 4096 // block_k)
-        grid = (triton.cdiv(rows, block_r), triton.cdiv(cols, block_k))
-        scale_bytes = scale.dtype in BYTE_DTYPES
-        torch.library.wrap_triton(_fp4_block_kernel)[grid](
-            w, _bytes(packed), _bytes(scale) if scale_bytes else scale, rows, cols, w.stride(0),
-            scale.shape[-1], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes,
-            num_warps=4)
+    @triton.jit
+    def _fp4_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
+                         SCALE_BYTES: tl.constexpr):
+        """One BLOCK_R x BLOCK_K tile of tensor t = tensor[program]: addr_ptr holds rows w, packed, s
+        addresses and w's row stride of T tensors; meta_ptr [T, 4] rows, cols, nb, column tiles."""
+        t = tl.load(tensor_ptr + tl.program_id(0))
+        local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
+        rows, cols = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
+        nb, col_tiles = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
+        if W_DTYPE == 0:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.bfloat16))
+        elif W_DTYPE == 1:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float16))
+        else:
+            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
+        p_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
+        if SCALE_BYTES:
+            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.uint8))
+        else:
+            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        _quantize_tile(w_ptr, p_ptr, s_ptr, local // col_tiles, local % col_tiles, rows, cols,
+                       tl.load(addr_ptr + 3 * T + t), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
 
 
 def quantize_fp4_into(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block: int) -> None:
     """fp4.quantize_fp4_block's rule, by the kernel, into packed [..., K/2] and scale [..., nb]."""
+    quantize_fp4_many_into([w], [(packed, scale)], block)
+
+
+def _tiles(cols: int, block: int) -> tuple[int, int]:
+    """(rows, columns) of a program's tile: up to 256 columns (a multiple of the block), ~4096 values."""
+    block_k = max(block, min(256, triton.next_power_of_2(cols)))
+    return max(1, 4096 // block_k), block_k
+
+
+def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> None:
+    """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage and
+    one tile shape (an fp8-fp4 engine's push: its routed experts in one launch, where a launch per
+    tensor cost ~60 us of host time each). w [..., K] (K even), packed [..., K/2] bytes (uint8 /
+    int8 / float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32)."""
     if block < 2 or block & (block - 1):
         raise ValueError(f"the Triton fp4 kernel needs a power-of-two block, got {block}")
-    if not (packed.is_contiguous() and scale.is_contiguous()):
-        raise ValueError("the Triton fp4 kernel writes contiguous packed bytes and scales")
-    w2 = w.reshape(-1, w.shape[-1])
-    if w2.stride(-1) != 1:
-        w2 = w2.contiguous()
-    torch.ops.lockstep.quantize_fp4_block_(w2, packed.view(-1, packed.shape[-1]), scale.view(-1, scale.shape[-1]),
-                                           block)
+    groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes, tile) -> [(w [R, K], packed [R, K/2], scale [R, nb])]
+    for w, (packed, scale) in zip(ws, outs):
+        if not (packed.is_contiguous() and scale.is_contiguous()):
+            raise ValueError("the Triton fp4 kernel writes contiguous packed bytes and scales")
+        if w.numel():
+            w2 = w.reshape(-1, w.shape[-1])
+            scale_bytes = scale.dtype in BYTE_DTYPES
+            groups.setdefault((w.dtype, scale_bytes, _tiles(w.shape[-1], block)), []).append(
+                (w2 if w2.stride(-1) == 1 else w2.contiguous(), _bytes(packed).view(-1, packed.shape[-1]),
+                 (_bytes(scale) if scale_bytes else scale).view(-1, scale.shape[-1])))
+    for (w_dtype, scale_bytes, (block_r, block_k)), items in groups.items():
+        device = items[0][0].device
+        meta = tuple((w2.shape[0], w2.shape[1], s2.shape[1], triton.cdiv(w2.shape[1], block_k)) for w2, _, s2 in items)
+        tensor, local, meta_t = launch_table(tuple(triton.cdiv(r, block_r) * tiles for r, _, _, tiles in meta), meta,
+                                             device)
+        addresses = address_table([[w2.data_ptr() for w2, _, _ in items], [p2.data_ptr() for _, p2, _ in items],
+                                   [s2.data_ptr() for _, _, s2 in items], [w2.stride(0) for w2, _, _ in items]],
+                                  device)
+        _fp4_many_kernel[(tensor.numel(),)](
+            addresses, meta_t, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=block_r,
+            BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes, num_warps=4)

@@ -1,7 +1,6 @@
 """Triton kernels for the weight push's re-quantisation on the GPU: fp8 e4m3 with one scale per
-128x128 block (`quantize_fp8_many_into`, many tensors in one launch) and, in fp4_triton.py, fp4
-e2m1 with e8m0 scales per 1x32 (custom op `lockstep::quantize_fp4_block_`). Both write into
-preallocated storage.
+128x128 block (`quantize_fp8_many_into`) and, in fp4_triton.py, fp4 e2m1 with e8m0 scales per
+1x32 (`quantize_fp4_many_into`): many tensors in one launch each, written into preallocated storage.
 
 Caller: `fp8.quantize_fp8_block` / `fp4.quantize_fp4_block` take the kernel for CUDA tensors in
 eager mode (`eligible`); CPU tensors, and everything under torch.compile, keep the PyTorch rule,
@@ -160,17 +159,28 @@ def quantize_fp8_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blo
     quantize_fp8_many_into([w], [(q, scale)], block, scale_fmt)
 
 
-@functools.lru_cache(maxsize=32)
-def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int],
+@functools.lru_cache(maxsize=64)
+def launch_table(counts: tuple[int, ...], meta: tuple[tuple[int, ...], ...],
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tensor index int32 [B], block index within it int32 [B], meta int64 [T, 4]: rows, cols, nbr,
-    nbc) for every block of tensors [M, rows, cols]: by the shapes only, so made once per set of shapes."""
-    meta = [(r, c, n_blocks(r, block[0]), n_blocks(c, block[1])) for _, r, c in shapes]
-    counts = torch.tensor([m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)])
-    tensor = torch.repeat_interleave(torch.arange(len(shapes)), counts)
-    local = torch.cat([torch.arange(n) for n in counts.tolist()])
+    """A many-tensor launch's tables on the device, made once per set of shapes: (tensor index int32
+    [P], the program's index within its tensor int32 [P], meta int64 [T, 4]) for counts[t] programs
+    of each tensor t (this kernel's and fp4_triton.py's)."""
+    n = torch.tensor(counts)
+    tensor = torch.repeat_interleave(torch.arange(len(counts)), n)
+    local = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.int64)
     return (tensor.to(device, torch.int32), local.to(device, torch.int32),
             torch.tensor(meta, dtype=torch.int64, device=device))
+
+
+def address_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Rows of int64 (each tensor's addresses, strides) for a many-tensor kernel, on the device."""
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int], device: torch.device):
+    """launch_table for every 128x128 (`block`) block of tensors [M, rows, cols]; meta rows, cols, nbr, nbc."""
+    meta = tuple((r, c, n_blocks(r, block[0]), n_blocks(c, block[1])) for _, r, c in shapes)
+    return launch_table(tuple(m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)), meta, device)
 
 
 W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the many-tensor kernel's W_DTYPE
@@ -199,9 +209,9 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
     for (w_dtype, scale_bytes), items in groups.items():
         device = items[0][0].device
         tensor, local, meta = _block_table(tuple(tuple(w3.shape) for w3, _, _ in items), (br, bc), device)
-        addresses = torch.tensor([[w3.data_ptr() for w3, _, _ in items], [q.data_ptr() for _, q, _ in items],
-                                  [s.data_ptr() for _, _, s in items], [w3.stride(0) for w3, _, _ in items],
-                                  [w3.stride(1) for w3, _, _ in items]], dtype=torch.int64).to(device)
+        addresses = address_table([[w3.data_ptr() for w3, _, _ in items], [q.data_ptr() for _, q, _ in items],
+                                   [s.data_ptr() for _, _, s in items], [w3.stride(0) for w3, _, _ in items],
+                                   [w3.stride(1) for w3, _, _ in items]], device)
         _fp8_many_kernel[(tensor.numel(),)](
             addresses, meta, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc,
             UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, num_warps=8)

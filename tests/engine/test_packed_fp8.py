@@ -83,35 +83,46 @@ def test_update_writes_packed_storage_in_place(config):
     same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
 
 
-def test_update_quantises_every_fp8_weight_in_one_kernel_launch(monkeypatch):
-    """The push's fp8 re-quantisation (weight_update.write_served): every packed fp8 weight, linears
-    and routed experts, in one launch of the many-tensor kernel (quant/fp8_triton.py; here under the
-    interpreter, `eligible` faked as on a GPU), bitwise what the per-weight reference writes."""
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
+def test_update_quantises_every_packed_weight_in_few_kernel_launches(monkeypatch, fmt):
+    """The push's re-quantisation (weight_update.write_served): every packed weight of a storage
+    format in one call of its many-tensor kernel (quant/fp8_triton.py, fp4_triton.py; here under
+    the interpreter, `eligible` faked as on a GPU): fp8 linears and experts in one launch; fp4
+    experts in one launch per tile shape (the tiny model's gate_up and down rows are as wide: one).
+    Bitwise what the per-weight reference writes."""
     pytest.importorskip("triton")
-    from lockstep.quant import fp8_triton
+    from lockstep.quant import fp4_triton, fp8_triton
 
     new = {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
            for k, v in tiny_dsv4(48).state_dict().items()}
 
+    def counted(module, kernel, launches):
+        real = getattr(module, kernel)
+        monkeypatch.setattr(module, kernel, type("Counted", (), {
+            "__getitem__": lambda self, grid: launches.append(kernel) or real[grid]})())
+
     def updated(kernel: bool):
-        engine = make_engine(model=tiny_dsv4(47), serving_format="fp8", packed_fp8=True, packed_experts=True)
+        engine = make_engine(model=tiny_dsv4(47), serving_format=fmt, packed_fp8=True, packed_experts=True)
         launches = []
         if kernel:
-            real = fp8_triton._fp8_many_kernel
             monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
-            monkeypatch.setattr(fp8_triton, "_fp8_many_kernel", type("Counted", (), {
-                "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+            counted(fp8_triton, "_fp8_many_kernel", launches)
+            counted(fp4_triton, "_fp4_many_kernel", launches)
         engine.update_weights(new, version=1)
         monkeypatch.undo()
         return engine, launches
 
     batched, launches = updated(kernel=True)
     reference, _ = updated(kernel=False)
-    stores = {n: p for n, p in packed_weights(batched.model).items() if p.fp8_target() is not None}
-    assert len(launches) == 1 and len(stores) > 20 and any(".experts." in n for n in stores), (launches, list(stores))
+    stores = packed_weights(batched.model)
+    kinds = {n: p.packed_target()[0] for n, p in stores.items()}
+    experts = {kinds[n] for n in stores if ".experts." in n}
+    assert experts == {"fp8" if fmt == "fp8" else "fp4"} and len(stores) > 20, kinds
+    expected = ["_fp8_many_kernel"] + (["_fp4_many_kernel"] if fmt == "fp8-fp4" else [])
+    assert sorted(launches) == sorted(expected), launches
     ref_stores = packed_weights(reference.model)
     for name, p in stores.items():
-        for got, want in zip(p.fp8_target(), ref_stores[name].fp8_target()):
+        for got, want in zip(p.packed_target()[1], ref_stores[name].packed_target()[1]):
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 

@@ -63,7 +63,7 @@ def test_a_write_plan_is_made_once_per_layout():
     engine.update_weights(first.items(), version=1)
     plan = next(iter(plans.values()))
     engine.update_weights(second.items(), version=2)
-    assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.copy and plan.fp8
+    assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.copy and plan.packed["fp8"][0]
     reference = make_engine(seed=26, serving_format="fp8", packed_fp8=True)
     reference.update_weights(second.items(), version=1)
     for k, v in reference.model.state_dict().items():

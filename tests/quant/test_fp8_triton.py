@@ -155,6 +155,32 @@ def test_many_tensors_in_one_launch_per_group_equal_the_reference_each(monkeypat
         _same(out, ref)
 
 
+def test_many_fp4_tensors_in_one_launch_per_group_equal_the_reference_each(monkeypatch):
+    """quantize_fp4_many_into: tensors of several shapes (a 3-D experts tensor, one narrower than a
+    tile, one read through a transposed view), two w dtypes and both scale storages; one
+    launch per (w dtype, scale storage, tile) group, each tensor bitwise its own reference."""
+    from lockstep.quant import fp4_triton
+
+    ws = [_wide((3, 40, 288), torch.bfloat16, seed=21), _wide((70, 64), torch.bfloat16, seed=22),
+          _wide((33, 512), torch.float32, seed=23), _wide((96, 40), torch.bfloat16, seed=24).t(),
+          _wide((5, 288), torch.bfloat16, seed=25)]
+    storages = [E8M0, E8M0, E8M0, E8M0, torch.float32]
+    refs = [quantize_fp4_block(w, scale_dtype=st) for w, st in zip(ws, storages)]
+    outs = [(torch.full(r[0].shape, 7, dtype=torch.uint8, device=DEVICE),
+             torch.full(r[1].shape, 3, dtype=torch.uint8, device=DEVICE).view(E8M0) if st == E8M0
+             else torch.full(r[1].shape, 3.0, device=DEVICE)) for r, st in zip(refs, storages)]
+    launches = []
+    real = fp4_triton._fp4_many_kernel
+    monkeypatch.setattr(fp4_triton, "_fp4_many_kernel", type("Counted", (), {
+        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+    fp4_triton.quantize_fp4_many_into([w.to(DEVICE) for w in ws], outs, 32)
+    # bf16 + e8m0 at 256 columns (ws 0), 64 (ws 1) and 128 (ws 3: 96 columns); fp32 w (ws 2); bf16 +
+    # fp32 scales (ws 4)
+    assert len(launches) == 5, launches
+    for out, ref in zip(outs, refs):
+        _same(out, ref)
+
+
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     """quantize_fp8_block / quantize_fp4_block take the kernels where `eligible` says (CUDA tensors;
     faked on CPU), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
@@ -191,7 +217,3 @@ def test_out_storage_on_the_reference_path_is_written_as_bytes():
     _same(quantize_fp4_block(w, out=out4), ref4)
     with pytest.raises(ValueError, match="out scale"):
         quantize_fp8_block(w, out=(out[0], torch.zeros(3, 3)))
-
-
-def test_ops_are_registered():
-    assert hasattr(torch.ops.lockstep, "quantize_fp4_block_")

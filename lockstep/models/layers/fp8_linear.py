@@ -225,12 +225,13 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise w [out, in] (any float dtype) into this module's storage, in place."""
-        quantize_fp8_block(w.to(self.weight.device), scale_fmt=FP8_SCALE_FMT, out=self.fp8_target())
+        quantize_fp8_block(w.to(self.weight.device), scale_fmt=FP8_SCALE_FMT, out=self.packed_target()[1])
 
-    def fp8_target(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The storage load_ quantises into, with FP8_SCALE_FMT and 128x128 blocks: (bytes, scales);
-        a caller loading many weights passes them to quant.fp8.quantize_fp8_blocks_into at once."""
-        return self.weight, self.weight_scale
+    def packed_target(self) -> tuple[str, tuple[torch.Tensor, torch.Tensor]]:
+        """("fp8", the storage load_ quantises into: (bytes, scales)), with FP8_SCALE_FMT and 128x128
+        blocks; a caller loading many weights quantises them at once (engine/weight_update.write_served:
+        quant.fp8.quantize_fp8_blocks_into)."""
+        return "fp8", (self.weight, self.weight_scale)
 
     @property
     def logical(self) -> torch.Tensor:

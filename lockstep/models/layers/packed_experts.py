@@ -50,9 +50,10 @@ class PackedTensor:
     def load_(self, w: torch.Tensor) -> None:
         self.module.load_(self.attr, w)
 
-    def fp8_target(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Fp8Linear.fp8_target's storage where this tensor is stored in fp8, else None (fp4)."""
-        return self.module.stored(self.attr) if self.module.storage == "fp8" else None
+    def packed_target(self) -> tuple[str, tuple[torch.Tensor, torch.Tensor]]:
+        """As Fp8Linear.packed_target: (the storage format, "fp8" or "fp4", and the storage load_
+        quantises into); fp4 with e8m0 scales per FP4_BLOCK."""
+        return self.module.storage, self.module.stored(self.attr)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return self.module.dequantized(self.attr, dtype)
