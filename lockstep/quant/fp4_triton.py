@@ -19,7 +19,7 @@ from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_tab
 if triton is not None:
     import triton.language as tl
 
-    from lockstep.quant.fp8_triton import _pow2_scale
+    from lockstep.quant.fp8_triton import _many_tensor_program, _pow2_scale
 
     @triton.jit
     def _e2m1_code(v, x):
@@ -67,23 +67,10 @@ if triton is not None:
     def _fp4_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
                          SCALE_BYTES: tl.constexpr):
-        """One BLOCK_R x BLOCK_K tile of tensor t = tensor[program]: addr_ptr holds rows w, packed, s
-        addresses and w's row stride of T tensors; meta_ptr [T, 4] rows, cols, nb, column tiles."""
-        t = tl.load(tensor_ptr + tl.program_id(0))
-        local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
-        rows, cols = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
-        nb, col_tiles = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
-        if W_DTYPE == 0:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.bfloat16))
-        elif W_DTYPE == 1:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float16))
-        else:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
-        p_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
-        if SCALE_BYTES:
-            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.uint8))
-        else:
-            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        """One BLOCK_R x BLOCK_K tile of a tensor: addresses w, packed, s and w's row stride; meta
+        rows, cols, nb, column tiles."""
+        t, local, rows, cols, nb, col_tiles, w_ptr, p_ptr, s_ptr = _many_tensor_program(
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES)
         _quantize_tile(w_ptr, p_ptr, s_ptr, local // col_tiles, local % col_tiles, rows, cols,
                        tl.load(addr_ptr + 3 * T + t), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
 

@@ -125,26 +125,36 @@ if triton is not None:
             tl.store(s_ptr + s_off, scale)
 
     @triton.jit
-    def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
-                         SCALE_BYTES: tl.constexpr):
-        """One block of tensor t = tensor[program]: addr_ptr holds rows w, q, s addresses and w's two
-        strides of T tensors; meta_ptr [T, 4] rows, cols, nbr, nbc."""
+    def _many_tensor_program(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+                             SCALE_BYTES: tl.constexpr):
+        """A many-tensor quantisation program's tensor t = tensor[program] (launch_table,
+        address_table): (t, its index within t, meta [t, 0..3], w's typed pointer (bf16 / fp16 / fp32),
+        the output bytes' pointer, the scales' pointer (e8m0 bytes or fp32)); addr_ptr holds rows w,
+        out, s addresses of T tensors, then their strides."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
-        rows, cols = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
-        nbr, nbc = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
+        m0, m1 = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
+        m2, m3 = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
         if W_DTYPE == 0:
             w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.bfloat16))
         elif W_DTYPE == 1:
             w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float16))
         else:
             w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
-        q_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
+        out_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
         if SCALE_BYTES:
             s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.uint8))
         else:
             s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        return t, local, m0, m1, m2, m3, w_ptr, out_ptr, s_ptr
+
+    @triton.jit
+    def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
+                         SCALE_BYTES: tl.constexpr):
+        """One block of a tensor: addresses w, q, s and w's two strides; meta rows, cols, nbr, nbc."""
+        t, local, rows, cols, nbr, nbc, w_ptr, q_ptr, s_ptr = _many_tensor_program(
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES)
         per_mat = nbr * nbc
         rem = local % per_mat
         _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
