@@ -38,7 +38,8 @@ i.e. the finiteness read, 150 ms, write 239 ms); later that session, after the h
 (README), on a slower moment of the machine: 6.17, 3.23, 2.27, **1.78**; at the session's last commit
 5.61, 3.03, 2.19, **1.62** (0.399 s), and `--transport mapped` 2.16, **1.56**. cpu-tiny (5 MB, fixed
 costs dominate): kept pool 10.3, kept mappings 8.0-9.5.
-One H200, 2026-12-04, buckets per push (before the pool and the one-broadcast sharing): bf16 0.017 s (ratio 20.7; engine phases agree 2.7 ms, transfer 10.7, vote 0.3,
+One H200, 2026-12-04, buckets per push (before the pool and the one-broadcast sharing): bf16 0.017 s
+(ratio 20.7; engine phases agree 2.7 ms, transfer 10.7, vote 0.3,
 write 2.3, release 0.8), fp8 --packed 0.025 s (31.0; write 9.7). After (one call, best of 5):
 buckets per push bf16 0.0149 s (18.6), fp8 --packed 0.0229 s (28.5); kept pool bf16 0.0095 s
 (11.8), fp8 --packed 0.0168 s (20.9).
