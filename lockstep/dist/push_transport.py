@@ -45,6 +45,11 @@ def resolve_transport(ctx, requested: str = "auto") -> str:
     return "mapped" if ctx.all_true(mine, "weight push transport") else "broadcast"
 
 
+def pool_type(transport: str) -> type[BucketPool] | type[MappedWeights]:
+    """The kind of pool `transport` keeps (a broadcast keeps nothing: an unused BucketPool)."""
+    return MappedWeights if transport == "mapped" else BucketPool
+
+
 def new_pool(transport: str) -> BucketPool | MappedWeights:
-    """What a rank keeps from push to push for `transport` (a broadcast keeps nothing: an unused BucketPool)."""
-    return MappedWeights() if transport == "mapped" else BucketPool()
+    """What a rank keeps from push to push for `transport`."""
+    return pool_type(transport)()

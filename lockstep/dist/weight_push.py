@@ -57,7 +57,7 @@ from torch.distributed.tensor import DTensor
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.dist.manifest import Bucket, Manifest, ManifestMismatch
 from lockstep.dist.mapped_weights import MappedWeights
-from lockstep.dist.push_transport import new_pool, resolve_transport
+from lockstep.dist.push_transport import new_pool, pool_type, resolve_transport
 from lockstep.dist.shared_buckets import BucketPool
 from lockstep.engine.weight_update import ValidatedUpdate, check_version, validate_update
 from lockstep.train.data_parallel import gather_full
@@ -189,7 +189,7 @@ class _Stream:
         self.ctx, self.manifest, self.engine, self.device, self.op = ctx, manifest, engine, device, op
         self.transport = transport
         self.pool, self.owns_pool = pool or new_pool(transport), pool is None
-        kind = type(new_pool(transport))
+        kind = pool_type(transport)
         if type(self.pool) is not kind:
             raise ValueError(f"rank {ctx.rank}: {op}: the {transport} transport keeps a {kind.__name__}, "
                              f"got a {type(self.pool).__name__}")

@@ -32,9 +32,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lockstep.models.layers.fp8_linear import FP8_SCALE_FMT, packed_weights
-from lockstep.quant.fp4 import quantize_fp4_blocks_into
-from lockstep.quant.fp8 import quantize_fp8_blocks_into
+from lockstep.models.layers.fp8_linear import packed_weights, quantise_packed
 from lockstep.quant.serving_format import copied_unchanged, served_value
 
 
@@ -249,11 +247,6 @@ class WritePlan:
         return cls(copy, [targets.dest[pairs[i][0]] for i in copy], packed, other)
 
 
-# how a format's packed storage is written, many weights at once (engine/packed_weights.py)
-_QUANTISE_INTO = {"fp8": lambda ws, outs: quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT),
-                  "fp4": quantize_fp4_blocks_into}
-
-
 @torch.no_grad()
 def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str,
                  targets: UpdateTargets | None = None) -> None:
@@ -274,7 +267,7 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
     if plan.copy:
         torch._foreach_copy_(plan.copy_dests, [pairs[i][1] for i in plan.copy])
     for kind, (positions, storages) in plan.packed.items():
-        _QUANTISE_INTO[kind]([pairs[i][1].to(storages[0][0].device) for i in positions], storages)
+        quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages)
     for i in plan.other:
         name, t = pairs[i]
         d = targets.dest[name]

@@ -28,6 +28,9 @@ from lockstep.quant.fp8 import dequantize_fp8_block, quantize_fp8_block
 
 _DENSE_LINEAR = re.compile(r"(?:self_attn\.(?:q|k|v|o)_proj|mlp\.(?:gate|up|down)_proj)\.weight")
 _DENSE_BF16 = re.compile(r"embed_tokens\.weight|lm_head\.weight|(?:\w+\.)*\w*norm\.weight|.*\.bias")
+# fp8 weights' block scales when served (the emulated value here, the packed storage's:
+# models/layers/fp8_linear.quantise_packed): powers of two
+FP8_SCALE_FMT = "ue8m0"
 _LINEAR_STORAGE = {ServingFormat.BF16: Storage.BF16, ServingFormat.FP8: Storage.FP8, ServingFormat.FP8_FP4: Storage.FP8}
 
 
@@ -61,7 +64,7 @@ def served_value(name: str, w: torch.Tensor, fmt: str | ServingFormat, out_dtype
         return w.to(out_dtype)
     storage = serving_storage(name, fmt)
     if storage is Storage.FP8:
-        q, s = quantize_fp8_block(w, scale_fmt="ue8m0", name=name)
+        q, s = quantize_fp8_block(w, scale_fmt=FP8_SCALE_FMT, name=name)
         return dequantize_fp8_block(q, s, out_dtype, name=name)
     packed, s = quantize_fp4_block(w, name=name)  # FP4: the only other quantised storage
     return dequantize_fp4_block(packed, s, out_dtype, name=name)

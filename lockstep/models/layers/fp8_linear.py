@@ -42,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lockstep.quant.fp8 import FP8_BLOCK, fp8_scale_shape, quantize_fp8_block
+from lockstep.quant.fp4 import quantize_fp4_blocks_into
+from lockstep.quant.fp8 import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks_into
+from lockstep.quant.serving_format import FP8_SCALE_FMT
 
 from . import grouped_gemm_triton as _gt
 
@@ -51,7 +53,20 @@ if triton is not None:
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-FP8_SCALE_FMT = "ue8m0"  # packed fp8 weights' block scales (Fp8Linear, fp8 PackedExperts): powers of two
+
+
+@torch.no_grad()
+def quantise_packed(kind: str, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """ws into packed storage outs [(bytes, scales)] of `kind`, in place: "fp8", e4m3 with FP8_SCALE_FMT
+    128x128 block scales; "fp4", e2m1 with e8m0 scales per FP4_BLOCK. Many weights at once (on CUDA
+    one kernel launch per group): the one rule for every packed weight's load_ and for a weight
+    update's writes (engine/weight_update.write_served)."""
+    if kind == "fp8":
+        quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT)
+    elif kind == "fp4":
+        quantize_fp4_blocks_into(ws, outs)
+    else:
+        raise ValueError(f"packed storage is fp8 or fp4, got {kind!r}")
 BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 
@@ -225,7 +240,7 @@ class Fp8Linear(nn.Module):
     @torch.no_grad()
     def load_(self, w: torch.Tensor) -> None:
         """Quantise w [out, in] (any float dtype) into this module's storage, in place."""
-        quantize_fp8_block(w.to(self.weight.device), scale_fmt=FP8_SCALE_FMT, out=self.packed_target()[1])
+        quantise_packed("fp8", [w.to(self.weight.device)], [self.packed_target()[1]])
 
     def packed_target(self) -> tuple[str, tuple[torch.Tensor, torch.Tensor]]:
         """("fp8", the storage load_ quantises into: (bytes, scales)), with FP8_SCALE_FMT and 128x128

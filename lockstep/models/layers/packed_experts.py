@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.quant.fp4 import dequantize_fp4_block, fp4_scale_shape, quantize_fp4_block
-from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, fp8_scale_shape, quantize_fp8_block
+from lockstep.quant.fp4 import dequantize_fp4_block, fp4_scale_shape
+from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block, fp8_scale_shape
 from lockstep.quant.scales import E8M0
 
 from . import grouped_gemm_fp4, grouped_gemm_fp8
-from .fp8_linear import FP8_SCALE_FMT
+from .fp8_linear import quantise_packed
 from .grouped_gemm import group_offsets
 from .grouped_gemm_triton import laid_out_as_one
 from .kernel_switch import forward_kernel_allowed
@@ -90,11 +90,7 @@ class PackedExperts(Experts):
     @torch.no_grad()
     def load_(self, attr: str, w: torch.Tensor) -> None:
         storage = self.stored(attr)  # quantised in place, no staging copy
-        w = w.to(storage[0].device)
-        if self.storage == "fp8":
-            quantize_fp8_block(w, scale_fmt=FP8_SCALE_FMT, out=storage)
-        else:
-            quantize_fp4_block(w, out=storage)
+        quantise_packed(self.storage, [w.to(storage[0].device)], [storage])
 
     def packed_tensors(self) -> dict[str, PackedTensor]:
         return {attr: PackedTensor(self, attr, shape, self.dtype) for attr, shape in self.shapes.items()}
