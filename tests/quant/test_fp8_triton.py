@@ -17,6 +17,7 @@ from lockstep.quant.fp4_triton import quantize_fp4_into  # noqa: E402
 from lockstep.quant.fp8 import fp8_scale_shape, quantize_fp8_block  # noqa: E402
 from lockstep.quant.fp8_triton import quantize_fp8_into  # noqa: E402
 from devices import DEVICE
+from launches import count_launches
 
 E8M0 = torch.float8_e8m0fnu
 NAN, NEG_NAN = (torch.tensor([b], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
@@ -145,10 +146,7 @@ def test_many_tensors_in_one_launch_per_group_equal_the_reference_each(monkeypat
             zip(ws, storages)]
     outs = [(torch.full(w.shape, 7, dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn),
              torch.full(fp8_scale_shape(tuple(w.shape)), 3, dtype=st, device=DEVICE)) for w, st in zip(ws, storages)]
-    launches = []
-    real = fp8_triton._fp8_many_kernel
-    monkeypatch.setattr(fp8_triton, "_fp8_many_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+    launches = count_launches(monkeypatch, fp8_triton, "_fp8_many_kernel")
     fp8_triton.quantize_fp8_many_into([w.to(DEVICE) for w in ws], outs, (128, 128), "ue8m0")
     assert len(launches) == 3  # bf16 + fp32 scales, bf16 + e8m0 bytes, fp32 + fp32 scales
     for out, ref in zip(outs, refs):
@@ -169,10 +167,7 @@ def test_many_fp4_tensors_in_one_launch_per_group_equal_the_reference_each(monke
     outs = [(torch.full(r[0].shape, 7, dtype=torch.uint8, device=DEVICE),
              torch.full(r[1].shape, 3, dtype=torch.uint8, device=DEVICE).view(E8M0) if st == E8M0
              else torch.full(r[1].shape, 3.0, device=DEVICE)) for r, st in zip(refs, storages)]
-    launches = []
-    real = fp4_triton._fp4_many_kernel
-    monkeypatch.setattr(fp4_triton, "_fp4_many_kernel", type("Counted", (), {
-        "__getitem__": lambda self, grid: launches.append(grid) or real[grid]})())
+    launches = count_launches(monkeypatch, fp4_triton, "_fp4_many_kernel")
     fp4_triton.quantize_fp4_many_into([w.to(DEVICE) for w in ws], outs, 32)
     # bf16 + e8m0 at 256 columns (ws 0), 64 (ws 1) and 128 (ws 3: 96 columns); fp32 w (ws 2); bf16 +
     # fp32 scales (ws 4)
