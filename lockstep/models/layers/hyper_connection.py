@@ -146,8 +146,7 @@ class HyperConnection(Switched, nn.Module):
         triton = self.kernels.on("triton_hc")
         # a decode step on CUDA: two kernels; over whole rows the splits are added in order instead
         if self._takes_pre_step(streams, triton):
-            # bf16 streams: the block's norm in the second kernel too (one kernel less a block)
-            fused = norm is not None and streams.dtype == torch.bfloat16
+            fused = _norm_in_kernel(streams, norm)
             collapsed, post, comb = pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
                                              self.norm_eps, norm if fused else None)
             if fused:
@@ -170,13 +169,17 @@ class HyperConnection(Switched, nn.Module):
         decode step with bf16 streams the combine runs inside the projection's kernel
         (hc_projection_triton.hc_combine_partials): inductor's combine kernel goes."""
         n, D = streams.shape[-2:]
-        if (self._takes_pre_step(streams, self.kernels.on("triton_hc")) and norm is not None
-                and streams.dtype == block_out.dtype == torch.bfloat16
-                and hc_projection_triton.combines(n, D, self.fn)):
+        if (self._takes_pre_step(streams, self.kernels.on("triton_hc")) and _norm_in_kernel(streams, norm)
+                and block_out.dtype == torch.bfloat16 and hc_projection_triton.combines(n, D, self.fn)):
             return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
                             norm, after=(block_out, post, comb))
         combined = hc_combine(streams, block_out, post, comb)
         return (combined, *self(combined, norm))
+
+
+def _norm_in_kernel(streams: torch.Tensor, norm) -> bool:
+    """pre_step applies the block's norm in its second kernel (a kernel less a block): bf16 streams."""
+    return norm is not None and streams.dtype == torch.bfloat16
 
 
 def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: float, norm=None, after=None):
