@@ -409,7 +409,10 @@ class Engine:
         """Validate all tensors and the version, then quantise to the serving format and write them in
         place. An update holds every tensor of the model unless `partial`; versions only increase
         (weight_update.py). A rejected update (WeightUpdateError) writes nothing and leaves
-        `weight_version` alone. Running sequences are preempted and recomputed: their cached state is stale."""
+        `weight_version` alone. Running sequences are preempted and recomputed: their cached state is stale.
+        The cache itself is not cleared: preemption frees every slot / block, a DeepSeek-V4 slot is reset
+        when it is handed out again (SlotCacheManager.prepare) and a paged block is written before it is
+        read, as for any recycled block; clearing it was a write of the whole cache per update."""
         with self._lock:
             check_version(self.weight_version, int(version), partial)
             self._drain()  # its tokens came from the weights before
@@ -418,7 +421,6 @@ class Engine:
             # (walks of every tensor, ~0.5 ms of host time each on an 8-layer model)
             update_weights(self.model, named_tensors, self.config.serving_format, partial, self.update_targets())
             self.scheduler.preempt_all()
-            self.cache.reset_all()
             self.weight_version = int(version)
 
     def update_targets(self) -> UpdateTargets:

@@ -97,6 +97,11 @@ def test_update_equals_fresh_engine(fmt):
     engine = llama_engine(11, serving_format=fmt)
     new = {k: v.to(torch.bfloat16) for k, v in tiny_llama(12).state_dict().items()}
     engine.update_weights(new, version=2)
+    # the update leaves the KV blocks as they were (a recycled block is written before it is read):
+    # stale values anywhere in them change nothing
+    g = torch.Generator().manual_seed(13)
+    for t in (engine.cache.kv.k, engine.cache.kv.v):
+        t.copy_(100 * torch.randn(t.shape, generator=g))
     fresh_model = tiny_llama(0)
     fresh_model.load_state_dict({k: v.float() for k, v in new.items()})  # the same (bf16) values
     fresh = make_engine(model=fresh_model, block_size=4, serving_format=fmt)

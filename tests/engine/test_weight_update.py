@@ -51,6 +51,41 @@ def test_update_equals_fresh_engine(fmt, packed):
     same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
 
 
+def test_an_update_reads_no_state_cached_before_it():
+    """An update does not clear the cache (a write of all of it per update): the preempted sequences'
+    slots are reset when handed out again. Every cache tensor filled with NaN after the update (what
+    a stale slot could hold at worst): the sequences it preempted continue as the new weights give,
+    and new requests equal a fresh engine's on the new weights."""
+    ps = prompts(4, seed=26)
+    engine = make_engine(seed=27)
+    states = [engine._new_state(r) for r in requests(ps, lambda i: greedy(max_new_tokens=8))]
+    for s in states:
+        engine._add(s)
+    for _ in range(3):
+        engine.step()
+    done_before = [st.sequences[0].num_output for st in states]
+    new = trainer_weights(28)
+    engine.update_weights(new.items(), version=2)
+    _poison(engine)
+    while not all(s.done for s in states):
+        engine.step()
+    fresh = make_engine(model=tiny_dsv4(0))
+    fresh.update_weights(new.items(), version=2)
+    for st, k in zip(states, done_before):
+        s = st.samples[0]
+        prefix = s.prompt_ids.tolist() + s.response_ids[:k].tolist()
+        cont = fresh.generate([type(st.request)(prefix, greedy(max_new_tokens=8 - k))])[0]
+        assert s.weight_version == 2 and cont.response_ids.tolist() == s.response_ids[k:].tolist()
+    _poison(engine)
+    same_outputs(engine.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
+
+
+def _poison(engine):
+    for layer in engine.cache.cache.layers:
+        for t in layer.tensors():
+            t.fill_(float("nan") if t.is_floating_point() else -7)
+
+
 def test_a_write_plan_is_made_once_per_layout():
     """write_served decides where each tensor goes once per layout of an update (names, dtypes,
     devices) and keeps the plan: a second update of the same layout reuses it, a partial update of
