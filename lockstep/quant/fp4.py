@@ -171,7 +171,7 @@ def quantize_fp4_block(
     amax = xb.abs().amax(dim=-1)  # [..., nb]
     scale = round_up_pow2(div_by_const(amax, FP4_E2M1_MAX))
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    codes = float_to_e2m1(xb / scale[..., None]).reshape(*w.shape[:-1], -1)[..., :k]
+    codes = float_to_e2m1(xb / scale[..., None]).flatten(-2)[..., :k]  # flatten: a reshape to -1 fails on 0 rows
     packed = pack_e2m1(codes)
     if scale_dtype == E8M0:
         scale = scale_to_e8m0(scale, _scale_name(name))
@@ -225,4 +225,4 @@ def dequantize_fp4_block(
     k = values.shape[-1]
     s = scale_from_e8m0(scale) if scale.dtype == E8M0 else scale.float()
     xb = _blocked(values, block) * s[..., None]
-    return xb.reshape(*values.shape[:-1], -1)[..., :k].to(out_dtype)
+    return xb.flatten(-2)[..., :k].to(out_dtype)

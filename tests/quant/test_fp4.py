@@ -47,6 +47,14 @@ def test_zero_block_and_partial_block():
     assert dequantize_fp4_block(packed, scale, torch.float32)[2, 39].item() == -0.75
 
 
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64), (4, 0)])
+def test_empty_tensors_quantise_to_empty_bytes_and_scales(shape):
+    """No rows (an expert block with no experts) or no columns: empty outputs of the packed shapes."""
+    packed, scale = quantize_fp4_block(torch.zeros(shape, dtype=torch.bfloat16))
+    assert packed.shape == (*shape[:-1], shape[-1] // 2) and scale.shape == (*shape[:-1], -(-shape[-1] // 32))
+    assert dequantize_fp4_block(packed, scale, torch.bfloat16).shape == shape
+
+
 def _representable(shape):
     torch.manual_seed(0)
     v = e2m1_to_float(torch.randint(0, 16, shape, dtype=torch.uint8))
