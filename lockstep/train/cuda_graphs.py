@@ -3,7 +3,7 @@
 Why: on one H200 the eager 1b train step (8 x 2048 tokens) spends ~95 ms of host time launching
 its forward and 60-90 ms its backward (~4,400 kernels), the GPU waiting on the host: the step is
 bound by the host. A CUDA graph replays the recorded kernels with one launch (measured there: the
-step went from 196 to 150 ms, now bound by its ~114 ms of kernels; README, "Speed").
+step went from 196 to 150 ms, now bound by its ~114 ms of kernels; docs/speed.md).
 
 What is recorded: the model's padded forward (DeepseekV4ForCausalLM.padded_logits, which reads no
 host value) and the token logprobs and entropies of the response positions (the [T_r, V] fp32
