@@ -53,14 +53,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from lockstep.config import EngineConfig
-from lockstep.dist.expert_parallel import ExpertParallelExperts, apply_expert_parallel, ep_mesh
+from lockstep.dist.expert_parallel import (ExpertParallelExperts, apply_expert_parallel, checkpoint_expert_window,
+                                          ep_mesh)
 from lockstep.dist.groups import DistContext, DistributedError
 from lockstep.engine.engine import Engine
 from lockstep.engine.runner import group_calls
@@ -110,27 +110,6 @@ def _check_layout(ctx: DistContext, ep_size: int | None) -> int:
     return engines
 
 
-def expert_window(n_experts: int, ep_size: int, ep_rank: int) -> range:
-    """The routed experts rank `ep_rank` of `ep_size` serves: its contiguous block (the order
-    `ExpertParallelExperts` shards in)."""
-    if n_experts % ep_size:
-        raise ValueError(f"n_routed_experts {n_experts} (config.json) does not split over "
-                         f"rollout_expert_parallel_size {ep_size} engine ranks")
-    n_local = n_experts // ep_size
-    return range(ep_rank * n_local, (ep_rank + 1) * n_local)
-
-
-def checkpoint_expert_window(path, ep_size: int, ep_rank: int) -> range:
-    """`expert_window` of the MoE model in checkpoint directory `path` (its config.json's
-    n_routed_experts): what a rank reads of it (load_pretrained's / load_stage's `experts`)."""
-    from lockstep.models.registry import config_from_file
-
-    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
-    if not n_experts:
-        raise ValueError(f"{path}: config.json names no n_routed_experts: expert parallelism needs a MoE model")
-    return expert_window(n_experts, ep_size, ep_rank)
-
-
 def expert_parallel_engine(ctx: DistContext, model: nn.Module, config: EngineConfig, tokenizer=None,
                            ep_size: int | None = None):
     """This rank's ExpertParallelEngine over every engine rank, from a model on the host holding every
@@ -154,7 +133,8 @@ def expert_parallel_engine_from_pretrained(ctx: DistContext, path, config: Engin
 
     engines = _check_layout(ctx, ep_size)
     # the mesh's rank order: the engine group's, i.e. the engine ranks' order
-    window = checkpoint_expert_window(path, engines, ctx.layout.engine_ranks.index(ctx.rank))
+    window = checkpoint_expert_window(path, engines, ctx.layout.engine_ranks.index(ctx.rank),
+                                      "rollout_expert_parallel_size")
     model = load_pretrained(path, dtype=getattr(torch, config.dtype), device="cpu", experts=window)
     return expert_parallel_engine(ctx, model, config, load_tokenizer(path) if has_tokenizer(path) else None, ep_size)
 

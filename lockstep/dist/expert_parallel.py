@@ -61,6 +61,7 @@ on GPUs (NCCL).
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
@@ -187,15 +188,51 @@ class ExpertParallelExperts(Experts):
         return f"experts={self.n_experts}, local={self.n_local}, ep={self.ep_size}"
 
 
+def expert_window(n_experts: int, ep_size: int, ep_rank: int, flag: str = "expert_model_parallel_size") -> range:
+    """The routed experts rank `ep_rank` of `ep_size` holds: its contiguous block (the order
+    `ExpertParallelExperts` shards in). `flag`: the setting named when the experts do not split."""
+    if n_experts % ep_size:
+        raise ValueError(f"n_routed_experts {n_experts} (config.json) does not split over {flag} {ep_size}")
+    n_local = n_experts // ep_size
+    return range(ep_rank * n_local, (ep_rank + 1) * n_local)
+
+
+def checkpoint_expert_window(path, ep_size: int, ep_rank: int, flag: str = "expert_model_parallel_size") -> range:
+    """`expert_window` of the MoE model in checkpoint directory `path` (its config.json's
+    n_routed_experts): what a rank reads of it (load_pretrained's / load_stage's `experts`)."""
+    from lockstep.models.registry import config_from_file
+
+    n_experts = getattr(config_from_file(Path(path) / "config.json"), "n_routed_experts", None)
+    if not n_experts:
+        raise ValueError(f"{path}: config.json names no n_routed_experts: expert parallelism needs a MoE model")
+    return expert_window(n_experts, ep_size, ep_rank, flag)
+
+
+def load_expert_parallel(path, ep_size: int, ctx: DistContext, dtype: torch.dtype) -> nn.Module:
+    """`shard_experts` of the checkpoint in `path`, reading only this rank's block of the routed experts
+    (`load_pretrained(..., experts=window)`): no trainer rank holds every expert, even on the host,
+    as a model whose experts fit only across the ranks needs."""
+    from lockstep.models import load_pretrained
+
+    _check_trainer_ranks(ep_size, ctx)
+    # the mesh's rank order (ep_mesh): the trainer group's
+    window = checkpoint_expert_window(path, ep_size, dist.get_group_rank(ctx.trainer_group, ctx.rank))
+    return shard_experts(load_pretrained(path, dtype=dtype, device=ctx.device, experts=window), ep_size, ctx)
+
+
+def _check_trainer_ranks(ep_size: int, ctx: DistContext) -> None:
+    trainers = len(ctx.layout.trainer_ranks)
+    if trainers != ep_size:
+        raise ValueError(f"expert_model_parallel_size {ep_size}: the experts are sharded over the trainer "
+                         f"ranks, which are {trainers} (EP smaller than data parallel is not built)")
+
+
 def shard_experts(model: nn.Module, ep_size: int, ctx: DistContext) -> nn.Module:
     """`TrainConfig.expert_model_parallel_size` applied: EP over the trainer group (which must have
     ep_size ranks), collectives named through `ctx.collective`; ep_size 1 leaves the model alone."""
     if ep_size == 1:
         return model
-    trainers = len(ctx.layout.trainer_ranks)
-    if trainers != ep_size:
-        raise ValueError(f"expert_model_parallel_size {ep_size}: the experts are sharded over the trainer "
-                         f"ranks, which are {trainers} (EP smaller than data parallel is not built)")
+    _check_trainer_ranks(ep_size, ctx)
     return apply_expert_parallel(model, ep_mesh(ctx.trainer_group, ctx.device.type), ctx.collective)
 
 

@@ -86,7 +86,7 @@ def check_pipeline(train_cfg, run_cfg, trainer_ranks: int, colocated: bool) -> N
 def _pipeline_trainer(ctx, path, train_cfg):
     """This rank's stage of the policy, experts sharded over the pipelines, behind TrainerShard (module
     docstring). Every rank makes the grid's groups, before anything else of the trainer."""
-    from ..dist.engine_expert_parallel import checkpoint_expert_window
+    from ..dist.expert_parallel import checkpoint_expert_window
     from ..dist.pipeline_expert_parallel import pipeline_expert_trainer
     from ..dist.pipeline_grid import pipeline_grid
     from ..dist.pipeline_parallel import load_stage
@@ -102,20 +102,26 @@ def _pipeline_trainer(ctx, path, train_cfg):
 
 def _sharded_trainer(ctx, path, train_cfg, ref_model_fn):
     """FSDP2 over the trainer ranks, or with --expert-model-parallel-size (= the trainer ranks) the
-    routed experts sharded and the rest replicated (lockstep/dist/expert_parallel.py)."""
-    from ..dist.expert_parallel import shard_experts
+    routed experts sharded and the rest replicated (lockstep/dist/expert_parallel.py): each rank then
+    reads only its block of the experts, unless the KL reference (a copy of the policy as loaded, not
+    sharded) needs them all."""
+    from ..dist.expert_parallel import load_expert_parallel, shard_experts
     from ..dist.fsdp import apply_fsdp, dp_mesh
     from ..models import load_pretrained
     from ..train.data_parallel import DataParallel
     from ..train.trainer import Trainer
 
-    policy = load_pretrained(path, dtype=torch.float32, device=ctx.device)
-    ref_model = ref_model_fn(policy)  # from the policy as loaded, before it is sharded
-    if train_cfg.expert_model_parallel_size > 1:
-        shard_experts(policy, train_cfg.expert_model_parallel_size, ctx)  # refuses EP != trainer ranks
+    ep = train_cfg.expert_model_parallel_size
+    if ep > 1 and train_cfg.kl_loss_coef == 0:
+        policy, ref_model = load_expert_parallel(path, ep, ctx, torch.float32), None
     else:
-        apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type), param_dtype=getattr(torch, train_cfg.dtype),
-                   offload=train_cfg.optimizer_offload)
+        policy = load_pretrained(path, dtype=torch.float32, device=ctx.device)
+        ref_model = ref_model_fn(policy)  # from the policy as loaded, before it is sharded
+        if ep > 1:
+            shard_experts(policy, ep, ctx)  # refuses EP != trainer ranks
+        else:
+            apply_fsdp(policy, dp_mesh(ctx.trainer_group, ctx.device.type),
+                       param_dtype=getattr(torch, train_cfg.dtype), offload=train_cfg.optimizer_offload)
     dp = DataParallel(ctx.trainer_group, device=ctx.device if ctx.device.type == "cuda" else "cpu",
                       collective=ctx.collective)
     return Trainer(policy, train_cfg, ref_model=ref_model, data_parallel=dp)

@@ -298,11 +298,13 @@ def test_an_ep_engine_read_with_its_experts_only_serves_what_the_full_load_serve
 
 
 def test_experts_that_do_not_split_over_the_ep_ranks_are_refused_naming_the_fields():
-    from lockstep.dist.engine_expert_parallel import expert_window
+    from lockstep.dist.expert_parallel import expert_window
 
     assert expert_window(8, 2, 1) == range(4, 8)
     with pytest.raises(ValueError, match=r"n_routed_experts 8 \(config.json\) does not split over "
                                          r"rollout_expert_parallel_size 3"):
+        expert_window(8, 3, 0, "rollout_expert_parallel_size")
+    with pytest.raises(ValueError, match=r"does not split over expert_model_parallel_size 3"):
         expert_window(8, 3, 0)
 
 

@@ -30,6 +30,7 @@ from lockstep.models import load_pretrained
 from lockstep.train.data_parallel import DataParallel, gather_full
 from lockstep.train.quant_aware import canonical_name
 from lockstep.train.trainer import Trainer
+from read_spy import experts_read, spy_on_reads
 from test_fsdp import EVEN, _assert_same, _budget, _config, _run
 from tests.train.trainer_fixtures import make_samples
 
@@ -67,11 +68,12 @@ def _trace(trainer: Trainer, samples) -> dict:
 
 
 def _ep_trainer(ctx, name: str) -> Trainer:
-    """What the loop builds from TrainConfig.expert_model_parallel_size and the DistContext."""
-    from lockstep.dist.expert_parallel import shard_experts
+    """What the loop builds from TrainConfig.expert_model_parallel_size and the DistContext: each rank
+    reads only its block of the experts (load_expert_parallel)."""
+    from lockstep.dist.expert_parallel import load_expert_parallel
 
     config = _config_for(name, 2)
-    model = shard_experts(load_pretrained(ASSET, device=ctx.device), config.expert_model_parallel_size, ctx)
+    model = load_expert_parallel(ASSET, config.expert_model_parallel_size, ctx, torch.float32)
     return Trainer(model, config, data_parallel=DataParallel(ctx.trainer_group, device=ctx.device,
                                                              collective=ctx.collective))
 
@@ -86,9 +88,12 @@ def _ep_rank(rank: int, checkpoint: str | None) -> dict:
     from lockstep.dist.groups import init_distributed
 
     ctx = init_distributed(30.0)
-    out = {}
+    out, reads = {}, []
+    spy_on_reads(reads)  # this process ends with the test
     for name in SCENARIOS if ctx.device.type == "cpu" else CUDA_SCENARIOS:
+        reads.clear()
         trainer = _ep_trainer(ctx, name)
+        out.setdefault("experts_read", experts_read(reads))
         local = [m.expert_weights()[0].shape[0] for m in trainer.model.modules()
                  if isinstance(m, ExpertParallelExperts)]
         out[name] = {"local_experts": local, **_trace(trainer, _samples(name)[2 * rank:2 * rank + 2])}
@@ -168,6 +173,15 @@ def test_ep2_equals_ep1(two_ranks, device, name):
         for i, (g, w) in enumerate(pairs):
             assert torch.equal(g, w), f"rank {rank} sample {i}: logprobs"
         _assert_same(got, reference, f"ep2 vs ep1 {name}, rank {rank}", device)
+
+
+@cpu_world_only
+def test_each_rank_reads_only_its_experts(two_ranks, device):
+    """The EP trainer's load reads from the checkpoint only this rank's block of every layer's routed
+    experts (load_expert_parallel): no rank holds all of them, on the host either."""
+    for rank, result in enumerate(two_ranks):
+        half = N_EXPERTS // 2
+        assert result["experts_read"] == set(range(rank * half, (rank + 1) * half)), rank
 
 
 @cpu_world_only

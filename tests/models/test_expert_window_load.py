@@ -7,7 +7,6 @@ fp4 weights with scales)."""
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
@@ -16,57 +15,18 @@ import torch
 from safetensors.torch import save_file
 
 import lockstep
-import lockstep.quant.safetensors_io as safetensors_io
 from lockstep.models import load_pretrained, save_pretrained
+from read_spy import STACKED, experts_read, spy_on_reads
 
 ASSET = Path(lockstep.__file__).parent / "assets" / "tiny-dsv4"
 WINDOW = range(4, 8)  # of the asset's 8 routed experts a layer
-PER_EXPERT = re.compile(r".*experts\.(\d+)\.w[123]\.(weight|scale)")
-STACKED = re.compile(r".*mlp\.experts\.(gate_up_proj|down_proj)")
-
-
-class _Slice:
-    def __init__(self, sl, name: str, reads: list):
-        self.sl, self.name, self.reads = sl, name, reads
-
-    def __getitem__(self, index):
-        out = self.sl[index]
-        self.reads.append((self.name, tuple(out.shape)))
-        return out
-
-    def __getattr__(self, attr):  # get_shape / get_dtype: the header, no data
-        return getattr(self.sl, attr)
-
-
-class _Handle:
-    def __init__(self, handle, reads: list):
-        self.handle, self.reads = handle, reads
-
-    def __enter__(self):
-        self.handle.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self.handle.__exit__(*exc)
-
-    def get_tensor(self, name: str):
-        out = self.handle.get_tensor(name)
-        self.reads.append((name, tuple(out.shape)))
-        return out
-
-    def get_slice(self, name: str):
-        return _Slice(self.handle.get_slice(name), name, self.reads)
-
-    def __getattr__(self, attr):
-        return getattr(self.handle, attr)
 
 
 @pytest.fixture
 def reads(monkeypatch) -> list[tuple[str, tuple]]:
     """(name, shape) of every tensor read from a safetensors file from now on."""
     log: list = []
-    opener = safetensors_io.safe_open
-    monkeypatch.setattr(safetensors_io, "safe_open", lambda *a, **k: _Handle(opener(*a, **k), log))
+    spy_on_reads(log, monkeypatch.setattr)
     return log
 
 
@@ -104,7 +64,7 @@ def test_a_window_holds_the_full_loads_rows_and_reads_no_other_expert(layout, tm
         assert torch.equal(t, want), name
     assert got["model.layers.0.mlp.experts.gate_up_proj"].untyped_storage().nbytes() * 2 == \
         full["model.layers.0.mlp.experts.gate_up_proj"].untyped_storage().nbytes()
-    per_expert = {int(m[1]) for n, _ in reads if (m := PER_EXPERT.fullmatch(n))}
+    per_expert = experts_read(reads)
     stacked = [(n, shape) for n, shape in reads if STACKED.fullmatch(n)]
     if layout == "stacked":
         assert not per_expert and stacked, reads
