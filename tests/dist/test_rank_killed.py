@@ -1,4 +1,4 @@
-"""A rank SIGKILLed mid-run of a real `lockstep train --nproc-per-node 2` or 4 (issues 13 / 18 / 19).
+"""A rank SIGKILLed mid-run of a real `lockstep train --nproc-per-node 2`, 4 or 8 (issues 13 / 18 / 19).
 
 The launcher (torch's `torch.distributed.run`, in the `lockstep train` process) is started with
 `--distributed-timeout 20` and enough rollouts that it is still running; once rank 0 has logged the
@@ -7,9 +7,10 @@ for the launcher's shutdown), its summary naming the killed rank (torch's "Root 
 surviving rank with the operation it was in or had last run (lockstep's DistributedError), and no
 process of the job may be left. Killed: the worker that is not rank 0, rank 0 (the launcher's
 rendezvous store lives in the launcher, so the survivor still reports), and in the disaggregated
-layout (1 trainer + 1 engine) the engine rank; and a rank of the last stage of a PP 2 x EP 2 run on 4
+layout (1 trainer + 1 engine) the engine rank; a rank of the last stage of a PP 2 x EP 2 run on 4
 processes (the pipeline's sends and the experts' all-to-alls: issue 19's layout, smaller; its CUDA
-variant needs 4 GPUs).
+variant needs 4 GPUs); and a middle stage's rank of a PP 4 x EP 2 run on 8 processes (issue 19's layout;
+its CUDA variant needs 8 GPUs).
 
 What ends the job: torch's launcher polls its workers every 0.1 s and, at the first that died,
 SIGTERMs the others. A survivor waiting in a gloo collective fails at once against the closed socket
@@ -45,8 +46,10 @@ RUN = ["--num-rollout", str(NUM_ROLLOUT), "--rollout-batch-size", "4", "--n-samp
 # stage 1 on 2 and 3); rank 3 killed leaves rank 1 in a pipeline send / receive and rank 2 in an
 # expert-parallel all-to-all with it
 LAYOUTS = {"colocated": ([], 2), "disaggregated": (["--actor-num-gpus", "1", "--rollout-num-gpus", "1"], 2),
-           "pp2-ep2": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4)}
-SCENARIOS = [("colocated", 1), ("colocated", 0), ("disaggregated", 1), ("pp2-ep2", 3)]  # (layout, killed rank)
+           "pp2-ep2": (["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"], 4),
+           "pp4-ep2": (["--pipeline-model-parallel-size", "4", "--expert-model-parallel-size", "2"], 8)}
+# (layout, killed rank); pp4-ep2 (issue 19's layout): rank 5 holds stage 2 of pipeline 1, between two stages
+SCENARIOS = [("colocated", 1), ("colocated", 0), ("disaggregated", 1), ("pp2-ep2", 3), ("pp4-ep2", 5)]
 
 
 def _descendants(pid: int) -> list[int]:
