@@ -276,17 +276,32 @@ def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process_and_resumes(tmp_
     that packs each pipeline's block of 8 samples into one micro-batch, one process the 16 into the same
     two, each padded to [8, 22] (the one-micro-batch case above, through the loop, the weights pushed to
     the colocated engines). One test: each 4-process run is ~40 s on 2 cores."""
+    _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp=2, nproc=4)
+
+
+def test_lockstep_train_pp4_ep2_on_eight_processes_logs_the_metrics_of_one_process_and_resumes(tmp_path,
+                                                                                              one_process):
+    """Issue 19's layout itself, PP 4 x EP 2 on 8 gloo processes (one decoder layer a stage, the last with
+    the head; 2 pipelines, each stage's experts sharded over its 2 ranks; recompute, optimizer offload; 8
+    colocated engines), in the same two halves: bitwise the one-process run. 4 stages make the 1F1B
+    schedule's warm-up and cool-down longer than 2 do, every stage but the first receives the mHC streams,
+    the input ids and the replayed routing, and the save gathers 4 stages' weights and optimizer state."""
+    _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp=4, nproc=8)
+
+
+def _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp: int, nproc: int) -> None:
     from dist_world import free_port
     from test_train_world import _first_difference, _perf_free, _train, _without_end_eval
 
-    layout = ["--nproc-per-node", "4", "--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
-              "--decoder-last-pipeline-num-layers", "1", "--recompute-activations", "--optimizer-offload"]
+    layout = ["--nproc-per-node", str(nproc), "--pipeline-model-parallel-size", str(pp),
+              "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
+              "--recompute-activations", "--optimizer-offload"]
     first = _train(tmp_path / "first", *layout, "--num-rollout", "1", "--save", str(tmp_path / "save"),
                    "--master-port", str(free_port()))
     config = __import__("json").loads((tmp_path / "first" / "config.json").read_text())
     train = config["train"]
     assert (config["world_size"], train["pipeline_model_parallel_size"], train["expert_model_parallel_size"],
-            train["recompute_activations"], train["optimizer_offload"]) == (4, 2, 2, True, True)
+            train["recompute_activations"], train["optimizer_offload"]) == (nproc, pp, 2, True, True)
     assert [line["train/num_microbatches"] for line in first if "train/step" in line] == [2.0]
     halves = [first[0], _without_end_eval(first[1])]
     assert len(first) == 2 and _first_difference(one_process[:2], halves) is None, \
@@ -295,24 +310,3 @@ def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process_and_resumes(tmp_
     assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it
     assert resumed[0]["train/step"] == 2.0
     assert _perf_free(resumed[0]) == _perf_free(one_process[-1])
-
-
-def test_lockstep_train_pp4_ep2_on_eight_processes_logs_the_metrics_of_one_process(tmp_path, one_process):
-    """Issue 19's layout itself, PP 4 x EP 2 on 8 gloo processes (one decoder layer a stage, the last with
-    the head; 2 pipelines, each stage's experts sharded over its 2 ranks; recompute, optimizer offload; 8
-    colocated engines): test_train_world.py's 2-rollout run logs the one-process run's metrics bitwise
-    (perf/* aside). Each pipeline packs its block of 8 samples into one micro-batch padded to [8, 22], as
-    above; 4 stages make the 1F1B schedule's warm-up and cool-down longer than 2 do, and every stage but
-    the first receives the mHC streams, the input ids and the replayed routing."""
-    from dist_world import free_port
-    from test_train_world import _first_difference, _train
-
-    eight = _train(tmp_path, "--nproc-per-node", "8", "--pipeline-model-parallel-size", "4",
-                   "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
-                   "--recompute-activations", "--optimizer-offload", "--master-port", str(free_port()))
-    config = __import__("json").loads((tmp_path / "config.json").read_text())
-    assert (config["world_size"], config["train"]["pipeline_model_parallel_size"],
-            config["train"]["expert_model_parallel_size"]) == (8, 4, 2)
-    assert len(eight) == len(one_process) == 3  # step 0's eval, then 2 rollouts
-    assert [line["train/num_microbatches"] for line in eight if "train/step" in line] == [2.0, 2.0]
-    assert _first_difference(one_process, eight) is None, _first_difference(one_process, eight)
