@@ -282,22 +282,30 @@ def test_lockstep_train_pp2_ep2_logs_the_metrics_of_one_process_and_resumes(tmp_
 def test_lockstep_train_pp4_ep2_on_eight_processes_logs_the_metrics_of_one_process_and_resumes(tmp_path,
                                                                                               one_process):
     """Issue 19's layout itself, PP 4 x EP 2 on 8 gloo processes (one decoder layer a stage, the last with
-    the head; 2 pipelines, each stage's experts sharded over its 2 ranks; recompute, optimizer offload; 8
-    colocated engines), in the same two halves: bitwise the one-process run. 4 stages make the 1F1B
-    schedule's warm-up and cool-down longer than 2 do, every stage but the first receives the mHC streams,
-    the input ids and the replayed routing, and the save gathers 4 stages' weights and optimizer state."""
-    _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp=4, nproc=8)
+    the head; 2 pipelines, each stage's experts sharded over its 2 ranks; recompute, optimizer offload),
+    with the colocated engines expert-parallel over all 8 ranks (`--rollout-expert-parallel-size 8`: one
+    routed expert a layer each), in the same two halves: bitwise the one-process run. 4 stages make the
+    1F1B schedule's warm-up and cool-down longer than 2 do, every stage but the first receives the mHC
+    streams, the input ids and the replayed routing, the save gathers 4 stages' weights and optimizer
+    state, and every engine rank keeps its expert of each pushed layer."""
+    _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp=4, nproc=8,
+                                           engines=["--rollout-expert-parallel-size", "8"])
 
 
-def _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp: int, nproc: int) -> None:
+def _halves_log_the_metrics_of_one_process(tmp_path, one_process, pp: int, nproc: int, engines=()) -> None:
     from dist_world import free_port
     from test_train_world import _first_difference, _perf_free, _train, _without_end_eval
 
     layout = ["--nproc-per-node", str(nproc), "--pipeline-model-parallel-size", str(pp),
               "--expert-model-parallel-size", "2", "--decoder-last-pipeline-num-layers", "1",
-              "--recompute-activations", "--optimizer-offload"]
+              "--recompute-activations", "--optimizer-offload", *engines]
+    stderr: list[str] = []
     first = _train(tmp_path / "first", *layout, "--num-rollout", "1", "--save", str(tmp_path / "save"),
-                   "--master-port", str(free_port()))
+                   "--master-port", str(free_port()), stderr=stderr)
+    if engines:  # each rank's engine says which experts it keeps: one block of the 8 a rank
+        for rank in range(nproc):
+            block = f"[{rank * 8 // nproc}, {(rank + 1) * 8 // nproc})"
+            assert f"rank {rank}: expert parallel over {nproc} ranks, experts {block} of 8" in stderr[0], rank
     config = __import__("json").loads((tmp_path / "first" / "config.json").read_text())
     train = config["train"]
     assert (config["world_size"], train["pipeline_model_parallel_size"], train["expert_model_parallel_size"],

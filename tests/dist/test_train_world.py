@@ -79,11 +79,14 @@ SIZES = ["--num-rollout", "2", "--rollout-batch-size", "4", "--n-samples-per-pro
 RUN = [*SIZES, "--batch-invariant", "--max-tokens-per-gpu", "172"]
 
 
-def _train(run_dir, *flags) -> list[dict]:
+def _train(run_dir, *flags, stderr: list | None = None) -> list[dict]:
+    """metrics.jsonl of `lockstep train RUN FLAGS`; its stderr appended to `stderr` when given."""
     env = cli_env()
     cmd = [sys.executable, "-m", "lockstep.cli", "train", *RUN, "--run-dir", str(run_dir), *flags]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    if stderr is not None:
+        stderr.append(proc.stderr)
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
