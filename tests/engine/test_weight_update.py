@@ -51,41 +51,6 @@ def test_update_equals_fresh_engine(fmt, packed):
     same_outputs(after, fresh.generate(requests(ps, params)), exact=True)
 
 
-def test_an_update_reads_no_state_cached_before_it():
-    """An update does not clear the cache (a write of all of it per update): the preempted sequences'
-    slots are reset when handed out again. Every cache tensor filled with NaN after the update (what
-    a stale slot could hold at worst): the sequences it preempted continue as the new weights give,
-    and new requests equal a fresh engine's on the new weights."""
-    ps = prompts(4, seed=26)
-    engine = make_engine(seed=27)
-    states = [engine._new_state(r) for r in requests(ps, lambda i: greedy(max_new_tokens=8))]
-    for s in states:
-        engine._add(s)
-    for _ in range(3):
-        engine.step()
-    done_before = [st.sequences[0].num_output for st in states]
-    new = trainer_weights(28)
-    engine.update_weights(new.items(), version=2)
-    _poison(engine)
-    while not all(s.done for s in states):
-        engine.step()
-    fresh = make_engine(model=tiny_dsv4(0))
-    fresh.update_weights(new.items(), version=2)
-    for st, k in zip(states, done_before):
-        s = st.samples[0]
-        prefix = s.prompt_ids.tolist() + s.response_ids[:k].tolist()
-        cont = fresh.generate([type(st.request)(prefix, greedy(max_new_tokens=8 - k))])[0]
-        assert s.weight_version == 2 and cont.response_ids.tolist() == s.response_ids[k:].tolist()
-    _poison(engine)
-    same_outputs(engine.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
-
-
-def _poison(engine):
-    for layer in engine.cache.cache.layers:
-        for t in layer.tensors():
-            t.fill_(float("nan") if t.is_floating_point() else -7)
-
-
 def test_a_write_plan_is_made_once_per_layout():
     """write_served decides where each tensor goes once per layout of an update (names, dtypes,
     devices) and keeps the plan: a second update of the same layout reuses it, a partial update of
@@ -176,6 +141,10 @@ def test_update_from_disk(tmp_path):
 
 
 def test_update_while_requests_run_recomputes_them():
+    """The running sequences are preempted and recomputed on the new weights. The update does not
+    clear the cache (a write of all of it per update): a slot is reset when handed out again, so every
+    cache tensor filled with NaN after the update (what a stale slot could hold at worst) changes
+    neither the recomputed sequences nor new requests, which equal a fresh engine's."""
     ps = prompts(3, seed=30)
     engine = make_engine(seed=31)
     states = [engine._new_state(r) for r in requests(ps, lambda i: greedy(max_new_tokens=10))]
@@ -186,6 +155,7 @@ def test_update_while_requests_run_recomputes_them():
     sampled_before = [st.sequences[0].num_output for st in states]
     assert all(k >= 1 for k in sampled_before)
     engine.update_weights(trainer_weights(32), version=5)
+    _poison(engine)
     while not all(s.done for s in states):
         engine.step()
     fresh = make_engine(model=tiny_dsv4(0))
@@ -197,6 +167,15 @@ def test_update_while_requests_run_recomputes_them():
         prefix = s.prompt_ids.tolist() + s.response_ids[:k].tolist()
         cont = fresh.generate([type(st.request)(prefix, greedy(max_new_tokens=10 - k))])[0]
         assert cont.response_ids.tolist() == s.response_ids[k:].tolist()
+    _poison(engine)
+    same_outputs(engine.generate(requests(ps, params)), fresh.generate(requests(ps, params)), exact=True)
+
+
+def _poison(engine):
+    """Every tensor of a DeepSeek-V4 engine's rollout cache filled with NaN (-7 where integer)."""
+    for layer in engine.cache.cache.layers:
+        for t in layer.tensors():
+            t.fill_(float("nan") if t.is_floating_point() else -7)
 
 
 def test_bucketed_updates_and_duplicates():
