@@ -226,18 +226,23 @@ class ExpertParallelEngine:
         return self.engine.update_targets()
 
     def update_weights(self, named_tensors, version: int, partial: bool = False) -> None:
-        """Full expert tensors are cut to this rank's experts; the Engine validates and writes."""
-        self.engine.update_weights(self.local_tensors(named_tensors), version, partial)
+        """Full expert tensors are cut to this rank's experts; the Engine validates and writes. The
+        slices are copies: a colocated update's tensors come one at a time from a gather (FSDP's, the
+        pipeline's broadcasts), and a view would keep each full expert tensor alive until the write,
+        i.e. every expert of the model on every rank at once, what expert parallelism is for avoiding."""
+        self.engine.update_weights(self.local_tensors(named_tensors, copy=True), version, partial)
 
-    def local_tensors(self, named_tensors) -> list[tuple[str, torch.Tensor]]:
+    def local_tensors(self, named_tensors, copy: bool = False) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs with each full routed-expert tensor [E, ...] replaced by this rank's
-        slice (a view); other tensors, and slices already cut, pass as they are."""
+        slice (a view, or with `copy` a tensor of its own); other tensors, and slices already cut,
+        pass as they are."""
         pairs = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
         out = []
         for name, t in pairs:
             m = self._expert_names.get(name)
             if m is not None and isinstance(t, torch.Tensor) and t.dim() and t.shape[0] == m.n_experts:
                 t = t[m.first_expert:m.first_expert + m.n_local]
+                t = t.clone() if copy else t
             out.append((name, t))
         return out
 

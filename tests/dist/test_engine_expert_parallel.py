@@ -19,7 +19,9 @@ bitwise what one built from the full model serves, holding the same tensors.
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -122,8 +124,29 @@ def _ep_rank(rank: int, dtype: str, push: bool) -> dict:
             out["nan"] = str(e)
         out["state"] = {n: t.clone() for n, t in engine.model.state_dict().items()}
         out["version"] = engine.weight_version
+        out["kept_alive"] = _streamed_update(engine, _new_weights(load_pretrained(ASSET)))
         out["pushed"] = _digest(engine.generate(_requests(rank, "uneven")))
     return out
+
+
+def _streamed_update(engine, weights: dict) -> list[str]:
+    """A colocated update from a generator of fresh tensors, as FSDP's and the pipeline's gathers yield
+    them: the full expert tensors still alive once the update has moved past them (after the version
+    check: an in-process update equal to the push's weights)."""
+    alive, refs = [], []
+
+    def fresh():
+        for name, t in weights.items():
+            gc.collect()
+            alive.extend(n for n, ref in refs if ref() is not None)
+            refs.clear()
+            t = t.clone()
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                refs.append((name, weakref.ref(t)))
+            yield name, t
+
+    engine.update_weights(fresh(), version=5)
+    return alive
 
 
 def _one_engine(dtype: str):
@@ -200,6 +223,8 @@ def test_weight_push_into_ep_engines_equals_an_in_process_update():
                 expected = expected[rank * 4:(rank + 1) * 4]
             assert torch.equal(t, expected), f"rank {rank}: {name}"
         _assert_same(got["pushed"], _digest(one.generate(_requests(rank, "uneven"))), f"rank {rank} after the push")
+        # a colocated update keeps this rank's slice of each full expert tensor, not the full tensor
+        assert got["kept_alive"] == [], got["kept_alive"]
 
 
 def _dying_rank(rank: int) -> None:
