@@ -200,19 +200,31 @@ def pipeline_named_weights(trainer, pipe: PipelineParallel):
     """`Trainer.named_weights` of the whole model, on every stage: each stage's tensors in stage order
     (the stages are contiguous, so this is the one-process model's state-dict order), broadcast from
     their stage (names, shapes and dtypes first, then one broadcast per tensor). What a checkpoint or
-    a weight push of a pipeline-parallel trainer needs from its source rank; every stage must iterate."""
-    own = list(trainer.named_weights())
+    a weight push of a pipeline-parallel trainer needs from its source rank; every stage must iterate.
+    A stage gathers its own tensors one at a time, as they are broadcast (the header comes from
+    `Trainer.weight_specs`): under EP, gathering a stage's whole experts at once would hold a quarter
+    of a PP-4 model's expert bytes on one GPU."""
+    specs, own = trainer.weight_specs(), trainer.named_weights()
     for s in range(pipe.stage.num_stages):
         src = dist.get_global_rank(pipe.group, s)
         mine = s == pipe.stage.stage_index
-        box = [[(n, tuple(t.shape), t.dtype) for n, t in own] if mine else None]
+        box = [specs if mine else None]
         with pipe.collective(f"pipeline-parallel broadcast_object_list (stage {s}'s weight names)"):
             dist.broadcast_object_list(box, src=src, group=pipe.group, device=pipe.device)
-        for i, (name, shape, dtype) in enumerate(box[0]):
-            t = own[i][1].contiguous() if mine else torch.empty(shape, dtype=dtype, device=pipe.device)
+        for name, shape, dtype in box[0]:
+            t = _own_next(own, name, shape, dtype) if mine else torch.empty(shape, dtype=dtype, device=pipe.device)
             with pipe.collective(f"pipeline-parallel broadcast ({name} from stage {s})"):
                 dist.broadcast(t, src=src, group=pipe.group)
             yield name, t
+
+
+def _own_next(own, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The stage's next tensor from its named_weights, as its header announced it to the other stages."""
+    got, t = next(own)
+    if (got, tuple(t.shape), t.dtype) != (name, shape, dtype):
+        raise RuntimeError(f"pipeline stage weights: {got} {tuple(t.shape)} {t.dtype} where the header announced "
+                           f"{name} {shape} {dtype} (Trainer.weight_specs and named_weights disagree)")
+    return t.contiguous()
 
 
 class PipelineTrainer:

@@ -425,15 +425,22 @@ class Trainer:
         for name, t in self._live_tensors():
             yield name, self._full(name, t).detach()
 
+    def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of each tensor `named_weights` yields, in its order, gathering nothing (a
+        sharded tensor's shape is the full one): what a receiver allocates before the tensors come."""
+        return [(name, tuple(t.shape), self._full_dtype(name, t)) for name, t in self._live_tensors()]
+
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """An FSDP shard -> the full tensor (a collective: every rank iterates named_weights), in the
-        dtype it computes in (what cast_model gives a single-process bf16 run); others as they are."""
-        if not isinstance(t, DTensor):
-            return t
-        full = gather_full(t)
-        if self.config.dtype == "bfloat16" and full.is_floating_point():
-            full = full.to(storage_dtype(self.model, name, torch.bfloat16))
-        return full
+        """An FSDP / EP shard -> the full tensor (a collective: every rank iterates named_weights), in
+        `_full_dtype`; others as they are."""
+        return gather_full(t).to(self._full_dtype(name, t)) if isinstance(t, DTensor) else t
+
+    def _full_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
+        """A shard's full tensor is in the dtype it computes in (what cast_model gives a single-process
+        bf16 run); any other tensor keeps its own."""
+        if isinstance(t, DTensor) and self.config.dtype == "bfloat16" and t.is_floating_point():
+            return storage_dtype(self.model, name, torch.bfloat16)
+        return t.dtype
 
     def _live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         by_name = {canonical_name(n): t.data for n, t in self.model.state_dict(keep_vars=True).items()}

@@ -41,7 +41,8 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
     unbroken = _pipeline_trainer(ctx, rank)
     _step(unbroken)
     unbroken.save(f"{directory}/pp")
-    out = {"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights())}
+    out = {"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights()),
+           "gather_order": _gather_order(unbroken)}
     for name, save, last in (("pp", "pp", None), ("one", "one", None), ("pp-3+1", "pp", 1)):
         resumed = _pipeline_trainer(ctx, rank, last_stage_layers=last)
         resumed.load(f"{directory}/{save}")
@@ -57,6 +58,26 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
     bf16.save(f"{directory}/pp-bf16")
     out["bf16"] = {"state": bf16.trainer.optimizer.state_dict(), "weights": dict(bf16.named_weights())}
     return out
+
+
+def _gather_order(pipeline_trainer) -> list[str]:
+    """What iterating a pipeline trainer's named_weights does, in order: "gather NAME" as this stage's
+    Trainer yields its tensor (a gather of the shards under FSDP / EP), "get NAME" as the pipeline
+    yields a tensor, this stage's or another's."""
+    events, inner = [], pipeline_trainer.trainer.named_weights
+
+    def recording():
+        for name, t in inner():
+            events.append(f"gather {name}")
+            yield name, t
+
+    pipeline_trainer.trainer.named_weights = recording
+    try:
+        for name, _ in pipeline_trainer.named_weights():
+            events.append(f"get {name}")
+    finally:
+        del pipeline_trainer.trainer.named_weights
+    return events
 
 
 def _one_process_save(directory: Path):
@@ -116,6 +137,17 @@ def test_pp_save_resumes_on_pp_as_the_unbroken_run(checkpoints):
             assert r[name]["metrics"] == r["unbroken"], (rank, name)
             _assert_weights_equal(r[name]["weights"], r["unbroken_weights"], f"rank {rank} resumed {name}")
     assert results[0]["unbroken"] == results[1]["unbroken"]
+
+
+def test_a_stage_gathers_its_tensors_one_at_a_time_as_it_sends_them(checkpoints):
+    """pipeline_named_weights takes a stage's next tensor from its Trainer only once the last was sent
+    (the header from Trainer.weight_specs): never a whole stage's gathered tensors at once."""
+    *_, results, _ = checkpoints
+    for rank, r in enumerate(results):
+        events = r["gather_order"]
+        gathers = [i for i, e in enumerate(events) if e.startswith("gather ")]
+        assert gathers and len(events) == len(gathers) + len(r["unbroken_weights"]), rank
+        assert all(events[i + 1] == "get " + events[i][len("gather "):] for i in gathers), (rank, events)
 
 
 def test_pp_save_loads_into_one_process(checkpoints):
