@@ -34,11 +34,13 @@ def save_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
     pipeline writes: two writers of one file would race."""
     d, first, writer = Path(directory), pipe.stage.is_first, trainer.dp.rank == 0
     d.mkdir(parents=True, exist_ok=True)
-    weights = _gather_to_first(pipe, list(trainer.named_weights()), "weights")
+    # the weights gathered one at a time (named_weights is lazy), each sent or moved to the host at once
+    weights = _gather_to_first(pipe, trainer.weight_specs(), trainer.named_weights(), "weights")
     own = trainer.optimizer.state_dict()
     entries = [((name, key), t) for name, entry in own["state"].items() for key, t in entry.items()]
+    specs = [(k, tuple(t.shape), t.dtype) for k, t in entries]
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for (name, key), t in _gather_to_first(pipe, entries, "optimizer state"):
+    for (name, key), t in _gather_to_first(pipe, specs, iter(entries), "optimizer state"):
         state.setdefault(name, {})[key] = t
     if first and writer:
         ckpt.save_weights(weights, d / ckpt.WEIGHTS)
@@ -73,26 +75,37 @@ def load_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
                         f"({len(unclaimed)} in all): a checkpoint of another model")
 
 
-def _gather_to_first(pipe: PipelineParallel, named: list[tuple[object, torch.Tensor]], what: str):
+def _gather_to_first(pipe: PipelineParallel, specs: list[tuple], named, what: str):
     """Every stage's (key, tensor) pairs, in stage order, on the first stage's host (a list there, [] on
-    the others): each stage's keys, shapes and dtypes broadcast, then its tensors sent to the first stage
-    one at a time (point-to-point, on the pipeline's device)."""
+    the others): each stage's keys, shapes and dtypes (`specs`) broadcast, then its tensors, taken from
+    the iterator `named` one at a time, sent to the first stage (point-to-point, on the pipeline's device)."""
     stage, out = pipe.stage, []
     first = dist.get_global_rank(pipe.group, 0)
     if stage.is_first:
-        out += [(k, t.detach().cpu()) for k, t in named]
+        out += [(k, announced_next(named, k, shape, dtype).cpu()) for k, shape, dtype in specs]
     for s in range(1, stage.num_stages):
         src, mine = dist.get_global_rank(pipe.group, s), s == stage.stage_index
-        box = [[(k, tuple(t.shape), t.dtype) for k, t in named] if mine else None]
+        box = [specs if mine else None]
         with pipe.collective(f"pipeline-parallel broadcast_object_list (stage {s}'s {what}: names)"):
             dist.broadcast_object_list(box, src=src, group=pipe.group, device=pipe.device)
-        for i, (key, shape, dtype) in enumerate(box[0]):
+        for key, shape, dtype in box[0]:
             if mine:
+                t = announced_next(named, key, shape, dtype)
                 with pipe.collective(f"pipeline-parallel send ({what} {key} to stage 0)"):
-                    dist.send(named[i][1].detach().contiguous().to(pipe.device), dst=first, group=pipe.group)
+                    dist.send(t.to(pipe.device), dst=first, group=pipe.group)
             elif stage.is_first:
                 t = torch.empty(shape, dtype=dtype, device=pipe.device)
                 with pipe.collective(f"pipeline-parallel recv ({what} {key} from stage {s})"):
                     dist.recv(t, src=src, group=pipe.group)
                 out.append((key, t.cpu()))
     return out
+
+
+def announced_next(named, key, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The next (key, tensor) of a stage's iterator `named`, checked against what the stage's header
+    announced to the others (a mismatch would leave them receiving the wrong bytes); detached, contiguous."""
+    got, t = next(named)
+    if (got, tuple(t.shape), t.dtype) != (key, shape, dtype):
+        raise RuntimeError(f"pipeline stage tensors: {got} {tuple(t.shape)} {t.dtype} where the stage's header "
+                           f"announced {key} {shape} {dtype}")
+    return t.detach().contiguous()

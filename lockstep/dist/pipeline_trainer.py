@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lockstep.dist.pipeline_checkpoint import load_pipeline, save_pipeline
+from lockstep.dist.pipeline_checkpoint import announced_next, load_pipeline, save_pipeline
 from lockstep.dist.pipeline_parallel import PipelineParallel
 from lockstep.models.deepseek_v4 import padded_ids, padded_rows
 from lockstep.train.logprobs import MicroBatch, pack_microbatches, token_logprobs
@@ -212,19 +212,10 @@ def pipeline_named_weights(trainer, pipe: PipelineParallel):
         with pipe.collective(f"pipeline-parallel broadcast_object_list (stage {s}'s weight names)"):
             dist.broadcast_object_list(box, src=src, group=pipe.group, device=pipe.device)
         for name, shape, dtype in box[0]:
-            t = _own_next(own, name, shape, dtype) if mine else torch.empty(shape, dtype=dtype, device=pipe.device)
+            t = announced_next(own, name, shape, dtype) if mine else torch.empty(shape, dtype=dtype, device=pipe.device)
             with pipe.collective(f"pipeline-parallel broadcast ({name} from stage {s})"):
                 dist.broadcast(t, src=src, group=pipe.group)
             yield name, t
-
-
-def _own_next(own, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-    """The stage's next tensor from its named_weights, as its header announced it to the other stages."""
-    got, t = next(own)
-    if (got, tuple(t.shape), t.dtype) != (name, shape, dtype):
-        raise RuntimeError(f"pipeline stage weights: {got} {tuple(t.shape)} {t.dtype} where the header announced "
-                           f"{name} {shape} {dtype} (Trainer.weight_specs and named_weights disagree)")
-    return t.contiguous()
 
 
 class PipelineTrainer:

@@ -7,6 +7,8 @@ TrainConfig are test_pipeline_parallel.py's."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -40,8 +42,8 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
     ctx = init_distributed(30.0)
     unbroken = _pipeline_trainer(ctx, rank)
     _step(unbroken)
-    unbroken.save(f"{directory}/pp")
-    out = {"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights()),
+    held = _held_while_saving(unbroken, f"{directory}/pp")
+    out = {"held_while_saving": held,"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights()),
            "gather_order": _gather_order(unbroken)}
     for name, save, last in (("pp", "pp", None), ("one", "one", None), ("pp-3+1", "pp", 1)):
         resumed = _pipeline_trainer(ctx, rank, last_stage_layers=last)
@@ -78,6 +80,26 @@ def _gather_order(pipeline_trainer) -> list[str]:
     finally:
         del pipeline_trainer.trainer.named_weights
     return events
+
+
+def _held_while_saving(pipeline_trainer, directory: str) -> list[int]:
+    """Save, and for each tensor this stage's Trainer yields (gathered, under FSDP / EP), how many of the
+    ones it yielded before are still alive at that moment."""
+    held, refs, inner = [], [], pipeline_trainer.trainer.named_weights
+
+    def recording():
+        for name, t in inner():
+            gc.collect()
+            held.append(sum(ref() is not None for ref in refs))
+            refs.append(weakref.ref(t))
+            yield name, t
+
+    pipeline_trainer.trainer.named_weights = recording
+    try:
+        pipeline_trainer.save(directory)
+    finally:
+        del pipeline_trainer.trainer.named_weights
+    return held
 
 
 def _one_process_save(directory: Path):
@@ -148,6 +170,14 @@ def test_a_stage_gathers_its_tensors_one_at_a_time_as_it_sends_them(checkpoints)
         gathers = [i for i, e in enumerate(events) if e.startswith("gather ")]
         assert gathers and len(events) == len(gathers) + len(r["unbroken_weights"]), rank
         assert all(events[i + 1] == "get " + events[i][len("gather "):] for i in gathers), (rank, events)
+
+
+def test_a_saving_stage_sends_each_tensor_before_it_gathers_the_next(checkpoints):
+    """Each stage's save takes its next tensor from its Trainer only once the last is sent to the first
+    stage (or, there, copied to the host): none of them is alive when the next is gathered."""
+    *_, results, _ = checkpoints
+    for rank, r in enumerate(results):
+        assert len(r["held_while_saving"]) > 10 and max(r["held_while_saving"]) == 0, (rank, r["held_while_saving"])
 
 
 def test_pp_save_loads_into_one_process(checkpoints):
