@@ -29,18 +29,20 @@ def save_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
     layout, and a PP save needs no re-cut to resume on another pipeline split or none. The cost:
     the first stage holds the whole model's weights and optimiser state on the host while writing,
     as FSDP's rank 0 does. Every stage calls it. Pipelines in data parallel (`trainer.dp`, the expert
-    shards' group: pipeline_expert_parallel.py) hold the same weights and state, and each gathers them
-    (the expert shards are gathered over the pipelines, a collective of all), but only the first
-    pipeline writes: two writers of one file would race."""
+    shards' group: pipeline_expert_parallel.py) hold the same weights and state; only the first pipeline
+    writes (two writers of one file would race) and only its stages send to their first stage; the
+    others take part in the gathers of the expert shards (collectives over the pipelines) and keep
+    nothing, where each collected a whole copy on its first stage's host before."""
     d, first, writer = Path(directory), pipe.stage.is_first, trainer.dp.rank == 0
     d.mkdir(parents=True, exist_ok=True)
     # the weights gathered one at a time (named_weights is lazy), each sent or moved to the host at once
-    weights = _gather_to_first(pipe, trainer.weight_specs(), trainer.named_weights(), "weights")
+    named = trainer.named_weights()
+    weights = _gather_to_first(pipe, trainer.weight_specs(), named, "weights") if writer else _drain(named)
     own = trainer.optimizer.state_dict()
     entries = [((name, key), t) for name, entry in own["state"].items() for key, t in entry.items()]
     specs = [(k, tuple(t.shape), t.dtype) for k, t in entries]
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for (name, key), t in _gather_to_first(pipe, specs, iter(entries), "optimizer state"):
+    for (name, key), t in _gather_to_first(pipe, specs, iter(entries), "optimizer state") if writer else ():
         state.setdefault(name, {})[key] = t
     if first and writer:
         ckpt.save_weights(weights, d / ckpt.WEIGHTS)
@@ -99,6 +101,13 @@ def _gather_to_first(pipe: PipelineParallel, specs: list[tuple], named, what: st
                     dist.recv(t, src=src, group=pipe.group)
                 out.append((key, t.cpu()))
     return out
+
+
+def _drain(named) -> list:
+    """Iterate a stage's named_weights for its collectives alone (the expert shards' gathers)."""
+    for _ in named:
+        pass
+    return []
 
 
 def announced_next(named, key, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
