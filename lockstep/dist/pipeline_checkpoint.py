@@ -8,6 +8,7 @@ consolidated save (one process's, FSDP's, a PP save of any split). `PipelineTrai
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 from lockstep.files import FileError
 from lockstep.train import checkpointing as ckpt
+from lockstep.train.data_parallel import drain
 
 if TYPE_CHECKING:
     from lockstep.dist.pipeline_parallel import PipelineParallel
@@ -32,22 +34,23 @@ def save_pipeline(trainer, pipe: PipelineParallel, directory) -> None:
     shards' group: pipeline_expert_parallel.py) hold the same weights and state; only the first pipeline
     writes (two writers of one file would race) and only its stages send to their first stage; the
     others take part in the gathers of the expert shards (collectives over the pipelines) and keep
-    nothing, where each collected a whole copy on its first stage's host before."""
+    nothing (a whole copy on each pipeline's first stage would multiply the host memory of a save)."""
     d, first, writer = Path(directory), pipe.stage.is_first, trainer.dp.rank == 0
     d.mkdir(parents=True, exist_ok=True)
-    # the weights gathered one at a time (named_weights is lazy), each sent or moved to the host at once
-    named = trainer.named_weights()
-    weights = _gather_to_first(pipe, trainer.weight_specs(), named, "weights") if writer else _drain(named)
-    own = trainer.optimizer.state_dict()
-    entries = [((name, key), t) for name, entry in own["state"].items() for key, t in entry.items()]
-    specs = [(k, tuple(t.shape), t.dtype) for k, t in entries]
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for (name, key), t in _gather_to_first(pipe, specs, iter(entries), "optimizer state") if writer else ():
-        state.setdefault(name, {})[key] = t
-    if first and writer:
-        ckpt.save_weights(weights, d / ckpt.WEIGHTS)
-        torch.save({**own, "state": state}, d / ckpt.OPTIMIZER)  # step and lr: every stage steps together
-    if writer:
+    # weights, then optimiser state, gathered one tensor at a time (both iterators are lazy), each sent
+    # to the first stage or moved to its host at once
+    named, entries = trainer.named_weights(), trainer.optimizer.state_entries()
+    if not writer:
+        drain(itertools.chain(named, entries))
+    else:
+        weights = _gather_to_first(pipe, trainer.weight_specs(), named, "weights")
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, key), t in _gather_to_first(pipe, trainer.optimizer.state_specs(), entries, "optimizer state"):
+            state.setdefault(name, {})[key] = t
+        if first:
+            ckpt.save_weights(weights, d / ckpt.WEIGHTS)
+            # step and lr: every stage steps together
+            torch.save({**trainer.optimizer.scalars(), "state": state}, d / ckpt.OPTIMIZER)
         ckpt.save_trainer_state(d / ckpt.trainer_file(pipe.stage.stage_index), trainer.num_steps,
                                 trainer.config.to_dict())
     with pipe.collective("pipeline-parallel barrier (checkpoint saved)"):
@@ -101,13 +104,6 @@ def _gather_to_first(pipe: PipelineParallel, specs: list[tuple], named, what: st
                     dist.recv(t, src=src, group=pipe.group)
                 out.append((key, t.cpu()))
     return out
-
-
-def _drain(named) -> list:
-    """Iterate a stage's named_weights for its collectives alone (the expert shards' gathers)."""
-    for _ in named:
-        pass
-    return []
 
 
 def announced_next(named, key, shape: tuple, dtype: torch.dtype) -> torch.Tensor:

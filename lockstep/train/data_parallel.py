@@ -24,6 +24,7 @@ no launcher). Tensors travel on `device` (NCCL needs CUDA tensors, gloo takes CP
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from typing import Callable, ContextManager, Iterable
 
@@ -62,6 +63,13 @@ def gather_full(t: DTensor, host_staged: bool | None = None) -> torch.Tensor:
     host = DTensor.from_local(t.to_local().cpu(), _host_mesh(mesh), t.placements, run_check=False, shape=t.shape,
                               stride=t.stride())
     return host.full_tensor().to(t.device)
+
+
+def drain(gathers: Iterable) -> None:
+    """Run an iterator of gathered tensors (e.g. named_weights on a rank that keeps nothing) for its
+    collectives alone, holding no item: a `for` loop's variable would keep each tensor alive while the
+    next is gathered."""
+    collections.deque(gathers, maxlen=0)
 
 
 def full_tensor(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

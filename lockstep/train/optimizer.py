@@ -32,7 +32,7 @@ the accelerator holds at most one tensor's optimiser state at a time.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -243,14 +243,33 @@ class MasterAdamW:
         """Moments and (non-aliased) master weights by parameter name, full tensors on the CPU.
         Sharded (FSDP) parameters: gathered from every rank (a collective: all ranks call it), and the
         fp32 master is always included, since the model's weights may be saved in bf16."""
-        state = {}
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for (name, key), t in self.state_entries():
+            state.setdefault(name, {})[key] = t
+        return {**self.scalars(), "state": state}
+
+    def scalars(self) -> dict:
+        """The state_dict's entries that are not tensors."""
+        return {"step": self.step_count, "lr": self.lr}
+
+    def state_entries(self) -> Iterator[tuple[tuple[str, str], torch.Tensor]]:
+        """((parameter name, key), full tensor on the CPU) of state_dict's state, in its order, one at
+        a time: a save streams them, so that a rank holds one gathered tensor, not its whole state."""
         for name, s in self.slots.items():
-            full = lambda t: full_tensor(t.detach(), s.param).cpu()  # noqa: E731
-            entry = {"exp_avg": full(s.exp_avg), "exp_avg_sq": full(s.exp_avg_sq)}
-            if not s.aliased or isinstance(s.param, DTensor):
-                entry["master"] = full(s.master)
-            state[name] = entry
-        return {"step": self.step_count, "lr": self.lr, "state": state}
+            for key, t in self._saved(s):
+                yield (name, key), full_tensor(t.detach(), s.param).cpu()
+
+    def state_specs(self) -> list[tuple[tuple[str, str], tuple[int, ...], torch.dtype]]:
+        """((name, key), full shape, dtype) of each of state_entries' tensors, gathering nothing."""
+        return [((name, key), tuple(s.param.shape), t.dtype) for name, s in self.slots.items()
+                for key, t in self._saved(s)]
+
+    @staticmethod
+    def _saved(s: _Slot) -> list[tuple[str, torch.Tensor]]:
+        """A slot's tensors a checkpoint holds: the moments, and the master where it is not the
+        parameter itself (always under sharding: the weights may be saved in bf16)."""
+        out = [("exp_avg", s.exp_avg), ("exp_avg_sq", s.exp_avg_sq)]
+        return out + [("master", s.master)] if not s.aliased or isinstance(s.param, DTensor) else out
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:

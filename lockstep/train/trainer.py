@@ -45,6 +45,7 @@ other parameter is replicated and its gradient summed over the ranks.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from pathlib import Path
@@ -65,7 +66,7 @@ from lockstep.train import checkpointing as ckpt
 from lockstep.train.aggregation import aggregate, pack
 from lockstep.train.config import TrainConfig
 from lockstep.train.cuda_graphs import GraphedLogprobs, detach_grads
-from lockstep.train.data_parallel import DataParallel, gather_full, local_part
+from lockstep.train.data_parallel import DataParallel, drain, gather_full, local_part
 from lockstep.train.logprobs import MicroBatch, accepts, microbatch_logits, pack_microbatches, token_logprobs, \
     token_logprobs_and_entropy
 from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
@@ -454,13 +455,12 @@ class Trainer:
         rank's RNG state (`checkpointing.trainer_file`)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        weights, optimizer = self.named_weights(), self.optimizer.state_dict()
+        weights = self.named_weights()
         if self.dp.rank == 0:
             ckpt.save_weights(weights, d / ckpt.WEIGHTS)
-            torch.save(optimizer, d / ckpt.OPTIMIZER)
-        else:
-            for _ in weights:  # the gathers are collectives: run them with rank 0
-                pass
+            torch.save(self.optimizer.state_dict(), d / ckpt.OPTIMIZER)
+        else:  # the gathers are collectives: run them with rank 0, one tensor at a time, keeping none
+            drain(itertools.chain(weights, self.optimizer.state_entries()))
         ckpt.save_trainer_state(d / ckpt.trainer_file(self.dp.rank), self.num_steps, self.config.to_dict())
         self.dp.barrier("checkpoint saved")
 

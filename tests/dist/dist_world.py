@@ -252,3 +252,31 @@ def run_world(fn, world_size: int = 2, guard_s: float = 60.0, args: tuple = (),
                     setattr(res, k, v)
             results.append(res)
         return results
+
+
+def held_while_saving(trainer, save) -> dict[str, list[int]]:
+    """Run `save()` with `trainer`'s named_weights and optimizer.state_entries recorded: for each tensor
+    they yield, how many of the ones of its kind yielded before are still alive at that moment (0 all
+    along: a save that gathers one tensor at a time and keeps none)."""
+    import gc
+    import weakref
+
+    held: dict[str, list[int]] = {"weights": [], "optimizer state": []}
+
+    def recording(kind: str, inner):
+        def tensors():
+            refs = []
+            for key, t in inner():
+                gc.collect()
+                held[kind].append(sum(ref() is not None for ref in refs))
+                refs.append(weakref.ref(t))
+                yield key, t
+        return tensors
+
+    trainer.named_weights = recording("weights", trainer.named_weights)
+    trainer.optimizer.state_entries = recording("optimizer state", trainer.optimizer.state_entries)
+    try:
+        save()
+    finally:
+        del trainer.named_weights, trainer.optimizer.state_entries
+    return held

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import lockstep
-from dist_world import cpu_world_only, max_abs_diff, rank_values, report, run_world, to_cpu
+from dist_world import cpu_world_only, held_while_saving, max_abs_diff, rank_values, report, run_world, to_cpu
 from lockstep.models import load_pretrained
 from lockstep.train.config import TrainConfig
 from lockstep.train.data_parallel import DataParallel, gather_full
@@ -101,8 +101,9 @@ def _resume(ctx, dtype: str, mine, directory: str) -> dict:
     """Step, save, step (unbroken) on one trainer; load into a fresh one and step again."""
     unbroken = _fsdp_trainer(ctx, dtype, EVEN)
     unbroken.train_step(mine)
-    unbroken.save(directory)
-    out = {"unbroken": unbroken.train_step(mine), "unbroken_weights": dict(unbroken.named_weights())}
+    held = held_while_saving(unbroken, lambda: unbroken.save(directory))
+    out = {"unbroken": unbroken.train_step(mine), "unbroken_weights": dict(unbroken.named_weights()),
+           "held_while_saving": held}
     resumed = _fsdp_trainer(ctx, dtype, EVEN)
     resumed.load(directory)
     out.update(resumed=resumed.train_step(mine), resumed_weights=dict(resumed.named_weights()))
@@ -273,6 +274,8 @@ def test_resume_from_two_ranks(two_ranks, checkpoints, device):
         for dtype in ("float32", "bfloat16"):
             r = result[f"resume-{dtype}"]
             assert r["resumed"] == r["unbroken"], (rank, dtype)
+            if rank:  # rank 1 joins the gathers one tensor at a time and keeps none: rank 0 writes
+                assert all(held and max(held) == 0 for held in r["held_while_saving"].values()), r["held_while_saving"]
             for name, w in r["unbroken_weights"].items():
                 assert torch.equal(r["resumed_weights"][name], w), (rank, dtype, name)
     samples = _samples()

@@ -7,14 +7,12 @@ TrainConfig are test_pipeline_parallel.py's."""
 
 from __future__ import annotations
 
-import gc
-import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from dist_world import rank_values, run_world
+from dist_world import held_while_saving, rank_values, run_world
 from lockstep.models import load_pretrained
 from test_pipeline_parallel import ASSET, _train_config, _trainer_samples
 
@@ -42,7 +40,7 @@ def _checkpoint_rank(rank: int, directory: str) -> dict:
     ctx = init_distributed(30.0)
     unbroken = _pipeline_trainer(ctx, rank)
     _step(unbroken)
-    held = _held_while_saving(unbroken, f"{directory}/pp")
+    held = held_while_saving(unbroken.trainer, lambda: unbroken.save(f"{directory}/pp"))
     out = {"held_while_saving": held,"unbroken": _step(unbroken), "unbroken_weights": dict(unbroken.named_weights()),
            "gather_order": _gather_order(unbroken)}
     for name, save, last in (("pp", "pp", None), ("one", "one", None), ("pp-3+1", "pp", 1)):
@@ -80,26 +78,6 @@ def _gather_order(pipeline_trainer) -> list[str]:
     finally:
         del pipeline_trainer.trainer.named_weights
     return events
-
-
-def _held_while_saving(pipeline_trainer, directory: str) -> list[int]:
-    """Save, and for each tensor this stage's Trainer yields (gathered, under FSDP / EP), how many of the
-    ones it yielded before are still alive at that moment."""
-    held, refs, inner = [], [], pipeline_trainer.trainer.named_weights
-
-    def recording():
-        for name, t in inner():
-            gc.collect()
-            held.append(sum(ref() is not None for ref in refs))
-            refs.append(weakref.ref(t))
-            yield name, t
-
-    pipeline_trainer.trainer.named_weights = recording
-    try:
-        pipeline_trainer.save(directory)
-    finally:
-        del pipeline_trainer.trainer.named_weights
-    return held
 
 
 def _one_process_save(directory: Path):
@@ -173,11 +151,12 @@ def test_a_stage_gathers_its_tensors_one_at_a_time_as_it_sends_them(checkpoints)
 
 
 def test_a_saving_stage_sends_each_tensor_before_it_gathers_the_next(checkpoints):
-    """Each stage's save takes its next tensor from its Trainer only once the last is sent to the first
-    stage (or, there, copied to the host): none of them is alive when the next is gathered."""
+    """Each stage's save takes its next tensor (weights, then optimiser state) only once the last is sent
+    to the first stage (or, there, copied to the host): none of them is alive when the next is gathered."""
     *_, results, _ = checkpoints
     for rank, r in enumerate(results):
-        assert len(r["held_while_saving"]) > 10 and max(r["held_while_saving"]) == 0, (rank, r["held_while_saving"])
+        for kind, held in r["held_while_saving"].items():
+            assert len(held) > 10 and max(held) == 0, (rank, kind, held)
 
 
 def test_pp_save_loads_into_one_process(checkpoints):
