@@ -258,7 +258,6 @@ def held_while_saving(trainer, save) -> dict[str, list[int]]:
     """Run `save()` with `trainer`'s named_weights and optimizer.state_entries recorded: for each tensor
     they yield, how many of the ones of its kind yielded before are still alive at that moment (0 all
     along: a save that gathers one tensor at a time and keeps none)."""
-    import gc
     import weakref
 
     held: dict[str, list[int]] = {"weights": [], "optimizer state": []}
@@ -266,8 +265,7 @@ def held_while_saving(trainer, save) -> dict[str, list[int]]:
     def recording(kind: str, inner):
         def tensors():
             refs = []
-            for key, t in inner():
-                gc.collect()
+            for key, t in inner():  # a tensor is freed when its last reference goes: no gc pass needed
                 held[kind].append(sum(ref() is not None for ref in refs))
                 refs.append(weakref.ref(t))
                 yield key, t

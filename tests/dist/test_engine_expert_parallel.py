@@ -19,7 +19,6 @@ bitwise what one built from the full model serves, holding the same tensors.
 
 from __future__ import annotations
 
-import gc
 import os
 import weakref
 from pathlib import Path
@@ -136,8 +135,7 @@ def _streamed_update(engine, weights: dict) -> list[str]:
     alive, refs = [], []
 
     def fresh():
-        for name, t in weights.items():
-            gc.collect()
+        for name, t in weights.items():  # a tensor is freed when its last reference goes (no gc pass)
             alive.extend(n for n, ref in refs if ref() is not None)
             refs.clear()
             t = t.clone()
