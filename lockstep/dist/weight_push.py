@@ -371,20 +371,14 @@ class _Stream:
         collective the peers are not waited for). A mapped push always ends at that barrier: the
         engines read the trainer's live memory, which the trainer may change once push_weights returns."""
         self.parts, self.staged = [], None
-        if self.transport == "mapped":
-            if self.owns_pool:
-                self.pool.unmap()
-            if every_rank_here:
-                self.ctx.barrier(f"{self.op}: engines read the mapped weights")
-            if self.owns_pool:
-                self.pool.free()
-            return
-        if not self.owns_pool:
-            return
-        self.pool.unmap()
-        if self.transport == "shared" and every_rank_here:
-            self.ctx.barrier(f"{self.op}: release shared buckets")
-        self.pool.free()
+        mapped = self.transport == "mapped"
+        if self.owns_pool:
+            self.pool.unmap()
+        if every_rank_here and (mapped or (self.owns_pool and self.transport == "shared")):
+            what = "engines read the mapped weights" if mapped else "release shared buckets"
+            self.ctx.barrier(f"{self.op}: {what}")
+        if self.owns_pool:
+            self.pool.free()
 
 
 def _offer(ctx: DistContext, ok: bool, payload, op: str) -> tuple[bool, object]:

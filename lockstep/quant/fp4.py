@@ -161,7 +161,7 @@ def quantize_fp4_block(
     if out is not None:
         _check_out(w, out, block)
         scale_dtype = E8M0 if out[1].dtype in fp8_triton.BYTE_DTYPES else torch.float32
-    if fp8_triton.eligible(w) and block >= 2 and block & (block - 1) == 0:
+    if _kernel_takes(w, block):
         packed, scale = out if out is not None else (
             torch.empty(*w.shape[:-1], k // 2, dtype=torch.uint8, device=w.device),
             torch.empty(fp4_scale_shape(tuple(w.shape), block), dtype=scale_dtype, device=w.device))
@@ -192,13 +192,19 @@ def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
     push writes all of an engine's fp4 experts at once."""
     batch = []
     for w, out in zip(ws, outs):
-        if fp8_triton.eligible(w) and block >= 2 and block & (block - 1) == 0 and w.shape[-1] % 2 == 0:
+        if _kernel_takes(w, block):
             _check_out(w, out, block)
             batch.append((w.detach(), out))
         else:
             quantize_fp4_block(w, block, out=out)
     if batch:
         fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block)
+
+
+def _kernel_takes(w: torch.Tensor, block: int) -> bool:
+    """The Triton kernel quantises w (fp8_triton.eligible: CUDA, eager; an even last dim, two codes a
+    byte; an odd one is refused by quantize_fp4_block) in power-of-two blocks."""
+    return fp8_triton.eligible(w) and block >= 2 and block & (block - 1) == 0 and w.shape[-1] % 2 == 0
 
 
 def _check_out(w: torch.Tensor, out, block: int) -> None:

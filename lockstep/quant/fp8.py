@@ -123,7 +123,7 @@ def quantize_fp8_block(
         scale_dtype = E8M0 if out[1].dtype in fp8_triton.BYTE_DTYPES else torch.float32
         if scale_dtype == E8M0 and scale_fmt != "ue8m0":
             raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0' (power-of-two scales)")
-    if fp8_triton.eligible(w) and all(b > 0 and b & (b - 1) == 0 for b in block):
+    if _kernel_takes(w, block):
         q, scale = out if out is not None else (
             torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device),
             torch.empty(fp8_scale_shape(tuple(w.shape), block), dtype=scale_dtype, device=w.device))
@@ -160,13 +160,18 @@ def quantize_fp8_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
     push writes all of an engine's packed fp8 weights at once."""
     batch = []
     for w, out in zip(ws, outs):
-        if fp8_triton.eligible(w) and all(b > 0 and b & (b - 1) == 0 for b in block):
+        if _kernel_takes(w, block):
             _check_out(w, out, block)
             batch.append((w.detach(), out))
         else:
             quantize_fp8_block(w, block, scale_fmt, out=out)
     if batch:
         fp8_triton.quantize_fp8_many_into([w for w, _ in batch], [out for _, out in batch], block, scale_fmt)
+
+
+def _kernel_takes(w: torch.Tensor, block: tuple[int, int]) -> bool:
+    """The Triton kernel quantises w (fp8_triton.eligible: CUDA, eager) in power-of-two blocks."""
+    return fp8_triton.eligible(w) and all(b > 0 and b & (b - 1) == 0 for b in block)
 
 
 def _check_out(w: torch.Tensor, out, block: tuple[int, int]) -> None:

@@ -53,6 +53,7 @@ if triton is not None:
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
+BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 
 @torch.no_grad()
@@ -67,7 +68,6 @@ def quantise_packed(kind: str, ws: list[torch.Tensor], outs: list[tuple[torch.Te
         quantize_fp4_blocks_into(ws, outs)
     else:
         raise ValueError(f"packed storage is fp8 or fp4, got {kind!r}")
-BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 
 def block_scale_rows(out_features: int, first: int = 0) -> torch.Tensor:
