@@ -147,8 +147,7 @@ if triton is not None:
                               stride_cn, stride_on, W, scratch_slot, stride_ee,
                               M: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
                               SB: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                              WRITE: tl.constexpr = False, MP: tl.constexpr = 1, WP: tl.constexpr = 1,
-                              BIAS_BF16: tl.constexpr = False):
+                              WRITE: tl.constexpr, MP: tl.constexpr, WP: tl.constexpr, BIAS_BF16: tl.constexpr):
         """Sequence n's closing entry into out[n] (zeros where its block stays open). WRITE
         (`compressor_step`): cos / sin of the block start computed here from inv_freq (at cos_ptr),
         out is the state's entries [slots, E, D] (written at [slot, p // M] where a block closes,
@@ -257,15 +256,14 @@ if triton is not None:
             return
         prev_kv_t, prev_gate_t = (prev_kv, prev_gate) if overlap else (buf_kv, buf_gate)  # unread without C4
         W = kv_new.shape[1]
-        write_args = dict(WRITE=True, MP=triton.next_power_of_2(m), WP=triton.next_power_of_2(W),
-                          BIAS_BF16=position_bias.dtype == torch.bfloat16) if write else {}
         torch.library.wrap_triton(_closing_entry_kernel)[(N,)](
             kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv_t, prev_gate_t, position_bias,
             norm_weight, cos, sin, out, D, rope_half, eps, kv_new.stride(0), gate_new.stride(0),
             buf_kv.stride(0), buf_kv.stride(1), prev_kv_t.stride(0), prev_kv_t.stride(1), position_bias.stride(0),
             stride_cn, out.stride(0), W, scratch_slot, out.stride(1) if write else 0, M=m, OVERLAP=overlap,
             HALF=triton.next_power_of_2(max(D // 2, 1)), SB=SLOT_BLOCK, BF16=kv_new.dtype == torch.bfloat16,
-            INTERPRETED=_gt.interpreted(), num_warps=4, **write_args)
+            INTERPRETED=_gt.interpreted(), WRITE=write, MP=triton.next_power_of_2(m), WP=triton.next_power_of_2(W),
+            BIAS_BF16=position_bias.dtype == torch.bfloat16, num_warps=4)
 
     @torch.library.triton_op("lockstep::compressor_step",
                              mutates_args=("buf_kv", "buf_gate", "prev_kv", "prev_gate", "entries"))

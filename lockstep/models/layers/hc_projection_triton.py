@@ -100,7 +100,7 @@ if triton is not None:
                          y_ptr, post_ptr, comb_ptr, new_ptr, D,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-                         N_HC: tl.constexpr = 0):
+                         N_HC: tl.constexpr):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
         K is one too and no tile crosses K. N_HC > 0: x is first the mHC combine of the streams at
