@@ -3,6 +3,9 @@
     from kernel_profile import profile_generate      # used by grpo_step.py --profile
     print(profile_generate(engine, requests))
 
+profile_call / host_profile: the kernels and the host functions of any one call (weight_push.py
+--profile).
+
 CUPTI reports the kernels a replayed CUDA graph runs one by one, so the table covers decode
 steps (graph replays) and prefill (eager launches) alike. Printed: total device time, kernel
 count, wall time, and the top kernels with their share of device time.
@@ -55,6 +58,28 @@ def host_profile(fn, top: int = 25) -> str:
     stats.sort_stats("cumulative").print_stats(top)
     body = "\n".join(line for line in out.getvalue().splitlines() if line.strip())
     return f"host profile: wall {wall * 1e3:.1f} ms (cProfile's own overhead included)\n{body}"
+
+
+def profile_call(fn, label: str, top: int = 12) -> str:
+    """The kernels one fn() runs on this process's GPU: wall time, device time and count, by family
+    and the `top` kernels by device time; a call whose wall time far exceeds its device time waits
+    on the host (host_profile says where) or on another process."""
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    kernels = [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(us for _, us in kernels)
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    lines = [f"{label}: wall {wall * 1e3:.2f} ms, device {device_us / 1e3:.2f} ms in {len(kernels)} kernels"]
+    lines += family_table(kernels)
+    lines += [f"  {sum(t):8.1f} {len(t):5d}  {name[:110]}" for name, t in
+              sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]
+    return "\n".join(lines)
 
 
 def decode_step_trace(engine, requests) -> str:

@@ -80,10 +80,24 @@ def _args():
     p.add_argument("--transport", default="auto", choices=TRANSPORTS,
                    help="broadcast over the weight group, or shared memory handed over by handle (CUDA IPC on a "
                         "GPU; lockstep/dist/shared_buckets.py); auto: shared where both ranks share this host over gloo")
+    p.add_argument("--profile", action="store_true",
+                   help="CUDA: two more pushes a series (and in-process updates) under the profilers, each rank "
+                        "printing the kernels of one (kernel_profile.profile_call) and the host's time of the other")
     p.add_argument("--packed", action="store_true",
                    help="engine holds fp8 linears and routed experts packed (EngineConfig.packed_fp8 / packed_experts): "
                         "the push quantises into the packed storage")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.profile and not torch.cuda.is_available():
+        p.error("--profile reads CUDA kernel times: run it on a GPU")
+    return args
+
+
+def profiled(push, label: str) -> None:
+    """Two more calls of push(): the kernels of one, then the host's time of the other (--profile)."""
+    from kernel_profile import host_profile, profile_call
+
+    print(profile_call(push, label), flush=True)
+    print(f"{label}, {host_profile(push, top=15)}", flush=True)
 
 
 def _weights(bench, device, dtype):
@@ -162,6 +176,11 @@ def rank_main(args) -> None:
                 pushes.append(push_weights(ctx, manifest, version, named_tensors=trainer_model.state_dict().items(),
                                            transport=kind, pool=pool))
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
+            if args.profile:
+                version += 2
+                profiled(lambda v=iter((version - 1, version)): push_weights(
+                    ctx, manifest, next(v), named_tensors=trainer_model.state_dict().items(), transport=kind,
+                    pool=pool), f"trainer rank{label}")
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
                        dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
@@ -174,6 +193,10 @@ def rank_main(args) -> None:
         reference.update_weights(trainer_model.state_dict().items(), version=v)
         _sync(device)
         in_process = min(in_process, time.perf_counter() - start)
+    if args.profile:
+        versions = iter((args.pushes + 1, args.pushes + 2))
+        profiled(lambda: reference.update_weights(trainer_model.state_dict().items(), version=next(versions)),
+                 "in-process update")
     del trainer_model
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
     ref = reference.model.state_dict()
@@ -188,6 +211,9 @@ def rank_main(args) -> None:
               f"(best): ratio {push_s / in_process:.2f}; tensors differing from the in-process update: {len(differ)} "
               f"{differ[:3]}", flush=True)
         print(f"engine rank{label}, {phase_line(pushes)}", flush=True)
+        if args.profile:
+            profiled(lambda: push_weights(ctx, manifest, None, engine=pushed, transport=kind, pool=pool),
+                     f"engine rank{label}")
         print(f"{args.serving_format}{' packed' if args.packed else ''}{label}: "
               f"{ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
 
