@@ -8,7 +8,9 @@ fp32, 4/16384 B), FP4 e2m1 0.5 B + one e8m0 scale per 32 (1/32 B), BF16 2 B, FP3
 fp32 groups stay as they are. `weight_formats` totals one copy of the model in each. Per GPU:
   routed experts        sum(expert groups) / G
   dense (attention "dp")   tp + replicated groups in full;   (attention "tp")  tp groups / G
-  embedding and head    / G (vocab-parallel)
+  embedding and head    (attention "dp") in full;   (attention "tp")  / G (vocab-parallel)
+                        (engine_expert_parallel.py, lockstep's EP engine, keeps the whole vocabulary
+                        on every rank: it splits only the routed experts)
 
 Cache per sequence of `seq_len` tokens, per layer (kvb = kv_cache_dtype bytes, d = head_dim):
   DeepSeek-V4  window  min(W, S) * d * kvb              (K = V: one tensor)
@@ -94,7 +96,7 @@ def weight_bytes_per_gpu(model: ModelSpec, rollout: RolloutSpec) -> dict[str, fl
         if g.shard == "expert":
             out["experts"] += b / G
         elif g.shard == "vocab":
-            out["vocab"] += b / G
+            out["vocab"] += b / G if rollout.attention == "tp" else b
         elif g.shard == "tp" and rollout.attention == "tp":
             out["dense"] += b / G
         else:
@@ -148,7 +150,8 @@ def rollout_memory(model: ModelSpec, cluster: ClusterSpec, rollout: RolloutSpec,
     terms = (
         MemoryTerm("routed experts", w["experts"], f"experts / EP {G} ({fmt})"),
         MemoryTerm("dense weights", w["dense"], f"attention + shared + mHC + norms ({rollout.attention} attention)"),
-        MemoryTerm("embedding + head", w["vocab"], f"vocab-parallel / {G}"),
+        MemoryTerm("embedding + head", w["vocab"],
+                   f"vocab-parallel / {G}" if rollout.attention == "tp" else "replicated (dp attention)"),
         MemoryTerm("caches", seqs * per_seq / split,
                    f"{seqs} seqs x {per_seq / 1e6:.2f} MB/seq ({seq_len} tok, {rollout.kv_cache_dtype})"
                    + (f" / {split}" if split > 1 else "")),

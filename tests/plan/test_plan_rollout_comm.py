@@ -33,6 +33,9 @@ def test_llama_cache_and_rollout_terms(tiny_llama, small_cluster):
     assert terms["dense weights"] == 4 * (4096 * 3 + 24576) * 2 / 4 + 4 * 128 * 2 + 64 * 2
     assert terms["embedding + head"] == 2 * 1000 * 64 * 2 / 4
     assert terms["caches"] == 10 * (4 * 32 * 2 * 2 * 16 * 2) / 2  # KV heads (2) split over the engine
+    # data-parallel attention (lockstep's EP engine): every rank keeps the whole vocabulary
+    dp = {t.name: t.bytes for t in rollout_memory(tiny_llama, small_cluster, replace(ro, attention="dp"), 32).terms}
+    assert dp["embedding + head"] == 2 * 1000 * 64 * 2
 
 
 def test_push_staging_is_the_whole_push_and_not_beside_the_workspace(tiny_v4, small_cluster, small_train):
