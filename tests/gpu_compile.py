@@ -10,6 +10,7 @@ CUDA build, so that the kernels get defined, which no test process should believ
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 os.environ["TRITON_INTERPRET"] = "0"
@@ -60,8 +61,6 @@ def variants():
     from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
-    from lockstep.quant import fp4_triton as q4
-    from lockstep.quant import fp8_triton as q8
     from lockstep.train import adamw_triton as aw
 
     flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
@@ -108,12 +107,9 @@ def variants():
                                num_warps=8, HAS_P=True, SCALED=True, G_BF16=True, P_BF16=True, INTERPRETED=False,
                                BLOCK=aw.BLOCK, CHUNK=aw.CHUNK)
     for scale_bytes in (False, True):  # the push's fp8 re-quantisation: fp32 or e8m0-byte scales
-        yield f"fp8 quantise many{' e8m0' if scale_bytes else ''}", lambda scale_bytes=scale_bytes: ptx(
-            q8._fp8_many_kernel, dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32"), {"T"},
-            num_warps=8, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128, UE8M0=True, SCALE_BYTES=scale_bytes)
-    yield "fp4 quantise many", lambda: ptx(q4._fp4_many_kernel, dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32",
-                                                                   local_ptr="*i32"), {"T"},
-                                           W_DTYPE=0, BLOCK_R=16, BLOCK_K=256, BLOCK=32, SCALE_BYTES=True)
+        yield f"fp8 quantise many{' e8m0' if scale_bytes else ''}", lambda scale_bytes=scale_bytes: quantise_ptx(
+            "fp8", 16, scale_bytes)
+    yield "fp4 quantise many", lambda: quantise_ptx("fp4", 16)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)
@@ -216,6 +212,25 @@ def variants():
             BLOCK_M=gg.BLOCK_M, BLOCK_N=64, BLOCK_K=128)  # the engine's gate_up: the plain kernel, gathering
 
 
+def quantise_ptx(fmt: str, align: int, scale_bytes: bool = True) -> str:
+    """The push's many-tensor fp8 / fp4 quantisation kernel (bf16 weights) with ALIGN `align`."""
+    from lockstep.quant import fp4_triton as q4
+    from lockstep.quant import fp8_triton as q8
+
+    tables = dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32")
+    if fmt == "fp8":
+        return ptx(q8._fp8_many_kernel, tables, {"T"}, num_warps=8, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128, UE8M0=True,
+                   SCALE_BYTES=scale_bytes, ALIGN=align)
+    return ptx(q4._fp4_many_kernel, tables, {"T"}, W_DTYPE=0, BLOCK_R=16, BLOCK_K=256, BLOCK=32, SCALE_BYTES=True,
+               ALIGN=align)
+
+
+def vector_accesses(fmt: str, align: int) -> str:
+    """"loads L stores S": the quantisation kernel's vector (.v2 / .v4) global loads and stores."""
+    code = quantise_ptx(fmt, align)
+    return f"loads {len(re.findall(r'ld[.]global[.]v[24]', code))} stores {len(re.findall(r'st[.]global[.]v[24]', code))}"
+
+
 def stream_mix_ptx(post: bool = True) -> str:
     """mHC's stream mix (with StreamCombine's post_k y where `post`) in bf16."""
     from lockstep.models.layers import stream_mix_triton as sm
@@ -227,6 +242,9 @@ def stream_mix_ptx(post: bool = True) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] == ["stream-mix"]:
         print(stream_mix_ptx())
+        sys.exit(0)
+    if sys.argv[1:2] == ["vectors"]:  # vectors FMT ALIGN
+        print(vector_accesses(sys.argv[2], int(sys.argv[3])))
         sys.exit(0)
     for name, compile_it in variants():
         try:

@@ -4,7 +4,7 @@ launched directly); `fp4.quantize_fp4_block` is its reference and its caller for
 (fp8_triton.eligible; fp8_triton.py's docstring has the why and the rules).
 
 Bit-for-bit the reference: the scale by fp8_triton._pow2_scale with fmt_max 6 (NaN / inf blocks and
-amax / 6 == 0 get 1); x / scale with div_rn; the code by fp4.float_to_e2m1's boundaries (ties to
+amax / 6 == 0 get 1); x / scale IEEE-rounded (fp8_triton._divided); the code by fp4.float_to_e2m1's boundaries (ties to
 the even code, saturating at 6, a NaN gives magnitude 0) and the input's sign bit; element 2j in
 the low nibble. A program owns BLOCK_R rows x BLOCK_K columns (BLOCK_K a multiple of 32).
 Owed, GPU: the bitwise check on CUDA and the bandwidth, as for the fp8 kernel.
@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_table, launch_table, triton
+from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_table, alignment, launch_table, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from lockstep.quant.fp8_triton import _many_tensor_program, _pow2_scale
+    from lockstep.quant.fp8_triton import _divided, _many_tensor_program, _pow2_scale, _table_int
 
     @triton.jit
     def _e2m1_code(v, x):
@@ -47,7 +47,7 @@ if triton is not None:
         amax = tl.max(tl.abs(x3), axis=2)
         has_nan = tl.max((x3 != x3).to(tl.int32), axis=2) > 0
         scale, byte = _pow2_scale(amax, has_nan, 6.0, True)
-        v = tl.reshape(tl.math.div_rn(x3, scale[:, :, None]), (BLOCK_R, BLOCK_K))
+        v = tl.reshape(_divided(x3, scale[:, :, None], True), (BLOCK_R, BLOCK_K))
         code = _e2m1_code(v, x)
         lo, hi = tl.split(tl.reshape(code, (BLOCK_R, BLOCK_K // 2, 2)))
         packed = (lo | (hi << 4)).to(tl.uint8)
@@ -66,13 +66,13 @@ if triton is not None:
     @triton.jit
     def _fp4_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
-                         SCALE_BYTES: tl.constexpr):
+                         SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
         """One BLOCK_R x BLOCK_K tile of a tensor: addresses w, packed, s and w's row stride; meta
         rows, cols, nb, column tiles."""
         t, local, rows, cols, nb, col_tiles, w_ptr, p_ptr, s_ptr = _many_tensor_program(
-            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES)
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
         _quantize_tile(w_ptr, p_ptr, s_ptr, local // col_tiles, local % col_tiles, rows, cols,
-                       tl.load(addr_ptr + 3 * T + t), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
+                       _table_int(addr_ptr + 3 * T + t, ALIGN), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
 
 
 def quantize_fp4_into(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block: int) -> None:
@@ -87,9 +87,9 @@ def _tiles(cols: int, block: int) -> tuple[int, int]:
 
 
 def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> None:
-    """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage and
-    one tile shape (an fp8-fp4 engine's push: its routed experts in one launch, where a launch per
-    tensor cost ~60 us of host time each). w [..., K] (K even), packed [..., K/2] bytes (uint8 /
+    """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage, one
+    tile shape and one alignment (an fp8-fp4 engine's push: its routed experts in one launch, where a
+    launch per tensor cost ~60 us of host time each). w [..., K] (K even), packed [..., K/2] bytes (uint8 /
     int8 / float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32)."""
     if block < 2 or block & (block - 1):
         raise ValueError(f"the Triton fp4 kernel needs a power-of-two block, got {block}")
@@ -100,10 +100,12 @@ def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
         if w.numel():
             w2 = w.reshape(-1, w.shape[-1])
             scale_bytes = scale.dtype in BYTE_DTYPES
-            groups.setdefault((w.dtype, scale_bytes, _tiles(w.shape[-1], block)), []).append(
-                (w2 if w2.stride(-1) == 1 else w2.contiguous(), _bytes(packed).view(-1, packed.shape[-1]),
-                 (_bytes(scale) if scale_bytes else scale).view(-1, scale.shape[-1])))
-    for (w_dtype, scale_bytes, (block_r, block_k)), items in groups.items():
+            w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+            p2 = _bytes(packed).view(-1, packed.shape[-1])
+            align = alignment([w2.data_ptr(), p2.data_ptr()], [w2.stride(0), w2.shape[1]])
+            groups.setdefault((w.dtype, scale_bytes, _tiles(w.shape[-1], block), align), []).append(
+                (w2, p2, (_bytes(scale) if scale_bytes else scale).view(-1, scale.shape[-1])))
+    for (w_dtype, scale_bytes, (block_r, block_k), align), items in groups.items():
         device = items[0][0].device
         meta = tuple((w2.shape[0], w2.shape[1], s2.shape[1], triton.cdiv(w2.shape[1], block_k)) for w2, _, s2 in items)
         tensor, local, meta_t = launch_table(tuple(triton.cdiv(r, block_r) * tiles for r, _, _, tiles in meta), meta,
@@ -113,4 +115,4 @@ def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
                                   device)
         _fp4_many_kernel[(tensor.numel(),)](
             addresses, meta_t, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=block_r,
-            BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes, num_warps=4)
+            BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes, ALIGN=align, num_warps=4)

@@ -83,9 +83,46 @@ if triton is not None:
         return scale, (bits >> 23) & 0xFF
 
     @triton.jit
-    def _e4m3_code(x, scale):
+    def _divided(x, scale, POW2: tl.constexpr):
+        """x / scale, IEEE-rounded. POW2 (a power-of-two scale): x times 1 / scale, the same value (both
+        round the one real number x 2^-e; 1 / scale is exact) at a multiply per value, where a
+        division is a dozen instructions."""
+        if POW2:
+            return x * tl.math.div_rn(1.0, scale)
+        return tl.math.div_rn(x, scale)
+
+    @triton.jit
+    def _table_int(ptr, ALIGN: tl.constexpr):
+        """The int64 at ptr (a stride or a size the host checked to be a multiple of ALIGN), marked as
+        one for the compiler (`_table_pointer` says why); the hint holds only on a value made by an op
+        of the same function, hence the load here."""
+        v = tl.load(ptr)
+        if ALIGN > 1:
+            v = tl.multiple_of(v, ALIGN)
+        return v
+
+    @triton.jit
+    def _table_pointer(ptr, KIND: tl.constexpr, ALIGN: tl.constexpr):
+        """The address at ptr as a typed pointer (KIND: W_DTYPES' bf16 0 / fp16 1 / fp32 2, bytes 3),
+        marked as a multiple of ALIGN bytes: read from a table, a pointer is of unknown alignment
+        and every load and store through it went one element at a time (tests/gpu_compile.py
+        checks the 16-byte ones)."""
+        if KIND == 0:
+            p = tl.load(ptr).to(tl.pointer_type(tl.bfloat16))
+        elif KIND == 1:
+            p = tl.load(ptr).to(tl.pointer_type(tl.float16))
+        elif KIND == 2:
+            p = tl.load(ptr).to(tl.pointer_type(tl.float32))
+        else:
+            p = tl.load(ptr).to(tl.pointer_type(tl.uint8))
+        if ALIGN > 1:
+            p = tl.multiple_of(p, ALIGN)
+        return p
+
+    @triton.jit
+    def _e4m3_code(x, scale, POW2: tl.constexpr):
         """The e4m3 byte of clamp(x / scale, -448, 448), rounded to nearest even (int32 0..255)."""
-        v = tl.math.div_rn(x, scale)
+        v = _divided(x, scale, POW2)
         a = tl.minimum(tl.abs(v), 448.0)
         exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         e = tl.maximum(exp, -6) - 3  # the grid step at a is 2**e
@@ -115,7 +152,7 @@ if triton is not None:
         amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
         has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
         scale, byte = _pow2_scale(amax, has_nan, 448.0, UE8M0)
-        code = _e4m3_code(x, scale)
+        code = _e4m3_code(x, scale, UE8M0)
         q_offs = mat * rows * cols + offs_r[:, None].to(tl.int64) * cols + offs_c[None, :]
         tl.store(q_ptr + q_offs, code.to(tl.uint8), mask=mask)
         s_off = (mat * nbr + pid_r) * nbc + pid_c
@@ -126,39 +163,32 @@ if triton is not None:
 
     @triton.jit
     def _many_tensor_program(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
-                             SCALE_BYTES: tl.constexpr):
+                             SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
         """A many-tensor quantisation program's tensor t = tensor[program] (launch_table,
         address_table): (t, its index within t, meta [t, 0..3], w's typed pointer (bf16 / fp16 / fp32),
         the output bytes' pointer, the scales' pointer (e8m0 bytes or fp32)); addr_ptr holds rows w,
-        out, s addresses of T tensors, then their strides."""
+        out, s addresses of T tensors, then their strides. ALIGN: the w and out addresses (bytes) and
+        meta's columns are multiples of it (`alignment`)."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
-        m0, m1 = tl.load(meta_ptr + 4 * t), tl.load(meta_ptr + 4 * t + 1)
+        m0, m1 = tl.load(meta_ptr + 4 * t), _table_int(meta_ptr + 4 * t + 1, ALIGN)
         m2, m3 = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
-        if W_DTYPE == 0:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.bfloat16))
-        elif W_DTYPE == 1:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float16))
-        else:
-            w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
-        out_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.uint8))
-        if SCALE_BYTES:
-            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.uint8))
-        else:
-            s_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
+        w_ptr = _table_pointer(addr_ptr + t, W_DTYPE, ALIGN)
+        out_ptr = _table_pointer(addr_ptr + T + t, 3, ALIGN)
+        s_ptr = _table_pointer(addr_ptr + 2 * T + t, 3 if SCALE_BYTES else 2, 1)
         return t, local, m0, m1, m2, m3, w_ptr, out_ptr, s_ptr
 
     @triton.jit
     def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
-                         SCALE_BYTES: tl.constexpr):
+                         SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
         """One block of a tensor: addresses w, q, s and w's two strides; meta rows, cols, nbr, nbc."""
         t, local, rows, cols, nbr, nbc, w_ptr, q_ptr, s_ptr = _many_tensor_program(
-            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES)
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
         per_mat = nbr * nbc
         rem = local % per_mat
         _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
-                        tl.load(addr_ptr + 3 * T + t), tl.load(addr_ptr + 4 * T + t), nbr, nbc,
+                        _table_int(addr_ptr + 3 * T + t, ALIGN), _table_int(addr_ptr + 4 * T + t, ALIGN), nbr, nbc,
                         BLOCK_R, BLOCK_C, UE8M0, SCALE_BYTES)
 
 
@@ -193,18 +223,25 @@ def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int
     return launch_table(tuple(m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)), meta, device)
 
 
-W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the many-tensor kernel's W_DTYPE
+W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the many-tensor kernel's W_DTYPE (_table_pointer)
+ALIGN = 16  # bytes of an address, elements of a stride or a row: a 16-byte vector for every dtype here
+
+
+def alignment(addresses: list[int], sizes: list[int]) -> int:
+    """A many-tensor launch's ALIGN (`_table_pointer`): ALIGN where every address and size is a multiple
+    of it (a weight's own storage, rows of a multiple of 16 values), else 1 (no alignment known)."""
+    return ALIGN if all(v % ALIGN == 0 for v in (*addresses, *sizes)) else 1
 
 
 def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
                            block: tuple[int, int], scale_fmt: str) -> None:
-    """quantize_fp8_into for many tensors: one launch per group of one w dtype and one scale storage
-    (an fp8 engine's push: one or two launches where a launch per tensor cost ~60 us of host time
+    """quantize_fp8_into for many tensors: one launch per group of one w dtype, one scale storage and
+    one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor cost ~60 us of host time
     each, ~80 tensors on gpu-848m). Block and scale rules as quantize_fp8_into."""
     br, bc = int(block[0]), int(block[1])
     if br & (br - 1) or bc & (bc - 1) or br < 1 or bc < 1:
         raise ValueError(f"the Triton fp8 kernel needs power-of-two blocks, got {br}x{bc}")
-    groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes) -> [(w [M, R, C], q, scale)]
+    groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes, alignment) -> [(w [M, R, C], q, scale)]
     for w, (q, scale) in zip(ws, outs):
         if scale.dtype in BYTE_DTYPES and scale_fmt != "ue8m0":
             raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0'")
@@ -213,10 +250,11 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
         if w.numel():
             *_, rows, cols = w.shape
             w3 = w.reshape(-1, rows, cols)
-            groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES), []).append(
-                (w3 if w3.stride(-1) == 1 else w3.contiguous(), _bytes(q), _bytes(scale) if
-                 scale.dtype in BYTE_DTYPES else scale))
-    for (w_dtype, scale_bytes), items in groups.items():
+            w3 = w3 if w3.stride(-1) == 1 else w3.contiguous()
+            groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES,
+                               alignment([w3.data_ptr(), q.data_ptr()], [*w3.stride()[:2], cols])), []).append(
+                (w3, _bytes(q), _bytes(scale) if scale.dtype in BYTE_DTYPES else scale))
+    for (w_dtype, scale_bytes, align), items in groups.items():
         device = items[0][0].device
         tensor, local, meta = _block_table(tuple(tuple(w3.shape) for w3, _, _ in items), (br, bc), device)
         addresses = address_table([[w3.data_ptr() for w3, _, _ in items], [q.data_ptr() for _, q, _ in items],
@@ -224,4 +262,4 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
                                    [w3.stride(1) for w3, _, _ in items]], device)
         _fp8_many_kernel[(tensor.numel(),)](
             addresses, meta, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc,
-            UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, num_warps=8)
+            UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, ALIGN=align, num_warps=8)

@@ -176,6 +176,44 @@ def test_many_fp4_tensors_in_one_launch_per_group_equal_the_reference_each(monke
         _same(out, ref)
 
 
+def _alignments(monkeypatch, module, kernel: str) -> list:
+    """The ALIGN of each launch of `module.kernel` from now on, each still run."""
+    aligns, real = [], getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, type("Spied", (), {"__getitem__": lambda self, grid: lambda *a, **k: (
+        aligns.append(k["ALIGN"]), real[grid](*a, **k))})())
+    return aligns
+
+
+def test_aligned_and_unaligned_tensors_launch_apart_each_equal_to_the_reference(monkeypatch):
+    """A tensor whose address and rows are multiples of 16 goes in a launch that tells the compiler
+    so (ALIGN 16: 16-byte loads and stores on a GPU); one read 2 bytes past an aligned address, or
+    with rows of 130 values, in a launch of its own (ALIGN 1). Each bitwise its reference, fp8 and
+    fp4."""
+    from lockstep.quant import fp4_triton
+
+    big = _wide((65, 128), torch.bfloat16, seed=31).to(DEVICE)
+    ws = [_wide((256, 384), torch.bfloat16, seed=30).to(DEVICE), big.view(-1)[1:1 + 64 * 128].view(64, 128),
+          _wide((3, 128, 256), torch.bfloat16, seed=32).to(DEVICE), _wide((64, 130), torch.bfloat16, seed=33).to(DEVICE)]
+    assert [fp8_triton.alignment([w.data_ptr()], [w.shape[-1]]) for w in ws] == [16, 1, 16, 1]
+    refs = [quantize_fp8_block(w.cpu()) for w in ws]
+    outs = [(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=DEVICE),
+             torch.empty(fp8_scale_shape(tuple(w.shape)), device=DEVICE)) for w in ws]
+    aligns = _alignments(monkeypatch, fp8_triton, "_fp8_many_kernel")
+    fp8_triton.quantize_fp8_many_into(ws, outs, (128, 128), "ue8m0")
+    assert sorted(aligns) == [1, 16]
+    for out, ref in zip(outs, refs):
+        _same(out, ref)
+    ws4 = ws[:3] + [_wide((64, 136), torch.bfloat16, seed=34).to(DEVICE)]  # fp4 packs pairs: even rows
+    refs = [quantize_fp4_block(w.cpu(), scale_dtype=E8M0) for w in ws4]
+    outs = [(torch.empty(r[0].shape, dtype=torch.uint8, device=DEVICE), torch.empty(r[1].shape, dtype=E8M0,
+                                                                                     device=DEVICE)) for r in refs]
+    aligns = _alignments(monkeypatch, fp4_triton, "_fp4_many_kernel")
+    fp4_triton.quantize_fp4_many_into(ws4, outs, 32)
+    assert 1 in aligns and 16 in aligns, aligns
+    for out, ref in zip(outs, refs):
+        _same(out, ref)
+
+
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     """quantize_fp8_block / quantize_fp4_block take the kernels where `eligible` says (CUDA tensors;
     faked on CPU), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
