@@ -11,6 +11,7 @@ from lockstep.models.layers import dispatch_order_triton as dt
 from lockstep.models.layers import grouped_gemm_triton as gt
 from lockstep.models.layers import moe, moe_combine_triton
 from lockstep.models.layers.grouped_gemm import group_offsets
+from compiled_op import compile_op
 
 needs_triton = pytest.mark.skipif(dt.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -77,6 +78,6 @@ def test_runs_bounds_the_slots(monkeypatch):
 @needs_triton
 def test_compiled_callers_get_the_kernels_result():
     flat = torch.randint(0, 64, (384,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    compiled = torch.compile(dt.dispatch_order_step, backend="eager", fullgraph=True, dynamic=True)
+    compiled = compile_op(dt.dispatch_order_step, dynamic=True)
     for a, b in zip(compiled(flat, 64), dt.dispatch_order_step(flat, 64)):
         assert torch.equal(a, b)

@@ -11,6 +11,7 @@ from lockstep.models.deepseek_v4_init import tiny_config
 from lockstep.models.layers import moe_combine_triton
 from lockstep.models.layers.moe import _combine, dispatch_order
 from switched_training import assert_switch_changes_nothing
+from compiled_op import compile_op
 
 pytestmark = pytest.mark.skipif(moe_combine_triton.triton is None, reason="Triton is not installed")
 
@@ -55,7 +56,7 @@ def test_the_decode_steps_combine_is_the_torch_ops(dtype, H, shared):
     same = torch.equal if dtype == torch.bfloat16 or DEVICE == "cpu" else torch.allclose  # as above
     got = moe_combine_triton.combine_step(ys, rows, weights, shared)
     assert got.dtype == dtype and same(got, want)
-    compiled = torch.compile(moe_combine_triton.combine_step, backend="eager", fullgraph=True)
+    compiled = compile_op(moe_combine_triton.combine_step)
     assert torch.equal(compiled(ys, rows, weights, shared), got)
 
 
@@ -91,7 +92,7 @@ def test_the_decode_steps_combine_can_do_the_mhc_combine(H):
     torch.testing.assert_close(got.float(), want.bfloat16().float(), rtol=2**-7, atol=tol)
     ref = hc_combine(streams, y, post, comb)
     torch.testing.assert_close(got.float(), ref.float(), rtol=2**-6, atol=2 * tol)
-    compiled = torch.compile(moe_combine_triton.combine_step, backend="eager", fullgraph=True)
+    compiled = compile_op(moe_combine_triton.combine_step)
     assert torch.equal(compiled(ys, rows, weights, True, streams, post, comb), got)
 
 

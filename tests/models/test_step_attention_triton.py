@@ -16,6 +16,7 @@ from lockstep.models.deepseek_v4_init import init_deepseek_v4_, tiny_config
 from lockstep.models.layers import step_attention_triton as sa
 from lockstep.models.layers.sink_attention import sink_attention
 from lockstep.models.layers.window_ring import write_window
+from compiled_op import compile_op
 
 needs_triton = pytest.mark.skipif(sa.triton is None, reason="triton is not installed")
 DEVICE = "cuda" if os.environ.get("LOCKSTEP_TEST_DEVICE") == "cuda" else "cpu"
@@ -182,6 +183,6 @@ def test_compiled_callers_get_the_kernels_result():
     ring, entries = (torch.randn(3, 16, 128, generator=g).to(DTYPES[0]) for _ in range(2))
     args = [t.to(DEVICE) for t in (q, ring, torch.tensor([2, 0]), torch.tensor([[9], [30]]),
                                    torch.randn(16, generator=g))]
-    compiled = torch.compile(sa.sink_attention_step, backend="eager", fullgraph=True)
+    compiled = compile_op(sa.sink_attention_step)
     assert torch.equal(compiled(*args, 0.3, entries.to(DEVICE), None, 4),
                        sa.sink_attention_step(*args, 0.3, entries.to(DEVICE), None, 4))
