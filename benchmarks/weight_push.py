@@ -178,9 +178,9 @@ def rank_main(args) -> None:
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
             if args.profile:
                 version += 2
-                profiled(lambda v=iter((version - 1, version)): push_weights(
-                    ctx, manifest, next(v), named_tensors=trainer_model.state_dict().items(), transport=kind,
-                    pool=pool), f"trainer rank{label}")
+                profiled(lambda v=iter((version - 1, version)), m=trainer_model, kind=kind, pool=pool: push_weights(
+                    ctx, manifest, next(v), named_tensors=m.state_dict().items(), transport=kind, pool=pool),
+                    f"trainer rank{label}")
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
                        dtype=bench.dtype, serving_format=args.serving_format, cuda_graph=False,
@@ -195,7 +195,7 @@ def rank_main(args) -> None:
         in_process = min(in_process, time.perf_counter() - start)
     if args.profile:
         versions = iter((args.pushes + 1, args.pushes + 2))
-        profiled(lambda: reference.update_weights(trainer_model.state_dict().items(), version=next(versions)),
+        profiled(lambda m=trainer_model: reference.update_weights(m.state_dict().items(), version=next(versions)),
                  "in-process update")
     del trainer_model
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
@@ -212,8 +212,8 @@ def rank_main(args) -> None:
               f"{differ[:3]}", flush=True)
         print(f"engine rank{label}, {phase_line(pushes)}", flush=True)
         if args.profile:
-            profiled(lambda: push_weights(ctx, manifest, None, engine=pushed, transport=kind, pool=pool),
-                     f"engine rank{label}")
+            profiled(lambda kind=kind, pool=pool: push_weights(ctx, manifest, None, engine=pushed, transport=kind,
+                                                               pool=pool), f"engine rank{label}")
         print(f"{args.serving_format}{' packed' if args.packed else ''}{label}: "
               f"{ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
 
