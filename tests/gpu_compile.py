@@ -236,7 +236,8 @@ def quantise_ptx(fmt: str, align: int, scale_bytes: bool = True) -> str:
 def vector_accesses(fmt: str, align: int) -> str:
     """"loads L stores S": the quantisation kernel's vector (.v2 / .v4) global loads and stores."""
     code = quantise_ptx(fmt, align)
-    return f"loads {len(re.findall(r'ld[.]global[.]v[24]', code))} stores {len(re.findall(r'st[.]global[.]v[24]', code))}"
+    loads, stores = (len(re.findall(rf"{op}[.]global[.]v[24]", code)) for op in ("ld", "st"))
+    return f"loads {loads} stores {stores}"
 
 
 def stream_mix_ptx(post: bool = True) -> str:

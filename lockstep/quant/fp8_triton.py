@@ -223,7 +223,7 @@ def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int
     return launch_table(tuple(m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)), meta, device)
 
 
-W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # the many-tensor kernel's W_DTYPE (_table_pointer)
+W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # many-tensor kernels' W_DTYPE (_table_pointer)
 ALIGN = 16  # bytes of an address, elements of a stride or a row: a 16-byte vector for every dtype here
 
 
@@ -236,8 +236,8 @@ def alignment(addresses: list[int], sizes: list[int]) -> int:
 def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
                            block: tuple[int, int], scale_fmt: str) -> None:
     """quantize_fp8_into for many tensors: one launch per group of one w dtype, one scale storage and
-    one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor cost ~60 us of host time
-    each, ~80 tensors on gpu-848m). Block and scale rules as quantize_fp8_into."""
+    one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor
+    cost ~60 us of host time each, ~80 tensors on gpu-848m). Block and scale rules as quantize_fp8_into."""
     br, bc = int(block[0]), int(block[1])
     if br & (br - 1) or bc & (bc - 1) or br < 1 or bc < 1:
         raise ValueError(f"the Triton fp8 kernel needs power-of-two blocks, got {br}x{bc}")

@@ -28,8 +28,7 @@ def test_with_pdl_the_decode_ops_are_custom_ops_and_their_kernel_tests_pass():
                              env={**env, "LOCKSTEP_PDL": switch})
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split() == [str(switch == "1"), traced_into]
-    files = [str(TESTS / f) for f in ("test_hc_pre_triton.py", "test_moe_combine_triton.py",
-                                      "test_compressor_step_triton.py", "test_output_a_triton.py")]
+    files = [str(TESTS / f) for f in ("test_hc_pre_triton.py", "test_output_a_triton.py")]
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-o", "addopts=",
                           *files], capture_output=True, text=True, env=env, timeout=900, cwd=TESTS.parent.parent)
     assert run.returncode == 0, run.stdout[-3000:]
