@@ -205,7 +205,27 @@ def print_profile(step, args) -> None:
               f"{args.profile} longest (kernel, launches, ms):")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:args.profile]:
             print(f"  {e.key[:60]:60s} {e.count:6d} {e.self_device_time_total / 1e3:9.2f}")
+        print(idle_gaps(prof))
     print("most called ops: " + ", ".join(f"{e.key[6:]} {e.count}" for e in calls))
+
+
+def idle_gaps(prof, top: int = 12) -> str:
+    """Where the device waited in the profiled step: its span, kernel time and idle time, and the
+    `top` longest gaps between consecutive kernels (ms into the step, us, the kernels either side):
+    a step whose span exceeds its kernel time waits on the host there."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    if len(kernels) < 2:
+        return "idle: fewer than two kernels"
+    t0 = kernels[0].time_range.start
+    gaps = [(b.time_range.start - a.time_range.end, a, b) for a, b in zip(kernels, kernels[1:])]
+    span = (kernels[-1].time_range.end - t0) / 1e3
+    idle = sum(max(g, 0.0) for g, _, _ in gaps) / 1e3
+    lines = [f"device timeline: span {span:.1f} ms, idle between kernels {idle:.1f} ms; the {top} longest gaps "
+             f"(ms into the step, us, kernel before -> after):"]
+    for g, a, b in sorted(gaps, key=lambda x: -x[0])[:top]:
+        lines.append(f"  {(a.time_range.end - t0) / 1e3:8.2f} {g:9.1f}  {a.name[:45]} -> {b.name[:45]}")
+    return "\n".join(lines)
 
 
 def graph_breaks() -> str:

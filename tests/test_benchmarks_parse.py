@@ -201,3 +201,24 @@ def test_the_step_trace_groups_kernels_by_family():
     assert lines == ["by family (us, kernels):", "      59.0     2  _grouped_kernel",
                      "      10.0     1  torch native / copies", "       4.5     1  cuBLAS / CUTLASS",
                      "       3.5     2  inductor (triton_*)"]
+
+
+def test_the_train_profile_names_where_the_device_waited():
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import torch
+        from train_throughput import idle_gaps
+    finally:
+        sys.path.pop(0)
+
+    def kernel(name, start, end):  # us, as torch.profiler's events carry them
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start, end=end))
+
+    host = SimpleNamespace(name="aten::item", device_type=torch.autograd.DeviceType.CPU,
+                           time_range=SimpleNamespace(start=0, end=5000))
+    prof = SimpleNamespace(events=lambda: [kernel("b", 1100, 1500), host, kernel("a", 1000, 1100),
+                                           kernel("c", 4500, 5000)])
+    lines = idle_gaps(prof, top=2).splitlines()
+    assert lines[0].startswith("device timeline: span 4.0 ms, idle between kernels 3.0 ms")
+    assert lines[1].split() == ["0.50", "3000.0", "b", "->", "c"] and lines[2].split()[:2] == ["0.10", "0.0"]
