@@ -69,7 +69,6 @@ def variants():
     from lockstep.models.layers import step_attention_triton as sa
     from lockstep.models.layers import stream_mix_triton as sm
     from lockstep.models.layers import swiglu_triton as sw
-    from lockstep.train import adamw_triton as aw
 
     flash = dict(CLOSED=True, H=16, D=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, BF16=True, INTERPRETED=False)
     yield "flash delta", lambda: ptx(fa._row_dot_kernel, dict(a_ptr=BF, b_ptr=BF, out_ptr=FP), {"R", "D"},
@@ -109,11 +108,7 @@ def variants():
                                                                                 d_ys_ptr=BF, d_w_ptr=FP), {"H"}, **combine)
     yield "moe dispatch backward", lambda: ptx(mc._dispatch_backward_kernel, dict(g_ptr=BF, rows_ptr=I64, dx_ptr=BF),
                                                {"H"}, K=6, BLOCK=1024, BF16=True, INTERPRETED=False)
-    yield "adamw", lambda: ptx(aw._adamw_kernel, dict(addr_ptr=I64, numel_ptr=I64, tensor_ptr="*i32", first_ptr=I64,
-                                                      found_inf_ptr=FP, inv_scale_ptr=FP), {"T"},
-                               {"lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt"},
-                               num_warps=8, HAS_P=True, SCALED=True, G_BF16=True, P_BF16=True, INTERPRETED=False,
-                               BLOCK=aw.BLOCK, CHUNK=aw.CHUNK)
+    yield "adamw", lambda: adamw_ptx(16)
     for scale_bytes in (False, True):  # the push's fp8 re-quantisation: fp32 or e8m0-byte scales
         yield f"fp8 quantise many{' e8m0' if scale_bytes else ''}", lambda scale_bytes=scale_bytes: quantise_ptx(
             "fp8", 16, scale_bytes)
@@ -233,9 +228,21 @@ def quantise_ptx(fmt: str, align: int, scale_bytes: bool = True) -> str:
                ALIGN=align)
 
 
-def vector_accesses(fmt: str, align: int) -> str:
-    """"loads L stores S": the quantisation kernel's vector (.v2 / .v4) global loads and stores."""
-    code = quantise_ptx(fmt, align)
+def adamw_ptx(align: int) -> str:
+    """MasterAdamW's multi-tensor kernel (bf16 gradients and parameters, clipped) with ALIGN `align`."""
+    from lockstep.train import adamw_triton as aw
+
+    return ptx(aw._adamw_kernel, dict(addr_ptr=I64, numel_ptr=I64, tensor_ptr="*i32", first_ptr=I64,
+                                      found_inf_ptr=FP, inv_scale_ptr=FP), {"T"},
+               {"lr", "beta1", "beta2", "eps", "weight_decay", "step_size", "bias_correction2_sqrt"},
+               num_warps=8, HAS_P=True, SCALED=True, G_BF16=True, P_BF16=True, INTERPRETED=False,
+               BLOCK=aw.BLOCK, CHUNK=aw.CHUNK, ALIGN=align)
+
+
+def vector_accesses(kernel: str, align: int) -> str:
+    """"loads L stores S": the vector (.v2 / .v4) global loads and stores of a kernel reading its
+    tensors' addresses from a table: the push's fp8 / fp4 quantisation, or AdamW."""
+    code = adamw_ptx(align) if kernel == "adamw" else quantise_ptx(kernel, align)
     loads, stores = (len(re.findall(rf"{op}[.]global[.]v[24]", code)) for op in ("ld", "st"))
     return f"loads {loads} stores {stores}"
 

@@ -19,7 +19,7 @@ from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_tab
 if triton is not None:
     import triton.language as tl
 
-    from lockstep.quant.fp8_triton import _divided, _many_tensor_program, _pow2_scale, _table_int
+    from lockstep.quant.fp8_triton import _divided, _many_tensor_program, _pow2_scale, table_int
 
     @triton.jit
     def _e2m1_code(v, x):
@@ -72,7 +72,7 @@ if triton is not None:
         t, local, rows, cols, nb, col_tiles, w_ptr, p_ptr, s_ptr = _many_tensor_program(
             addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
         _quantize_tile(w_ptr, p_ptr, s_ptr, local // col_tiles, local % col_tiles, rows, cols,
-                       _table_int(addr_ptr + 3 * T + t, ALIGN), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
+                       table_int(addr_ptr + 3 * T + t, ALIGN), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
 
 
 def quantize_fp4_into(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, block: int) -> None:

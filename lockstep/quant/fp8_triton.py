@@ -92,9 +92,9 @@ if triton is not None:
         return tl.math.div_rn(x, scale)
 
     @triton.jit
-    def _table_int(ptr, ALIGN: tl.constexpr):
+    def table_int(ptr, ALIGN: tl.constexpr):
         """The int64 at ptr (a stride or a size the host checked to be a multiple of ALIGN), marked as
-        one for the compiler (`_table_pointer` says why); the hint holds only on a value made by an op
+        one for the compiler (`table_pointer` says why); the hint holds only on a value made by an op
         of the same function, hence the load here."""
         v = tl.load(ptr)
         if ALIGN > 1:
@@ -102,7 +102,7 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _table_pointer(ptr, KIND: tl.constexpr, ALIGN: tl.constexpr):
+    def table_pointer(ptr, KIND: tl.constexpr, ALIGN: tl.constexpr):
         """The address at ptr as a typed pointer (KIND: W_DTYPES' bf16 0 / fp16 1 / fp32 2, bytes 3),
         marked as a multiple of ALIGN bytes: read from a table, a pointer is of unknown alignment
         and every load and store through it went one element at a time (tests/gpu_compile.py
@@ -171,11 +171,11 @@ if triton is not None:
         meta's columns are multiples of it (`alignment`)."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
-        m0, m1 = tl.load(meta_ptr + 4 * t), _table_int(meta_ptr + 4 * t + 1, ALIGN)
+        m0, m1 = tl.load(meta_ptr + 4 * t), table_int(meta_ptr + 4 * t + 1, ALIGN)
         m2, m3 = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
-        w_ptr = _table_pointer(addr_ptr + t, W_DTYPE, ALIGN)
-        out_ptr = _table_pointer(addr_ptr + T + t, 3, ALIGN)
-        s_ptr = _table_pointer(addr_ptr + 2 * T + t, 3 if SCALE_BYTES else 2, 1)
+        w_ptr = table_pointer(addr_ptr + t, W_DTYPE, ALIGN)
+        out_ptr = table_pointer(addr_ptr + T + t, 3, ALIGN)
+        s_ptr = table_pointer(addr_ptr + 2 * T + t, 3 if SCALE_BYTES else 2, 1)
         return t, local, m0, m1, m2, m3, w_ptr, out_ptr, s_ptr
 
     @triton.jit
@@ -188,7 +188,7 @@ if triton is not None:
         per_mat = nbr * nbc
         rem = local % per_mat
         _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
-                        _table_int(addr_ptr + 3 * T + t, ALIGN), _table_int(addr_ptr + 4 * T + t, ALIGN), nbr, nbc,
+                        table_int(addr_ptr + 3 * T + t, ALIGN), table_int(addr_ptr + 4 * T + t, ALIGN), nbr, nbc,
                         BLOCK_R, BLOCK_C, UE8M0, SCALE_BYTES)
 
 
@@ -223,12 +223,12 @@ def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int
     return launch_table(tuple(m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)), meta, device)
 
 
-W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # many-tensor kernels' W_DTYPE (_table_pointer)
+W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # many-tensor kernels' W_DTYPE (table_pointer)
 ALIGN = 16  # bytes of an address, elements of a stride or a row: a 16-byte vector for every dtype here
 
 
 def alignment(addresses: list[int], sizes: list[int]) -> int:
-    """A many-tensor launch's ALIGN (`_table_pointer`): ALIGN where every address and size is a multiple
+    """A many-tensor launch's ALIGN (`table_pointer`): ALIGN where every address and size is a multiple
     of it (a weight's own storage, rows of a multiple of 16 values), else 1 (no alignment known)."""
     return ALIGN if all(v % ALIGN == 0 for v in (*addresses, *sizes)) else 1
 

@@ -15,7 +15,10 @@ eagerly after the replayed graphs, and ~400 launches from Python cost more host 
 bytes saved. The kernel reads each tensor's address from a table (int64 addresses, cast to typed
 pointers in the kernel) and each program updates one CHUNK of one tensor (the chunk table, by the
 tensors' sizes only, is built once per set of sizes and kept on the device; the gradients'
-addresses change every step and are sent with it).
+addresses change every step and are sent with it). The tensors whose addresses and sizes are all
+multiples of 16 go in a launch that says so (ALIGN, as the push's quantisation kernels): a pointer
+read from a table is of unknown alignment, and without the hint every access moved 4 bytes (2 for
+bf16) at a time (sm_90 PTX); the rest (odd sizes) in a second launch.
 
 Per element, in fp32, torch's fused AdamW's order of operations (ADAMW mode):
     g = grad / inv_scale                       (the clipping, as its grad_scale)
@@ -38,6 +41,7 @@ import math
 import torch
 
 from lockstep.models.layers import grouped_gemm_triton as _gt
+from lockstep.quant import fp8_triton
 from lockstep.triton_support import interpreted, trainer_kernel_runs
 
 triton = _gt.triton
@@ -87,43 +91,45 @@ def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.
         raise ValueError(f"TrainConfig.triton_adamw: one launch takes gradients of one dtype and parameters of "
                          f"one dtype, each bf16 or fp32; got {sorted({str(g.dtype) for g in grads})} and "
                          f"{sorted({str(held[i].dtype) for i in live})}")
-    device = ws[live[0]].device
-    addresses = torch.tensor([[t.data_ptr() for t in row] for row in (
-        [ws[i] for i in live], grads, [ms[i] for i in live], [vs[i] for i in live], [held[i] for i in live])],
-        dtype=torch.int64).to(device, non_blocking=True)
-    tensor, first, numel = _chunks(tuple(ws[i].numel() for i in live), device)
+    rows = [(ws[i], g, ms[i], vs[i], held[i]) for i, g in zip(live, grads)]
+    groups: dict[int, list] = {}  # alignment -> its tensors' rows: 16-byte accesses where all allow them
+    for row in rows:
+        groups.setdefault(fp8_triton.alignment([t.data_ptr() for t in row], [row[0].numel()]), []).append(row)
     beta1, beta2 = betas
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
-    _adamw_kernel[(tensor.numel(),)](
-        addresses, numel, tensor, first, len(live), found_inf, found_inf if inv_scale is None else inv_scale,
-        lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, math.sqrt(bias_correction2),
-        HAS_P=ps is not None, SCALED=inv_scale is not None, G_BF16=g_dtype == torch.bfloat16,
-        P_BF16=p_dtype == torch.bfloat16, INTERPRETED=interpreted(), BLOCK=BLOCK, CHUNK=CHUNK, num_warps=8)
+    for align, group in groups.items():
+        device = group[0][0].device
+        addresses = torch.tensor([[row[k].data_ptr() for row in group] for k in range(5)],
+                                 dtype=torch.int64).to(device, non_blocking=True)
+        tensor, first, numel = _chunks(tuple(row[0].numel() for row in group), device)
+        _adamw_kernel[(tensor.numel(),)](
+            addresses, numel, tensor, first, len(group), found_inf, found_inf if inv_scale is None else inv_scale,
+            lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, math.sqrt(bias_correction2),
+            HAS_P=ps is not None, SCALED=inv_scale is not None, G_BF16=g_dtype == torch.bfloat16,
+            P_BF16=p_dtype == torch.bfloat16, INTERPRETED=interpreted(), BLOCK=BLOCK, CHUNK=CHUNK, ALIGN=align,
+            num_warps=8)
 
 
 if triton is not None:
     _bf16 = _gt._bf16  # by name: a module alias does not resolve inside a kernel
+    table_int, table_pointer = fp8_triton.table_int, fp8_triton.table_pointer
 
     @triton.jit
     def _adamw_kernel(addr_ptr, numel_ptr, tensor_ptr, first_ptr, T, found_inf_ptr, inv_scale_ptr, lr, beta1,
                       beta2, eps, weight_decay, step_size, bias_correction2_sqrt, HAS_P: tl.constexpr,
                       SCALED: tl.constexpr, G_BF16: tl.constexpr, P_BF16: tl.constexpr,
-                      INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr):
-        """One CHUNK of tensor t = tensor[program]: addr_ptr holds rows w, g, m, v, p of T addresses."""
+                      INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
+        """One CHUNK of tensor t = tensor[program]: addr_ptr holds rows w, g, m, v, p of T addresses.
+        ALIGN: every address (bytes) and size of the launch a multiple of it (fp8_triton.alignment),
+        which lets each load and store move 16 bytes."""
         t = tl.load(tensor_ptr + tl.program_id(0))
-        first = tl.load(first_ptr + tl.program_id(0))
-        n = tl.where(tl.load(found_inf_ptr) == 0.0, tl.load(numel_ptr + t), 0)  # a skipped step writes nothing
-        w_ptr = tl.load(addr_ptr + t).to(tl.pointer_type(tl.float32))
-        m_ptr = tl.load(addr_ptr + 2 * T + t).to(tl.pointer_type(tl.float32))
-        v_ptr = tl.load(addr_ptr + 3 * T + t).to(tl.pointer_type(tl.float32))
-        if G_BF16:
-            g_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.bfloat16))
-        else:
-            g_ptr = tl.load(addr_ptr + T + t).to(tl.pointer_type(tl.float32))
-        if P_BF16:
-            p_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(tl.bfloat16))
-        else:
-            p_ptr = tl.load(addr_ptr + 4 * T + t).to(tl.pointer_type(tl.float32))
+        first = table_int(first_ptr + tl.program_id(0), ALIGN)  # a multiple of CHUNK
+        n = tl.where(tl.load(found_inf_ptr) == 0.0, table_int(numel_ptr + t, ALIGN), 0)  # skipped: writes nothing
+        w_ptr = table_pointer(addr_ptr + t, 2, ALIGN)
+        m_ptr = table_pointer(addr_ptr + 2 * T + t, 2, ALIGN)
+        v_ptr = table_pointer(addr_ptr + 3 * T + t, 2, ALIGN)
+        g_ptr = table_pointer(addr_ptr + T + t, 0 if G_BF16 else 2, ALIGN)
+        p_ptr = table_pointer(addr_ptr + 4 * T + t, 0 if P_BF16 else 2, ALIGN)
         for i in range(0, CHUNK, BLOCK):
             offs = first + i + tl.arange(0, BLOCK)
             ok = offs < n

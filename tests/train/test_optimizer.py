@@ -224,11 +224,12 @@ def test_the_triton_update_agrees_with_the_fused_passes(dtype):
 
 
 @pytest.mark.skipif(adamw_triton.triton is None, reason="Triton is not installed")
-def test_one_triton_launch_updates_every_chunk_of_every_tensor_once():
+def test_one_triton_launch_updates_every_chunk_of_every_tensor_once(monkeypatch):
     """adamw_triton.multi_adamw_ over tensors of several chunks, a ragged last chunk, one exact
     chunk and a tiny one, bf16 parameters written from fp32 masters: each element as the fused
     passes update it, to fp32 rounding; a parameter kept in fp32 beside bf16 ones (the trainer's
-    fp32-kept modules) takes a launch of its own."""
+    fp32-kept modules) takes a launch of its own, and the sizes that are multiples of 16 one told so
+    (ALIGN 16: 16-byte accesses on a GPU)."""
     from devices import DEVICE
 
     C = adamw_triton.CHUNK
@@ -241,12 +242,17 @@ def test_one_triton_launch_updates_every_chunk_of_every_tensor_once():
     params.append(nn.Parameter(torch.randn(7, generator=g).to(DEVICE)))  # fp32: its own launch, aliased
     opts = [MasterAdamW([(f"p{i}", p.detach().clone().requires_grad_()) for i, p in enumerate(params)], lr=1e-2,
                         weight_decay=0.1, triton=triton) for triton in (False, True)]
+    launches, real = [], adamw_triton._adamw_kernel
+    monkeypatch.setattr(adamw_triton, "_adamw_kernel", type("Spied", (), {"__getitem__": lambda self, grid: (
+        lambda *a, **k: (launches.append((k["P_BF16"], k["ALIGN"], a[4])), real[grid](*a, **k)))})())
     for step in range(2):
         grads = [torch.randn(p.shape, generator=g).to(DEVICE, p.dtype) for p in params]
         for opt in opts:
             for s, grad in zip(opt.slots.values(), grads):
                 s.param.grad = grad.clone()
             opt.step(max_grad_norm=0.5)
+    # a step: the bf16 parameters of sizes 2C + 100 and 5, then C (aligned), then the fp32 one
+    assert sorted(launches[:3]) == [(False, 1, 1), (True, 1, 2), (True, 16, 1)], launches
     for name in opts[0].slots:
         want, got = opts[0].slots[name], opts[1].slots[name]
         for a, b in ((want.master, got.master), (want.exp_avg, got.exp_avg), (want.exp_avg_sq, got.exp_avg_sq)):
