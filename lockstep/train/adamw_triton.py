@@ -91,17 +91,17 @@ def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.
         raise ValueError(f"TrainConfig.triton_adamw: one launch takes gradients of one dtype and parameters of "
                          f"one dtype, each bf16 or fp32; got {sorted({str(g.dtype) for g in grads})} and "
                          f"{sorted({str(held[i].dtype) for i in live})}")
-    rows = [(ws[i], g, ms[i], vs[i], held[i]) for i, g in zip(live, grads)]
-    groups: dict[int, list] = {}  # alignment -> its tensors' rows: 16-byte accesses where all allow them
-    for row in rows:
-        groups.setdefault(fp8_triton.alignment([t.data_ptr() for t in row], [row[0].numel()]), []).append(row)
+    groups: dict[int, list] = {}  # alignment -> (numel, the 5 addresses) of its tensors: w, g, m, v, p
+    for i, g in zip(live, grads):
+        addrs = [t.data_ptr() for t in (ws[i], g, ms[i], vs[i], held[i])]
+        groups.setdefault(fp8_triton.alignment(addrs, [ws[i].numel()]), []).append((ws[i].numel(), addrs))
     beta1, beta2 = betas
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
+    device = ws[live[0]].device
     for align, group in groups.items():
-        device = group[0][0].device
-        addresses = torch.tensor([[row[k].data_ptr() for row in group] for k in range(5)],
+        addresses = torch.tensor([[addrs[k] for _, addrs in group] for k in range(5)],
                                  dtype=torch.int64).to(device, non_blocking=True)
-        tensor, first, numel = _chunks(tuple(row[0].numel() for row in group), device)
+        tensor, first, numel = _chunks(tuple(n for n, _ in group), device)
         _adamw_kernel[(tensor.numel(),)](
             addresses, numel, tensor, first, len(group), found_inf, found_inf if inv_scale is None else inv_scale,
             lr, beta1, beta2, eps, weight_decay, lr / bias_correction1, math.sqrt(bias_correction2),
