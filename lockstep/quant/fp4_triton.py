@@ -4,9 +4,9 @@ launched directly); `fp4.quantize_fp4_block` is its reference and its caller for
 (fp8_triton.eligible; fp8_triton.py's docstring has the why and the rules).
 
 Bit-for-bit the reference: the scale by fp8_triton._pow2_scale with fmt_max 6 (NaN / inf blocks and
-amax / 6 == 0 get 1); x / scale IEEE-rounded (fp8_triton._divided); the code by fp4.float_to_e2m1's boundaries (ties to
-the even code, saturating at 6, a NaN gives magnitude 0) and the input's sign bit; element 2j in
-the low nibble. A program owns BLOCK_R rows x BLOCK_K columns (BLOCK_K a multiple of 32).
+amax / 6 == 0 get 1); x / scale IEEE-rounded (fp8_triton._divided); the code by fp4.float_to_e2m1's
+boundaries (ties to the even code, saturating at 6, a NaN gives magnitude 0) and the input's sign
+bit; element 2j in the low nibble. A program owns BLOCK_R rows x BLOCK_K columns (BLOCK_K a multiple of 32).
 Owed, GPU: the bitwise check on CUDA and the bandwidth, as for the fp8 kernel.
 """
 
@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.quant.fp8_triton import BYTE_DTYPES, W_DTYPES, _bytes, address_table, alignment, launch_table, triton
+from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
+from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
 
 if triton is not None:
     import triton.language as tl
 
-    from lockstep.quant.fp8_triton import _divided, _many_tensor_program, _pow2_scale, table_int
+    from lockstep.quant.fp8_triton import _divided, _many_tensor_program, _pow2_scale
+    from lockstep.tensor_tables import table_int
 
     @triton.jit
     def _e2m1_code(v, x):

@@ -25,27 +25,29 @@ Bit-for-bit the reference (tests/quant/test_fp8_triton.py, under TRITON_INTERPRE
     codes whose sign bit is the platform's (not pinned down).
 
 Launch: one program per 128x128 block (8 warps) of any of the tensors of one launch, which reads
-its tensor's addresses and strides from a table (int64 addresses cast to typed pointers, as
-train/adamw_triton.py does; the block table, by the shapes only, is made once per set of shapes
-and kept on the device). Launched directly, not as a custom op: eager only (`eligible`), and a
-custom op's call cost ~66 us of host time where a direct launch costs ~20. An fp8 engine's push
-quantises all of its fp8 weights in one or two launches (engine/weight_update.write_served), where a
-launch per tensor was ~80 launches on gpu-848m. Owed, GPU: the bandwidth of the many-tensor launch
-(benchmarks/weight_push.py --serving-format fp8 --packed prints the push's phases).
+its tensor's addresses and strides from a table (lockstep/tensor_tables.py: int64 addresses cast to
+typed pointers, 16-byte aligned where the host found them so; the block table, by the shapes only,
+is made once per set of shapes and kept on the device). Launched directly, not as a custom op: eager
+only (`eligible`), and a custom op's call cost ~66 us of host time where a direct launch costs ~20.
+An fp8 engine's push quantises all of its fp8 weights in one or two launches
+(engine/weight_update.write_served), where a launch per tensor was ~80 launches on gpu-848m. One
+H200 (2026-12-05, weight_push.py --profile): the launch took 6.33 ms for gpu-848m's 1.4 GB before
+the alignment hint; with it, not yet timed.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from lockstep.quant.blocks import n_blocks
+from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
 from lockstep.triton_support import load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
 if triton is not None:
     import triton.language as tl
+
+    from lockstep.tensor_tables import table_int, table_pointer
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BYTE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # e8m0 scale storage
@@ -90,34 +92,6 @@ if triton is not None:
         if POW2:
             return x * tl.math.div_rn(1.0, scale)
         return tl.math.div_rn(x, scale)
-
-    @triton.jit
-    def table_int(ptr, ALIGN: tl.constexpr):
-        """The int64 at ptr (a stride or a size the host checked to be a multiple of ALIGN), marked as
-        one for the compiler (`table_pointer` says why); the hint holds only on a value made by an op
-        of the same function, hence the load here."""
-        v = tl.load(ptr)
-        if ALIGN > 1:
-            v = tl.multiple_of(v, ALIGN)
-        return v
-
-    @triton.jit
-    def table_pointer(ptr, KIND: tl.constexpr, ALIGN: tl.constexpr):
-        """The address at ptr as a typed pointer (KIND: W_DTYPES' bf16 0 / fp16 1 / fp32 2, bytes 3),
-        marked as a multiple of ALIGN bytes: read from a table, a pointer is of unknown alignment
-        and every load and store through it went one element at a time (tests/gpu_compile.py
-        checks the 16-byte ones)."""
-        if KIND == 0:
-            p = tl.load(ptr).to(tl.pointer_type(tl.bfloat16))
-        elif KIND == 1:
-            p = tl.load(ptr).to(tl.pointer_type(tl.float16))
-        elif KIND == 2:
-            p = tl.load(ptr).to(tl.pointer_type(tl.float32))
-        else:
-            p = tl.load(ptr).to(tl.pointer_type(tl.uint8))
-        if ALIGN > 1:
-            p = tl.multiple_of(p, ALIGN)
-        return p
 
     @triton.jit
     def _e4m3_code(x, scale, POW2: tl.constexpr):
@@ -199,38 +173,10 @@ def quantize_fp8_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, blo
     quantize_fp8_many_into([w], [(q, scale)], block, scale_fmt)
 
 
-@functools.lru_cache(maxsize=64)
-def launch_table(counts: tuple[int, ...], meta: tuple[tuple[int, ...], ...],
-                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A many-tensor launch's tables on the device, made once per set of shapes: (tensor index int32
-    [P], the program's index within its tensor int32 [P], meta int64 [T, 4]) for counts[t] programs
-    of each tensor t (this kernel's and fp4_triton.py's)."""
-    n = torch.tensor(counts)
-    tensor = torch.repeat_interleave(torch.arange(len(counts)), n)
-    local = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.int64)
-    return (tensor.to(device, torch.int32), local.to(device, torch.int32),
-            torch.tensor(meta, dtype=torch.int64, device=device))
-
-
-def address_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Rows of int64 (each tensor's addresses, strides) for a many-tensor kernel, on the device."""
-    return torch.tensor(rows, dtype=torch.int64).to(device)
-
-
 def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int], device: torch.device):
     """launch_table for every 128x128 (`block`) block of tensors [M, rows, cols]; meta rows, cols, nbr, nbc."""
     meta = tuple((r, c, n_blocks(r, block[0]), n_blocks(c, block[1])) for _, r, c in shapes)
     return launch_table(tuple(m * nbr * nbc for (m, _, _), (_, _, nbr, nbc) in zip(shapes, meta)), meta, device)
-
-
-W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # many-tensor kernels' W_DTYPE (table_pointer)
-ALIGN = 16  # bytes of an address, elements of a stride or a row: a 16-byte vector for every dtype here
-
-
-def alignment(addresses: list[int], sizes: list[int]) -> int:
-    """A many-tensor launch's ALIGN (`table_pointer`): ALIGN where every address and size is a multiple
-    of it (a weight's own storage, rows of a multiple of 16 values), else 1 (no alignment known)."""
-    return ALIGN if all(v % ALIGN == 0 for v in (*addresses, *sizes)) else 1
 
 
 def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],

@@ -16,7 +16,7 @@ bytes saved. The kernel reads each tensor's address from a table (int64 addresse
 pointers in the kernel) and each program updates one CHUNK of one tensor (the chunk table, by the
 tensors' sizes only, is built once per set of sizes and kept on the device; the gradients'
 addresses change every step and are sent with it). The tensors whose addresses and sizes are all
-multiples of 16 go in a launch that says so (ALIGN, as the push's quantisation kernels): a pointer
+multiples of 16 go in a launch that says so (ALIGN, lockstep/tensor_tables.py): a pointer
 read from a table is of unknown alignment, and without the hint every access moved 4 bytes (2 for
 bf16) at a time (sm_90 PTX); the rest (odd sizes) in a second launch.
 
@@ -41,7 +41,7 @@ import math
 import torch
 
 from lockstep.models.layers import grouped_gemm_triton as _gt
-from lockstep.quant import fp8_triton
+from lockstep.tensor_tables import address_table, alignment
 from lockstep.triton_support import interpreted, trainer_kernel_runs
 
 triton = _gt.triton
@@ -94,13 +94,12 @@ def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.
     groups: dict[int, list] = {}  # alignment -> (numel, the 5 addresses) of its tensors: w, g, m, v, p
     for i, g in zip(live, grads):
         addrs = [t.data_ptr() for t in (ws[i], g, ms[i], vs[i], held[i])]
-        groups.setdefault(fp8_triton.alignment(addrs, [ws[i].numel()]), []).append((ws[i].numel(), addrs))
+        groups.setdefault(alignment(addrs, [ws[i].numel()]), []).append((ws[i].numel(), addrs))
     beta1, beta2 = betas
     bias_correction1, bias_correction2 = 1 - beta1 ** step, 1 - beta2 ** step
     device = ws[live[0]].device
     for align, group in groups.items():
-        addresses = torch.tensor([[addrs[k] for _, addrs in group] for k in range(5)],
-                                 dtype=torch.int64).to(device, non_blocking=True)
+        addresses = address_table([[addrs[k] for _, addrs in group] for k in range(5)], device)
         tensor, first, numel = _chunks(tuple(n for n, _ in group), device)
         _adamw_kernel[(tensor.numel(),)](
             addresses, numel, tensor, first, len(group), found_inf, found_inf if inv_scale is None else inv_scale,
@@ -112,7 +111,7 @@ def multi_adamw_(ws: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.
 
 if triton is not None:
     _bf16 = _gt._bf16  # by name: a module alias does not resolve inside a kernel
-    table_int, table_pointer = fp8_triton.table_int, fp8_triton.table_pointer
+    from lockstep.tensor_tables import table_int, table_pointer
 
     @triton.jit
     def _adamw_kernel(addr_ptr, numel_ptr, tensor_ptr, first_ptr, T, found_inf_ptr, inv_scale_ptr, lr, beta1,
@@ -120,7 +119,7 @@ if triton is not None:
                       SCALED: tl.constexpr, G_BF16: tl.constexpr, P_BF16: tl.constexpr,
                       INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr, ALIGN: tl.constexpr):
         """One CHUNK of tensor t = tensor[program]: addr_ptr holds rows w, g, m, v, p of T addresses.
-        ALIGN: every address (bytes) and size of the launch a multiple of it (fp8_triton.alignment),
+        ALIGN: every address (bytes) and size of the launch a multiple of it (tensor_tables.alignment),
         which lets each load and store move 16 bytes."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         first = table_int(first_ptr + tl.program_id(0), ALIGN)  # a multiple of CHUNK

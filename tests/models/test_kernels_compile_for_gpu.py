@@ -36,7 +36,7 @@ def test_every_trainer_kernel_compiles_for_sm90():
 @pytest.mark.skipif(sm.triton is None, reason="triton is not installed")
 def test_aligned_table_kernels_load_and_store_16_bytes_at_a_time():
     """The push's fp8 / fp4 kernels and AdamW read their tensors' addresses from a table; told they
-    are 16-byte aligned (ALIGN 16, fp8_triton.alignment), they load and store vectors; without the
+    are 16-byte aligned (ALIGN 16, tensor_tables.alignment), they load and store vectors; without the
     hint, one element at a time (the fp8 launch took 6.3 ms for gpu-848m's 1.4 GB on an H200)."""
     for fmt in ("fp8", "fp4", "adamw"):
         assert compile_for_gpu("vectors", fmt, "1").split() == ["loads", "0", "stores", "0"]

@@ -11,13 +11,14 @@ import torch
 
 pytest.importorskip("triton")
 
+from lockstep import tensor_tables  # noqa: E402
 from lockstep.quant import fp8_triton  # noqa: E402
 from lockstep.quant.fp4 import quantize_fp4_block  # noqa: E402
 from lockstep.quant.fp4_triton import quantize_fp4_into  # noqa: E402
 from lockstep.quant.fp8 import fp8_scale_shape, quantize_fp8_block  # noqa: E402
 from lockstep.quant.fp8_triton import quantize_fp8_into  # noqa: E402
 from devices import DEVICE
-from launches import count_launches
+from launches import count_launches, launch_arguments
 
 E8M0 = torch.float8_e8m0fnu
 NAN, NEG_NAN = (torch.tensor([b], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
@@ -176,14 +177,6 @@ def test_many_fp4_tensors_in_one_launch_per_group_equal_the_reference_each(monke
         _same(out, ref)
 
 
-def _alignments(monkeypatch, module, kernel: str) -> list:
-    """The ALIGN of each launch of `module.kernel` from now on, each still run."""
-    aligns, real = [], getattr(module, kernel)
-    monkeypatch.setattr(module, kernel, type("Spied", (), {"__getitem__": lambda self, grid: lambda *a, **k: (
-        aligns.append(k["ALIGN"]), real[grid](*a, **k))})())
-    return aligns
-
-
 def test_aligned_and_unaligned_tensors_launch_apart_each_equal_to_the_reference(monkeypatch):
     """A tensor whose address and rows are multiples of 16 goes in a launch that tells the compiler
     so (ALIGN 16: 16-byte loads and stores on a GPU); one read 2 bytes past an aligned address, or
@@ -195,12 +188,13 @@ def test_aligned_and_unaligned_tensors_launch_apart_each_equal_to_the_reference(
     ws = [_wide((256, 384), torch.bfloat16, seed=30), None, _wide((3, 128, 256), torch.bfloat16, seed=32),
           _wide((64, 130), torch.bfloat16, seed=33)]
     ws = [w.to(DEVICE) if w is not None else big.view(-1)[1:1 + 64 * 128].view(64, 128) for w in ws]
-    assert [fp8_triton.alignment([w.data_ptr()], [w.shape[-1]]) for w in ws] == [16, 1, 16, 1]
+    assert [tensor_tables.alignment([w.data_ptr()], [w.shape[-1]]) for w in ws] == [16, 1, 16, 1]
     refs = [quantize_fp8_block(w.cpu()) for w in ws]
     outs = [(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=DEVICE),
              torch.empty(fp8_scale_shape(tuple(w.shape)), device=DEVICE)) for w in ws]
-    aligns = _alignments(monkeypatch, fp8_triton, "_fp8_many_kernel")
+    launches = launch_arguments(monkeypatch, fp8_triton, "_fp8_many_kernel")
     fp8_triton.quantize_fp8_many_into(ws, outs, (128, 128), "ue8m0")
+    aligns = [kwargs["ALIGN"] for _, kwargs in launches]
     assert sorted(aligns) == [1, 16]
     for out, ref in zip(outs, refs):
         _same(out, ref)
@@ -208,8 +202,9 @@ def test_aligned_and_unaligned_tensors_launch_apart_each_equal_to_the_reference(
     refs = [quantize_fp4_block(w.cpu(), scale_dtype=E8M0) for w in ws4]
     outs = [(torch.empty(r[0].shape, dtype=torch.uint8, device=DEVICE), torch.empty(r[1].shape, dtype=E8M0,
                                                                                      device=DEVICE)) for r in refs]
-    aligns = _alignments(monkeypatch, fp4_triton, "_fp4_many_kernel")
+    launches = launch_arguments(monkeypatch, fp4_triton, "_fp4_many_kernel")
     fp4_triton.quantize_fp4_many_into(ws4, outs, 32)
+    aligns = [kwargs["ALIGN"] for _, kwargs in launches]
     assert 1 in aligns and 16 in aligns, aligns
     for out, ref in zip(outs, refs):
         _same(out, ref)

@@ -10,6 +10,7 @@ from torch import nn
 
 from lockstep.train import adamw_triton
 from lockstep.train.optimizer import MasterAdamW
+from launches import launch_arguments
 
 
 def _net(seed=0, dtype=torch.float32):
@@ -242,9 +243,7 @@ def test_one_triton_launch_updates_every_chunk_of_every_tensor_once(monkeypatch)
     params.append(nn.Parameter(torch.randn(7, generator=g).to(DEVICE)))  # fp32: its own launch, aliased
     opts = [MasterAdamW([(f"p{i}", p.detach().clone().requires_grad_()) for i, p in enumerate(params)], lr=1e-2,
                         weight_decay=0.1, triton=triton) for triton in (False, True)]
-    launches, real = [], adamw_triton._adamw_kernel
-    monkeypatch.setattr(adamw_triton, "_adamw_kernel", type("Spied", (), {"__getitem__": lambda self, grid: (
-        lambda *a, **k: (launches.append((k["P_BF16"], k["ALIGN"], a[4])), real[grid](*a, **k)))})())
+    launches = launch_arguments(monkeypatch, adamw_triton, "_adamw_kernel")
     for step in range(2):
         grads = [torch.randn(p.shape, generator=g).to(DEVICE, p.dtype) for p in params]
         for opt in opts:
@@ -252,7 +251,8 @@ def test_one_triton_launch_updates_every_chunk_of_every_tensor_once(monkeypatch)
                 s.param.grad = grad.clone()
             opt.step(max_grad_norm=0.5)
     # a step: the bf16 parameters of sizes 2C + 100 and 5, then C (aligned), then the fp32 one
-    assert sorted(launches[:3]) == [(False, 1, 1), (True, 1, 2), (True, 16, 1)], launches
+    first_step = [(k["P_BF16"], k["ALIGN"], a[4]) for a, k in launches[:3]]  # a[4]: the launch's tensors
+    assert sorted(first_step) == [(False, 1, 1), (True, 1, 2), (True, 16, 1)], first_step
     for name in opts[0].slots:
         want, got = opts[0].slots[name], opts[1].slots[name]
         for a, b in ((want.master, got.master), (want.exp_avg, got.exp_avg), (want.exp_avg_sq, got.exp_avg_sq)):

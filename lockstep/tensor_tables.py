@@ -1,0 +1,80 @@
+"""Tables of a many-tensor Triton kernel: one launch over many tensors, each program finding its
+tensor and its addresses in tables on the device (the push's fp8 / fp4 re-quantisation,
+quant/fp8_triton.py and fp4_triton.py; MasterAdamW's update, train/adamw_triton.py).
+
+Host side: `launch_table` (which tensor each program works on, and its index within it: by the
+shapes only, so kept per set of shapes), `address_table` (each tensor's addresses and strides, made
+per launch: addresses change), `alignment` (whether a launch may tell the compiler its addresses and
+sizes are multiples of ALIGN). Kernel side: `table_pointer` / `table_int` read an address or a size
+from a table with that hint. Why the hint: a pointer read from a table is of unknown alignment, and
+every load and store through it went one element at a time (sm_90 PTX; the fp8 re-quantisation of
+gpu-848m's push took 6.3 ms on an H200); with it, 16 bytes at a time (tests/gpu_compile.py checks).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from lockstep.triton_support import load_triton
+
+triton = load_triton()
+if triton is not None:
+    import triton.language as tl
+
+W_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}  # table_pointer's KIND of a float tensor
+ALIGN = 16  # bytes of an address, elements of a stride or a row: a 16-byte vector for every dtype here
+
+
+def alignment(addresses: list[int], sizes: list[int]) -> int:
+    """A launch's ALIGN: ALIGN where every address and size is a multiple of it (a tensor's own
+    storage, rows of a multiple of 16 values), else 1 (no alignment known)."""
+    return ALIGN if all(v % ALIGN == 0 for v in (*addresses, *sizes)) else 1
+
+
+@functools.lru_cache(maxsize=64)
+def launch_table(counts: tuple[int, ...], meta: tuple[tuple[int, ...], ...],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A many-tensor launch's tables on the device, made once per set of shapes: (tensor index int32
+    [P], the program's index within its tensor int32 [P], meta int64 [T, len(meta[t])]) for counts[t]
+    programs of each tensor t."""
+    n = torch.tensor(counts)
+    tensor = torch.repeat_interleave(torch.arange(len(counts)), n)
+    local = torch.cat([torch.arange(c) for c in counts]) if counts else torch.zeros(0, dtype=torch.int64)
+    return (tensor.to(device, torch.int32), local.to(device, torch.int32),
+            torch.tensor(meta, dtype=torch.int64, device=device))
+
+
+def address_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Rows of int64 (each tensor's addresses, strides) for a many-tensor kernel, on the device."""
+    return torch.tensor(rows, dtype=torch.int64).to(device)
+
+
+if triton is not None:
+
+    @triton.jit
+    def table_int(ptr, ALIGN: tl.constexpr):
+        """The int64 at ptr (a stride or a size the host checked to be a multiple of ALIGN), marked as
+        one for the compiler; the hint holds only on a value made by an op of the same function,
+        hence the load here."""
+        v = tl.load(ptr)
+        if ALIGN > 1:
+            v = tl.multiple_of(v, ALIGN)
+        return v
+
+    @triton.jit
+    def table_pointer(ptr, KIND: tl.constexpr, ALIGN: tl.constexpr):
+        """The address at ptr as a typed pointer (KIND: W_DTYPES' bf16 0 / fp16 1 / fp32 2, bytes 3),
+        marked as a multiple of ALIGN bytes (the module docstring says why)."""
+        if KIND == 0:
+            p = tl.load(ptr).to(tl.pointer_type(tl.bfloat16))
+        elif KIND == 1:
+            p = tl.load(ptr).to(tl.pointer_type(tl.float16))
+        elif KIND == 2:
+            p = tl.load(ptr).to(tl.pointer_type(tl.float32))
+        else:
+            p = tl.load(ptr).to(tl.pointer_type(tl.uint8))
+        if ALIGN > 1:
+            p = tl.multiple_of(p, ALIGN)
+        return p
