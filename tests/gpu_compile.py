@@ -25,17 +25,9 @@ TARGET = GPUTarget("cuda", 90, 32)  # an H200
 BF, FP, I32, I64 = "*bf16", "*fp32", "*i32", "*i64"
 
 
-PDL = False  # the decode kernels' PDL constexpr (`python gpu_compile.py pdl`: True)
-PDL_KERNELS = 0  # how many of the variants compiled so far take it
-
-
 def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4, **constexprs) -> str:
     """PTX of `kernel` with these pointer types, int32 / fp32 scalars and constexpr values, launched
     with num_warps; FP fusion on, as Triton 3.6 (the GPU image's) compiles by default."""
-    global PDL_KERNELS
-    if "PDL" in kernel.arg_names:  # a decode kernel (models/layers/pdl.py): compiled as the mode says
-        constexprs.setdefault("PDL", PDL)
-        PDL_KERNELS += 1
     signature, values = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in pointers:
@@ -258,14 +250,6 @@ def stream_mix_ptx(post: bool = True) -> str:
 if __name__ == "__main__":
     if sys.argv[1:] == ["stream-mix"]:
         print(stream_mix_ptx())
-        sys.exit(0)
-    if sys.argv[1:] == ["pdl"]:  # every decode kernel with PDL on: it waits for the grid before it
-        PDL = True
-        for name, compile_it in variants():
-            before = PDL_KERNELS
-            code = compile_it()
-            if PDL_KERNELS > before:
-                print(f"{'ok' if 'griddepcontrol.wait' in code else 'NO WAIT'} {name}", flush=True)
         sys.exit(0)
     if sys.argv[1:2] == ["vectors"]:  # vectors FMT ALIGN
         print(vector_accesses(sys.argv[2], int(sys.argv[3])))

@@ -17,8 +17,7 @@ KEY hashes everything that decides which graphs a start compiles and whether ano
 artifacts apply: torch, Triton and Python versions, the device kind (GPU name and compute
 capability, or "cpu"), the model's config, and the EngineConfig fields except the few that
 change no compiled graph (KEY_EXCLUDED), with the inductor settings the decode step compiles with
-(lockstep's defaults under compile_options: cuda_graph.decode_inductor_options), and whether the
-decode kernels launch with PDL (models/layers/pdl.py: it changes how their ops register). A stale file is
+(lockstep's defaults under compile_options: cuda_graph.decode_inductor_options). A stale file is
 therefore never looked up; inside a file, inductor checks each entry against its own key, so an
 entry that does not apply is a miss (a compilation), never a wrong graph. A damaged or unreadable
 file is a warning naming it, then a start that compiles as if there were none. The artifacts spare
@@ -51,7 +50,6 @@ import torch
 
 from lockstep.engine.cuda_graph import decode_inductor_options
 from lockstep.files import write_atomically
-from lockstep.models.layers import pdl
 from lockstep.models.precompiled import PrecompiledRegions
 
 CACHE_SUBDIR = "compile-cache"  # MODEL/compile-cache: where `lockstep compile MODEL` writes
@@ -115,7 +113,6 @@ def key_fields(model_config, config) -> dict:
     return json.loads(json.dumps({
         "torch": torch.__version__, "triton": _triton_version(), "python": sys.version.split()[0],
         "device": device_kind(config.device), "model": _model_fields(model_config), "engine": engine,
-        "pdl": pdl.ENABLED,
     }, sort_keys=True, default=repr))
 
 

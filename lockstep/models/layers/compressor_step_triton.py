@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import rope_triton
 from .kernel_switch import forward_kernel_allowed
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 SLOT_BLOCK = 32  # slots per tile: a C128 block is four
@@ -151,13 +149,11 @@ if triton is not None:
                               stride_cn, stride_on, W, scratch_slot, stride_ee,
                               M: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
                               SB: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                              WRITE: tl.constexpr, MP: tl.constexpr, WP: tl.constexpr, BIAS_BF16: tl.constexpr,
-                              PDL: tl.constexpr):
+                              WRITE: tl.constexpr, MP: tl.constexpr, WP: tl.constexpr, BIAS_BF16: tl.constexpr):
         """Sequence n's closing entry into out[n] (zeros where its block stays open). WRITE
         (`compressor_step`): cos / sin of the block start computed here from inv_freq (at cos_ptr),
         out is the state's entries [slots, E, D] (written at [slot, p // M] where a block closes,
         nothing otherwise), and the state's other writes follow (`_write_state`)."""
-        pdl_start(PDL)
         SLOTS: tl.constexpr = 2 * M if OVERLAP else M
         n = tl.program_id(0).to(tl.int64)
         eps = tl.cast(eps, tl.float32)
@@ -230,7 +226,7 @@ if triton is not None:
                          prev_gate_ptr, bias_ptr, W, D, scratch_slot, stride_kn, stride_gn, stride_bs, stride_bt,
                          stride_ps, stride_pt, stride_bias, M, OVERLAP, MP, WP, BIAS_BF16, INTERPRETED)
 
-    @pdl.op("lockstep::closing_entry", mutates_args=())
+    @torch.library.triton_op("lockstep::closing_entry", mutates_args=())
     def closing_entry(kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
                       slots: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,
                       prev_gate: torch.Tensor | None, position_bias: torch.Tensor, norm_weight: torch.Tensor,
@@ -262,7 +258,7 @@ if triton is not None:
             return
         prev_kv_t, prev_gate_t = (prev_kv, prev_gate) if overlap else (buf_kv, buf_gate)  # unread without C4
         W = kv_new.shape[1]
-        pdl.launch(torch.library.wrap_triton(_closing_entry_kernel), (N,))(
+        torch.library.wrap_triton(_closing_entry_kernel)[(N,)](
             kv_new, gate_new, start_pos, num_new, slots, buf_kv, buf_gate, prev_kv_t, prev_gate_t, position_bias,
             norm_weight, cos, sin, out, D, rope_half, eps, kv_new.stride(0), gate_new.stride(0),
             buf_kv.stride(0), buf_kv.stride(1), prev_kv_t.stride(0), prev_kv_t.stride(1), position_bias.stride(0),
@@ -271,7 +267,7 @@ if triton is not None:
             INTERPRETED=_gt.interpreted(), WRITE=write, MP=triton.next_power_of_2(m), WP=triton.next_power_of_2(W),
             BIAS_BF16=position_bias.dtype == torch.bfloat16, num_warps=4)
 
-    @pdl.op("lockstep::compressor_step",
+    @torch.library.triton_op("lockstep::compressor_step",
                              mutates_args=("buf_kv", "buf_gate", "prev_kv", "prev_gate", "entries"))
     def compressor_step(kv_new: torch.Tensor, gate_new: torch.Tensor, start_pos: torch.Tensor, num_new: torch.Tensor,
                         slots: torch.Tensor, buf_kv: torch.Tensor, buf_gate: torch.Tensor, prev_kv: torch.Tensor | None,

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 ENABLED = True
@@ -77,9 +75,7 @@ if triton is not None:
         return place
 
     @triton.jit
-    def _dispatch_order_kernel(flat_ptr, order_ptr, counts_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                               PDL: tl.constexpr):
-        pdl_start(PDL)
+    def _dispatch_order_kernel(flat_ptr, order_ptr, counts_ptr, M, E, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
         pid = tl.program_id(0)
         if pid == tl.num_programs(0) - 1:  # the last program: slots per expert
             re = tl.arange(0, BLOCK_E)
@@ -90,9 +86,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_dispatch_kernel(flat_ptr, rows_ptr, offs_ptr, slot_rows_ptr, M, E, T, K: tl.constexpr,
-                                SHARED_GROUPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                                PDL: tl.constexpr):
-        pdl_start(PDL)
+                                SHARED_GROUPS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
         pid = tl.program_id(0)
         if pid == tl.num_programs(0) - 1:  # the last program: the group offsets, the shared rows
             re = tl.arange(0, BLOCK_E)
@@ -111,13 +105,13 @@ if triton is not None:
             tl.store(rows_ptr + place, (ri // K).to(tl.int64), mask=ri < M)
             tl.store(slot_rows_ptr + ri, place.to(tl.int64), mask=ri < M)
 
-    @pdl.op("lockstep::dispatch_order_step", mutates_args=())
+    @torch.library.triton_op("lockstep::dispatch_order_step", mutates_args=())
     def dispatch_order_step(flat: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
         """flat [M] int64 expert ids in [0, n_experts) -> (order [M] int64, counts [n_experts] int64)."""
         M = flat.shape[0]
         order = torch.empty(M, dtype=torch.long, device=flat.device)
         counts = torch.empty(n_experts, dtype=torch.long, device=flat.device)
-        pdl.launch(torch.library.wrap_triton(_dispatch_order_kernel), (triton.cdiv(M, BLOCK) + 1,))(
+        torch.library.wrap_triton(_dispatch_order_kernel)[(triton.cdiv(M, BLOCK) + 1,)](
             flat.contiguous(), order, counts, M, n_experts, BLOCK=BLOCK,
             BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
         return order, counts
@@ -127,7 +121,7 @@ if triton is not None:
     def _(flat, n_experts):
         return flat.new_empty(flat.shape[0]), flat.new_empty(n_experts)
 
-    @pdl.op("lockstep::decode_dispatch", mutates_args=())
+    @torch.library.triton_op("lockstep::decode_dispatch", mutates_args=())
     def decode_dispatch(flat: torch.Tensor, n_experts: int, k: int, shared_groups: int
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """flat [M = T k] int64 expert ids -> what the decode kernels and the combine read, from one
@@ -140,7 +134,7 @@ if triton is not None:
         rows = torch.empty(M + (T if shared_groups else 0), dtype=torch.long, device=flat.device)
         offs = torch.empty(n_experts + shared_groups, dtype=torch.int32, device=flat.device)
         slot_rows = torch.empty(T, k, dtype=torch.long, device=flat.device)
-        pdl.launch(torch.library.wrap_triton(_decode_dispatch_kernel), (triton.cdiv(M, BLOCK) + 1,))(
+        torch.library.wrap_triton(_decode_dispatch_kernel)[(triton.cdiv(M, BLOCK) + 1,)](
             flat.contiguous(), rows, offs, slot_rows, M, n_experts, T, K=k, SHARED_GROUPS=shared_groups,
             BLOCK=BLOCK, BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
         return rows, offs, slot_rows

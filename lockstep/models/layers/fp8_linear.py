@@ -46,12 +46,10 @@ from lockstep.quant.fp4 import quantize_fp4_blocks_into
 from lockstep.quant.fp8 import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks_into
 from lockstep.quant.serving_format import FP8_SCALE_FMT
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
@@ -171,9 +169,8 @@ if triton is not None:
                            stride_xm, stride_xg, stride_xk, stride_qn, stride_qk, stride_sr, stride_sc,
                            stride_om, stride_og, stride_on,
                            INTERPRETED: tl.constexpr, SCALE_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[m, g, n] = sum_k x[m, g, k] * q[g N + n, k] * scale[scale_row[g N + n], k // SCALE_COLS]."""
-        pdl_start(PDL)
         rm, rn, g, rk, m_ok, n_ok, row = _grouped_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         srow = tl.load(srow_ptr + row, mask=n_ok, other=0)
         x_tile = x_ptr + rm[:, None].to(tl.int64) * stride_xm + g * stride_xg + rk[None, :] * stride_xk
@@ -189,7 +186,7 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rn[None, :] * stride_on,
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
-    @pdl.op("lockstep::fp8_linear", mutates_args=())
+    @torch.library.triton_op("lockstep::fp8_linear", mutates_args=())
     def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, scale_row: torch.Tensor,
                        n_groups: int, block_n: int = 0, block_k: int = 0, block_m: int = 0, num_warps: int = 0,
                        num_stages: int = 0) -> torch.Tensor:
@@ -207,7 +204,7 @@ if triton is not None:
             return out
         grid = (triton.cdiv(M, cfg["BLOCK_M"]), triton.cdiv(N, cfg["BLOCK_N"]), G)
         interpreted = os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
-        pdl.launch(torch.library.wrap_triton(_fp8_linear_kernel), grid)(
+        torch.library.wrap_triton(_fp8_linear_kernel)[grid](
             x, q, scale, scale_row, out, M, N, K, *x.stride(), *q.stride(), *scale.stride(), *out.stride(),
             INTERPRETED=interpreted, SCALE_COLS=BLOCK_COLS, **cfg)
         return out

@@ -19,14 +19,12 @@ import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK, dequantize_fp8_block
 
-from . import pdl
 from . import fp8_linear
 from . import grouped_gemm_triton as _gt
 from .grouped_gemm import grouped_mm_reference
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 
@@ -74,12 +72,11 @@ if triton is not None:
                             stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk,
                             stride_om, stride_on, SWIGLU: tl.constexpr, GATHER: tl.constexpr,
                             INTERPRETED: tl.constexpr, SCALE_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[rows of g, n tile] = x[rows of g] @ dequant(w[g, n tile])^T (ws, ss for g >= G_ROUTED);
         with SWIGLU, w[g] holds N gate rows then N up rows (each row reads its own block's scale) and
         out = swiglu_clamped(gate, up), rounded as grouped_gemm_triton's fused kernel rounds it. With
         GATHER, out's row m reads x's row rows[m]."""
-        pdl_start(PDL)
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -112,7 +109,7 @@ if triton is not None:
             tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
                      _result(acc, acc_up, limit, SWIGLU, INTERPRETED), mask=m_ok & n_in[None, :])
 
-    @pdl.op("lockstep::grouped_mm_fp8", mutates_args=())
+    @torch.library.triton_op("lockstep::grouped_mm_fp8", mutates_args=())
     def _grouped_mm_fp8(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
                         block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
                         shared_w: torch.Tensor | None = None, shared_scale: torch.Tensor | None = None,
@@ -127,7 +124,7 @@ if triton is not None:
         shared_w = _gt.shared_operand("the shared expert's fp8 bytes", shared_w, w)
         shared_scale = _gt.shared_operand("the shared expert's fp8 scale", shared_scale, scale)
         out = x.new_empty(x.shape[0] if rows is None else rows.shape[0], N)
-        pdl.launch(torch.library.wrap_triton(_grouped_fp8_kernel), (offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"])))(
+        torch.library.wrap_triton(_grouped_fp8_kernel)[(offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))](
             x, w, scale, shared_w, shared_scale, out, offs, offs if rows is None else rows.contiguous(), limit, G, N,
             K, *x.stride(), *w.stride(), *scale.stride(), *out.stride(), SWIGLU=swiglu, GATHER=rows is not None,
             INTERPRETED=_gt.interpreted(), SCALE_BLOCK=FP8_BLOCK[0], BLOCK_M=_gt.BLOCK_M, **cfg)

@@ -41,11 +41,8 @@ import torch
 
 from lockstep.triton_support import interpreted, load_triton
 
-from . import pdl
-
 triton = load_triton()  # None: grouped_gemm.py's paths are always there
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
     from triton.language.extra import libdevice
 
@@ -123,7 +120,7 @@ def _launch(x, w, offs, limit, N, fused, overrides, shared, rows=None):
     shared = shared_operand("the shared expert's weight", shared, w)
     out = x.new_empty(x.shape[0] if rows is None else rows.shape[0], N)
     grid = (offs.shape[0], triton.cdiv(N, cfg["BLOCK_N"]))
-    pdl.launch(torch.library.wrap_triton(_grouped_kernel), grid)(
+    torch.library.wrap_triton(_grouped_kernel)[grid](
         x, w, shared, out, offs, offs if rows is None else rows.contiguous(), limit, w.shape[0], N, K, *x.stride(),
         *w.stride(), *out.stride(), SWIGLU=fused, GATHER=rows is not None, INTERPRETED=interpreted(), BLOCK_M=BLOCK_M,
         EVEN_K=K % cfg["BLOCK_K"] == 0, **cfg)
@@ -210,12 +207,10 @@ if triton is not None:
     def _grouped_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, offs_ptr, rows_ptr, limit, G_ROUTED, N, K,
                         stride_xm, stride_xk, stride_wg, stride_wn, stride_wk, stride_om, stride_on,
                         SWIGLU: tl.constexpr, GATHER: tl.constexpr, INTERPRETED: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                        PDL: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         """out[rows of g, n tile] = x[rows of g] @ w[g, n tile]^T (ws for g >= G_ROUTED: the shared
         expert); with SWIGLU, w[g] holds N gate rows then N up rows and out = swiglu_clamped(gate, up).
         With GATHER, out's row m reads x's row rows[m]."""
-        pdl_start(PDL)
         g = tl.program_id(0)
         end = tl.load(offs_ptr + g)
         start = tl.where(g > 0, tl.load(offs_ptr + tl.maximum(g - 1, 0)), 0)
@@ -244,7 +239,7 @@ if triton is not None:
             tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_om + rn[None, :] * stride_on,
                      _result(acc, acc_up, limit, SWIGLU, INTERPRETED), mask=m_ok & n_ok)
 
-    @pdl.op("lockstep::grouped_mm", mutates_args=())
+    @torch.library.triton_op("lockstep::grouped_mm", mutates_args=())
     def grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, block_n: int = 0, block_k: int = 0,
                    num_warps: int = 0, num_stages: int = 0, shared: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] bf16 sorted by group, w [G, N, K], offs [G] int32 cumulative row counts (as
@@ -253,7 +248,7 @@ if triton is not None:
         may list groups past G (`with_shared_groups`): those rows take shared^T."""
         return _launch(x, w, offs, 0.0, w.shape[1], False, (block_n, block_k, num_warps, num_stages), shared)
 
-    @pdl.op("lockstep::grouped_swiglu", mutates_args=())
+    @torch.library.triton_op("lockstep::grouped_swiglu", mutates_args=())
     def grouped_swiglu(x: torch.Tensor, w_gate_up: torch.Tensor, offs: torch.Tensor, limit: float,
                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
                        shared: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import rms_norm_grad_triton, sinkhorn_triton
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 BLOCK_D = 256  # columns of the streams per collapse program
@@ -102,12 +100,11 @@ if triton is not None:
                        S, K, D, iters, hc_eps, norm_eps, block_eps,
                        stride_ps, stride_pt, stride_xt, stride_xn, stride_xd,
                        N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                       NORM: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                       NORM: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
         """Program (t, 0): token t's post and comb. Program (t, c > 0): its pre, and the collapse of
         the streams' c-th block of BLOCK_D columns; with NORM one program, the whole row, then the
         block's RMSNorm (weight w, block_eps) of it. The Sinkhorn's chain of dependent steps is the
         long one; the collapse programs run beside it instead of after it."""
-        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         c = tl.program_id(1)
         # inductor passes Python floats as fp64 scalars; the torch chain computes in fp32
@@ -142,7 +139,7 @@ if triton is not None:
             else:
                 tl.store(out_ptr + t * D + rd, acc.to(out_ptr.dtype.element_ty), mask=d_ok)
 
-    @pdl.op("lockstep::hc_pre_step", mutates_args=())
+    @torch.library.triton_op("lockstep::hc_pre_step", mutates_args=())
     def hc_pre_step(partials: torch.Tensor, streams: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                     iters: int, hc_eps: float, norm_eps: float, norm_weight: torch.Tensor | None = None,
                     block_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -159,7 +156,7 @@ if triton is not None:
         assert not norm or streams.dtype == torch.bfloat16, "the normed block input is bf16 streams' only"
         if T:  # with the norm, a token's whole row in one program
             block_d = triton.next_power_of_2(D) if norm else min(BLOCK_D, triton.next_power_of_2(D))
-            pdl.launch(torch.library.wrap_triton(_hc_pre_kernel), (T, 1 + triton.cdiv(D, block_d)))(
+            torch.library.wrap_triton(_hc_pre_kernel)[(T, 1 + triton.cdiv(D, block_d))](
                 partials, streams, base, scale, out, post, comb, norm_weight if norm else base,
                 partials.shape[0], n * D, D, iters, hc_eps, norm_eps, block_eps, partials.stride(0), partials.stride(1),
                 *streams.stride(), N=n, BLOCK_N=triton.next_power_of_2(n),

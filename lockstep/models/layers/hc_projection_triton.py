@@ -44,14 +44,12 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import stream_mix_triton
 from . import sum_splits_triton as _ss
 
 triton = _gt.triton  # None without Triton: hyper_connection.py's torch expression is always there
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 MAX_J = 128  # output columns held by one program (padded to a power of two, at least 16)
@@ -102,13 +100,12 @@ if triton is not None:
                          y_ptr, post_ptr, comb_ptr, new_ptr, D,
                          BLOCK_T: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr,
                          EVEN_K: tl.constexpr, PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-                         N_HC: tl.constexpr, PDL: tl.constexpr):
+                         N_HC: tl.constexpr):
         """out[s, t tile, :J] = x[t tile, split s] @ fn[:, split s]^T, out[s, t tile, J] = the
         rows' sums of squares over split s. k_per_split is a multiple of BLOCK_K; with EVEN_K,
         K is one too and no tile crosses K. N_HC > 0: x is first the mHC combine of the streams at
         x_ptr [T, N_HC, D] (contiguous; every BLOCK_K tile within one stream) with the block output y
         [T, D] and post / comb (hyper_connection.hc_combine), written to new_ptr as it is made."""
-        pdl_start(PDL)
         s = tl.program_id(1)
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         rj = tl.arange(0, BLOCK_J)
@@ -156,7 +153,7 @@ if triton is not None:
         tl.store(out_rows[:, None] + rj[None, :], acc, mask=t_ok[:, None] & j_ok[None, :])
         tl.store(out_rows + J, ss, mask=t_ok)
 
-    @pdl.op("lockstep::hc_mix_partials", mutates_args=())
+    @torch.library.triton_op("lockstep::hc_mix_partials", mutates_args=())
     def hc_mix_partials(x: torch.Tensor, fn: torch.Tensor, split: int, block_t: int = 0, block_k: int = 0,
                         num_warps: int = 0, num_stages: int = 0, precision: str = "") -> torch.Tensor:
         """x [T, K] (bf16, fp16 or fp32, any strides), fn [J, K] -> partials [split, T, J + 1]
@@ -181,13 +178,13 @@ if triton is not None:
         D = K // max(n, 1)
         assert not n or D % cfg["BLOCK_K"] == 0, "a combined tile lies within one stream"
         grid = (triton.cdiv(T, cfg["BLOCK_T"]), split)
-        pdl.launch(torch.library.wrap_triton(_partials_kernel), grid)(
+        torch.library.wrap_triton(_partials_kernel)[grid](
             x, fn, out, T, J, K, k_per_split, *x.stride(), *fn.stride(), out.stride(0), out.stride(1),
             y, post, comb, new, D, BLOCK_J=max(16, triton.next_power_of_2(J)), EVEN_K=K % cfg["BLOCK_K"] == 0,
             PRECISION=precision or PRECISION, INTERPRETED=_gt.interpreted(), N_HC=n, **cfg)
         return out
 
-    @pdl.op("lockstep::hc_combine_partials", mutates_args=())
+    @torch.library.triton_op("lockstep::hc_combine_partials", mutates_args=())
     def hc_combine_partials(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
                             fn: torch.Tensor, split: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The mHC combine after a block and the next block's projection partials in one kernel:

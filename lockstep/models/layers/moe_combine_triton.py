@@ -30,14 +30,12 @@ import torch
 
 from lockstep.triton_support import interpreted, trainer_kernel_takes
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import stream_mix_triton
 from .kernel_switch import grad_wanted
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 
@@ -107,8 +105,7 @@ class Combine(torch.autograd.Function):
         H = ys.shape[1]
         out = ys.new_empty(T, H)
         if T:
-            _combine_kernel[(T,)](ys, slot_rows, w, out, H, SHARED=False, **_no_streams(out, w), PDL=False,
-                                  **_config(k, H, ys))
+            _combine_kernel[(T,)](ys, slot_rows, w, out, H, SHARED=False, **_no_streams(out, w), **_config(k, H, ys))
         ctx.save_for_backward(ys, slot_rows, w)
         ctx.weights_dtype = weights.dtype
         return out
@@ -176,13 +173,12 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(ys_ptr, rows_ptr, w_ptr, out_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr,
                         BLOCK: tl.constexpr, BF16: tl.constexpr, INTERPRETED: tl.constexpr,
-                        SHARED: tl.constexpr, x_ptr, post_ptr, comb_ptr, N_HC: tl.constexpr, PDL: tl.constexpr):
+                        SHARED: tl.constexpr, x_ptr, post_ptr, comb_ptr, N_HC: tl.constexpr):
         """One token (program (t, c): its column blocks c, c + C, ...): its K slots added in order,
         each product and each sum rounded (moe._combine); SHARED: then its row of the shared
         expert's outputs (ys's rows past T K) added, rounded. The slots' loop is unrolled, so their
         loads are issued together (the adds wait on them one by one). N_HC > 0 (bf16): out is the
         mHC streams after the combine of the result into x's (`_hc_combine`), not the result."""
-        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         for h0 in range(tl.program_id(1) * BLOCK, H, tl.num_programs(1) * BLOCK):
@@ -200,7 +196,7 @@ if triton is not None:
             else:
                 tl.store(out_ptr + t * H + h0 + cols, acc, mask=ok)
 
-    @pdl.op("lockstep::combine_step", mutates_args=())
+    @torch.library.triton_op("lockstep::combine_step", mutates_args=())
     def combine_step(ys: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor, shared: bool,
                      streams: torch.Tensor | None = None, post: torch.Tensor | None = None,
                      comb: torch.Tensor | None = None) -> torch.Tensor:
@@ -217,7 +213,7 @@ if triton is not None:
         out = ys.new_empty(T, H) if streams is None else torch.empty_like(hc["x_ptr"])
         if T:  # a decode step's few tokens: STEP_BLOCK columns a program, for more programs
             config = {**_config(k, H, ys), "BLOCK": min(STEP_BLOCK, triton.next_power_of_2(H)), "num_warps": 1}
-            pdl.launch(torch.library.wrap_triton(_combine_kernel), (T, triton.cdiv(H, config["BLOCK"])))(
+            torch.library.wrap_triton(_combine_kernel)[(T, triton.cdiv(H, config["BLOCK"]))](
                 ys.contiguous(), slot_rows.contiguous(), weights.float().contiguous(), out, H, SHARED=shared,
                 **hc, **config)
         return out

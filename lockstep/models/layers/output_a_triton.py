@@ -37,14 +37,12 @@ import torch
 
 from lockstep.quant.fp8 import FP8_BLOCK
 
-from . import pdl
 from . import fp8_linear, rope_triton
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 BLOCK_M = 16  # tokens per program: tl.dot's minimum
@@ -94,10 +92,9 @@ if triton is not None:
                                 stride_outm, stride_outg, stride_outn,
                                 D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, SCALE_COLS: tl.constexpr,
                                 INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                                BLOCK_K: tl.constexpr):
         """out[m, g, n] = derope(o)[m, g, :] . w[g N + n, :] (times its block scale where FP8); o's
         inputs contiguous (stride 1 along K)."""
-        pdl_start(PDL)
         rm, rn, g, rk, m_ok, n_ok, row = _grouped_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
         o_tile = o_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rk[None, :]
         w_tile = w_ptr + row[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
@@ -115,7 +112,7 @@ if triton is not None:
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_outm + g * stride_outg + rn[None, :] * stride_outn,
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
 
-    @pdl.op("lockstep::derope_output_a", mutates_args=())
+    @torch.library.triton_op("lockstep::derope_output_a", mutates_args=())
     def derope_output_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                         n_groups: int, scale: torch.Tensor | None = None, scale_row: torch.Tensor | None = None,
                         block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
@@ -137,8 +134,8 @@ if triton is not None:
         out = o.new_empty(M, G, N)
         if M:
             s_ptr, srow_ptr, stride_sr, stride_sc = (scale, scale_row, *scale.stride()) if fp8 else (cos, cos, 0, 0)
-            grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]), G)
-            pdl.launch(torch.library.wrap_triton(_derope_output_a_kernel), grid)(
+            torch.library.wrap_triton(_derope_output_a_kernel)[
+                (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]), G)](
                 x, cos, sin, weight, s_ptr, srow_ptr, out, M, N, K, x.stride(0), x.stride(1), cos.stride(0),
                 *weight.stride(), stride_sr, stride_sc, *out.stride(),
                 D=D, ROPE=2 * cos.shape[1], FP8=fp8, SCALE_COLS=FP8_BLOCK[1], INTERPRETED=_gt.interpreted(),

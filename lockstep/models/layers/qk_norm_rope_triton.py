@@ -32,14 +32,12 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import rms_norm_grad_triton, rope_triton
 from .whole_rows import in_whole_rows
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 BLOCK_H = 4  # query heads per program: the 1b config's 16 heads are 4 programs a token
@@ -72,10 +70,9 @@ if triton is not None:
     def _qk_norm_rope_kernel(q_ptr, kv_ptr, w_ptr, inv_freq_ptr, q_out_ptr, cos_ptr, sin_ptr, ring_ptr, slots_ptr,
                              pos_ptr, valid_ptr, num_new_ptr, stride_qt, stride_kvt, S, W, scratch_slot, eps,
                              H: tl.constexpr, D: tl.constexpr, ROPE: tl.constexpr, BLOCK_H: tl.constexpr,
-                             INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                             INTERPRETED: tl.constexpr):
         """Program (t, c): query heads c BLOCK_H ... of token t, or (c past them) t's key into the ring
         and its cos / sin out."""
-        pdl_start(PDL)
         t = tl.program_id(0).to(tl.int64)
         h0 = tl.program_id(1) * BLOCK_H
         cols = tl.arange(0, D)
@@ -104,7 +101,7 @@ if triton is not None:
             tl.store(cos_ptr + half, cos, mask=turns[None, :])
             tl.store(sin_ptr + half, sin, mask=turns[None, :])
 
-    @pdl.op("lockstep::qk_norm_rope_step", mutates_args=("ring",))
+    @torch.library.triton_op("lockstep::qk_norm_rope_step", mutates_args=("ring",))
     def qk_norm_rope_step(q: torch.Tensor, kv: torch.Tensor, kv_weight: torch.Tensor, inv_freq: torch.Tensor,
                           eps: float, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                           valid: torch.Tensor, num_new: torch.Tensor,
@@ -122,7 +119,7 @@ if triton is not None:
         out = torch.empty_like(q)
         cos, sin = (inv_freq.new_empty(N, S, inv_freq.shape[0]) for _ in range(2))
         if T:
-            pdl.launch(torch.library.wrap_triton(_qk_norm_rope_kernel), (T, triton.cdiv(H, BLOCK_H) + 1))(
+            torch.library.wrap_triton(_qk_norm_rope_kernel)[(T, triton.cdiv(H, BLOCK_H) + 1)](
                 q, kv, kv_weight.contiguous(), inv_freq.contiguous(), out, cos, sin, ring, slots.contiguous(),
                 positions.contiguous(), valid.contiguous(), num_new.contiguous(), q.stride(0), kv.stride(0),
                 S, W, scratch_slot, eps, H=H, D=D, ROPE=2 * inv_freq.shape[0], BLOCK_H=BLOCK_H,

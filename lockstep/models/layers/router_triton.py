@@ -40,14 +40,12 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from . import hc_projection_triton as _hp
 from .kernel_switch import forward_kernel_allowed
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 SCORING = {"sqrtsoftplus": 0, "softmax": 1, "sigmoid": 2}
@@ -166,8 +164,7 @@ if triton is not None:
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, bias_ptr, experts_ptr, weights_ptr, T, H, E, scaling,
                       K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr):
-        pdl_start(PDL)
+                      BLOCK_H: tl.constexpr, INTERPRETED: tl.constexpr):
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         re = tl.arange(0, BLOCK_E)
         t_ok, e_ok = rt < T, re < E
@@ -178,9 +175,8 @@ if triton is not None:
     @triton.jit
     def _route_partials_kernel(p_ptr, bias_ptr, experts_ptr, weights_ptr, T, E, S, stride_ps, stride_pt, scaling,
                                K: tl.constexpr, SCORING: tl.constexpr, BLOCK_T: tl.constexpr,
-                               BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_E: tl.constexpr):
         """As _route_kernel, from logits given as S split-K partial sums p [S, T, >= E] (added in order)."""
-        pdl_start(PDL)
         rt = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         re = tl.arange(0, BLOCK_E)
         t_ok, e_ok = rt < T, re < E
@@ -191,7 +187,7 @@ if triton is not None:
         _choose(_scores(logits, e_ok, SCORING), bias_ptr, experts_ptr, weights_ptr, rt, re, t_ok, e_ok, scaling,
                 K, BLOCK_T, BLOCK_E)
 
-    @pdl.op("lockstep::route_step", mutates_args=())
+    @torch.library.triton_op("lockstep::route_step", mutates_args=())
     def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
                    scaling: float, block_t: int = 0, block_h: int = 0, split: int = -1
                    ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,12 +201,12 @@ if triton is not None:
         experts, weights = _routing_outputs(x, k)
         if T and split and E <= _hp.MAX_J:  # the partials kernel holds at most MAX_J columns
             partials = _hp.launch_partials(x, weight, split)
-            pdl.launch(torch.library.wrap_triton(_route_partials_kernel), (triton.cdiv(T, block_t),))(
+            torch.library.wrap_triton(_route_partials_kernel)[(triton.cdiv(T, block_t),)](
                 partials, bias.contiguous(), experts, weights, T, E, split, partials.stride(0), partials.stride(1),
                 scaling, K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
                 num_warps=4)
         elif T:
-            pdl.launch(torch.library.wrap_triton(_route_kernel), (triton.cdiv(T, block_t),))(
+            torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, block_t),)](
                 x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
                 K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
                 BLOCK_H=block_h, INTERPRETED=_gt.interpreted(), num_warps=4)
@@ -223,12 +219,10 @@ if triton is not None:
 
     @triton.jit
     def _hash_route_kernel(x_ptr, w_ptr, table_ptr, ids_ptr, experts_ptr, weights_ptr, H, scaling,
-                           K: tl.constexpr, SCORING: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr,
-                           PDL: tl.constexpr):
+                           K: tl.constexpr, SCORING: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
         """One token a program: its k experts from the hash table's row of its token id, their k
         logits (the only ones an element-wise scoring needs), scores and normalised weights, stored
         in ascending expert order (a stable rank: equal ids keep their table order)."""
-        pdl_start(PDL)
         t = tl.program_id(0)
         rk = tl.arange(0, BLOCK_K)
         k_ok = rk < K
@@ -250,7 +244,7 @@ if triton is not None:
         tl.store(experts_ptr + out, ids.to(tl.int64), mask=k_ok)
         tl.store(weights_ptr + out, weights, mask=k_ok)
 
-    @pdl.op("lockstep::hash_route_step", mutates_args=())
+    @torch.library.triton_op("lockstep::hash_route_step", mutates_args=())
     def hash_route_step(x: torch.Tensor, weight: torch.Tensor, tid2eid: torch.Tensor, token_ids: torch.Tensor,
                         scoring: str, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weight [E, H], tid2eid [V, k], token_ids [T] -> (experts [T, k] int64 ascending,
@@ -259,7 +253,7 @@ if triton is not None:
         k = tid2eid.shape[1]
         experts, weights = _routing_outputs(x, k)
         if T:
-            pdl.launch(torch.library.wrap_triton(_hash_route_kernel), (T,))(
+            torch.library.wrap_triton(_hash_route_kernel)[(T,)](
                 x.contiguous(), weight.contiguous(), tid2eid.contiguous(), token_ids.reshape(-1).contiguous(),
                 experts, weights, H, scaling, K=k, SCORING=SCORING[scoring],
                 BLOCK_K=triton.next_power_of_2(k), BLOCK_H=HASH_BLOCK_H, num_warps=4)

@@ -43,13 +43,11 @@ from __future__ import annotations
 
 import torch
 
-from . import pdl
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
 
 triton = _gt.triton
 if triton is not None:
-    pdl_start = pdl.pdl_start  # by name (torch.compile's compile worker)
     import triton.language as tl
 
 BLOCK_K = 64  # keys per tile
@@ -123,10 +121,9 @@ if triton is not None:
                      W, capacity, num_picks, rate, stride_pos, stride_rs, stride_rw, stride_es, stride_ee,
                      stride_pn, scale, H: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr,
                      BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, ENTRIES: tl.constexpr, BF16: tl.constexpr,
-                     INTERPRETED: tl.constexpr, PDL: tl.constexpr):
+                     INTERPRETED: tl.constexpr):
         """Program n: sequence n's token over its ring (indices <= p), then its entries; two passes
         (the running max and sum, then P V), each over the ring's tiles and the entries' tiles."""
-        pdl_start(PDL)
         n = tl.program_id(0).to(tl.int64)
         scale = tl.cast(scale, tl.float32)
         slot = tl.load(slots_ptr + n).to(tl.int64)
@@ -168,7 +165,7 @@ if triton is not None:
             out = acc
         tl.store(out_ptr + (n * H + rh[:, None]) * D + rd[None, :], out, mask=tile)
 
-    @pdl.op("lockstep::sink_attention_step", mutates_args=())
+    @torch.library.triton_op("lockstep::sink_attention_step", mutates_args=())
     def sink_attention_step(q: torch.Tensor, ring: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
                             sinks: torch.Tensor, scale: float, entries: torch.Tensor | None = None,
                             picks: torch.Tensor | None = None, rate: int = 0) -> torch.Tensor:
@@ -186,7 +183,7 @@ if triton is not None:
         ent = ring if entries is None else entries  # placeholders the kernel never reads for its mode
         pk = slots if picks is None else picks.reshape(N, -1)
         out = torch.empty_like(q)
-        pdl.launch(torch.library.wrap_triton(_step_kernel), (N,))(
+        torch.library.wrap_triton(_step_kernel)[(N,)](
             q, ring, slots, positions, ent, pk, sinks.contiguous(), out, ring.shape[1], ent.shape[1],
             pk.shape[1] if mode == PICKED else 0, max(rate, 1), positions.stride(0), ring.stride(0),
             ring.stride(1), ent.stride(0), ent.stride(1), pk.stride(0), scale, H=H, D=D,
