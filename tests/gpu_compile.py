@@ -214,8 +214,8 @@ def quantise_ptx(fmt: str, align: int, scale_bytes: bool = True) -> str:
 
     tables = dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32")
     if fmt == "fp8":
-        return ptx(q8._fp8_many_kernel, tables, {"T"}, num_warps=8, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128, UE8M0=True,
-                   SCALE_BYTES=scale_bytes, ALIGN=align)
+        return ptx(q8._fp8_many_kernel, tables, {"T"}, num_warps=4, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128,
+                   CHUNK_R=q8.CHUNK_ROWS, UE8M0=True, SCALE_BYTES=scale_bytes, ALIGN=align, HW=True)
     return ptx(q4._fp4_many_kernel, tables, {"T"}, W_DTYPE=0, BLOCK_R=16, BLOCK_K=256, BLOCK=32, SCALE_BYTES=True,
                ALIGN=align)
 
@@ -232,11 +232,13 @@ def adamw_ptx(align: int) -> str:
 
 
 def vector_accesses(kernel: str, align: int) -> str:
-    """"loads L stores S": the vector (.v2 / .v4) global loads and stores of a kernel reading its
-    tensors' addresses from a table: the push's fp8 / fp4 quantisation, or AdamW."""
+    """"loads L stores S conversions C": the vector (.v2 / .v4) global loads and stores of a kernel
+    reading its tensors' addresses from a table (the push's fp8 / fp4 quantisation, or AdamW), and its
+    e4m3 conversion instructions."""
     code = adamw_ptx(align) if kernel == "adamw" else quantise_ptx(kernel, align)
     loads, stores = (len(re.findall(rf"{op}[.]global[.]v[24]", code)) for op in ("ld", "st"))
-    return f"loads {loads} stores {stores}"
+    conversions = len(re.findall(r"cvt[.]rn[.]satfinite[.]e4m3x2[.]f32", code))
+    return f"loads {loads} stores {stores} conversions {conversions}"
 
 
 def stream_mix_ptx(post: bool = True) -> str:

@@ -15,24 +15,27 @@ Bit-for-bit the reference (tests/quant/test_fp8_triton.py, under TRITON_INTERPRE
     amax / fmt_max goes to 2**-127 (<= 2**-127) or 2**-126; amax / fmt_max == 0 (an all-zero
     block, or an fp32 amax so small the division underflows) gives 1, as frexp(0)'s exponent 0
     does; a block holding NaN or inf gives 1 (frexp's exponent of NaN / inf on CPU is 0);
-  - e4m3 rounding (nearest even, e4m3 subnormals below 2**-6 in steps of 2**-9) done in fp32
-    arithmetic with exact power-of-two steps, then the code built from the bits: no fp32 -> fp8
-    cast (the interpreter's does not round to nearest even). Saturation at 448 (the clamp).
+  - e4m3 rounding (nearest even, e4m3 subnormals below 2**-6 in steps of 2**-9): on a GPU by its
+    conversion instruction (`cvt.rn.satfinite.e4m3x2.f32`, sm_89+; tests/gpu_compile.py checks the
+    PTX holds it, and the tests compiled on a GPU compare with the CPU reference); under the
+    interpreter, whose fp32 -> fp8 cast does not round to nearest even, in fp32 arithmetic with
+    exact power-of-two steps, the code built from the bits. Saturation at 448 (the clamp).
     The code's sign is the input's sign bit, so -0.0 and values rounding to zero keep it; NaN
     gives 0x7F | sign (torch's CPU cast of a NaN keeps its sign; a CUDA division would not).
     Non-finite weights never reach a push (weight_update rejects them): this only pins NaN down.
   - fp32-format scales (scale_fmt="fp32"): bitwise for finite blocks; non-finite ones get NaN
     codes whose sign bit is the platform's (not pinned down).
 
-Launch: one program per 128x128 block (8 warps) of any of the tensors of one launch, which reads
+Launch: one program per 128x128 block (4 warps, 32 rows at a time) of any of the tensors of one launch, which reads
 its tensor's addresses and strides from a table (lockstep/tensor_tables.py: int64 addresses cast to
 typed pointers, 16-byte aligned where the host found them so; the block table, by the shapes only,
 is made once per set of shapes and kept on the device). Launched directly, not as a custom op: eager
 only (`eligible`), and a custom op's call cost ~66 us of host time where a direct launch costs ~20.
 An fp8 engine's push quantises all of its fp8 weights in one or two launches
-(engine/weight_update.write_served), where a launch per tensor was ~80 launches on gpu-848m. One
-H200 (2026-12-05, weight_push.py --profile): the launch took 6.33 ms for gpu-848m's 1.4 GB before
-the alignment hint; with it, not yet timed.
+(engine/weight_update.write_served), where a launch per tensor was ~80 launches on gpu-848m.
+gpu-848m's 1.7 GB of bf16 weights (docs/speed.md, 2026-12-05): 6.33 ms on an
+H200 before the alignment hint, then 2.26 ms; 32-row passes 1.34x faster (H200), the GPU's
+conversion 1.33x more (H100: 1.72 -> 1.29 ms, where a copy of the same bytes took 1.15 ms).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import torch
 
 from lockstep.quant.blocks import n_blocks
 from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
-from lockstep.triton_support import load_triton
+from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
 if triton is not None:
@@ -51,6 +54,7 @@ if triton is not None:
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BYTE_DTYPES = (torch.uint8, torch.float8_e8m0fnu)  # e8m0 scale storage
+CHUNK_ROWS = 32  # rows of a block a program converts at a time (_quantize_block says why)
 
 
 def eligible(w: torch.Tensor) -> bool:
@@ -94,9 +98,16 @@ if triton is not None:
         return tl.math.div_rn(x, scale)
 
     @triton.jit
-    def _e4m3_code(x, scale, POW2: tl.constexpr):
-        """The e4m3 byte of clamp(x / scale, -448, 448), rounded to nearest even (int32 0..255)."""
+    def _e4m3_code(x, scale, POW2: tl.constexpr, HW: tl.constexpr):
+        """The e4m3 byte of clamp(x / scale, -448, 448), rounded to nearest even (int32 0..255). HW: by
+        the GPU's conversion (sm_89+ `cvt.rn.satfinite.e4m3x2.f32`, two values an instruction), else
+        by fp32 arithmetic (the interpreter's cast does not round to nearest even); the same bytes."""
         v = _divided(x, scale, POW2)
+        sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
+        if HW:
+            c = tl.minimum(tl.maximum(v, -448.0), 448.0)
+            code = c.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True).to(tl.int32)
+            return tl.where(x != x, 0x7F | sign, code)
         a = tl.minimum(tl.abs(v), 448.0)
         exp = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
         e = tl.maximum(exp, -6) - 3  # the grid step at a is 2**e
@@ -109,26 +120,43 @@ if triton is not None:
         normal = ((er - 120) << 3) | ((rb >> 20) & 7)  # r >= 2**-6: biased exponent 7
         code = tl.where(er >= 121, normal, (r * 512.0).to(tl.int32))  # else a multiple of 2**-9
         code = tl.where(x != x, 0x7F, code)
-        sign = (x.to(tl.int32, bitcast=True) >> 24) & 0x80
         return code | sign
 
     @triton.jit
-    def _quantize_block(w_ptr, q_ptr, s_ptr, mat, pid_r, pid_c, rows, cols, stride_wm, stride_wr, nbr, nbc,
-                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
-                        SCALE_BYTES: tl.constexpr):
-        """Block (pid_r, pid_c) of matrix `mat` of w [M, rows, cols] into q [M, rows, cols] and its
-        scale into s [M, nbr, nbc] (both contiguous)."""
-        offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    def _block_rows(w_ptr, mat, row0, offs_c, rows, cols, stride_wm, stride_wr, CHUNK_R: tl.constexpr):
+        """Rows row0 .. row0 + CHUNK_R of matrix `mat`, columns offs_c, as fp32 (0 outside w), and
+        their mask and row offsets."""
+        offs_r = row0 + tl.arange(0, CHUNK_R)
         mask = (offs_r[:, None] < rows) & (offs_c[None, :] < cols)
-        w_offs = mat * stride_wm + offs_r[:, None].to(tl.int64) * stride_wr + offs_c[None, :]
-        x = tl.load(w_ptr + w_offs, mask=mask, other=0.0).to(tl.float32)
-        amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
-        has_nan = tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0) > 0
-        scale, byte = _pow2_scale(amax, has_nan, 448.0, UE8M0)
-        code = _e4m3_code(x, scale, UE8M0)
-        q_offs = mat * rows * cols + offs_r[:, None].to(tl.int64) * cols + offs_c[None, :]
-        tl.store(q_ptr + q_offs, code.to(tl.uint8), mask=mask)
+        x = tl.load(w_ptr + mat * stride_wm + offs_r[:, None].to(tl.int64) * stride_wr + offs_c[None, :],
+                    mask=mask, other=0.0).to(tl.float32)
+        return x, mask, offs_r
+
+    @triton.jit
+    def _quantize_block(w_ptr, q_ptr, s_ptr, mat, pid_r, pid_c, rows, cols, stride_wm, stride_wr, nbr, nbc,
+                        BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_R: tl.constexpr, UE8M0: tl.constexpr,
+                        SCALE_BYTES: tl.constexpr, HW: tl.constexpr):
+        """Block (pid_r, pid_c) of matrix `mat` of w [M, rows, cols] into q [M, rows, cols] and its
+        scale into s [M, nbr, nbc] (both contiguous), CHUNK_R rows at a time: a pass for the block's
+        absolute maximum, a second (its reads from L2) for the codes. Why not the block at once: 64
+        values a thread held registers the conversion needed (one H200: gpu-848m's 1.7 GB 2.26 ms
+        at once, 1.68 ms by 32 rows and 4 warps, arithmetic conversion both; 0.63 ms moving the
+        bytes alone)."""
+        offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+        amax = tl.zeros((), tl.float32)
+        nan = tl.zeros((), tl.int32)
+        for r0 in tl.static_range(0, BLOCK_R, CHUNK_R):
+            x, _, _ = _block_rows(w_ptr, mat, pid_r * BLOCK_R + r0, offs_c, rows, cols, stride_wm, stride_wr,
+                                  CHUNK_R)
+            amax = tl.maximum(amax, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+            nan = tl.maximum(nan, tl.max(tl.max((x != x).to(tl.int32), axis=1), axis=0))
+        scale, byte = _pow2_scale(amax, nan > 0, 448.0, UE8M0)
+        for r0 in tl.static_range(0, BLOCK_R, CHUNK_R):
+            x, mask, offs_r = _block_rows(w_ptr, mat, pid_r * BLOCK_R + r0, offs_c, rows, cols, stride_wm,
+                                          stride_wr, CHUNK_R)
+            code = _e4m3_code(x, scale, UE8M0, HW)
+            tl.store(q_ptr + mat * rows * cols + offs_r[:, None].to(tl.int64) * cols + offs_c[None, :],
+                     code.to(tl.uint8), mask=mask)
         s_off = (mat * nbr + pid_r) * nbc + pid_c
         if SCALE_BYTES:
             tl.store(s_ptr + s_off, byte.to(tl.uint8))
@@ -154,8 +182,8 @@ if triton is not None:
 
     @triton.jit
     def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
-                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, UE8M0: tl.constexpr,
-                         SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
+                         BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_R: tl.constexpr, UE8M0: tl.constexpr,
+                         SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr, HW: tl.constexpr):
         """One block of a tensor: addresses w, q, s and w's two strides; meta rows, cols, nbr, nbc."""
         t, local, rows, cols, nbr, nbc, w_ptr, q_ptr, s_ptr = _many_tensor_program(
             addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
@@ -163,7 +191,7 @@ if triton is not None:
         rem = local % per_mat
         _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
                         table_int(addr_ptr + 3 * T + t, ALIGN), table_int(addr_ptr + 4 * T + t, ALIGN), nbr, nbc,
-                        BLOCK_R, BLOCK_C, UE8M0, SCALE_BYTES)
+                        BLOCK_R, BLOCK_C, CHUNK_R, UE8M0, SCALE_BYTES, HW)
 
 
 def quantize_fp8_into(w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -208,4 +236,5 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
                                    [w3.stride(1) for w3, _, _ in items]], device)
         _fp8_many_kernel[(tensor.numel(),)](
             addresses, meta, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc,
-            UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, ALIGN=align, num_warps=8)
+            CHUNK_R=min(br, CHUNK_ROWS), UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, ALIGN=align,
+            HW=not interpreted(), num_warps=4)
