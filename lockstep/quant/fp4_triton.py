@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from lockstep.quant.blocks import n_blocks
 from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
 from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
 
@@ -84,7 +85,7 @@ def quantize_fp4_into(w: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
 
 def _tiles(cols: int, block: int) -> tuple[int, int]:
     """(rows, columns) of a program's tile: up to 256 columns (a multiple of the block), ~4096 values."""
-    block_k = max(block, min(256, triton.next_power_of_2(cols)))
+    block_k = max(block, min(256, 1 << (cols - 1).bit_length()))  # Python's: triton's is a JIT function (~4 us)
     return max(1, 4096 // block_k), block_k
 
 
@@ -109,8 +110,8 @@ def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
                 (w2, p2, (_bytes(scale) if scale_bytes else scale).view(-1, scale.shape[-1])))
     for (w_dtype, scale_bytes, (block_r, block_k), align), items in groups.items():
         device = items[0][0].device
-        meta = tuple((w2.shape[0], w2.shape[1], s2.shape[1], triton.cdiv(w2.shape[1], block_k)) for w2, _, s2 in items)
-        tensor, local, meta_t = launch_table(tuple(triton.cdiv(r, block_r) * tiles for r, _, _, tiles in meta), meta,
+        meta = tuple((w2.shape[0], w2.shape[1], s2.shape[1], n_blocks(w2.shape[1], block_k)) for w2, _, s2 in items)
+        tensor, local, meta_t = launch_table(tuple(n_blocks(r, block_r) * tiles for r, _, _, tiles in meta), meta,
                                              device)
         addresses = address_table([[w2.data_ptr() for w2, _, _ in items], [p2.data_ptr() for _, p2, _ in items],
                                    [s2.data_ptr() for _, _, s2 in items], [w2.stride(0) for w2, _, _ in items]],
