@@ -222,3 +222,17 @@ def test_the_train_profile_names_where_the_device_waited():
     lines = idle_gaps(prof, top=2).splitlines()
     assert lines[0].startswith("device timeline: span 4.0 ms, idle between kernels 3.0 ms")
     assert lines[1].split() == ["0.50", "3000.0", "b", "->", "c"] and lines[2].split()[:2] == ["0.10", "0.0"]
+
+
+def test_requantize_prints_its_ratio_and_the_reference_check():
+    """benchmarks/requantize.py on the CPU (the PyTorch rule; on a GPU the push's Triton kernels):
+    a ratio to the copy bound per format, and the bitwise check against the CPU reference."""
+    out = subprocess.run([sys.executable, str(BENCH_DIR / "requantize.py"), "--config", "cpu-tiny", "--device", "cpu",
+                          "--calls", "2", "--check", "3"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=BENCH_DIR)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    for fmt in ("fp8", "fp4"):
+        ratio = next(line for line in lines if line.startswith(f"ratio {fmt} copy bound / call: "))
+        assert 0 < float(ratio.rsplit(" ", 1)[1]) < 1  # the PyTorch rule on 2 cores is far from a copy
+        assert f"{fmt} bitwise the CPU reference on 3 of " in out.stdout and out.stdout.count(": True") == 2
