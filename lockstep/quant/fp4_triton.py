@@ -16,7 +16,7 @@ import torch
 
 from lockstep.quant.blocks import n_blocks
 from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
-from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
 
 if triton is not None:
     import triton.language as tl
@@ -92,22 +92,35 @@ def _tiles(cols: int, block: int) -> tuple[int, int]:
 def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> None:
     """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage, one
     tile shape and one alignment (an fp8-fp4 engine's push: its routed experts in one launch, where a
-    launch per tensor cost ~60 us of host time each). w [..., K] (K even), packed [..., K/2] bytes (uint8 /
-    int8 / float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32)."""
+    launch per tensor cost ~60 us of host time each), prepared once per set of tensors
+    (tensor_tables.PreparedLaunches). w [..., K] (K even), packed [..., K/2] bytes (uint8 / int8 /
+    float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32)."""
+    _PREPARED.launch(_fp4_many_kernel, call_key((block,), ws, outs), lambda: _fp4_launches(ws, outs, block))
+
+
+_PREPARED = PreparedLaunches()
+
+
+def _fp4_launches(ws, outs, block: int) -> tuple[list, list[torch.Tensor]]:
+    """(the launches of quantize_fp4_many_into, the contiguous copies of w they read)."""
     if block < 2 or block & (block - 1):
         raise ValueError(f"the Triton fp4 kernel needs a power-of-two block, got {block}")
     groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes, tile) -> [(w [R, K], packed [R, K/2], scale [R, nb])]
+    copies = []
     for w, (packed, scale) in zip(ws, outs):
         if not (packed.is_contiguous() and scale.is_contiguous()):
             raise ValueError("the Triton fp4 kernel writes contiguous packed bytes and scales")
         if w.numel():
             w2 = w.reshape(-1, w.shape[-1])
             scale_bytes = scale.dtype in BYTE_DTYPES
-            w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+            if w2.stride(-1) != 1:
+                w2 = w2.contiguous()
+                copies.append(w2)
             p2 = _bytes(packed).view(-1, packed.shape[-1])
             align = alignment([w2.data_ptr(), p2.data_ptr()], [w2.stride(0), w2.shape[1]])
             groups.setdefault((w.dtype, scale_bytes, _tiles(w.shape[-1], block), align), []).append(
                 (w2, p2, (_bytes(scale) if scale_bytes else scale).view(-1, scale.shape[-1])))
+    launches = []
     for (w_dtype, scale_bytes, (block_r, block_k), align), items in groups.items():
         device = items[0][0].device
         meta = tuple((w2.shape[0], w2.shape[1], s2.shape[1], n_blocks(w2.shape[1], block_k)) for w2, _, s2 in items)
@@ -116,6 +129,7 @@ def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
         addresses = address_table([[w2.data_ptr() for w2, _, _ in items], [p2.data_ptr() for _, p2, _ in items],
                                    [s2.data_ptr() for _, _, s2 in items], [w2.stride(0) for w2, _, _ in items]],
                                   device)
-        _fp4_many_kernel[(tensor.numel(),)](
-            addresses, meta_t, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=block_r,
-            BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes, ALIGN=align, num_warps=4)
+        launches.append(((tensor.numel(),), (addresses, meta_t, tensor, local, len(items)), dict(
+            W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=block_r, BLOCK_K=block_k, BLOCK=block, SCALE_BYTES=scale_bytes,
+            ALIGN=align, num_warps=4)))
+    return launches, copies

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.tensor_tables import W_DTYPES, address_table, alignment, launch_table
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
@@ -211,11 +211,22 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
                            block: tuple[int, int], scale_fmt: str) -> None:
     """quantize_fp8_into for many tensors: one launch per group of one w dtype, one scale storage and
     one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor
-    cost ~60 us of host time each, ~80 tensors on gpu-848m). Block and scale rules as quantize_fp8_into."""
+    cost ~60 us of host time each, ~80 tensors on gpu-848m), prepared once per set of tensors
+    (`PreparedLaunches`). Block and scale rules as quantize_fp8_into."""
+    _PREPARED.launch(_fp8_many_kernel, call_key((tuple(block), scale_fmt, interpreted()), ws, outs),
+                     lambda: _fp8_launches(ws, outs, block, scale_fmt))
+
+
+_PREPARED = PreparedLaunches()
+
+
+def _fp8_launches(ws, outs, block, scale_fmt) -> tuple[list, list[torch.Tensor]]:
+    """(the launches of quantize_fp8_many_into, the contiguous copies of w they read)."""
     br, bc = int(block[0]), int(block[1])
     if br & (br - 1) or bc & (bc - 1) or br < 1 or bc < 1:
         raise ValueError(f"the Triton fp8 kernel needs power-of-two blocks, got {br}x{bc}")
     groups: dict[tuple, list] = {}  # (w dtype, e8m0 bytes, alignment) -> [(w [M, R, C], q, scale)]
+    copies = []
     for w, (q, scale) in zip(ws, outs):
         if scale.dtype in BYTE_DTYPES and scale_fmt != "ue8m0":
             raise ValueError("e8m0 scale storage needs scale_fmt='ue8m0'")
@@ -224,17 +235,20 @@ def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
         if w.numel():
             *_, rows, cols = w.shape
             w3 = w.reshape(-1, rows, cols)
-            w3 = w3 if w3.stride(-1) == 1 else w3.contiguous()
+            if w3.stride(-1) != 1:
+                w3 = w3.contiguous()
+                copies.append(w3)
             groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES,
                                alignment([w3.data_ptr(), q.data_ptr()], [*w3.stride()[:2], cols])), []).append(
                 (w3, _bytes(q), _bytes(scale) if scale.dtype in BYTE_DTYPES else scale))
+    launches = []
     for (w_dtype, scale_bytes, align), items in groups.items():
         device = items[0][0].device
         tensor, local, meta = _block_table(tuple(tuple(w3.shape) for w3, _, _ in items), (br, bc), device)
         addresses = address_table([[w3.data_ptr() for w3, _, _ in items], [q.data_ptr() for _, q, _ in items],
                                    [s.data_ptr() for _, _, s in items], [w3.stride(0) for w3, _, _ in items],
                                    [w3.stride(1) for w3, _, _ in items]], device)
-        _fp8_many_kernel[(tensor.numel(),)](
-            addresses, meta, tensor, local, len(items), W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc,
-            CHUNK_R=min(br, CHUNK_ROWS), UE8M0=scale_fmt == "ue8m0", SCALE_BYTES=scale_bytes, ALIGN=align,
-            HW=not interpreted(), num_warps=4)
+        launches.append(((tensor.numel(),), (addresses, meta, tensor, local, len(items)), dict(
+            W_DTYPE=W_DTYPES[w_dtype], BLOCK_R=br, BLOCK_C=bc, CHUNK_R=min(br, CHUNK_ROWS), UE8M0=scale_fmt == "ue8m0",
+            SCALE_BYTES=scale_bytes, ALIGN=align, HW=not interpreted(), num_warps=4)))
+    return launches, copies

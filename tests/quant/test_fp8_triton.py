@@ -210,6 +210,58 @@ def test_aligned_and_unaligned_tensors_launch_apart_each_equal_to_the_reference(
         _same(out, ref)
 
 
+def _counted(monkeypatch, module, name: str) -> list:
+    calls, real = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_a_repeated_call_launches_what_it_prepared_once(monkeypatch, fmt):
+    """The many-tensor calls keep their launches by their tensors (tensor_tables.PreparedLaunches):
+    the same tensors with new values are not prepared again and come out as the new values'
+    reference; another output tensor is prepared anew; a w read through a contiguous copy (a
+    transposed view) is prepared every time (its copy's address is the call's only)."""
+    from lockstep.quant import fp4_triton
+
+    if fmt == "fp8":
+        module, prepare = fp8_triton, "_fp8_launches"
+        reference = quantize_fp8_block
+        call = lambda ws, outs: fp8_triton.quantize_fp8_many_into(ws, outs, (128, 128), "ue8m0")  # noqa: E731
+
+        def outputs(ws):
+            return [(torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=DEVICE),
+                     torch.empty(fp8_scale_shape(tuple(w.shape)), device=DEVICE)) for w in ws]
+    else:
+        module, prepare = fp4_triton, "_fp4_launches"
+        reference = quantize_fp4_block
+        call = lambda ws, outs: fp4_triton.quantize_fp4_many_into(ws, outs, 32)  # noqa: E731
+
+        def outputs(ws):
+            return [(torch.empty(*w.shape[:-1], w.shape[-1] // 2, dtype=torch.uint8, device=DEVICE),
+                     torch.empty(*w.shape[:-1], w.shape[-1] // 32, dtype=E8M0, device=DEVICE)) for w in ws]
+    prepared = _counted(monkeypatch, module, prepare)
+    ws = [_wide((256, 384), torch.bfloat16, seed=40).to(DEVICE), _wide((3, 128, 256), torch.bfloat16, seed=41).to(DEVICE)]
+    outs = outputs(ws)
+    call(ws, outs)
+    for w in ws:
+        w.mul_(-3.0)  # new values, same tensors: a push's next weights
+    call(ws, outs)
+    assert len(prepared) == 1
+    for w, out in zip(ws, outs):
+        _same(out, reference(w.cpu()))
+    outs[1] = outputs(ws[1:])[0]  # another storage
+    call(ws, outs)
+    assert len(prepared) == 2
+    _same(outs[1], reference(ws[1].cpu()))
+    transposed = [_wide((128, 256), torch.bfloat16, seed=42).to(DEVICE).t()]
+    for _ in range(2):
+        out = outputs(transposed)
+        call(transposed, out)
+        _same(out[0], reference(transposed[0].cpu()))
+    assert len(prepared) == 4
+
+
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):
     """quantize_fp8_block / quantize_fp4_block take the kernels where `eligible` says (CUDA tensors;
     faked on CPU), into `out` storage in place, bitwise the CPU reference; CPU keeps the reference."""
