@@ -119,9 +119,13 @@ def variants():
                                                  dy_ptr=BF, dpost_ptr=FP, dcomb_ptr=FP), {"D"},
         N=4, K=4, R=16, ROUND=True, INTERPRETED=False, BLOCK=sm.COMBINE_BACKWARD_BLOCK,
         num_warps=sm.COMBINE_BACKWARD_WARPS)
-    yield "projection streams grad", lambda: ptx(sp._streams_grad_kernel, dict(gr_ptr=FP, fn_ptr=FP, s_ptr=FP, x_ptr=BF,
-                                                                                out_ptr=BF), {"T", "D"},
-                                                 J=24, J_PAD=32, ROUND=True, INTERPRETED=False, BLOCK_M=32, BLOCK_D=128)
+    for add in (False, True):  # with the streams' gradient from their other consumers added, or not
+        yield f"projection streams grad add={add}", lambda add=add: ptx(
+            sp._streams_grad_kernel, dict(gr_ptr=FP, fn_ptr=FP, s_ptr=FP, x_ptr=BF, add_ptr=BF, out_ptr=BF), {"T", "D"},
+            J=24, J_PAD=32, ADD=add, ROUND=True, INTERPRETED=False, BLOCK_M=32, BLOCK_D=128)
+        yield f"collapse backward add={add}", lambda add=add: ptx(
+            sm._collapse_backward_kernel, dict(pre_ptr=FP, x_ptr=BF, g_ptr=BF, add_ptr=BF, dx_ptr=BF, dpre_ptr=FP),
+            {"D"}, N=4, ADD=add, ROUND=True, INTERPRETED=False, BLOCK=sm.MIX_BLOCK)
     yield "swiglu forward", lambda: ptx(sw._forward_kernel, dict(h_ptr=BF, out_ptr=BF), {"F"}, {"limit"},
                                         ROUND=True, INTERPRETED=False, BLOCK=1024)
     yield "swiglu backward", lambda: ptx(sw._backward_kernel, dict(h_ptr=BF, g_ptr=BF, dh_ptr=BF), {"F"}, {"limit"},

@@ -99,7 +99,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         if isinstance(attend, KeySource):
             return layer_rows(self, streams, token_ids, attend, routing)
         # each block's input is the collapsed streams after its norm (the decode kernel does both)
-        block_in, post, comb = self.attn_hc(streams, self.input_layernorm)
+        # (pre: the streams handed on for the combine; hyper_connection.threads_streams)
+        streams, block_in, post, comb = self.attn_hc.pre(streams, self.input_layernorm)
         # the attention's combine, then the MoE's mHC pre (a decode step: the combine in its kernel)
         streams, block_in, post, comb = self.ffn_hc.after(streams, attend(block_in), post, comb,
                                                           self.post_attention_layernorm)

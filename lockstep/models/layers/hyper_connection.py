@@ -104,31 +104,42 @@ class ScaledProjection(torch.autograd.Function):
     reads both and writes d x in bf16): by that count ~5% of a 1b train step's device time (16
     calls on [16,384, 4,096]; an estimate, not yet measured). The same value up to fp32
     rounding, not the eager ops' bits.
-    Saves x (kept by the block anyway), r and m (the output, which the coefficients keep too)."""
+    Saves x (kept by the block anyway), r and m (the output, which the coefficients keep too).
+    With hand_through, x is also its second output (HyperConnection.pre): the gradient of that
+    output is added to d x in the same kernel."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, fn: torch.Tensor, eps: float, hand_through: bool = False):
         flat = x.reshape(-1, x.shape[-1])
         r = inverse_rms_one_pass(flat, eps)
         m = mm_bf16_fp32(flat, fn.t()) * r
         ctx.save_for_backward(x, fn, r, m)
-        return m.view(*x.shape[:-1], fn.shape[0])
+        ctx.set_materialize_grads(False)
+        m = m.view(*x.shape[:-1], fn.shape[0])
+        # hand_through: x handed on as a second output (`threads_streams`), its gradient added in here
+        return (m, x) if hand_through else m
 
     @staticmethod
-    def backward(ctx, g: torch.Tensor):
+    def backward(ctx, g: torch.Tensor | None, grad_x_through: torch.Tensor | None = None):
         x, fn, r, m = ctx.saved_tensors
+        if g is None:
+            return grad_x_through, None, None, None
         flat = x.reshape(-1, x.shape[-1])
         g = g.reshape(-1, fn.shape[0]).float()
         gr = g * r
         grad_fn = mm_fp32_bf16(gr.t(), flat).to(fn.dtype) if ctx.needs_input_grad[1] else None
         s = r * r * (g * m).sum(-1, keepdim=True) / flat.shape[-1]
-        # d x = (g r) @ fn - s x, the subtraction in fp32 and the result written once, in bf16: one
-        # kernel on a GPU (scaled_projection_triton.py), the fp32 GEMM then a fused multiply-add elsewhere
+        # d x = (g r) @ fn - s x (+ the handed-through x's gradient), the sums in fp32 and the result
+        # written once, in bf16: one kernel on a GPU (scaled_projection_triton.py), the fp32 GEMM then a
+        # fused multiply-add elsewhere
         if scaled_projection_triton.applies(flat, fn):
-            grad_x = scaled_projection_triton.streams_grad(gr, fn, s, flat)
+            grad_x = scaled_projection_triton.streams_grad(gr, fn, s, flat, grad_x_through)
         else:
-            grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1, out=torch.empty_like(flat))
-        return grad_x.view(x.shape), grad_fn, None
+            grad_x = torch.addcmul(gr @ fn.float(), s, flat, value=-1)
+            if grad_x_through is not None:
+                grad_x += grad_x_through.reshape(flat.shape).float()
+            grad_x = grad_x.to(flat.dtype)
+        return grad_x.view(x.shape), grad_fn, None, None
 
 
 class HyperConnection(Switched, nn.Module):
@@ -139,6 +150,25 @@ class HyperConnection(Switched, nn.Module):
         self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size))
         self.base = nn.Parameter(torch.zeros((2 + n) * n))
         self.scale = nn.Parameter(torch.ones(3))
+
+    def pre(self, streams: torch.Tensor, norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (the streams to combine this block's output into, then forward's three). Where
+        `threads_streams` (the trainer's eager forward on a GPU) the streams are handed through the
+        projection and the collapse (ScaledProjection, stream_mix_triton.Collapse) to the combine: the
+        combine's gradient of them flows back through the collapse's and the projection's backward, each
+        adding its own term in its kernel. Otherwise three consumers read the streams and autograd adds
+        their gradients in two passes of its own over [tokens, n, D] (an add and an add_ per block, ~4.3 ms
+        of a 1b train step on an H100, 2026-12-05). By count, 11 reads and writes of [tokens, n, D] a
+        block's streams gradient took become 7 (~2.9 ms of that step at its copy bandwidth; not timed)."""
+        if not threads_streams(streams, self.fn):
+            return (streams, *self(streams, norm))
+        n, D = streams.shape[-2:]
+        mixes, x = ScaledProjection.apply(streams.flatten(-2), self.fn, self.norm_eps, True)
+        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
+                                          self.hc_eps, compiled=self.kernels.on("compile_hc"))
+        collapsed, x = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), x.reshape(-1, n, D))
+        collapsed = collapsed.view(pre.shape[:-1] + (D,))
+        return x.view(streams.shape), (collapsed if norm is None else norm(collapsed)), post, comb
 
     def forward(self, streams: torch.Tensor, norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32);
@@ -173,8 +203,15 @@ class HyperConnection(Switched, nn.Module):
                 and block_out.dtype == torch.bfloat16 and hc_projection_triton.combines(n, D, self.fn)):
             return pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps, self.norm_eps,
                             norm, after=(block_out, post, comb))
-        combined = hc_combine(streams, block_out, post, comb)
-        return (combined, *self(combined, norm))
+        return self.pre(hc_combine(streams, block_out, post, comb), norm)
+
+
+def threads_streams(streams: torch.Tensor, fn: torch.Tensor) -> bool:
+    """Whether HyperConnection.pre hands the streams through the projection and the collapse: the
+    trainer's eager forward (a gradient wanted, not compiled, not over whole rows) with bf16 streams on
+    CUDA, where ScaledProjection and Collapse run their kernels."""
+    return (streams.is_cuda and streams.dtype == torch.bfloat16 and stream_mix_triton.triton is not None
+            and grad_wanted(streams, fn) and not torch.compiler.is_compiling() and not in_whole_rows())
 
 
 def _norm_in_kernel(streams: torch.Tensor, norm) -> bool:
@@ -209,7 +246,7 @@ def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_i pre_i X_i in fp32, rounded once: pre [..., n] fp32, streams [..., n, D] -> [..., D]."""
     if _collapse_kernels(pre, streams):  # the trainer's eager forward on a GPU
         n, D = streams.shape[-2:]
-        flat = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), streams.reshape(-1, n, D))
+        flat, _ = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), streams.reshape(-1, n, D))
         return flat.view(pre.shape[:-1] + (D,))
     weighted = pre.unsqueeze(-1) * streams
     summed = sum_in_order(weighted, -2) if in_whole_rows() else weighted.sum(dim=-2)

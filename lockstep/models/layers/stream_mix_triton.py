@@ -65,18 +65,25 @@ def stream_mix(comb: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
 
 
 class Collapse(torch.autograd.Function):
-    """pre [T, n] (fp32), streams [T, n, D] -> sum_i pre_i X_i [T, D] in streams' dtype, the kernel
-    forward (the mix into K = 1 output) and backward. Saves pre and the streams."""
+    """pre [T, n] (fp32), streams [T, n, D] -> (sum_i pre_i X_i [T, D] in streams' dtype, the streams
+    themselves), the kernel forward (the mix into K = 1 output) and backward. Saves pre and the streams.
+    The streams handed through: where the caller combines into them (hyper_connection.py threads the
+    block's streams projection -> collapse -> combine), their gradient reaches this backward, which adds
+    its own term to it in the same pass (`collapse_backward`'s addend), where autograd would add the
+    consumers' gradients of the streams in passes of their own."""
 
     @staticmethod
-    def forward(ctx, pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, pre: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.set_materialize_grads(False)  # a streams output nobody combined into: no gradient, not zeros
         ctx.save_for_backward(pre, streams)
-        return stream_mix(pre.unsqueeze(-1), streams).squeeze(1)
+        return stream_mix(pre.unsqueeze(-1), streams).squeeze(1), streams
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None, grad_streams: torch.Tensor | None):
         pre, streams = ctx.saved_tensors
-        d_pre, d_streams = collapse_backward(pre, streams, grad)
+        if grad is None:
+            return None, grad_streams
+        d_pre, d_streams = collapse_backward(pre, streams, grad, grad_streams)
         return (d_pre if ctx.needs_input_grad[0] else None), (d_streams if ctx.needs_input_grad[1] else None)
 
 
@@ -109,18 +116,24 @@ def combine_kernels_take(streams: torch.Tensor) -> bool:
     return _kernel_runs(streams)
 
 
-def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
+def collapse_backward_reference(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor,
+                                addend: torch.Tensor | None = None):
     """(d pre [T, n] fp32, d streams [T, n, D] in streams' dtype) of the collapse, from grad [T, D]:
-    the eager autograd's values (d pre summed in its own order)."""
+    the eager autograd's values (d pre summed in its own order); with `addend` [T, n, D], d streams is
+    addend + pre_i grad, summed in fp32 and rounded once."""
     g = grad.float().unsqueeze(1)
-    return (g * streams.float()).sum(-1), (pre.float().unsqueeze(-1) * g).to(streams.dtype)
+    d_streams = pre.float().unsqueeze(-1) * g
+    if addend is not None:
+        d_streams = addend.float() + d_streams
+    return (g * streams.float()).sum(-1), d_streams.to(streams.dtype)
 
 
-def collapse_backward(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor):
+def collapse_backward(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor,
+                      addend: torch.Tensor | None = None):
     """The kernel where it runs (CUDA, or the interpreter), the reference elsewhere."""
     if _kernel_runs(streams):
-        return collapse_backward_op(pre, streams, grad)
-    return collapse_backward_reference(pre, streams, grad)
+        return collapse_backward_op(pre, streams, grad, addend)
+    return collapse_backward_reference(pre, streams, grad, addend)
 
 
 MIX_BLOCK = 1024  # hidden elements per program
@@ -293,9 +306,11 @@ if triton is not None:
         return streams.new_empty(streams.shape[0], comb.shape[-1], streams.shape[-1])
 
     @triton.jit
-    def _collapse_backward_kernel(pre_ptr, x_ptr, g_ptr, dx_ptr, dpre_ptr, D, N: tl.constexpr, ROUND: tl.constexpr,
-                                  INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
-        """One token per program: d X_i = pre_i g (rounded to X's dtype), d pre_i = sum_d g X_i (fp32)."""
+    def _collapse_backward_kernel(pre_ptr, x_ptr, g_ptr, add_ptr, dx_ptr, dpre_ptr, D, N: tl.constexpr,
+                                  ADD: tl.constexpr, ROUND: tl.constexpr, INTERPRETED: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+        """One token per program: d X_i = pre_i g (+ the addend's X_i with ADD, summed in fp32; rounded to
+        X's dtype), d pre_i = sum_d g X_i (fp32)."""
         t = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         for i in tl.static_range(N):
@@ -307,16 +322,20 @@ if triton is not None:
                 g = tl.load(g_ptr + t * D + d, mask=ok, other=0.0).to(tl.float32)
                 x = tl.load(x_ptr + (t * N + i) * D + d, mask=ok, other=0.0).to(tl.float32)
                 acc += g * x
+                dx = p * g
+                if ADD:
+                    dx = tl.load(add_ptr + (t * N + i) * D + d, mask=ok, other=0.0).to(tl.float32) + dx
                 if ROUND:
-                    tl.store(dx_ptr + (t * N + i) * D + d, _bf16(p * g, INTERPRETED), mask=ok)
+                    tl.store(dx_ptr + (t * N + i) * D + d, _bf16(dx, INTERPRETED), mask=ok)
                 else:
-                    tl.store(dx_ptr + (t * N + i) * D + d, p * g, mask=ok)
+                    tl.store(dx_ptr + (t * N + i) * D + d, dx, mask=ok)
             tl.store(dpre_ptr + t * N + i, tl.sum(acc, axis=0))
 
     @torch.library.triton_op("lockstep::collapse_backward", mutates_args=())
-    def collapse_backward_op(pre: torch.Tensor, streams: torch.Tensor,
-                             grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """pre [T, n] fp32, streams [T, n, D], grad [T, D] -> (d pre [T, n] fp32, d streams [T, n, D])."""
+    def collapse_backward_op(pre: torch.Tensor, streams: torch.Tensor, grad: torch.Tensor,
+                             addend: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pre [T, n] fp32, streams [T, n, D], grad [T, D], addend [T, n, D] or None -> (d pre [T, n]
+        fp32, d streams [T, n, D]: addend + pre_i grad)."""
         _check_dtype("collapse_backward", streams)
         pre, x, g = pre.float().contiguous(), streams.contiguous(), grad.contiguous()
         T, n, D = x.shape
@@ -324,10 +343,10 @@ if triton is not None:
         d_x = torch.empty_like(x)
         if d_x.numel():
             torch.library.wrap_triton(_collapse_backward_kernel)[(T,)](
-                pre, x, g, d_x, d_pre, D, N=n, ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(),
-                BLOCK=MIX_BLOCK)
+                pre, x, g, addend.contiguous() if addend is not None else x, d_x, d_pre, D, N=n, ADD=addend is not None,
+                ROUND=x.dtype == torch.bfloat16, INTERPRETED=_gt.interpreted(), BLOCK=MIX_BLOCK)
         return d_pre, d_x
 
     @collapse_backward_op.register_fake
-    def _(pre, streams, grad):
+    def _(pre, streams, grad, addend=None):
         return pre.new_empty(streams.shape[0], streams.shape[1], dtype=torch.float32), torch.empty_like(streams)
