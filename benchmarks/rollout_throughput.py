@@ -34,7 +34,9 @@ graphs) and prints `ratio true-on-policy / default (FORMAT) tokens/s`. On CUDA t
 through captured CUDA graphs unless --no-cuda-graph; benchmarks/decode_step_ops.py counts the
 kernels and syncs of one decode step on a CPU. Each engine's start is printed as `engine start S s
 (compile cache: hit|miss|off; compiling C s (tracing T, backend B, guards G))` (engine/compile_clock.py
-says what each covers); --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py).
+says what each covers); --compile-cache-dir DIR reuses compiled graphs (engine/compile_cache.py);
+--compile-timers N prints after each start the N largest of torch.compile's timers over it
+(`compile timers (s, largest first): ...`), to take a start's backend time apart.
 
 `--config 1b`: 8 layers, hidden 1024, 64 routed experts top-6 (moe_intermediate 512) + 1 shared,
 16 heads x head_dim 128, q_lora 512, 4 output groups of rank 256, vocab 32768: about 0.9B params,
@@ -53,6 +55,7 @@ import torch
 
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine import Engine, GenerateRequest
+from lockstep.engine.compile_clock import CompileClock
 from lockstep.engine.engine import compiled_graph_count
 from lockstep.engine.packed_weights import unpacked_state_dict
 from lockstep.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -258,6 +261,9 @@ def parse_args(argv=None):
     ap.add_argument("--compile-cache-dir", metavar="DIR",
                     help="the engine's compiled graphs, loaded before compiling and saved after a start that "
                          "compiled (EngineConfig.compile_cache_dir): another machine's start skips the compilation")
+    ap.add_argument("--compile-timers", type=int, default=0, metavar="N",
+                    help="after each engine start, the N largest of torch.compile's timers over it "
+                         "(engine/compile_clock.CompileClock.timers)")
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="CUDA: then print the kernels of one more generate of the batch (kernel_profile.py)")
@@ -294,12 +300,15 @@ def start_engine(args, fmt: str, true_on_policy: bool = False) -> tuple[Engine, 
     model = build_model(args)
     n_params = sum(p.numel() for p in model.parameters())
     cfg = engine_config(args, fmt, true_on_policy)
-    t = time.perf_counter()
+    t, clock = time.perf_counter(), CompileClock()
     engine = Engine(model, cfg)
     print(f"engine ready in {time.perf_counter() - t:.1f} s (compiling and capturing the decode graphs on CUDA)")
     status = {"nothing": "nothing to cache"}.get(engine.compile_cache.status, engine.compile_cache.status)
     phases = f"; {engine.compile_phases}" if engine.compile_phases else ""
     print(f"engine start {engine.start_seconds:.1f} s (compile cache: {status}{phases})")
+    if args.compile_timers:
+        timers = "; ".join(f"{name} {seconds:.1f}" for name, seconds in clock.timers(args.compile_timers))
+        print(f"compile timers (s, largest first): {timers or 'nothing compiled'}")
     # packed fp8 linears as bytes + scales; the bf16 figure from the same engine (engine/packed_weights.py)
     n_bytes, n_bf16 = engine.weight_bytes(), engine.unpacked_weight_bytes()
     print(f"weight bytes {fmt} {n_bytes} ({n_bytes / n_bf16:.3f} of bf16)")

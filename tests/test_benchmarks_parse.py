@@ -107,7 +107,7 @@ def test_scaling_plans_each_count_as_told(tmp_path):
 def test_rollout_throughput_reports_each_formats_memory_and_both_schedulings(capsys):
     """rollout_throughput.py on the tiny config (CPU): the weight and cache bytes each engine really
     holds per serving format (packed fp8 below bf16, the same cache), and `--scheduling async sync`
-    timing both."""
+    timing both, and `--compile-timers` printing a line per engine start."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
         import rollout_throughput
@@ -115,8 +115,9 @@ def test_rollout_throughput_reports_each_formats_memory_and_both_schedulings(cap
         sys.path.pop(0)
     rollout_throughput.main(["--config", "tiny", "--skip-transformers", "--batch", "2", "--new-tokens", "4",
                              "--prompt-len", "4", "--serving-format", "bf16", "fp8", "--packed-experts",
-                             "--scheduling", "async", "sync", "--threads", "1"])
+                             "--scheduling", "async", "sync", "--threads", "1", "--compile-timers", "5"])
     out = capsys.readouterr().out
+    assert out.count("compile timers (s, largest first): ") == 2
     rows = {line.split()[0]: line.split() for line in out.split("engine memory per format")[1].splitlines()[1:]}
     weights = {fmt: int(rows[fmt][1].replace(",", "")) for fmt in ("bf16", "fp8")}
     caches = {fmt: int(rows[fmt][3].replace(",", "")) for fmt in ("bf16", "fp8")}

@@ -43,6 +43,14 @@ class CompileClock:
 
         return {"compiling": since(TOTAL), **{name: since(timer) for name, timer in PHASES}}
 
+    def timers(self, top: int | None = None) -> list[tuple[str, float]]:
+        """Every torch.compile timer's seconds since the clock started, largest first (the `top` of
+        them): inductor's own steps beyond the three phases (code generation, waiting on the Triton
+        compile workers, ...), for a start whose backend time needs taking apart."""
+        now = compile_seconds()
+        spent = ((name, value - self._before.get(name, 0.0)) for name, value in now.items())
+        return sorted((item for item in spent if item[1] > 0), key=lambda item: -item[1])[:top]
+
     def describe(self) -> str:
         """e.g. "compiling 48.2 s (tracing 20.1, backend 26.0, guards 1.0)"; "" when nothing compiled."""
         p = self.phases()

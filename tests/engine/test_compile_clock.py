@@ -24,10 +24,15 @@ def test_the_clock_counts_a_compilation_since_it_started_and_nothing_else():
     # the tracing, the backend (AOT autograd here) and the guards all took time, within the total
     assert p["tracing"] > 0 and p["backend"] > 0 and p["guards"] > 0
     assert p["tracing"] + p["backend"] + p["guards"] <= p["compiling"] * 1.001
+    timers = clock.timers()
+    assert timers == sorted(timers, key=lambda t: -t[1]) and all(s > 0 for _, s in timers)
+    named = dict(timers)
+    assert named["_compile.compile_inner"] == p["compiling"] and named["bytecode_tracing"] == p["tracing"]
+    assert clock.timers(2) == timers[:2]
     text = clock.describe()
     assert text.startswith("compiling ") and " s (tracing " in text and ", backend " in text and ", guards " in text
 
     again = CompileClock()
     f(torch.ones(8))  # the compiled graph applies: nothing compiles
     before(torch.ones(4))
-    assert again.phases()["compiling"] == 0
+    assert again.phases()["compiling"] == 0 and again.timers() == []
