@@ -5,9 +5,9 @@ quant/fp8_triton.py and fp4_triton.py; MasterAdamW's update, train/adamw_triton.
 Host side: `launch_table` (which tensor each program works on, and its index within it: by the
 shapes only, so kept per set of shapes), `address_table` (each tensor's addresses and strides),
 `alignment` (whether a launch may tell the compiler its addresses and sizes are multiples of ALIGN),
-`PreparedLaunches` (a call's launches kept by its tensors' `tensor_key`s: a push re-quantises the same
-sources into the same storage every time). Kernel side: `table_pointer` / `table_int` read an address or a size
-from a table with that hint. Why the hint: a pointer read from a table is of unknown alignment, and
+`PreparedLaunches` (a call's launches kept by its tensors' `tensor_key`s: a push re-quantises the
+same sources into the same storage every time). Kernel side: `table_pointer` / `table_int` read an
+address or a size from a table with that hint. Why the hint: a pointer read from a table is of unknown alignment, and
 every load and store through it went one element at a time (sm_90 PTX; the fp8 re-quantisation of
 gpu-848m's push took 6.3 ms on an H200); with it, 16 bytes at a time (tests/gpu_compile.py checks).
 """
@@ -34,6 +34,15 @@ def alignment(addresses: list[int], sizes: list[int]) -> int:
     return ALIGN if all(v % ALIGN == 0 for v in (*addresses, *sizes)) else 1
 
 
+def unit_stride(t: torch.Tensor, copies: list[torch.Tensor]) -> torch.Tensor:
+    """t where its last stride is 1 (the kernels read rows), else a contiguous copy, noted in `copies`
+    (a launch reading it is not kept: PreparedLaunches)."""
+    if t.stride(-1) == 1:
+        return t
+    copies.append(t.contiguous())
+    return copies[-1]
+
+
 def tensor_key(t: torch.Tensor) -> tuple:
     """All a launch reading or writing t through a table depends on: its address, dtype, shape, strides."""
     return t.data_ptr(), t.dtype, t.shape, t.stride()
@@ -48,8 +57,9 @@ class PreparedLaunches:
     """A many-tensor kernel's launches (grid, arguments, constexprs), kept by a `call_key`: the same
     key launches the same work, so a hit skips the per-tensor preparation (gpu-848m's weights, host
     time a call on this project's CPU machine with the kernel a no-op: fp8 1.24 -> 0.60 ms through
-    quant/fp8.py's checks, fp4 1.15 -> 0.23 ms; a push's device work waits for it). The launches hold the device tables, never the tensors, so a kept entry keeps no
-    weights alive. A few entries, the oldest dropped first."""
+    quant/fp8.py's checks, fp4 1.15 -> 0.23 ms; a push's device work waits for it). The launches
+    hold the device tables, never the tensors, so a kept entry keeps no weights alive. A few
+    entries, the oldest dropped first."""
 
     def __init__(self, size: int = 8):
         self.size, self._entries = size, {}

@@ -6,7 +6,8 @@ launched directly); `fp4.quantize_fp4_block` is its reference and its caller for
 Bit-for-bit the reference: the scale by fp8_triton._pow2_scale with fmt_max 6 (NaN / inf blocks and
 amax / 6 == 0 get 1); x / scale IEEE-rounded (fp8_triton._divided); the code by fp4.float_to_e2m1's
 boundaries (ties to the even code, saturating at 6, a NaN gives magnitude 0) and the input's sign
-bit; element 2j in the low nibble. A program owns BLOCK_R rows x BLOCK_K columns (BLOCK_K a multiple of 32).
+bit; element 2j in the low nibble. A program owns BLOCK_R rows x BLOCK_K columns (BLOCK_K a
+multiple of 32).
 Owed, GPU: the bitwise check on CUDA and the bandwidth, as for the fp8 kernel.
 """
 
@@ -16,7 +17,8 @@ import torch
 
 from lockstep.quant.blocks import n_blocks
 from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
-from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table,
+                                    unit_stride)
 
 if triton is not None:
     import triton.language as tl
@@ -111,11 +113,8 @@ def _fp4_launches(ws, outs, block: int) -> tuple[list, list[torch.Tensor]]:
         if not (packed.is_contiguous() and scale.is_contiguous()):
             raise ValueError("the Triton fp4 kernel writes contiguous packed bytes and scales")
         if w.numel():
-            w2 = w.reshape(-1, w.shape[-1])
+            w2 = unit_stride(w.reshape(-1, w.shape[-1]), copies)
             scale_bytes = scale.dtype in BYTE_DTYPES
-            if w2.stride(-1) != 1:
-                w2 = w2.contiguous()
-                copies.append(w2)
             p2 = _bytes(packed).view(-1, packed.shape[-1])
             align = alignment([w2.data_ptr(), p2.data_ptr()], [w2.stride(0), w2.shape[1]])
             groups.setdefault((w.dtype, scale_bytes, _tiles(w.shape[-1], block), align), []).append(

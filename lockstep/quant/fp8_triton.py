@@ -26,8 +26,8 @@ Bit-for-bit the reference (tests/quant/test_fp8_triton.py, under TRITON_INTERPRE
   - fp32-format scales (scale_fmt="fp32"): bitwise for finite blocks; non-finite ones get NaN
     codes whose sign bit is the platform's (not pinned down).
 
-Launch: one program per 128x128 block (4 warps, 32 rows at a time) of any of the tensors of one launch, which reads
-its tensor's addresses and strides from a table (lockstep/tensor_tables.py: int64 addresses cast to
+Launch: one program per 128x128 block (4 warps, 32 rows at a time) of any of the tensors of one
+launch, which reads its tensor's addresses and strides from a table (lockstep/tensor_tables.py: int64 addresses cast to
 typed pointers, 16-byte aligned where the host found them so; the block table, by the shapes only,
 is made once per set of shapes and kept on the device). Launched directly, not as a custom op: eager
 only (`eligible`), and a custom op's call cost ~66 us of host time where a direct launch costs ~20.
@@ -43,7 +43,8 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table,
+                                    unit_stride)
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
@@ -234,10 +235,7 @@ def _fp8_launches(ws, outs, block, scale_fmt) -> tuple[list, list[torch.Tensor]]
             raise ValueError("the Triton fp8 kernel writes contiguous q and scale")
         if w.numel():
             *_, rows, cols = w.shape
-            w3 = w.reshape(-1, rows, cols)
-            if w3.stride(-1) != 1:
-                w3 = w3.contiguous()
-                copies.append(w3)
+            w3 = unit_stride(w.reshape(-1, rows, cols), copies)
             groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES,
                                alignment([w3.data_ptr(), q.data_ptr()], [*w3.stride()[:2], cols])), []).append(
                 (w3, _bytes(q), _bytes(scale) if scale.dtype in BYTE_DTYPES else scale))

@@ -160,19 +160,6 @@ class HyperConnection(Switched, nn.Module):
         their gradients in two passes of its own over [tokens, n, D] (an add and an add_ per block, ~4.3 ms
         of a 1b train step on an H100, 2026-12-05). By count, 11 reads and writes of [tokens, n, D] a
         block's streams gradient took become 7 (~2.9 ms of that step at its copy bandwidth; not timed)."""
-        if not threads_streams(streams, self.fn):
-            return (streams, *self(streams, norm))
-        n, D = streams.shape[-2:]
-        mixes, x = ScaledProjection.apply(streams.flatten(-2), self.fn, self.norm_eps, True)
-        pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
-                                          self.hc_eps, compiled=self.kernels.on("compile_hc"))
-        collapsed, x = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), x.reshape(-1, n, D))
-        collapsed = collapsed.view(pre.shape[:-1] + (D,))
-        return x.view(streams.shape), (collapsed if norm is None else norm(collapsed)), post, comb
-
-    def forward(self, streams: torch.Tensor, norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32);
-        norm (the block's RMSNorm): collapsed after it."""
         triton = self.kernels.on("triton_hc")
         # a decode step on CUDA: two kernels; over whole rows the splits are added in order instead
         if self._takes_pre_step(streams, triton):
@@ -180,13 +167,23 @@ class HyperConnection(Switched, nn.Module):
             collapsed, post, comb = pre_step(streams, self.fn, self.base, self.scale, self.sinkhorn_iters, self.hc_eps,
                                              self.norm_eps, norm if fused else None)
             if fused:
-                return collapsed, post, comb
+                return streams, collapsed, post, comb
         else:
-            mixes = _mixes(streams, self.fn, self.norm_eps, triton)
+            through = threads_streams(streams, self.fn)
+            if through:
+                mixes, flat = ScaledProjection.apply(streams.flatten(-2), self.fn, self.norm_eps, True)
+                streams = flat.view(streams.shape)
+            else:
+                mixes = _mixes(streams, self.fn, self.norm_eps, triton)
             pre, post, comb = hc_coefficients(mixes, self.base, self.scale, self.hc_mult, self.sinkhorn_iters,
                                               self.hc_eps, compiled=self.kernels.on("compile_hc"))
-            collapsed = _collapse(pre, streams)
-        return (collapsed if norm is None else norm(collapsed)), post, comb
+            collapsed, streams = _kernel_collapse(pre, streams) if through else (_collapse(pre, streams), streams)
+        return streams, (collapsed if norm is None else norm(collapsed)), post, comb
+
+    def forward(self, streams: torch.Tensor, norm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [..., n, D] -> (collapsed [..., D], post [..., n] fp32, comb [..., n, n] fp32);
+        norm (the block's RMSNorm): collapsed after it."""
+        return self.pre(streams, norm)[1:]
 
     def _takes_pre_step(self, streams: torch.Tensor, triton: bool) -> bool:
         """A decode step on CUDA (or the interpreter's tests): `pre_step`'s two kernels."""
@@ -245,12 +242,17 @@ def pre_step(streams, fn, base, scale, iters: int, hc_eps: float, norm_eps: floa
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
     """sum_i pre_i X_i in fp32, rounded once: pre [..., n] fp32, streams [..., n, D] -> [..., D]."""
     if _collapse_kernels(pre, streams):  # the trainer's eager forward on a GPU
-        n, D = streams.shape[-2:]
-        flat, _ = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), streams.reshape(-1, n, D))
-        return flat.view(pre.shape[:-1] + (D,))
+        return _kernel_collapse(pre, streams)[0]
     weighted = pre.unsqueeze(-1) * streams
     summed = sum_in_order(weighted, -2) if in_whole_rows() else weighted.sum(dim=-2)
     return summed.to(streams.dtype)
+
+
+def _kernel_collapse(pre: torch.Tensor, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_collapse by stream_mix_triton.Collapse -> (the collapse [..., D], the streams handed through)."""
+    n, D = streams.shape[-2:]
+    flat, handed = stream_mix_triton.Collapse.apply(pre.reshape(-1, n), streams.reshape(-1, n, D))
+    return flat.view(pre.shape[:-1] + (D,)), handed.view(streams.shape)
 
 
 def _collapse_kernels(pre: torch.Tensor, streams: torch.Tensor) -> bool:
