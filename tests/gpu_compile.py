@@ -79,6 +79,9 @@ def variants():
         yield f"rmsnorm dx weight={weight}", lambda w=weight: ptx(
             rn._rms_norm_dx_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, r_ptr=FP), {"D"},
             {"d_float", "eps"}, HAS_WEIGHT=w, BF16=True, INTERPRETED=False, BLOCK=1024)
+    yield "rmsnorm backward", lambda: ptx(
+        rn._rms_norm_backward_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, partial_ptr=FP), {"R", "D", "ROWS"},
+        {"d_float", "eps"}, BF16=True, INTERPRETED=False, BLOCK=1024)
     yield "rmsnorm dw", lambda: ptx(rn._rms_norm_dw_kernel, dict(x_ptr=BF, g_ptr=BF, r_ptr=FP, partial_ptr=FP),
                                     {"R", "D", "ROWS_PER_SHARE"}, BLOCK_R=rn.DW_BLOCK_R, BLOCK_D=rn.DW_BLOCK_D)
     yield "rmsnorm", lambda: ptx(fo._fixed_order_rms_norm_kernel, dict(x_ptr=BF, w_ptr=FP, out_ptr=BF),

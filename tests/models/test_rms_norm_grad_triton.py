@@ -45,22 +45,51 @@ def test_values_and_gradients_equal_the_eager_ops(dtype, weighted, D):
         torch.testing.assert_close(a.double(), b, rtol=tol, atol=tol * b.abs().max().item())
 
 
+def _dw_reference(x, weight, grad_y):
+    xd = x.double()
+    return (grad_y.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)).sum(0)
+
+
 def test_dw_over_many_shares_equals_the_eager_sum(monkeypatch):
-    """d w where the rows split into several shares of several 32-row steps, the last share and the
-    last step ragged, and the columns into a full and a partial tile: each row counted once. (Fewer
-    programs than on a GPU, so that a small batch has shares of several steps.)"""
-    monkeypatch.setattr(grad_kernels, "DW_PROGRAMS", 8)
+    """d w by its own kernel (rows wider than one tile) where the rows split into several shares of
+    several 32-row steps, the last share and the last step ragged, and the columns into full tiles and
+    a partial one: each row counted once. (Fewer programs than on a GPU, so that a small batch has
+    shares of several steps.)"""
+    monkeypatch.setattr(grad_kernels, "DW_PROGRAMS", 40)
     g = torch.Generator().manual_seed(7)
-    R, D = 1000, 300
+    R, D = 1000, 1100
+    assert D > grad_kernels.launch_config(D)["BLOCK"]  # not the one-kernel backward
     cfg, shares, per_share = grad_kernels.dw_launch(R, D)
     assert shares > 1 and per_share > cfg["BLOCK_R"] and R % per_share and D % cfg["BLOCK_D"]
     x = torch.randn(R, D, generator=g).to(DEVICE)
     weight = (torch.rand(D, generator=g) + 0.5).to(DEVICE)
     grad_y = torch.randn(R, D, generator=g).to(DEVICE)
     _, dw = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=True)
-    xd = x.double()
-    want = (grad_y.double() * xd * torch.rsqrt(xd.square().mean(-1, keepdim=True) + 1e-6)).sum(0)
+    want = _dw_reference(x, weight, grad_y)
     torch.testing.assert_close(dw.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_kernel_backward_gives_the_dx_kernels_bits_and_dw_over_ragged_shares(monkeypatch, dtype):
+    """Rows of one tile: d x and d w's shares in one kernel. Its d x is the d x kernel's bit for bit
+    (the same expressions); its d w, over shares of whole rows with the last one short, counts each
+    row once (fp64 reference). (Fewer programs than on a GPU, so that shares hold many rows.)"""
+    monkeypatch.setattr(grad_kernels, "FUSED_PROGRAMS", 8)
+    g = torch.Generator().manual_seed(11)
+    R, D = 1001, 300
+    programs, rows = grad_kernels.fused_launch(R)
+    assert programs == 8 and rows > 1 and R % rows
+    x = (torch.randn(R, D, generator=g) * 2).to(DEVICE, dtype)
+    weight = (torch.rand(D, generator=g) + 0.5).to(DEVICE)
+    grad_y = torch.randn(R, D, generator=g).to(DEVICE, dtype)
+    dx, dw = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=True)
+    dx_alone, none = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=False)
+    dx_two, dw_two = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=True, one_kernel=False)
+    assert none is None and dx.dtype == dtype and dw.dtype == weight.dtype
+    assert torch.equal(dx, dx_alone) and torch.equal(dx, dx_two)
+    want = _dw_reference(x, weight, grad_y)
+    for got in (dw, dw_two):  # different share sums, the same to fp32 rounding
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def test_the_modules_take_it_only_when_switched_on():

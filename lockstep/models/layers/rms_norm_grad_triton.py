@@ -11,9 +11,13 @@ x (which the caller keeps anyway) and w: eager's autograd kept x cast up to fp32
 element-wise kernels (the cast, the square, the mean, rsqrt, two products, the cast back; and
 their gradients).
 
-d w: each program of the second kernel sums a column tile over a share of the rows, BLOCK_R rows
-at a time (`dw_launch`: by the shape only); torch adds the shares in index order (no atomics: the
-same bits every run, on any GPU).
+d w: where a row fits one column tile (D <= 1024: every norm of the 1b config), one kernel does
+both (`_rms_norm_backward_kernel`): each program walks a share of the rows (`fused_launch`: by the
+shape only), writes each row's d x as the d x kernel does (the same bits) and sums its rows' g u in
+registers, so x and g are read once where the two kernels read them twice (~96 of ~160 MB a
+[16,384, 1024] norm). Wider rows take the second kernel: each program sums a column tile over a
+share of the rows, BLOCK_R rows at a time (`dw_launch`). Either way torch adds the shares in index
+order (no atomics: the same bits every run, on any GPU).
 
 Where it runs (`applies`): CUDA bf16 (or the interpreter with the switch set to True: the CPU
 tests, bf16 or fp32), a gradient wanted, eager, not over whole rows, and the `triton_norm` switch
@@ -42,6 +46,8 @@ if triton is not None:
 # form, 64 shares each summing its rows one at a time, was bound by the latency of that serial
 # loop: 76 us a call on an H200 (1b config, 16,384 rows; 2.98 ms of a 107 ms train step).
 DW_BLOCK_R, DW_BLOCK_D, DW_PROGRAMS = 32, 256, 512
+# the one-kernel backward (fused_launch): about this many programs, each a share of whole rows
+FUSED_PROGRAMS = 1024
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor | None, enabled: bool | None) -> bool:
@@ -81,18 +87,34 @@ def dw_launch(R: int, D: int) -> tuple[dict, int, int]:
     return cfg, triton.cdiv(max(R, 1), per_share), per_share
 
 
+def fused_launch(R: int) -> tuple[int, int]:
+    """(programs, rows per program) of the one-kernel backward, by the row count only (so the same
+    bits on any GPU): about FUSED_PROGRAMS programs of whole rows, the last one's share ragged."""
+    rows = triton.cdiv(R, FUSED_PROGRAMS)
+    return triton.cdiv(R, rows), rows
+
+
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor, eps: float,
-                      with_dw: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(d x, d w or None) of y = RMSNorm(x) (* weight) for the gradient g of y (module docstring)."""
+                      with_dw: bool, one_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d x, d w or None) of y = RMSNorm(x) (* weight) for the gradient g of y (module docstring).
+    one_kernel False: d x and d w by their own kernels even where a row fits one tile (the benchmark's
+    comparison)."""
     D = x.shape[-1]
     x2, g2 = x.reshape(-1, D).contiguous(), g.reshape(-1, D).contiguous()
     R = x2.shape[0]
     dx = torch.empty_like(x2)
-    r = torch.empty(R, dtype=torch.float32, device=x.device)
     w = x2 if weight is None else weight.contiguous()
+    cfg = launch_config(D)
+    if one_kernel and with_dw and R and D <= cfg["BLOCK"]:  # a row in one tile: d x and d w's shares in one pass
+        programs, rows = fused_launch(R)
+        partial = torch.empty(programs, D, dtype=torch.float32, device=x.device)
+        _rms_norm_backward_kernel[(programs,)](x2, w, g2, dx, partial, R, D, rows, float(D), eps,
+                                               BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted(), **cfg)
+        return dx.view(x.shape), partial.sum(0).to(weight.dtype)  # the shares added in index order
+    r = torch.empty(R, dtype=torch.float32, device=x.device)
     if R:
         _rms_norm_dx_kernel[(R,)](x2, w, g2, dx, r, D, float(D), eps, HAS_WEIGHT=weight is not None,
-                                  BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted(), **launch_config(D))
+                                  BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted(), **cfg)
     dw = None
     if with_dw:
         cfg, shares, per_share = dw_launch(R, D)
@@ -144,6 +166,31 @@ if triton is not None:
                 dx = _bf16(dx, INTERPRETED)
             tl.store(dx_row + d0 + cols, dx, mask=ok)
         tl.store(r_ptr + row, r)
+
+    @triton.jit
+    def _rms_norm_backward_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, partial_ptr, R, D, ROWS, d_float, eps,
+                                  BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
+        """Rows [p ROWS, (p + 1) ROWS) of a weighted norm whose row fits one tile (D <= BLOCK): each
+        row's d x as `_rms_norm_dx_kernel` computes it (the same expressions, so the same bits), and
+        partial[p] = the sum over the rows, in order, of g x r (d w's share), kept in registers."""
+        cols = tl.arange(0, BLOCK)
+        ok = cols < D
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)  # read once for all the rows
+        dw = tl.zeros((BLOCK,), dtype=tl.float32)
+        first = tl.program_id(0).to(tl.int64) * ROWS
+        for row in range(first, tl.minimum(first + ROWS, R)):
+            x_row = x_ptr + row * D
+            r = _row_inverse_rms(x_row, 1, D, d_float, eps, INTERPRETED, BLOCK)
+            g = tl.load(g_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
+            x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
+            gu = g * w
+            c = r * tl.sum(gu * x, axis=0) / tl.cast(d_float, tl.float32)
+            dx = r * (gu - x * r * c)
+            if BF16:
+                dx = _bf16(dx, INTERPRETED)
+            tl.store(dx_ptr + row * D + cols, dx, mask=ok)
+            dw += g * (x * r)
+        tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * D + cols, dw, mask=ok)
 
     @triton.jit
     def _rms_norm_dw_kernel(x_ptr, g_ptr, r_ptr, partial_ptr, R, D, ROWS_PER_SHARE, BLOCK_R: tl.constexpr,
