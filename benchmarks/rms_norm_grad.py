@@ -69,7 +69,8 @@ def main(argv=None) -> None:
         gbs = 3 * 2 * args.rows * D / us / 1e3
         dx, dw = grad_kernels.rms_norm_backward(xs[0], weight, gs[0], EPS, with_dw=True)
         ex, ew = eager_backward(xs[0], weight, gs[0])
-        print(f"{D:>6} | {us:>10.1f} {row['two kernels'][0]:>8.1f} {row['dx'][0]:>8.1f} {row['eager'][0]:>9.1f} | {gbs:>7.0f} "
+        print(f"{D:>6} | {us:>10.1f} {row['two kernels'][0]:>8.1f} {row['dx'][0]:>8.1f} {row['eager'][0]:>9.1f} | "
+              f"{gbs:>7.0f} "
               f"{gbs * 1e9 / bw:>7.1%} | {row['eager'][0] / us:>12.2f}x | "
               f"{(dx.float() - ex.float()).abs().max().item():>9.3g} {(dw - ew).abs().max().item():>9.3g}")
         del xs, gs, pairs

@@ -57,7 +57,7 @@ def test_dw_over_many_shares_equals_the_eager_sum(monkeypatch):
     shares of several steps.)"""
     monkeypatch.setattr(grad_kernels, "DW_PROGRAMS", 40)
     g = torch.Generator().manual_seed(7)
-    R, D = 1000, 1100
+    R, D = 300, 1100
     assert D > grad_kernels.launch_config(D)["BLOCK"]  # not the one-kernel backward
     cfg, shares, per_share = grad_kernels.dw_launch(R, D)
     assert shares > 1 and per_share > cfg["BLOCK_R"] and R % per_share and D % cfg["BLOCK_D"]
@@ -76,7 +76,7 @@ def test_one_kernel_backward_gives_the_dx_kernels_bits_and_dw_over_ragged_shares
     row once (fp64 reference). (Fewer programs than on a GPU, so that shares hold many rows.)"""
     monkeypatch.setattr(grad_kernels, "FUSED_PROGRAMS", 8)
     g = torch.Generator().manual_seed(11)
-    R, D = 1001, 300
+    R, D = 101, 300
     programs, rows = grad_kernels.fused_launch(R)
     assert programs == 8 and rows > 1 and R % rows
     x = (torch.randn(R, D, generator=g) * 2).to(DEVICE, dtype)

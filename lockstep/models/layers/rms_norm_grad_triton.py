@@ -180,8 +180,8 @@ if triton is not None:
         first = tl.program_id(0).to(tl.int64) * ROWS
         for row in range(first, tl.minimum(first + ROWS, R)):
             x_row = x_ptr + row * D
+            g = tl.load(g_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)  # in flight during r's sum
             r = _row_inverse_rms(x_row, 1, D, d_float, eps, INTERPRETED, BLOCK)
-            g = tl.load(g_ptr + row * D + cols, mask=ok, other=0.0).to(tl.float32)
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
             gu = g * w
             c = r * tl.sum(gu * x, axis=0) / tl.cast(d_float, tl.float32)
