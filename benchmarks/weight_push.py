@@ -25,6 +25,10 @@ in-process 0.020 s, push 0.536 s, weight sync ratio 665 (copy bound 0.81 ms at 2
 With the shared transport (`--transport`, auto picks it on one GPU; one H200, 2026-12-04, one call):
 bf16 0.027 s (ratio 33.3), fp8 --packed 0.031 s (39.2), fp8-fp4 --packed 0.038 s (47.2); broadcast
 fp8 --packed 0.543 s (674) in the same call.
+That ratio is the engine's view, from its call of push_weights: it also holds the engine's wait for the
+trainer to arrive. A second line gives the trainer's (the source rank's fastest push, whose tensors
+are walked inside the push as Trainer.named_weights() is): what the RL loop logs as
+perf/weight_sync_time (rl/loop.py times the push in the trainer's process).
 Each rank also prints its fastest push's phases (weight_push.PHASES: agree, transfer, vote, write,
 release), from the push's `perf/weight_sync/<phase>_time` metrics.
 On one host (auto) the pushes run four times: the shared transport with buckets of each push's own
@@ -141,6 +145,21 @@ def ratio_line(sync_s: float, nbytes: int, copy_s: float) -> str:
             f"at {nbytes / copy_s / 1e9:.1f} GB/s measured in this run)")
 
 
+def live_weights(model):
+    """The trainer's tensors, walked inside the push (as the RL loop's Trainer.named_weights() is), so
+    that the source's time covers the walk and the engine's does not wait for it outside the push."""
+    yield from model.state_dict().items()
+
+
+def best_times(ctx, pushes: list[dict]) -> list[float]:
+    """Every rank's fastest push, in rank order (a collective on the control group, both ranks at the
+    end of a series): the source's is the RL loop's view (rl/loop.py's perf/weight_sync_time is timed
+    in the trainer's process), the engine's also holds its wait for the source to arrive."""
+    out = [None] * ctx.world_size
+    torch.distributed.all_gather_object(out, min(m["perf/weight_sync_time"] for m in pushes), group=ctx.control_group)
+    return out
+
+
 def phase_line(pushes: list[dict]) -> str:
     """The fastest push's phases on this rank (weight_push.PHASES), in ms."""
     best = min(pushes, key=lambda m: m["perf/weight_sync_time"])
@@ -173,13 +192,14 @@ def rank_main(args) -> None:
             pushes = []
             for _ in range(args.pushes):
                 version += 1
-                pushes.append(push_weights(ctx, manifest, version, named_tensors=trainer_model.state_dict().items(),
+                pushes.append(push_weights(ctx, manifest, version, named_tensors=live_weights(trainer_model),
                                            transport=kind, pool=pool))
+            best_times(ctx, pushes)
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
             if args.profile:
                 version += 2
                 profiled(lambda v=iter((version - 1, version)), m=trainer_model, kind=kind, pool=pool: push_weights(
-                    ctx, manifest, next(v), named_tensors=m.state_dict().items(), transport=kind, pool=pool),
+                    ctx, manifest, next(v), named_tensors=live_weights(m), transport=kind, pool=pool),
                     f"trainer rank{label}")
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
@@ -204,7 +224,7 @@ def rank_main(args) -> None:
         pushes = [push_weights(ctx, manifest, None, engine=pushed, transport=kind, pool=pool)
                   for _ in range(args.pushes)]
         differ = [n for n, t in pushed.model.state_dict().items() if not torch.equal(t, ref[n])]
-        push_s = min(m["perf/weight_sync_time"] for m in pushes)
+        source_s, push_s = best_times(ctx, pushes)
         print(f"weight push {args.config} {args.serving_format} on {device} ({kind}{label}): "
               f"{manifest.total_bytes / 1e6:.1f} MB in {len(manifest.buckets)} buckets; push {push_s:.3f} s (best of "
               f"{len(pushes)}, {manifest.total_bytes / push_s / 1e9:.2f} GB/s) vs in-process update {in_process:.3f} s "
@@ -214,8 +234,10 @@ def rank_main(args) -> None:
         if args.profile:
             profiled(lambda kind=kind, pool=pool: push_weights(ctx, manifest, None, engine=pushed, transport=kind,
                                                                pool=pool), f"engine rank{label}")
-        print(f"{args.serving_format}{' packed' if args.packed else ''}{label}: "
-              f"{ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
+        name = f"{args.serving_format}{' packed' if args.packed else ''}{label}"
+        print(f"{name}: {ratio_line(push_s, manifest.total_bytes, copy_s)}", flush=True)
+        print(f"{name}, the trainer's view (the RL loop's perf/weight_sync_time): "
+              f"{ratio_line(source_s, manifest.total_bytes, copy_s)}", flush=True)
 
 
 def main() -> None:
