@@ -45,6 +45,7 @@ def ptx(kernel, pointers: dict[str, str], ints=(), floats=(), num_warps: int = 4
 def variants():
     """(name, thunk) of every kernel variant the trainer launches on a GPU, and the engine's decode
     attention, mHC pre stage, router and routed experts."""
+    from lockstep.models.layers import bf16x3 as b3
     from lockstep.models.layers import compressor_step_triton as cs
     from lockstep.models.layers import flash_sink_attention_triton as fa
     from lockstep.models.layers import fixed_order_rmsnorm as fo
@@ -79,6 +80,9 @@ def variants():
         yield f"rmsnorm dx weight={weight}", lambda w=weight: ptx(
             rn._rms_norm_dx_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, r_ptr=FP), {"D"},
             {"d_float", "eps"}, HAS_WEIGHT=w, BF16=True, INTERPRETED=False, BLOCK=1024)
+    yield "bf16x3 split", lambda: ptx(b3._split_kernel, dict(t_ptr=FP, out_ptr=BF),
+                                      {"numel", "cols", "stride_r", "stride_c", "row_step", "part_step"},
+                                      INTERPRETED=False, BLOCK=b3.SPLIT_BLOCK)
     yield "rmsnorm backward", lambda: ptx(
         rn._rms_norm_backward_kernel, dict(x_ptr=BF, w_ptr=FP, g_ptr=BF, dx_ptr=BF, partial_ptr=FP), {"R", "D", "ROWS"},
         {"d_float", "eps"}, BF16=True, INTERPRETED=False, BLOCK=1024)
