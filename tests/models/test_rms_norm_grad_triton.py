@@ -71,9 +71,11 @@ def test_dw_over_many_shares_equals_the_eager_sum(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_kernel_backward_gives_the_dx_kernels_bits_and_dw_over_ragged_shares(monkeypatch, dtype):
-    """Rows of one tile: d x and d w's shares in one kernel. Its d x is the d x kernel's bit for bit
-    (the same expressions); its d w, over shares of whole rows with the last one short, counts each
-    row once (fp64 reference). (Fewer programs than on a GPU, so that shares hold many rows.)"""
+    """Rows of one tile: d x and d w's shares in one kernel. Its d x is the d x kernel's (the same
+    expressions): bit for bit under the interpreter; compiled, the GPU compiler may contract the two
+    kernels' products into FMAs differently (fp32 rounding; seen once in fp32 on an H200, not in bf16).
+    Its d w, over shares of whole rows with the last one short, counts each row once (fp64 reference).
+    (Fewer programs than on a GPU, so that shares hold many rows.)"""
     monkeypatch.setattr(grad_kernels, "FUSED_PROGRAMS", 8)
     g = torch.Generator().manual_seed(11)
     R, D = 101, 300
@@ -86,7 +88,11 @@ def test_one_kernel_backward_gives_the_dx_kernels_bits_and_dw_over_ragged_shares
     dx_alone, none = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=False)
     dx_two, dw_two = grad_kernels.rms_norm_backward(x, weight, grad_y, 1e-6, with_dw=True, one_kernel=False)
     assert none is None and dx.dtype == dtype and dw.dtype == weight.dtype
-    assert torch.equal(dx, dx_alone) and torch.equal(dx, dx_two)
+    for other in (dx_alone, dx_two):
+        if DEVICE == "cpu":
+            assert torch.equal(dx, other)
+        else:  # a few fp32 roundings, or one bf16 rounding where the fp32 values straddle a bf16 half-way point
+            torch.testing.assert_close(dx, other, rtol=1e-5 if dtype == torch.float32 else 8e-3, atol=1e-6)
     want = _dw_reference(x, weight, grad_y)
     for got in (dw, dw_two):  # different share sums, the same to fp32 rounding
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())

@@ -13,7 +13,8 @@ their gradients).
 
 d w: where a row fits one column tile (D <= 1024: every norm of the 1b config), one kernel does
 both (`_rms_norm_backward_kernel`): each program walks a share of the rows (`fused_launch`: by the
-shape only), writes each row's d x as the d x kernel does (the same bits) and sums its rows' g u in
+shape only), writes each row's d x as the d x kernel does (its expressions: the same bits under the
+interpreter; compiled, FMA contraction may differ at fp32 rounding) and sums its rows' g u in
 registers, so x and g are read once where the two kernels read them twice (~96 of ~160 MB a
 [16,384, 1024] norm). Wider rows take the second kernel: each program sums a column tile over a
 share of the rows, BLOCK_R rows at a time (`dw_launch`). Either way torch adds the shares in index
@@ -171,7 +172,7 @@ if triton is not None:
     def _rms_norm_backward_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, partial_ptr, R, D, ROWS, d_float, eps,
                                   BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         """Rows [p ROWS, (p + 1) ROWS) of a weighted norm whose row fits one tile (D <= BLOCK): each
-        row's d x as `_rms_norm_dx_kernel` computes it (the same expressions, so the same bits), and
+        row's d x as `_rms_norm_dx_kernel` computes it (the same expressions), and
         partial[p] = the sum over the rows, in order, of g x r (d w's share), kept in registers."""
         cols = tl.arange(0, BLOCK)
         ok = cols < D
