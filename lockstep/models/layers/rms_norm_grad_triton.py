@@ -91,8 +91,8 @@ def dw_launch(R: int, D: int) -> tuple[dict, int, int]:
 def fused_launch(R: int) -> tuple[int, int]:
     """(programs, rows per program) of the one-kernel backward, by the row count only (so the same
     bits on any GPU): about FUSED_PROGRAMS programs of whole rows, the last one's share ragged."""
-    rows = triton.cdiv(R, FUSED_PROGRAMS)
-    return triton.cdiv(R, rows), rows
+    rows = -(-R // FUSED_PROGRAMS)  # Python's ceil-division: triton.cdiv is a JIT function, ~4 us a call
+    return -(-R // rows), rows
 
 
 def rms_norm_backward(x: torch.Tensor, weight: torch.Tensor | None, g: torch.Tensor, eps: float,
@@ -148,6 +148,14 @@ if triton is not None:
         return ok, gu, tl.load(x_row + d0 + cols, mask=ok, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _dx_tile(gu, x, r, c, BF16: tl.constexpr, INTERPRETED: tl.constexpr):
+        """d x = r (g w - x r c) of a tile, rounded to bf16 where BF16: both backward kernels' d x."""
+        dx = r * (gu - x * r * c)
+        if BF16:
+            dx = _bf16(dx, INTERPRETED)
+        return dx
+
+    @triton.jit
     def _rms_norm_dx_kernel(x_ptr, w_ptr, g_ptr, dx_ptr, r_ptr, D, d_float, eps, HAS_WEIGHT: tl.constexpr,
                             BF16: tl.constexpr, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):
         """One row: r (the forward's), c = r sum(g w x) / D, d x = r (g w - x r c); r kept for d w."""
@@ -162,10 +170,7 @@ if triton is not None:
         c = r * tl.sum(acc, axis=0) / tl.cast(d_float, tl.float32)
         for d0 in range(0, D, BLOCK):  # the row read again: its tiles are not kept between the passes
             ok, gu, x = _gu_x_tile(x_row, g_row, w_ptr, d0, cols, D, HAS_WEIGHT)
-            dx = r * (gu - x * r * c)
-            if BF16:
-                dx = _bf16(dx, INTERPRETED)
-            tl.store(dx_row + d0 + cols, dx, mask=ok)
+            tl.store(dx_row + d0 + cols, _dx_tile(gu, x, r, c, BF16, INTERPRETED), mask=ok)
         tl.store(r_ptr + row, r)
 
     @triton.jit
@@ -186,10 +191,7 @@ if triton is not None:
             x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
             gu = g * w
             c = r * tl.sum(gu * x, axis=0) / tl.cast(d_float, tl.float32)
-            dx = r * (gu - x * r * c)
-            if BF16:
-                dx = _bf16(dx, INTERPRETED)
-            tl.store(dx_ptr + row * D + cols, dx, mask=ok)
+            tl.store(dx_ptr + row * D + cols, _dx_tile(gu, x, r, c, BF16, INTERPRETED), mask=ok)
             dw += g * (x * r)
         tl.store(partial_ptr + tl.program_id(0).to(tl.int64) * D + cols, dw, mask=ok)
 
