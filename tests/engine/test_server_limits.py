@@ -168,8 +168,10 @@ def test_openapi_documents_the_codes_sent(served):
 
 def test_body_over_the_limit_is_a_413(served):
     big = json.dumps({"text": "1" * 30_000}).encode()
-    err = error(served.http.post("/generate", content=big, headers={"content-type": "application/json"}), 413)
+    r = served.http.post("/generate", content=big, headers={"content-type": "application/json"})
+    err = error(r, 413)
     assert err["param"] == "body" and "20000 bytes" in err["message"]
+    assert r.headers.get("connection") != "close"  # the body was read and dropped: the connection stays usable
 
     def chunks():  # no Content-Length: counted as it streams in
         yield b'{"text": "'
@@ -177,8 +179,8 @@ def test_body_over_the_limit_is_a_413(served):
             yield b"1" * 1000
         yield b'"}'
 
-    err = error(served.http.post("/generate", content=chunks(), headers={"content-type": "application/json"}), 413)
-    assert "--max-request-bytes" in err["message"]
+    r = served.http.post("/generate", content=chunks(), headers={"content-type": "application/json"})
+    assert "--max-request-bytes" in error(r, 413)["message"] and r.headers.get("connection") != "close"
     assert served.http.get("/health").status_code == 200
 
 
@@ -323,3 +325,18 @@ def test_weight_pushes_must_cover_the_model_and_raise_the_version(tmp_path):
         assert s.http.get("/get_weight_version").json() == {"weight_version": 1}
     finally:
         s.stop()
+
+
+def test_a_body_far_over_the_limit_closes_the_connection(served):
+    """Past DRAIN_BYTES beyond the limit the body is not read at all: answered at once, the connection
+    closed. A raw socket sends only the headers, so no client races the close."""
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 10000000\r\n\r\n")
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"]["code"] == 413
