@@ -219,6 +219,9 @@ def rank_main(args) -> None:
                  "in-process update")
     del trainer_model
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
+    # one process holding trainer and engine (the colocated RL loop: its perf/weight_sync_time is this)
+    print(f"{args.serving_format}{' packed' if args.packed else ''} in-process update (the colocated RL loop's "
+          f"perf/weight_sync_time): {ratio_line(in_process, manifest.total_bytes, copy_s)}", flush=True)
     ref = reference.model.state_dict()
     for label, kind, pool in series(args.transport, transport):
         pushes = [push_weights(ctx, manifest, None, engine=pushed, transport=kind, pool=pool)
