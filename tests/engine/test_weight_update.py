@@ -271,7 +271,12 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
 def test_every_hash_table_is_range_checked_and_the_bad_one_named():
     """The tables' extremes are read together; the table out of range is the one named, whatever
     the integer dtype of each."""
-    from lockstep.engine.weight_update import _check_expert_ids
+    from lockstep.engine import weight_update as wu
+    from lockstep.engine.weight_update import _launch_expert_extremes, _read_device_checks
+
+    def _check_expert_ids(pairs, n_experts):
+        names, extremes = _launch_expert_extremes(pairs, n_experts)
+        wu._check_expert_ids(names, _read_device_checks(extremes)[0] if extremes else [], n_experts)
 
     good = ("model.layers.0.mlp.gate.tid2eid", torch.tensor([[0, 7], [3, 1]], dtype=torch.int32))
     bad = ("model.layers.1.mlp.gate.tid2eid", torch.tensor([[2, -1], [3, 1]]))
@@ -281,3 +286,29 @@ def test_every_hash_table_is_range_checked_and_the_bad_one_named():
         _check_expert_ids([good, bad], n_experts=8)
     with pytest.raises(WeightUpdateError, match=r"layers\.0\.mlp\.gate\.tid2eid: .* got \[0, 7\]"):
         _check_expert_ids([good], n_experts=7)
+
+
+def test_name_shape_and_dtype_checks_run_once_per_layout(monkeypatch):
+    """A push sends the same layout every time: its name / shape / dtype checks pass once and are
+    kept in the engine's targets; another layout (a wrong shape, a name left out) is checked anew,
+    and the values are read every time."""
+    from lockstep.engine import weight_update as wu
+
+    engine = make_engine(seed=38)
+    weights = trainer_weights(39)
+    checked = []
+    check_one = wu._check_one
+    monkeypatch.setattr(wu, "_check_one", lambda *a: checked.append(a[0]) or check_one(*a))
+    engine.update_weights(weights, version=1)
+    engine.update_weights(weights, version=2)
+    assert len(checked) == len(weights)  # the second update's layout was already checked
+    name = next(n for n, t in weights.items() if t.dim() == 2)
+    with pytest.raises(WeightUpdateError, match="does not match the model's"):
+        engine.update_weights({**weights, name: weights[name][:1]}, version=3)
+    with pytest.raises(WeightUpdateError, match="missing from the update"):
+        engine.update_weights({n: t for n, t in weights.items() if n != name}, version=3)
+    bad = {**weights, name: weights[name].clone()}
+    bad[name].view(-1)[0] = float("nan")
+    with pytest.raises(WeightUpdateError, match="non-finite"):
+        engine.update_weights(bad, version=3)  # the same layout: only the values' checks run, and fail
+    assert engine.weight_version == 2
