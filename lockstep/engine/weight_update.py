@@ -79,7 +79,7 @@ def _check_one(name: str, t, dest: torch.Tensor) -> None:
 def _launch_expert_extremes(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None) -> tuple[list, list]:
     """Start the range check of every hash table (tid2eid) without waiting for it: (the tables' names,
     [their (min, max) pairs as one tensor on the device]); `_read_device_checks` reads it."""
-    tables = [(name, t) for name, t in pairs if name.endswith("tid2eid") and t.numel()]
+    tables = [(name, t) for name, t in pairs if name.endswith("tid2eid") and isinstance(t, torch.Tensor) and t.numel()]
     if n_experts is None or not tables:
         return [], []
     device = tables[0][1].device
