@@ -107,6 +107,12 @@ def test_named_weights_include_policy_buffers():
     ref = tiny_model()
     for n, t in ref.state_dict().items():
         assert torch.equal(got[n], t), n
+    # the walk is kept (models/live_state.py) and still reads the weights live
+    name = "lm_head.weight"
+    param = dict(model.named_parameters())[name]
+    param.data = torch.full_like(param, 0.5)
+    again = dict(trainer.named_weights())
+    assert torch.equal(again[name], torch.full_like(param, 0.5)) and list(again) == names
 
 
 def test_routing_replay_forces_response_experts():
