@@ -72,6 +72,7 @@ from lockstep.dist.push_transport import TRANSPORTS, resolve_transport  # noqa: 
 from lockstep.dist.shared_buckets import BucketPool  # noqa: E402
 from lockstep.dist.weight_push import PHASES, push_weights  # noqa: E402
 from lockstep.engine import Engine  # noqa: E402
+from lockstep.models.live_state import LiveState  # noqa: E402
 from lockstep.models.precision import cast_model  # noqa: E402
 
 
@@ -145,10 +146,11 @@ def ratio_line(sync_s: float, nbytes: int, copy_s: float) -> str:
             f"at {nbytes / copy_s / 1e9:.1f} GB/s measured in this run)")
 
 
-def live_weights(model):
-    """The trainer's tensors, walked inside the push (as the RL loop's Trainer.named_weights() is), so
-    that the source's time covers the walk and the engine's does not wait for it outside the push."""
-    yield from model.state_dict().items()
+def live_weights(live: LiveState):
+    """The trainer's tensors, walked inside the push as the RL loop's Trainer.named_weights() walks
+    them (through the LiveState it keeps), so that the source's time covers the walk and the
+    engine's does not wait for it outside the push."""
+    yield from ((name, t.data) for name, t in live.items())
 
 
 def best_times(ctx, pushes: list[dict]) -> list[float]:
@@ -184,6 +186,7 @@ def rank_main(args) -> None:
     ctx = init_distributed(600.0, layout=Layout.disaggregated(1, 1), backend="gloo" if one_gpu else None)
     dtype, device = getattr(torch, bench.dtype), ctx.device
     trainer_model = _weights(bench, device, dtype)
+    live = LiveState.of(trainer_model)
     manifest = build_manifest(trainer_model, dtype, args.bucket_mib * 2 ** 20)
     transport = resolve_transport(ctx, args.transport)  # every rank: a collective
     if ctx.rank == 0:
@@ -192,14 +195,14 @@ def rank_main(args) -> None:
             pushes = []
             for _ in range(args.pushes):
                 version += 1
-                pushes.append(push_weights(ctx, manifest, version, named_tensors=live_weights(trainer_model),
+                pushes.append(push_weights(ctx, manifest, version, named_tensors=live_weights(live),
                                            transport=kind, pool=pool))
             best_times(ctx, pushes)
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
             if args.profile:
                 version += 2
-                profiled(lambda v=iter((version - 1, version)), m=trainer_model, kind=kind, pool=pool: push_weights(
-                    ctx, manifest, next(v), named_tensors=live_weights(m), transport=kind, pool=pool),
+                profiled(lambda v=iter((version - 1, version)), kind=kind, pool=pool: push_weights(
+                    ctx, manifest, next(v), named_tensors=live_weights(live), transport=kind, pool=pool),
                     f"trainer rank{label}")
         return
     cfg = EngineConfig(max_num_seqs=8, max_model_len=256, max_prefill_tokens=256, device=str(device),
@@ -210,14 +213,14 @@ def rank_main(args) -> None:
     for v in range(1, args.pushes + 1):
         _sync(device)
         start = time.perf_counter()
-        reference.update_weights(trainer_model.state_dict().items(), version=v)
+        reference.update_weights(live_weights(live), version=v)
         _sync(device)
         in_process = min(in_process, time.perf_counter() - start)
     if args.profile:
         versions = iter((args.pushes + 1, args.pushes + 2))
-        profiled(lambda m=trainer_model: reference.update_weights(m.state_dict().items(), version=next(versions)),
+        profiled(lambda: reference.update_weights(live_weights(live), version=next(versions)),
                  "in-process update")
-    del trainer_model
+    del trainer_model, live
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
     # one process holding trainer and engine (the colocated RL loop: its perf/weight_sync_time is this)
     print(f"{args.serving_format}{' packed' if args.packed else ''} in-process update (the colocated RL loop's "
