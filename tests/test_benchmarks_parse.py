@@ -237,3 +237,14 @@ def test_requantize_prints_its_ratio_and_the_reference_check():
         ratio = next(line for line in lines if line.startswith(f"ratio {fmt} copy bound / call: "))
         assert 0 < float(ratio.rsplit(" ", 1)[1]) < 1  # the PyTorch rule on 2 cores is far from a copy
         assert f"{fmt} bitwise the CPU reference on 3 of " in out.stdout and out.stdout.count(": True") == 2
+
+
+def test_weight_update_parts_runs_on_the_cpu():
+    """The in-process update's parts, each against the copy bound (a GPU call's first use would
+    otherwise find its errors)."""
+    out = subprocess.run([sys.executable, str(BENCH_DIR / "weight_update_parts.py"), "--config", "cpu-tiny",
+                          "--repeats", "2"], capture_output=True, text=True, timeout=300, cwd=BENCH_DIR,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "of the bound" in line]
+    assert len(rows) == 8 and rows[-1].startswith("Engine.update_weights with the walk"), out.stdout

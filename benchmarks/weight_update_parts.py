@@ -1,0 +1,102 @@
+"""Where an in-process weight update spends its time: each part alone, against the copy bound.
+
+The colocated RL loop's `perf/weight_sync_time` is `Engine.update_weights(trainer.named_weights())`:
+the trainer's weights walked (models/live_state.py), validated (names and shapes once per layout,
+then every value's finiteness and the hash tables' expert ids read on the device), then written
+(engine/weight_update.py: one multi-tensor copy of the unquantised weights, the packed ones
+re-quantised). Issue 17's bar: within 2x of the pushed bytes copied at the device's copy bandwidth.
+This prints, for the model's weights (bf16 serving), each part's best time over --repeats and its
+ratio to that bound, measured in the same run (one flat copy of the same bytes):
+
+    python benchmarks/weight_update_parts.py --config gpu-848m        # on a GPU
+    python benchmarks/weight_update_parts.py --config cpu-tiny
+
+Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
+read; validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor
+and as one flat copy (what a flat weight buffer would cost); the whole update with the walk. On a
+GPU the device time of each part (CUDA events) is printed beside its wall time: a wall time far
+above the device time is host work the device waits on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from grpo_step import _configs, make_model
+
+from lockstep.config import EngineConfig
+from lockstep.engine import Engine
+from lockstep.engine import weight_update as wu
+from lockstep.models.live_state import LiveState
+from lockstep.models.precision import cast_model
+
+
+def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
+    """(best wall s, best device s by CUDA events or None on CPU) of fn() over `repeats` calls after one."""
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    fn()
+    sync()
+    wall, dev = float("inf"), float("inf")
+    for _ in range(repeats):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        sync()
+        t = time.perf_counter()
+        if cuda:
+            start.record()
+        fn()
+        if cuda:
+            end.record()
+        sync()
+        wall = min(wall, time.perf_counter() - t)
+        if cuda:
+            dev = min(dev, start.elapsed_time(end) / 1e3)
+    return wall, (dev if cuda else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default="cpu-tiny", choices=sorted(_configs()))
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args()
+    bench = _configs()[args.config]
+    device = torch.device(bench.device if bench.device != "cuda" or torch.cuda.is_available() else "cpu")
+    source = cast_model(make_model(bench), torch.bfloat16).to(device)
+    engine = Engine(make_model(bench), EngineConfig(
+        max_num_seqs=4, max_model_len=64, max_prefill_tokens=64, device=str(device), dtype="bfloat16",
+        serving_format="bf16", cuda_graph=False, true_on_policy=False))
+    live, targets = LiveState.of(source), engine.update_targets()
+    pairs = [(name, t.data) for name, t in live.items()]
+    nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+    flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    flat_dst = torch.empty_like(flat_src)
+    wall, dev = timed(lambda: flat_dst.copy_(flat_src), device, args.repeats)
+    bound = dev if dev is not None else wall
+    print(f"{args.config} on {device}: {len(pairs)} tensors, {nbytes / 1e6:.1f} MB; copy bound {bound * 1e3:.3f} ms "
+          f"({nbytes / bound / 1e9:.0f} GB/s, one flat copy of the same bytes)", flush=True)
+    dests = [targets.dest[name] for name, _ in pairs]
+    sources = [t for _, t in pairs]
+    versions = iter(range(1, 10 ** 9))
+    parts = {
+        "walk (LiveState)": lambda: [(n, t.data) for n, t in live.items()],
+        "walk (state_dict)": lambda: list(source.state_dict().items()),
+        "finiteness, launched": lambda: wu._launch_finiteness(pairs),
+        "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
+        "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
+        "write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
+        "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)],
+        "Engine.update_weights with the walk": lambda: engine.update_weights(
+            ((n, t.data) for n, t in live.items()), version=next(versions)),
+    }
+    for label, fn in parts.items():
+        wall, dev = timed(fn, device, args.repeats)
+        on_device = f", device {dev * 1e3:8.3f} ms ({dev / bound:5.2f} of the bound)" if dev is not None else ""
+        print(f"{label:40s} wall {wall * 1e3:8.3f} ms ({wall / bound:5.2f} of the bound){on_device}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
