@@ -470,6 +470,8 @@ class Trainer:
         if state is None:
             return None
         slot = {canonical_name(name): rest for name, *rest in state.slots}
+        if not all(name in slot for name in self._weight_names):
+            return None  # names a wrapper changed: state_dict's walk, as before
         return LiveState([(name, *slot[name]) for name in self._weight_names])
 
     def save(self, directory: str | Path) -> None:
