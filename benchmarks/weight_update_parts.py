@@ -12,8 +12,9 @@ ratio to that bound, measured in the same run (one flat copy of the same bytes):
     python benchmarks/weight_update_parts.py --config cpu-tiny
 
 Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
-read; validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor
-and as one flat copy (what a flat weight buffer would cost); the whole update with the walk. On a
+read; validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor,
+in one Triton launch (tensor_copy_triton.py, where Triton runs) and as one flat copy (what a flat
+weight buffer would cost); the whole update with the walk. On a
 GPU the device time of each part (CUDA events) is printed beside its wall time: a wall time far
 above the device time is host work the device waits on.
 """
@@ -32,6 +33,7 @@ from lockstep.engine import Engine
 from lockstep.engine import weight_update as wu
 from lockstep.models.live_state import LiveState
 from lockstep.models.precision import cast_model
+from lockstep.tensor_copy_triton import copyable, copy_many
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
@@ -81,6 +83,7 @@ def main() -> None:
     dests = [targets.dest[name] for name, _ in pairs]
     sources = [t for _, t in pairs]
     versions = iter(range(1, 10 ** 9))
+    by_kernel = [(d, s) for d, s in zip(dests, sources) if copyable(d, s)]  # tensor_copy_triton.WRITE_KERNEL's
     parts = {
         "walk (LiveState)": lambda: [(n, t.data) for n, t in live.items()],
         "walk (state_dict)": lambda: list(source.state_dict().items()),
@@ -89,13 +92,15 @@ def main() -> None:
         "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
         "write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
         "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)],
+        **({f"write: one Triton launch ({len(by_kernel)} of {len(pairs)} tensors)": lambda: copy_many(
+            [d for d, _ in by_kernel], [s for _, s in by_kernel])} if by_kernel else {}),
         "Engine.update_weights with the walk": lambda: engine.update_weights(
             ((n, t.data) for n, t in live.items()), version=next(versions)),
     }
     for label, fn in parts.items():
         wall, dev = timed(fn, device, args.repeats)
         on_device = f", device {dev * 1e3:8.3f} ms ({dev / bound:5.2f} of the bound)" if dev is not None else ""
-        print(f"{label:40s} wall {wall * 1e3:8.3f} ms ({wall / bound:5.2f} of the bound){on_device}", flush=True)
+        print(f"{label:50s} wall {wall * 1e3:8.3f} ms ({wall / bound:5.2f} of the bound){on_device}", flush=True)
 
 
 if __name__ == "__main__":

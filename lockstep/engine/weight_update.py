@@ -32,6 +32,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from lockstep import tensor_copy_triton
 from lockstep.models.layers.fp8_linear import packed_weights, quantise_packed
 from lockstep.quant.serving_format import copied_unchanged, served_value
 
@@ -308,13 +309,26 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
             targets.plans.clear()
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
     if plan.copy:
-        torch._foreach_copy_(plan.copy_dests, [pairs[i][1] for i in plan.copy])
+        _copy(plan.copy_dests, [pairs[i][1] for i in plan.copy])
     for kind, (positions, storages) in plan.packed.items():
         quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages)
     for i in plan.other:
         name, t = pairs[i]
         d = targets.dest[name]
         d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
+
+
+def _copy(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """dest.copy_(source) for every pair: one multi-tensor copy, or with tensor_copy_triton.WRITE_KERNEL
+    on, the pairs it can copy as bytes in one Triton launch and the rest (casts) by torch."""
+    if tensor_copy_triton.WRITE_KERNEL:
+        by_kernel = [tensor_copy_triton.copyable(d, s) for d, s in zip(dests, sources)]
+        tensor_copy_triton.copy_many([d for d, k in zip(dests, by_kernel) if k],
+                                     [s for s, k in zip(sources, by_kernel) if k])
+        dests = [d for d, k in zip(dests, by_kernel) if not k]
+        sources = [s for s, k in zip(sources, by_kernel) if not k]
+    if dests:
+        torch._foreach_copy_(dests, sources)
 
 
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,

@@ -312,3 +312,21 @@ def test_name_shape_and_dtype_checks_run_once_per_layout(monkeypatch):
     with pytest.raises(WeightUpdateError, match="non-finite"):
         engine.update_weights(bad, version=3)  # the same layout: only the values' checks run, and fail
     assert engine.weight_version == 2
+
+
+def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
+    """tensor_copy_triton.WRITE_KERNEL on: the unquantised weights written by one Triton launch, the
+    same bytes as _foreach_copy_ writes."""
+    pytest.importorskip("triton")
+    from lockstep import tensor_copy_triton as tc
+    from launches import count_launches
+
+    weights = trainer_weights(41)
+    off, on = make_engine(seed=40), make_engine(seed=40)
+    off.update_weights(weights, version=1)
+    monkeypatch.setattr(tc, "WRITE_KERNEL", True)
+    launches = count_launches(monkeypatch, tc, "_copy_kernel")
+    on.update_weights(weights, version=1)
+    assert len(launches) == 1
+    ref = off.model.state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in on.model.state_dict().items())

@@ -1,0 +1,79 @@
+"""Many tensors copied in one Triton launch, as bytes: a weight update's write of its unquantised
+weights (engine/weight_update.write_served, behind `WRITE_KERNEL`).
+
+Why: the write is one `torch._foreach_copy_` today, whose CUDA kernel moves each tensor in chunks
+of its elements (8 bytes an access for bf16) and launches once per group of chunks; a flat copy of
+the same bytes runs at the device's copy bandwidth. Here each program copies CHUNK bytes of one
+pair (dst, src) found through the tables of lockstep/tensor_tables.py, 16 bytes an access where
+every address and size is a multiple of 16 (`alignment`), so the whole update is one launch. A
+byte copy casts nothing: each pair has one dtype and both sides are contiguous (`copyable`); the
+rest stays with torch's copy. Bitwise a copy by definition (tests/test_tensor_copy_triton.py under
+the interpreter; tests/gpu_compile.py compiles it for sm_90). Not yet timed on a GPU
+(benchmarks/weight_update_parts.py prints it beside `_foreach_copy_`), hence off by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.tensor_tables import PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.triton_support import interpreted, load_triton
+
+triton = load_triton()
+if triton is not None:
+    import triton.language as tl
+
+    from lockstep.tensor_tables import table_int, table_pointer
+
+WRITE_KERNEL = False  # write_served takes copy_many for the pairs it can copy (module docstring)
+CHUNK = 65536  # bytes a program copies
+TILE = 8192  # bytes a program moves per step: 16 bytes a thread at 4 warps, 4 accesses
+
+
+def copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """copy_many can copy src into dst: Triton present, one device on CUDA (or the interpreter), one
+    dtype and shape, both contiguous, outside torch.compile."""
+    return (triton is not None and dst.dtype == src.dtype and dst.shape == src.shape and dst.device == src.device
+            and (dst.is_cuda or interpreted()) and dst.is_contiguous() and src.is_contiguous()
+            and not torch.compiler.is_compiling())
+
+
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for every pair (each `copyable`), in one launch, prepared once per set of
+    tensors (tensor_tables.PreparedLaunches)."""
+    pairs = [(d, s) for d, s in zip(dsts, srcs) if s.numel()]
+    if pairs:
+        _PREPARED.launch(_copy_kernel, call_key((interpreted(),), [s for _, s in pairs], [(d,) for d, _ in pairs]),
+                         lambda: _launches(pairs))
+
+
+_PREPARED = PreparedLaunches()
+
+
+def _launches(pairs) -> tuple[list, list]:
+    sizes = [s.numel() * s.element_size() for _, s in pairs]
+    device = pairs[0][1].device
+    tensor, local, _ = launch_table(tuple(-(-n // CHUNK) for n in sizes), tuple((n,) for n in sizes), device)
+    addresses = address_table([[s.data_ptr() for _, s in pairs], [d.data_ptr() for d, _ in pairs], sizes], device)
+    align = alignment([t.data_ptr() for pair in pairs for t in pair], sizes)
+    return [((tensor.numel(),), (addresses, tensor, local, len(pairs)),
+             dict(CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4))], []
+
+
+if triton is not None:
+
+    @triton.jit
+    def _copy_kernel(addr_ptr, tensor_ptr, local_ptr, T, CHUNK: tl.constexpr, TILE: tl.constexpr,
+                     ALIGN: tl.constexpr):
+        """Bytes [local * CHUNK, (local + 1) * CHUNK) of pair `tensor`: addr rows are the sources,
+        the destinations and the sizes in bytes, T pairs each."""
+        pid = tl.program_id(0)
+        t = tl.load(tensor_ptr + pid)
+        src = table_pointer(addr_ptr + t, 3, ALIGN)
+        dst = table_pointer(addr_ptr + T + t, 3, ALIGN)
+        n = table_int(addr_ptr + 2 * T + t, ALIGN)
+        start = tl.load(local_ptr + pid).to(tl.int64) * CHUNK
+        for step in tl.static_range(CHUNK // TILE):
+            offs = start + step * TILE + tl.arange(0, TILE)
+            mask = offs < n
+            tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
