@@ -12,7 +12,7 @@ ratio to that bound, measured in the same run (one flat copy of the same bytes):
     python benchmarks/weight_update_parts.py --config cpu-tiny
 
 Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
-read; validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor,
+read, and by one Triton launch per dtype (tensor_finite_triton.py, where Triton runs); validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor,
 in one Triton launch (tensor_copy_triton.py, where Triton runs) and as one flat copy (what a flat
 weight buffer would cost); the whole update with the walk. On a
 GPU the device time of each part (CUDA events) is printed beside its wall time: a wall time far
@@ -34,6 +34,7 @@ from lockstep.engine import weight_update as wu
 from lockstep.models.live_state import LiveState
 from lockstep.models.precision import cast_model
 from lockstep.tensor_copy_triton import copyable, copy_many
+from lockstep.tensor_finite_triton import checkable, nonfinite_flags
 
 
 def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
@@ -84,11 +85,18 @@ def main() -> None:
     sources = [t for _, t in pairs]
     versions = iter(range(1, 10 ** 9))
     by_kernel = [(d, s) for d, s in zip(dests, sources) if copyable(d, s)]  # tensor_copy_triton.WRITE_KERNEL's
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in sources:
+        if t.is_floating_point() and t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    kernel_groups = [g for g in by_dtype.values() if checkable(g)]  # tensor_finite_triton.FINITE_KERNEL's
     parts = {
         "walk (LiveState)": lambda: [(n, t.data) for n, t in live.items()],
         "walk (state_dict)": lambda: list(source.state_dict().items()),
         "finiteness, launched": lambda: wu._launch_finiteness(pairs),
         "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
+        **({f"finiteness: one Triton launch per dtype ({sum(map(len, kernel_groups))} tensors), read": lambda: [
+            nonfinite_flags(g).tolist() for g in kernel_groups]} if kernel_groups else {}),
         "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
         "write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
         "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)],

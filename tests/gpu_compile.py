@@ -113,6 +113,7 @@ def variants():
             "fp8", 16, scale_bytes)
     yield "fp4 quantise many", lambda: quantise_ptx("fp4", 16)
     yield "copy many", lambda: copy_ptx(16)
+    yield "nonfinite flags", lambda: nonfinite_ptx(16)
     yield "logprobs forward", lambda: ptx(le._forward_kernel, dict(z_ptr=FP, y_ptr=I64, logp_ptr=FP, entropy_ptr=FP,
                                                                    lse_ptr=FP), {"V", "stride_zm"}, {"temperature"},
                                           BLOCK=4096)
@@ -251,11 +252,20 @@ def copy_ptx(align: int) -> str:
                CHUNK=tc.CHUNK, TILE=tc.TILE, ALIGN=align)
 
 
+def nonfinite_ptx(align: int) -> str:
+    """The weight update's many-tensor finiteness check (tensor_finite_triton.py) on bf16, ALIGN `align`."""
+    from lockstep import tensor_finite_triton as tf
+
+    return ptx(tf._nonfinite_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32", flags_ptr="*i32"),
+               {"T"}, KIND=0, CHUNK=tf.CHUNK, TILE=tf.TILE, ALIGN=align)
+
+
 def vector_accesses(kernel: str, align: int) -> str:
     """"loads L stores S conversions C": the vector (.v2 / .v4) global loads and stores of a kernel
     reading its tensors' addresses from a table (the push's fp8 / fp4 quantisation, AdamW, the copy), and its
     e4m3 conversion instructions."""
-    code = {"adamw": adamw_ptx, "copy": copy_ptx}.get(kernel, lambda a: quantise_ptx(kernel, a))(align)
+    code = {"adamw": adamw_ptx, "copy": copy_ptx, "nonfinite": nonfinite_ptx}.get(
+        kernel, lambda a: quantise_ptx(kernel, a))(align)
     loads, stores = (len(re.findall(rf"{op}[.]global[.]v[24]", code)) for op in ("ld", "st"))
     conversions = len(re.findall(r"cvt[.]rn[.]satfinite[.]e4m3x2[.]f32", code))
     return f"loads {loads} stores {stores} conversions {conversions}"

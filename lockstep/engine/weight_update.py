@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lockstep import tensor_copy_triton
+from lockstep import tensor_copy_triton, tensor_finite_triton
 from lockstep.models.layers.fp8_linear import packed_weights, quantise_packed
 from lockstep.quant.serving_format import copied_unchanged, served_value
 
@@ -121,8 +121,15 @@ def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list, lis
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = defaultdict(list)
     for name, t in floats:
         groups[t.device, t.dtype].append((name, t))
-    return floats, [(items, torch.isfinite(torch.stack(torch._foreach_norm([t for _, t in items]))))
-                    for items in groups.values()]
+    return floats, [(items, _finite([t for _, t in items])) for items in groups.values()]
+
+
+def _finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """bool [len(tensors)] on the device, whether each tensor's values are all finite (one dtype):
+    isfinite of their 2-norms, or with tensor_finite_triton.FINITE_KERNEL on, that kernel's exact flags."""
+    if tensor_finite_triton.FINITE_KERNEL and tensor_finite_triton.checkable(tensors):
+        return tensor_finite_triton.nonfinite_flags(tensors) == 0
+    return torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
 
 
 def _first_nonfinite(floats: list, launched: list, flags: list[list] | None = None) -> tuple[str, int] | None:

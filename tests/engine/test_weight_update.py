@@ -330,3 +330,28 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     assert len(launches) == 1
     ref = off.model.state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in on.model.state_dict().items())
+
+
+def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(monkeypatch):
+    """tensor_finite_triton.FINITE_KERNEL on: one launch per dtype group reads every value; a NaN is
+    named with its count as before, and a clean update is written the same."""
+    pytest.importorskip("triton")
+    from lockstep import tensor_finite_triton as tf
+    from launches import count_launches
+
+    monkeypatch.setattr(tf, "FINITE_KERNEL", True)
+    launches = count_launches(monkeypatch, tf, "_nonfinite_kernel")
+    weights = trainer_weights(43)
+    engine, reference = make_engine(seed=42), make_engine(seed=42)
+    name = next(n for n, t in weights.items() if t.dim() == 2)
+    bad = {**weights, name: weights[name].clone()}
+    bad[name].view(-1)[:3] = float("nan")
+    with pytest.raises(WeightUpdateError, match=rf"{name}: 3 non-finite values"):
+        engine.update_weights(bad, version=1)
+    dtypes = {t.dtype for t in weights.values() if t.is_floating_point() and t.numel()}
+    assert len(launches) == len(dtypes)
+    engine.update_weights(weights, version=1)
+    monkeypatch.setattr(tf, "FINITE_KERNEL", False)
+    reference.update_weights(weights, version=1)
+    ref = reference.model.state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())

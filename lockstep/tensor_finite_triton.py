@@ -1,0 +1,84 @@
+"""Which of many float tensors hold a NaN or an inf, in one Triton launch per dtype: the weight
+update's finiteness check (engine/weight_update._launch_finiteness, behind `FINITE_KERNEL`).
+
+Why: the check is one `torch._foreach_norm` per dtype group today (then isfinite of the norms), a
+read of every weight in chunks of elements with a launch per group of chunks; here each program
+reads CHUNK values of one tensor through the tables of lockstep/tensor_tables.py (16-byte accesses
+where aligned) and, where a value is not finite (x - x is NaN exactly for NaN and +-inf), raises its
+tensor's flag. Exact where the norm is not: a norm overflows to inf for finite values above ~1e19 in
+fp32, which the norm's path then has to count. Tests: tests/test_tensor_finite_triton.py (under the
+interpreter), tests/gpu_compile.py (sm_90). Not yet timed on a GPU (benchmarks/weight_update_parts.py
+prints it beside the norms), hence off by default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.triton_support import interpreted, load_triton
+
+triton = load_triton()
+if triton is not None:
+    import triton.language as tl
+
+    from lockstep.tensor_tables import table_int, table_pointer
+
+FINITE_KERNEL = False  # weight_update's finiteness check takes nonfinite_flags (module docstring)
+CHUNK = 32768  # values a program reads
+TILE = 4096  # values a program reads per step
+
+
+def checkable(tensors: list[torch.Tensor]) -> bool:
+    """nonfinite_flags can read these: Triton present, one dtype of W_DTYPES and one CUDA device (or the
+    interpreter), each contiguous, outside torch.compile."""
+    return (triton is not None and bool(tensors) and tensors[0].dtype in W_DTYPES
+            and not torch.compiler.is_compiling()
+            and all(t.dtype == tensors[0].dtype and t.device == tensors[0].device and t.is_contiguous()
+                    for t in tensors)
+            and (tensors[0].is_cuda or interpreted()))
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """int32 [len(tensors)] on their device, 1 where a tensor holds a NaN or an inf, else 0; launched,
+    not waited for (each `checkable` together)."""
+    flags = torch.zeros(len(tensors), dtype=torch.int32, device=tensors[0].device)
+    live = [i for i, t in enumerate(tensors) if t.numel()]
+    if live:
+        _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), [tensors[i] for i in live], [(flags,)]),
+                         lambda: _launches([tensors[i] for i in live], live, flags))
+    return flags
+
+
+_PREPARED = PreparedLaunches()
+
+
+def _launches(tensors, positions, flags) -> tuple[list, list]:
+    sizes = [t.numel() for t in tensors]
+    device = tensors[0].device
+    tensor, local, _ = launch_table(tuple(-(-n // CHUNK) for n in sizes), tuple((n,) for n in sizes), device)
+    addresses = address_table([[t.data_ptr() for t in tensors], sizes, positions], device)
+    align = alignment([t.data_ptr() for t in tensors], sizes)
+    return [((tensor.numel(),), (addresses, tensor, local, flags, len(tensors)),
+             dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4))], []
+
+
+if triton is not None:
+
+    @triton.jit
+    def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, flags_ptr, T, KIND: tl.constexpr, CHUNK: tl.constexpr,
+                          TILE: tl.constexpr, ALIGN: tl.constexpr):
+        """Values [local * CHUNK, (local + 1) * CHUNK) of tensor `tensor`: addr rows are the addresses,
+        the sizes in values and each tensor's flag index, T tensors each."""
+        pid = tl.program_id(0)
+        t = tl.load(tensor_ptr + pid)
+        x_ptr = table_pointer(addr_ptr + t, KIND, ALIGN)
+        n = table_int(addr_ptr + T + t, ALIGN)
+        start = tl.load(local_ptr + pid).to(tl.int64) * CHUNK
+        bad = tl.zeros([TILE], dtype=tl.int32)
+        for step in tl.static_range(CHUNK // TILE):
+            offs = start + step * TILE + tl.arange(0, TILE)
+            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            bad = tl.maximum(bad, ((x - x) != 0.0).to(tl.int32))
+        if tl.max(bad, axis=0) > 0:
+            tl.atomic_max(flags_ptr + tl.load(addr_ptr + 2 * T + t), 1)

@@ -1,0 +1,43 @@
+"""tensor_finite_triton.nonfinite_flags: which tensors hold a NaN or an inf, in one launch, exact
+where a norm would overflow (under TRITON_INTERPRET=1 on the CPU, tests/conftest.py; compiled with
+LOCKSTEP_TEST_DEVICE=cuda). The weight update's check with it: tests/engine/test_weight_update.py."""
+
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lockstep import tensor_finite_triton as tf  # noqa: E402
+from devices import DEVICE
+from launches import count_launches
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_flags_name_exactly_the_tensors_holding_nan_or_inf(monkeypatch, dtype):
+    g = torch.Generator().manual_seed(0)
+    sizes = [1000, 3 * tf.CHUNK + 7, 33, tf.CHUNK, 0, 5]
+    tensors = [torch.randn(n, generator=g).to(dtype) for n in sizes]
+    tensors[1][-1] = float("nan")  # in the last, partial chunk
+    tensors[2][0] = float("-inf")
+    tensors[5][4] = float("inf")
+    tensors[3][:] = 6e4 if dtype == torch.float16 else 1e30 if dtype == torch.float32 else 1e38  # finite, huge
+    tensors = [t.to(DEVICE) for t in tensors]
+    assert torch.isinf(torch.stack(torch._foreach_norm([tensors[3]]))).all()  # where a norm overflows
+    launches = count_launches(monkeypatch, tf, "_nonfinite_kernel")
+    assert tf.checkable(tensors)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy on inf - inf
+        flags = tf.nonfinite_flags(tensors).tolist()
+        assert flags == [0, 1, 1, 0, 0, 1] and len(launches) == 1
+        tensors[1][-1] = 0.0  # the same tensors again (the kept launch), the flags zeroed anew
+        assert tf.nonfinite_flags(tensors).tolist() == [0, 0, 1, 0, 0, 1]
+
+
+def test_what_it_cannot_read_is_refused():
+    a = torch.zeros(4, 4, device=DEVICE)
+    assert not tf.checkable([a, a.to(torch.bfloat16)])  # two dtypes: one launch each, by the caller
+    assert not tf.checkable([a.t()])  # not contiguous
+    assert not tf.checkable([torch.zeros(3, dtype=torch.int64, device=DEVICE)])
+    assert not tf.checkable([])
