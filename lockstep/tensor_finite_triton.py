@@ -45,28 +45,29 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
     flags = torch.zeros(len(tensors), dtype=torch.int32, device=tensors[0].device)
     live = [i for i, t in enumerate(tensors) if t.numel()]
     if live:
-        _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), [tensors[i] for i in live], [(flags,)]),
-                         lambda: _launches([tensors[i] for i in live], live, flags))
+        _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), [tensors[i] for i in live], []),
+                         lambda: _launches([tensors[i] for i in live], live), extra=(flags,))
     return flags
 
 
 _PREPARED = PreparedLaunches()
 
 
-def _launches(tensors, positions, flags) -> tuple[list, list]:
+def _launches(tensors, positions) -> tuple[list, list]:
+    """The launch without its flags (nonfinite_flags passes a zeroed buffer each call)."""
     sizes = [t.numel() for t in tensors]
     device = tensors[0].device
     tensor, local, _ = launch_table(tuple(-(-n // CHUNK) for n in sizes), tuple((n,) for n in sizes), device)
     addresses = address_table([[t.data_ptr() for t in tensors], sizes, positions], device)
     align = alignment([t.data_ptr() for t in tensors], sizes)
-    return [((tensor.numel(),), (addresses, tensor, local, flags, len(tensors)),
+    return [((tensor.numel(),), (addresses, tensor, local, len(tensors)),
              dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4))], []
 
 
 if triton is not None:
 
     @triton.jit
-    def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, flags_ptr, T, KIND: tl.constexpr, CHUNK: tl.constexpr,
+    def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, T, flags_ptr, KIND: tl.constexpr, CHUNK: tl.constexpr,
                           TILE: tl.constexpr, ALIGN: tl.constexpr):
         """Values [local * CHUNK, (local + 1) * CHUNK) of tensor `tensor`: addr rows are the addresses,
         the sizes in values and each tensor's flag index, T tensors each."""

@@ -64,9 +64,10 @@ class PreparedLaunches:
     def __init__(self, size: int = 8):
         self.size, self._entries = size, {}
 
-    def launch(self, kernel, key: tuple, prepare) -> None:
+    def launch(self, kernel, key: tuple, prepare, extra: tuple = ()) -> None:
         """Launch the kept launches of `key`, else prepare() -> (launches, the temporary copies they
-        read): kept unless they read a temporary (its address is the call's only)."""
+        read): kept unless they read a temporary (its address is the call's only). `extra`: arguments
+        of this call only (an output made per call), passed after each launch's kept ones."""
         launches, copies = self._entries.get(key), None
         if launches is None:
             launches, copies = prepare()
@@ -75,7 +76,7 @@ class PreparedLaunches:
                     self._entries.pop(next(iter(self._entries)))
                 self._entries[key] = launches
         for grid, args, constexprs in launches:
-            kernel[grid](*args, **constexprs)
+            kernel[grid](*args, *extra, **constexprs)
 
 
 @functools.lru_cache(maxsize=64)

@@ -41,3 +41,11 @@ def test_what_it_cannot_read_is_refused():
     assert not tf.checkable([a.t()])  # not contiguous
     assert not tf.checkable([torch.zeros(3, dtype=torch.int64, device=DEVICE)])
     assert not tf.checkable([])
+
+
+def test_the_launch_is_prepared_once_for_the_same_tensors():
+    tensors = [torch.ones(10, device=DEVICE), torch.ones(3, device=DEVICE)]
+    tf._PREPARED._entries.clear()
+    for _ in range(3):
+        assert tf.nonfinite_flags(tensors).tolist() == [0, 0]
+    assert len(tf._PREPARED._entries) == 1
