@@ -201,7 +201,7 @@ def rank_main(args) -> None:
             print(f"trainer rank{label}, {phase_line(pushes)}", flush=True)
             if args.profile:
                 version += 2
-                profiled(lambda v=iter((version - 1, version)), kind=kind, pool=pool: push_weights(
+                profiled(lambda v=iter((version - 1, version)), kind=kind, pool=pool, live=live: push_weights(
                     ctx, manifest, next(v), named_tensors=live_weights(live), transport=kind, pool=pool),
                     f"trainer rank{label}")
         return
@@ -218,7 +218,7 @@ def rank_main(args) -> None:
         in_process = min(in_process, time.perf_counter() - start)
     if args.profile:
         versions = iter((args.pushes + 1, args.pushes + 2))
-        profiled(lambda: reference.update_weights(live_weights(live), version=next(versions)),
+        profiled(lambda live=live: reference.update_weights(live_weights(live), version=next(versions)),
                  "in-process update")
     del trainer_model, live
     copy_s = copy_bound(manifest.total_bytes, torch.device(device))
