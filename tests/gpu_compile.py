@@ -283,8 +283,9 @@ if __name__ == "__main__":
     if sys.argv[1:] == ["stream-mix"]:
         print(stream_mix_ptx())
         sys.exit(0)
-    if sys.argv[1:2] == ["vectors"]:  # vectors FMT ALIGN
-        print(vector_accesses(sys.argv[2], int(sys.argv[3])))
+    if sys.argv[1:2] == ["vectors"]:  # vectors ALIGN KERNEL...: a line "KERNEL loads L stores S conversions C" each
+        for kernel in sys.argv[3:]:
+            print(kernel, vector_accesses(kernel, int(sys.argv[2])))
         sys.exit(0)
     for name, compile_it in variants():
         try:
