@@ -12,11 +12,12 @@ ratio to that bound, measured in the same run (one flat copy of the same bytes):
     python benchmarks/weight_update_parts.py --config cpu-tiny
 
 Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
-read, and by one Triton launch per dtype (tensor_finite_triton.py, where Triton runs); validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor,
-in one Triton launch (tensor_copy_triton.py, where Triton runs) and as one flat copy (what a flat
-weight buffer would cost); the whole update with the walk. On a
-GPU the device time of each part (CUDA events) is printed beside its wall time: a wall time far
-above the device time is host work the device waits on.
+read, and by one Triton launch per dtype (tensor_finite_triton.py, where Triton runs);
+validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor, in one
+Triton launch (tensor_copy_triton.py, where Triton runs) and as one flat copy (what a flat weight
+buffer would cost); the whole update with the walk. On a GPU the device time of each part (CUDA
+events) is printed beside its wall time: a wall time far above the device time is host work the
+device waits on.
 """
 
 from __future__ import annotations

@@ -40,9 +40,9 @@ def test_every_trainer_kernel_compiles_for_sm90():
 def test_aligned_table_kernels_load_and_store_16_bytes_at_a_time():
     """The push's fp8 / fp4 kernels, AdamW and the update's byte copy and finiteness check read their
     tensors' addresses from a table; told they are 16-byte aligned (ALIGN 16, tensor_tables.alignment),
-    they load and store vectors; without the hint, one element at a time (the fp8 launch took 6.3 ms for gpu-848m's 1.4 GB on an H200). The fp8
-    kernel converts to e4m3 by the GPU's instruction (fp8_triton._e4m3_code: 1.33x its arithmetic's speed
-    in one H100 run)."""
+    they load and store vectors; without the hint, one element at a time (the fp8 launch took 6.3 ms
+    for gpu-848m's 1.4 GB on an H200). The fp8 kernel converts to e4m3 by the GPU's instruction
+    (fp8_triton._e4m3_code: 1.33x its arithmetic's speed in one H100 run)."""
     kernels = ("fp8", "fp4", "adamw", "copy", "nonfinite")
     for line in compile_for_gpu("vectors", "1", *kernels).splitlines():
         assert line.split()[1:5] == ["loads", "0", "stores", "0"], line
