@@ -5,10 +5,11 @@ the trainer's weights walked (models/live_state.py), validated (names and shapes
 then every value's finiteness and the hash tables' expert ids read on the device), then written
 (engine/weight_update.py: one multi-tensor copy of the unquantised weights, the packed ones
 re-quantised). Issue 17's bar: within 2x of the pushed bytes copied at the device's copy bandwidth.
-This prints, for the model's weights (bf16 serving), each part's best time over --repeats and its
+This prints, for the model's weights (bf16 serving by default), each part's best time over --repeats and its
 ratio to that bound, measured in the same run (one flat copy of the same bytes):
 
     python benchmarks/weight_update_parts.py --config gpu-848m        # on a GPU
+    python benchmarks/weight_update_parts.py --config gpu-848m --serving-format fp8 --packed
     python benchmarks/weight_update_parts.py --config cpu-tiny
 
 Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
@@ -62,17 +63,53 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
     return wall, (dev if cuda else None)
 
 
-def main() -> None:
+def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="cpu-tiny", choices=sorted(_configs()))
+    p.add_argument("--serving-format", default="bf16", choices=("bf16", "fp8", "fp8-fp4"))
+    p.add_argument("--packed", action="store_true", help="the engine's fp8 linears and experts packed: the write "
+                                                         "re-quantises into the packed storage")
     p.add_argument("--repeats", type=int, default=10)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def _finiteness_rows(pairs) -> dict:
+    """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for _, t in pairs:
+        if t.is_floating_point() and t.numel():
+            by_dtype.setdefault(t.dtype, []).append(t)
+    groups = [g for g in by_dtype.values() if checkable(g)]
+    rows = {"finiteness, launched": lambda: wu._launch_finiteness(pairs),
+            "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs))}
+    if groups:
+        rows[f"finiteness: one Triton launch per dtype ({sum(map(len, groups))} tensors), read"] = lambda: [
+            nonfinite_flags(g).tolist() for g in groups]
+    return rows
+
+
+def _copy_rows(pairs, targets) -> dict:
+    """The bf16 write's copies three ways: the update's multi-tensor copy, tensor by tensor, and by
+    tensor_copy_triton's kernel where Triton runs."""
+    dests, sources = [targets.dest[name] for name, _ in pairs], [t for _, t in pairs]
+    by_kernel = [(d, s) for d, s in zip(dests, sources) if copyable(d, s)]
+    rows = {"write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
+            "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)]}
+    if by_kernel:
+        rows[f"write: one Triton launch ({len(by_kernel)} of {len(pairs)} tensors)"] = lambda: copy_many(
+            [d for d, _ in by_kernel], [s for _, s in by_kernel])
+    return rows
+
+
+def main() -> None:
+    args = _args()
     bench = _configs()[args.config]
     device = torch.device(bench.device if bench.device != "cuda" or torch.cuda.is_available() else "cpu")
     source = cast_model(make_model(bench), torch.bfloat16).to(device)
     engine = Engine(make_model(bench), EngineConfig(
         max_num_seqs=4, max_model_len=64, max_prefill_tokens=64, device=str(device), dtype="bfloat16",
-        serving_format="bf16", cuda_graph=False, true_on_policy=False))
+        serving_format=args.serving_format, packed_fp8=args.packed, packed_experts=args.packed, cuda_graph=False,
+        true_on_policy=False))
     live, targets = LiveState.of(source), engine.update_targets()
     pairs = [(name, t.data) for name, t in live.items()]
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
@@ -80,29 +117,19 @@ def main() -> None:
     flat_dst = torch.empty_like(flat_src)
     wall, dev = timed(lambda: flat_dst.copy_(flat_src), device, args.repeats)
     bound = dev if dev is not None else wall
-    print(f"{args.config} on {device}: {len(pairs)} tensors, {nbytes / 1e6:.1f} MB; copy bound {bound * 1e3:.3f} ms "
-          f"({nbytes / bound / 1e9:.0f} GB/s, one flat copy of the same bytes)", flush=True)
-    dests = [targets.dest[name] for name, _ in pairs]
-    sources = [t for _, t in pairs]
+    print(f"{args.config} {args.serving_format}{' packed' if args.packed else ''} on {device}: {len(pairs)} tensors, "
+          f"{nbytes / 1e6:.1f} MB; copy bound {bound * 1e3:.3f} ms ({nbytes / bound / 1e9:.0f} GB/s, one flat copy "
+          f"of the same bytes)", flush=True)
+    validated = wu.validate_update(engine.model, pairs, targets=targets)
     versions = iter(range(1, 10 ** 9))
-    by_kernel = [(d, s) for d, s in zip(dests, sources) if copyable(d, s)]  # tensor_copy_triton.WRITE_KERNEL's
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in sources:
-        if t.is_floating_point() and t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
-    kernel_groups = [g for g in by_dtype.values() if checkable(g)]  # tensor_finite_triton.FINITE_KERNEL's
     parts = {
         "walk (LiveState)": lambda: [(n, t.data) for n, t in live.items()],
         "walk (state_dict)": lambda: list(source.state_dict().items()),
-        "finiteness, launched": lambda: wu._launch_finiteness(pairs),
-        "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
-        **({f"finiteness: one Triton launch per dtype ({sum(map(len, kernel_groups))} tensors), read": lambda: [
-            nonfinite_flags(g).tolist() for g in kernel_groups]} if kernel_groups else {}),
+        **_finiteness_rows(pairs),
         "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
-        "write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
-        "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)],
-        **({f"write: one Triton launch ({len(by_kernel)} of {len(pairs)} tensors)": lambda: copy_many(
-            [d for d, _ in by_kernel], [s for _, s in by_kernel])} if by_kernel else {}),
+        **(_copy_rows(pairs, targets) if args.serving_format == "bf16" else {}),
+        "write_served (the update's write)": lambda: wu.write_served(engine.model, validated, args.serving_format,
+                                                                     targets),
         "Engine.update_weights with the walk": lambda: engine.update_weights(
             ((n, t.data) for n, t in live.items()), version=next(versions)),
     }
