@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.tensor_tables import PreparedLaunches, address_table, alignment, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -53,7 +53,7 @@ _PREPARED = PreparedLaunches()
 def _launches(pairs) -> tuple[list, list]:
     sizes = [s.numel() * s.element_size() for _, s in pairs]
     device = pairs[0][1].device
-    tensor, local, _ = launch_table(tuple(-(-n // CHUNK) for n in sizes), tuple((n,) for n in sizes), device)
+    tensor, local = chunk_table(sizes, CHUNK, device)
     addresses = address_table([[s.data_ptr() for _, s in pairs], [d.data_ptr() for d, _ in pairs], sizes], device)
     align = alignment([t.data_ptr() for pair in pairs for t in pair], sizes)
     return [((tensor.numel(),), (addresses, tensor, local, len(pairs)),

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -57,7 +57,7 @@ def _launches(tensors, positions) -> tuple[list, list]:
     """The launch without its flags (nonfinite_flags passes a zeroed buffer each call)."""
     sizes = [t.numel() for t in tensors]
     device = tensors[0].device
-    tensor, local, _ = launch_table(tuple(-(-n // CHUNK) for n in sizes), tuple((n,) for n in sizes), device)
+    tensor, local = chunk_table(sizes, CHUNK, device)
     addresses = address_table([[t.data_ptr() for t in tensors], sizes, positions], device)
     align = alignment([t.data_ptr() for t in tensors], sizes)
     return [((tensor.numel(),), (addresses, tensor, local, len(tensors)),

@@ -92,6 +92,13 @@ def launch_table(counts: tuple[int, ...], meta: tuple[tuple[int, ...], ...],
             torch.tensor(meta, dtype=torch.int64, device=device))
 
 
+def chunk_table(sizes: list[int], chunk: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """launch_table's (tensor index, index within it) for ceil(size / chunk) programs per tensor: a
+    launch that walks each tensor in chunks (the update's byte copy and finiteness check)."""
+    tensor, local, _ = launch_table(tuple(-(-n // chunk) for n in sizes), tuple((n,) for n in sizes), device)
+    return tensor, local
+
+
 def address_table(rows: list[list[int]], device: torch.device) -> torch.Tensor:
     """Rows of int64 (each tensor's addresses, strides) for a many-tensor kernel, on the device."""
     return torch.tensor(rows, dtype=torch.int64).to(device)

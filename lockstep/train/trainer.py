@@ -58,7 +58,6 @@ from torch.distributed.tensor import DTensor
 
 from lockstep.models.compiled_layers import compile_layers
 from lockstep.models.deepseek_v4 import Routing
-from lockstep.models.live_state import LiveState, StaleLiveState
 from lockstep.models.layers.kernel_switch import (TRAINER_ONLY, KernelSwitches, decide_true_on_policy,
                                                   set_kernel_switches)
 from lockstep.models.precision import cast_model, storage_dtype
@@ -74,6 +73,7 @@ from lockstep.train.losses import gspo_log_ratio, kl_penalty, ppo_policy_loss
 from lockstep.train.mismatch import importance_weights, importance_weights_only, metric_ratio, mismatch_metrics
 from lockstep.train.optimizer import MasterAdamW
 from lockstep.train.quant_aware import apply_quant_aware, canonical_name
+from lockstep.train.weight_walk import WeightWalk
 from lockstep.train.recompute import apply_recompute
 from lockstep.train.routing_replay import replay_routing, response_experts
 from lockstep.transfer import to_device, to_host_async
@@ -93,8 +93,7 @@ class Trainer:
         # FSDP applied (expert parallel alone also makes DTensors, but leaves the dtype to the Trainer)
         self.sharded = any(isinstance(m, FSDPModule) for m in model.modules())
         self.num_steps = 0
-        self._weight_names = list(model.state_dict())  # the model's own order, before any wrapper
-        self._live: LiveState | None | bool = None  # _live_tensors' walk, kept (False: state_dict each time)
+        self._weights = WeightWalk(model)  # named_weights' walk, kept (train/weight_walk.py)
         self._setup_determinism()
         self._check(model, ref_model)
         switches = KernelSwitches(compile_hc=config.compile_hc, true_on_policy=config.true_on_policy,
@@ -425,13 +424,13 @@ class Trainer:
         """(state-dict name, tensor) for every parameter and persistent buffer that defines the policy
         (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached, in the
         model's state-dict order."""
-        for name, t in self._live_tensors():  # `.data`: detached already
+        for name, t in self._weights.items():  # `.data`: detached already
             yield name, self._full(name, t)
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of each tensor `named_weights` yields, in its order, gathering nothing (a
         sharded tensor's shape is the full one): what a receiver allocates before the tensors come."""
-        return [(name, tuple(t.shape), self._full_dtype(name, t)) for name, t in self._live_tensors()]
+        return [(name, tuple(t.shape), self._full_dtype(name, t)) for name, t in self._weights.items()]
 
     def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """An FSDP / EP shard -> the full tensor (a collective: every rank iterates named_weights), in
@@ -444,35 +443,6 @@ class Trainer:
         if isinstance(t, DTensor) and self.config.dtype == "bfloat16" and t.is_floating_point():
             return storage_dtype(self.model, name, torch.bfloat16)
         return t.dtype
-
-    def _live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The weights under their canonical names, in `_weight_names`' order, one at a time: read
-        through a kept LiveState (a push walks them every step; state_dict's walk was ~0.5-1 ms of
-        host time), or state_dict's walk where the model's is not plain (models/live_state.py)."""
-        if self._live is None:
-            self._live = self._live_state() or False
-        if self._live:
-            try:
-                pairs = self._live.items()
-            except StaleLiveState:  # the module tree changed (a parametrization registered): walk it anew
-                self._live = None
-                yield from self._live_tensors()
-                return
-            for name, t in pairs:
-                yield name, t.data
-            return
-        by_name = {canonical_name(n): t.data for n, t in self.model.state_dict(keep_vars=True).items()}
-        for name in self._weight_names:
-            yield name, by_name.pop(name)
-
-    def _live_state(self) -> LiveState | None:
-        state = LiveState.of(self.model)
-        if state is None:
-            return None
-        slot = {canonical_name(name): rest for name, *rest in state.slots}
-        if not all(name in slot for name in self._weight_names):
-            return None  # names a wrapper changed: state_dict's walk, as before
-        return LiveState([(name, *slot[name]) for name in self._weight_names])
 
     def save(self, directory: str | Path) -> None:
         """Write weights, optimiser state, RNG states and the step counter into `directory`.
@@ -496,7 +466,7 @@ class Trainer:
         own tensors and returns the file's other names (PipelineTrainer.load checks that some stage
         took each); `rank`: whose RNG file to read, default this data-parallel rank's."""
         d = Path(directory)
-        targets = ((n, _ShardTarget(t)) if isinstance(t, DTensor) else (n, t) for n, t in self._live_tensors())
+        targets = ((n, _ShardTarget(t)) if isinstance(t, DTensor) else (n, t) for n, t in self._weights.items())
         others = ckpt.load_weights(targets, d / ckpt.WEIGHTS, partial=self.config.pipeline_model_parallel_size > 1)
         # mmap: a pipeline stage reads only its own parameters' state out of the whole model's
         self.optimizer.load_state_dict(torch.load(d / ckpt.OPTIMIZER, weights_only=False, mmap=True))

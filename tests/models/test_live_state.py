@@ -61,3 +61,4 @@ def test_a_module_whose_state_dict_is_not_the_plain_walk_gives_none():
     hooked = Net()
     hooked.register_state_dict_post_hook(lambda module, state, prefix, local_metadata: None)
     assert LiveState.of(hooked) is None
+
