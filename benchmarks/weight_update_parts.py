@@ -35,6 +35,7 @@ from lockstep.engine import Engine
 from lockstep.engine import weight_update as wu
 from lockstep.models.live_state import LiveState
 from lockstep.models.precision import cast_model
+from lockstep import tensor_copy_triton, tensor_finite_triton
 from lockstep.tensor_copy_triton import copyable, copy_many
 from lockstep.tensor_finite_triton import checkable, nonfinite_flags
 
@@ -101,6 +102,19 @@ def _copy_rows(pairs, targets) -> dict:
     return rows
 
 
+def with_kernels(fn):
+    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL on (the update's
+    kernels against its torch form, same run)."""
+    def run():
+        saved = tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL
+        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = True
+        try:
+            return fn()
+        finally:
+            tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL = saved
+    return run
+
+
 def main() -> None:
     args = _args()
     bench = _configs()[args.config]
@@ -133,6 +147,8 @@ def main() -> None:
         "Engine.update_weights with the walk": lambda: engine.update_weights(
             ((n, t.data) for n, t in live.items()), version=next(versions)),
     }
+    if tensor_copy_triton.triton is not None:
+        parts["the same, the copy and finiteness kernels on"] = with_kernels(parts["Engine.update_weights with the walk"])
     for label, fn in parts.items():
         wall, dev = timed(fn, device, args.repeats)
         on_device = f", device {dev * 1e3:8.3f} ms ({dev / bound:5.2f} of the bound)" if dev is not None else ""

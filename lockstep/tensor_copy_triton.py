@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import PreparedLaunches, address_table, alignment, call_key, chunk_table
+from lockstep.tensor_tables import PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -28,6 +28,7 @@ if triton is not None:
 WRITE_KERNEL = False  # write_served takes copy_many for the pairs it can copy (module docstring)
 CHUNK = 65536  # bytes a program copies
 TILE = 8192  # bytes a program moves per step: 16 bytes a thread at 4 warps, 4 accesses
+BYTE_TILE = 1024  # bytes per step of an unaligned launch (one byte an access)
 
 
 def copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -51,13 +52,20 @@ _PREPARED = PreparedLaunches()
 
 
 def _launches(pairs) -> tuple[list, list]:
+    """One launch per alignment group (tensor_tables.alignment_groups): the aligned bulk moves 16 bytes
+    an access, a few odd tensors byte by byte in small tiles (a byte tile of TILE values spilled)."""
     sizes = [s.numel() * s.element_size() for _, s in pairs]
     device = pairs[0][1].device
-    tensor, local = chunk_table(sizes, CHUNK, device)
-    addresses = address_table([[s.data_ptr() for _, s in pairs], [d.data_ptr() for d, _ in pairs], sizes], device)
-    align = alignment([t.data_ptr() for pair in pairs for t in pair], sizes)
-    return [((tensor.numel(),), (addresses, tensor, local, len(pairs)),
-             dict(CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4))], []
+    groups = alignment_groups([[s.data_ptr(), d.data_ptr()] for d, s in pairs], sizes)
+    launches = []
+    for align, positions in sorted(groups.items(), reverse=True):
+        group = [pairs[i] for i in positions]
+        tensor, local = chunk_table([sizes[i] for i in positions], CHUNK, device)
+        addresses = address_table([[s.data_ptr() for _, s in group], [d.data_ptr() for d, _ in group],
+                                   [sizes[i] for i in positions]], device)
+        launches.append(((tensor.numel(),), (addresses, tensor, local, len(group)),
+                         dict(CHUNK=CHUNK, TILE=TILE if align > 1 else BYTE_TILE, ALIGN=align, num_warps=4)))
+    return launches, []
 
 
 if triton is not None:
@@ -66,14 +74,15 @@ if triton is not None:
     def _copy_kernel(addr_ptr, tensor_ptr, local_ptr, T, CHUNK: tl.constexpr, TILE: tl.constexpr,
                      ALIGN: tl.constexpr):
         """Bytes [local * CHUNK, (local + 1) * CHUNK) of pair `tensor`: addr rows are the sources,
-        the destinations and the sizes in bytes, T pairs each."""
+        the destinations and the sizes in bytes, T pairs each. The offsets within the chunk are int32
+        (the chunk's start is added to the pointers once): int64 offsets took a register each."""
         pid = tl.program_id(0)
         t = tl.load(tensor_ptr + pid)
-        src = table_pointer(addr_ptr + t, 3, ALIGN)
-        dst = table_pointer(addr_ptr + T + t, 3, ALIGN)
-        n = table_int(addr_ptr + 2 * T + t, ALIGN)
         start = tl.load(local_ptr + pid).to(tl.int64) * CHUNK
+        src = table_pointer(addr_ptr + t, 3, ALIGN) + start
+        dst = table_pointer(addr_ptr + T + t, 3, ALIGN) + start
+        left = tl.minimum(table_int(addr_ptr + 2 * T + t, ALIGN) - start, CHUNK).to(tl.int32)
         for step in tl.static_range(CHUNK // TILE):
-            offs = start + step * TILE + tl.arange(0, TILE)
-            mask = offs < n
+            offs = step * TILE + tl.arange(0, TILE)
+            mask = offs < left
             tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)

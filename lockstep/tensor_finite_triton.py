@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment, call_key, chunk_table
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -54,14 +54,18 @@ _PREPARED = PreparedLaunches()
 
 
 def _launches(tensors, positions) -> tuple[list, list]:
-    """The launch without its flags (nonfinite_flags passes a zeroed buffer each call)."""
+    """The launches without their flags (nonfinite_flags passes a zeroed buffer each call), one per
+    alignment group (tensor_tables.alignment_groups)."""
     sizes = [t.numel() for t in tensors]
     device = tensors[0].device
-    tensor, local = chunk_table(sizes, CHUNK, device)
-    addresses = address_table([[t.data_ptr() for t in tensors], sizes, positions], device)
-    align = alignment([t.data_ptr() for t in tensors], sizes)
-    return [((tensor.numel(),), (addresses, tensor, local, len(tensors)),
-             dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4))], []
+    launches = []
+    for align, group in sorted(alignment_groups([[t.data_ptr()] for t in tensors], sizes).items(), reverse=True):
+        tensor, local = chunk_table([sizes[i] for i in group], CHUNK, device)
+        addresses = address_table([[tensors[i].data_ptr() for i in group], [sizes[i] for i in group],
+                                   [positions[i] for i in group]], device)
+        launches.append(((tensor.numel(),), (addresses, tensor, local, len(group)),
+                         dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4)))
+    return launches, []
 
 
 if triton is not None:
@@ -70,16 +74,17 @@ if triton is not None:
     def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, T, flags_ptr, KIND: tl.constexpr, CHUNK: tl.constexpr,
                           TILE: tl.constexpr, ALIGN: tl.constexpr):
         """Values [local * CHUNK, (local + 1) * CHUNK) of tensor `tensor`: addr rows are the addresses,
-        the sizes in values and each tensor's flag index, T tensors each."""
+        the sizes in values and each tensor's flag index, T tensors each. Offsets within the chunk
+        are int32, its start added to the pointer once (as tensor_copy_triton's)."""
         pid = tl.program_id(0)
         t = tl.load(tensor_ptr + pid)
-        x_ptr = table_pointer(addr_ptr + t, KIND, ALIGN)
-        n = table_int(addr_ptr + T + t, ALIGN)
         start = tl.load(local_ptr + pid).to(tl.int64) * CHUNK
+        x_ptr = table_pointer(addr_ptr + t, KIND, ALIGN) + start
+        left = tl.minimum(table_int(addr_ptr + T + t, ALIGN) - start, CHUNK).to(tl.int32)
         bad = tl.zeros([TILE], dtype=tl.int32)
         for step in tl.static_range(CHUNK // TILE):
-            offs = start + step * TILE + tl.arange(0, TILE)
-            x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+            offs = step * TILE + tl.arange(0, TILE)
+            x = tl.load(x_ptr + offs, mask=offs < left, other=0.0).to(tl.float32)
             bad = tl.maximum(bad, ((x - x) != 0.0).to(tl.int32))
         if tl.max(bad, axis=0) > 0:
             tl.atomic_max(flags_ptr + tl.load(addr_ptr + 2 * T + t), 1)

@@ -10,7 +10,7 @@ pytest.importorskip("triton")
 
 from lockstep import tensor_copy_triton as tc  # noqa: E402
 from devices import DEVICE
-from launches import count_launches
+from launches import launch_arguments
 
 
 def _sources():
@@ -23,24 +23,25 @@ def _sources():
             torch.randn(7, 3, generator=g).to(torch.float16)]
 
 
-def test_many_tensors_in_one_launch_bit_for_bit(monkeypatch):
+def test_many_tensors_in_a_launch_per_alignment_bit_for_bit(monkeypatch):
     srcs = [s.to(DEVICE) for s in _sources()]
     dsts = [torch.full_like(s, 7) for s in srcs]
-    launches = count_launches(monkeypatch, tc, "_copy_kernel")
+    launches = launch_arguments(monkeypatch, tc, "_copy_kernel")
     assert all(tc.copyable(d, s) for d, s in zip(dsts, srcs))
     tc.copy_many(dsts, srcs)
-    assert len(launches) == 1
+    assert len(launches) == 2  # the sizes of a multiple of 16 bytes, 16 bytes an access; the odd ones
+    assert {c["ALIGN"] for _, c in launches} == {16, 1}
     for d, s in zip(dsts, srcs):
         assert torch.equal(d.view(torch.uint8) if d.numel() else d, s.view(torch.uint8) if s.numel() else s)
     srcs[1].mul_(2)  # the same tensors again: the kept launch, reading what they hold now
     tc.copy_many(dsts, srcs)
-    assert len(launches) == 2 and torch.equal(dsts[1], srcs[1])
+    assert len(launches) == 4 and torch.equal(dsts[1], srcs[1])
 
 
 def test_unaligned_addresses_and_sizes_copy_exactly():
     base = torch.arange(200_003, dtype=torch.int64).to(torch.uint8).to(DEVICE)
     src, dst = base[1:150_001], torch.zeros(150_003, dtype=torch.uint8, device=DEVICE)[3:]  # odd addresses
-    assert tc.alignment([src.data_ptr(), dst.data_ptr()], [src.numel()]) == 1
+    assert tc.alignment_groups([[src.data_ptr(), dst.data_ptr()]], [src.numel()]) == {1: [0]}
     tc.copy_many([dst], [src])
     assert torch.equal(dst, src)
 

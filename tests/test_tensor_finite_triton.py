@@ -30,7 +30,7 @@ def test_flags_name_exactly_the_tensors_holding_nan_or_inf(monkeypatch, dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy on inf - inf
         flags = tf.nonfinite_flags(tensors).tolist()
-        assert flags == [0, 1, 1, 0, 0, 1] and len(launches) == 1
+        assert flags == [0, 1, 1, 0, 0, 1] and len(launches) == 2  # sizes of a multiple of 16 values, the rest
         tensors[1][-1] = 0.0  # the same tensors again (the kept launch), the flags zeroed anew
         assert tf.nonfinite_flags(tensors).tolist() == [0, 0, 1, 0, 0, 1]
 

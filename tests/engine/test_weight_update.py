@@ -315,8 +315,8 @@ def test_name_shape_and_dtype_checks_run_once_per_layout(monkeypatch):
 
 
 def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
-    """tensor_copy_triton.WRITE_KERNEL on: the unquantised weights written by one Triton launch, the
-    same bytes as _foreach_copy_ writes."""
+    """tensor_copy_triton.WRITE_KERNEL on: the unquantised weights written by one Triton launch per
+    alignment (the tiny config has odd-sized tensors), the same bytes as _foreach_copy_ writes."""
     pytest.importorskip("triton")
     from lockstep import tensor_copy_triton as tc
     from launches import count_launches
@@ -327,13 +327,13 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     monkeypatch.setattr(tc, "WRITE_KERNEL", True)
     launches = count_launches(monkeypatch, tc, "_copy_kernel")
     on.update_weights(weights, version=1)
-    assert len(launches) == 1
+    assert len(launches) == 2
     ref = off.model.state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in on.model.state_dict().items())
 
 
 def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(monkeypatch):
-    """tensor_finite_triton.FINITE_KERNEL on: one launch per dtype group reads every value; a NaN is
+    """tensor_finite_triton.FINITE_KERNEL on: a launch per dtype group and alignment reads every value; a NaN is
     named with its count as before, and a clean update is written the same."""
     pytest.importorskip("triton")
     from lockstep import tensor_finite_triton as tf
@@ -349,7 +349,7 @@ def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(mon
     with pytest.raises(WeightUpdateError, match=rf"{name}: 3 non-finite values"):
         engine.update_weights(bad, version=1)
     dtypes = {t.dtype for t in weights.values() if t.is_floating_point() and t.numel()}
-    assert len(launches) == len(dtypes)
+    assert len(dtypes) <= len(launches) <= 2 * len(dtypes)
     engine.update_weights(weights, version=1)
     monkeypatch.setattr(tf, "FINITE_KERNEL", False)
     reference.update_weights(weights, version=1)
