@@ -102,12 +102,12 @@ def _copy_rows(pairs, targets) -> dict:
     return rows
 
 
-def with_kernels(fn):
-    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL on (the update's
-    kernels against its torch form, same run)."""
+def without_kernels(fn):
+    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL off (the update's
+    torch form against its kernels, same run)."""
     def run():
         saved = tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL
-        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = True
+        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = False
         try:
             return fn()
         finally:
@@ -148,7 +148,8 @@ def main() -> None:
             ((n, t.data) for n, t in live.items()), version=next(versions)),
     }
     if tensor_copy_triton.triton is not None:
-        parts["the same, the copy and finiteness kernels on"] = with_kernels(parts["Engine.update_weights with the walk"])
+        parts["the same, torch's copy and norms (kernels off)"] = without_kernels(
+            parts["Engine.update_weights with the walk"])
     for label, fn in parts.items():
         wall, dev = timed(fn, device, args.repeats)
         on_device = f", device {dev * 1e3:8.3f} ms ({dev / bound:5.2f} of the bound)" if dev is not None else ""

@@ -1,15 +1,20 @@
-"""Many tensors copied in one Triton launch, as bytes: a weight update's write of its unquantised
-weights (engine/weight_update.write_served, behind `WRITE_KERNEL`).
+"""Many tensors copied in one Triton launch per alignment, as bytes: a weight update's write of its
+unquantised weights (engine/weight_update.write_served, behind `WRITE_KERNEL`, on).
 
-Why: the write is one `torch._foreach_copy_` today, whose CUDA kernel moves each tensor in chunks
-of its elements (8 bytes an access for bf16) and launches once per group of chunks; a flat copy of
-the same bytes runs at the device's copy bandwidth. Here each program copies CHUNK bytes of one
-pair (dst, src) found through the tables of lockstep/tensor_tables.py, 16 bytes an access where
-every address and size is a multiple of 16 (`alignment`), so the whole update is one launch. A
-byte copy casts nothing: each pair has one dtype and both sides are contiguous (`copyable`); the
-rest stays with torch's copy. Bitwise a copy by definition (tests/test_tensor_copy_triton.py under
-the interpreter; tests/gpu_compile.py compiles it for sm_90). Not yet timed on a GPU
-(benchmarks/weight_update_parts.py prints it beside `_foreach_copy_`), hence off by default.
+Why: torch's `_foreach_copy_` moves each tensor in chunks of its elements (8 bytes an access for
+bf16) and launches once per group of chunks. Here each program copies CHUNK bytes of one pair
+(dst, src) found through the tables of lockstep/tensor_tables.py, 16 bytes an access where every
+address and size is a multiple of 16: the tensors that are go in one launch, the few that are not
+(mHC's 3-value scales) byte by byte in another (`tensor_tables.alignment_groups`; with them in one
+launch without the hint, gpu-848m's copy took 39 ms on an H100). A byte copy casts nothing: each
+pair has one dtype and both sides are contiguous (`copyable`); the rest stays with torch's copy.
+Bitwise a copy by definition (tests/test_tensor_copy_triton.py under the interpreter and on a GPU;
+tests/gpu_compile.py compiles it for sm_90).
+
+Measured (gpu-848m's 242 tensors, 1,709 MB, CUDA events, 2026-12-05; benchmarks/weight_update_parts.py
+and a sweep of CHUNK / TILE / WARPS): one H200 1.20 ms against `_foreach_copy_`'s 1.63 and a flat
+copy of the same bytes 0.81 (4 to 16 warps, 8 to 32 KB a step, 64 KB to 1 MB a program all within
+1.20-1.28 ms, but 4 warps of 8 KB 1.42); one H100 1.53 against 1.78 (flat 1.14).
 """
 
 from __future__ import annotations
@@ -25,10 +30,11 @@ if triton is not None:
 
     from lockstep.tensor_tables import table_int, table_pointer
 
-WRITE_KERNEL = False  # write_served takes copy_many for the pairs it can copy (module docstring)
+WRITE_KERNEL = True  # write_served takes copy_many for the pairs it can copy (module docstring)
 CHUNK = 65536  # bytes a program copies
 TILE = 8192  # bytes a program moves per step: 16 bytes a thread at 4 warps, 4 accesses
-BYTE_TILE = 1024  # bytes per step of an unaligned launch (one byte an access)
+BYTE_CHUNK, BYTE_TILE = 8192, 1024  # an unaligned launch's (one byte an access; a few small tensors)
+WARPS = 16
 
 
 def copyable(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -60,11 +66,12 @@ def _launches(pairs) -> tuple[list, list]:
     launches = []
     for align, positions in sorted(groups.items(), reverse=True):
         group = [pairs[i] for i in positions]
-        tensor, local = chunk_table([sizes[i] for i in positions], CHUNK, device)
+        chunk, tile = (CHUNK, TILE) if align > 1 else (BYTE_CHUNK, BYTE_TILE)
+        tensor, local = chunk_table([sizes[i] for i in positions], chunk, device)
         addresses = address_table([[s.data_ptr() for _, s in group], [d.data_ptr() for d, _ in group],
                                    [sizes[i] for i in positions]], device)
         launches.append(((tensor.numel(),), (addresses, tensor, local, len(group)),
-                         dict(CHUNK=CHUNK, TILE=TILE if align > 1 else BYTE_TILE, ALIGN=align, num_warps=4)))
+                         dict(CHUNK=chunk, TILE=tile, ALIGN=align, num_warps=WARPS)))
     return launches, []
 
 

@@ -1,14 +1,18 @@
-"""Which of many float tensors hold a NaN or an inf, in one Triton launch per dtype: the weight
-update's finiteness check (engine/weight_update._launch_finiteness, behind `FINITE_KERNEL`).
+"""Which of many float tensors hold a NaN or an inf, in one Triton launch per dtype and alignment:
+the weight update's finiteness check (engine/weight_update._launch_finiteness, behind `FINITE_KERNEL`,
+on).
 
-Why: the check is one `torch._foreach_norm` per dtype group today (then isfinite of the norms), a
-read of every weight in chunks of elements with a launch per group of chunks; here each program
-reads CHUNK values of one tensor through the tables of lockstep/tensor_tables.py (16-byte accesses
-where aligned) and, where a value is not finite (x - x is NaN exactly for NaN and +-inf), raises its
-tensor's flag. Exact where the norm is not: a norm overflows to inf for finite values above ~1e19 in
-fp32, which the norm's path then has to count. Tests: tests/test_tensor_finite_triton.py (under the
-interpreter), tests/gpu_compile.py (sm_90). Not yet timed on a GPU (benchmarks/weight_update_parts.py
-prints it beside the norms), hence off by default.
+Why: torch's form is one `_foreach_norm` per dtype group (then isfinite of the norms), a read of
+every weight in chunks of elements with a launch per group of chunks; here each program reads CHUNK
+values of one tensor through the tables of lockstep/tensor_tables.py (16-byte accesses where
+aligned: `tensor_tables.alignment_groups`) and, where a value is not finite (x - x is NaN exactly
+for NaN and +-inf), raises its tensor's flag. Exact where the norm is not: a norm overflows to inf
+for finite values above ~1e19 in fp32, which the norm's path then has to count. Tests:
+tests/test_tensor_finite_triton.py (under the interpreter and on a GPU), tests/gpu_compile.py (sm_90).
+
+Measured (gpu-848m's 240 bf16 tensors, 1,709 MB, CUDA events, one H200, 2026-12-05): 0.50 ms against
+the norms' 0.94 and a read-only sum of the same bytes 0.42 (CHUNK 32K values, 2 to 8 K a step, 4 or 8
+warps all 0.49-0.54; 128 K-value programs at 4 warps 3.3-3.9 ms).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ if triton is not None:
 
     from lockstep.tensor_tables import table_int, table_pointer
 
-FINITE_KERNEL = False  # weight_update's finiteness check takes nonfinite_flags (module docstring)
+FINITE_KERNEL = True  # weight_update's finiteness check takes nonfinite_flags (module docstring)
 CHUNK = 32768  # values a program reads
 TILE = 4096  # values a program reads per step
+WARPS = 4
 
 
 def checkable(tensors: list[torch.Tensor]) -> bool:
@@ -64,7 +69,7 @@ def _launches(tensors, positions) -> tuple[list, list]:
         addresses = address_table([[tensors[i].data_ptr() for i in group], [sizes[i] for i in group],
                                    [positions[i] for i in group]], device)
         launches.append(((tensor.numel(),), (addresses, tensor, local, len(group)),
-                         dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=4)))
+                         dict(KIND=W_DTYPES[tensors[0].dtype], CHUNK=CHUNK, TILE=TILE, ALIGN=align, num_warps=WARPS)))
     return launches, []
 
 

@@ -249,7 +249,8 @@ def copy_ptx(align: int) -> str:
     from lockstep import tensor_copy_triton as tc
 
     return ptx(tc._copy_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32"), {"T"},
-               CHUNK=tc.CHUNK, TILE=tc.TILE if align > 1 else tc.BYTE_TILE, ALIGN=align)
+               CHUNK=tc.CHUNK if align > 1 else tc.BYTE_CHUNK,
+               TILE=tc.TILE if align > 1 else tc.BYTE_TILE, ALIGN=align)
 
 
 def nonfinite_ptx(align: int) -> str:

@@ -124,10 +124,20 @@ def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list, lis
     return floats, [(items, _finite([t for _, t in items])) for items in groups.values()]
 
 
+INTERPRETED_KERNELS = False  # the update's copy / finiteness kernels under TRITON_INTERPRET=1 too (a test's)
+
+
+def _kernels_run(t: torch.Tensor) -> bool:
+    """The update's kernels act on CUDA tensors; on the CPU under the interpreter only where a test
+    asks (INTERPRETED_KERNELS): every update of the suite through them doubled tests/engine's time."""
+    return t.is_cuda or INTERPRETED_KERNELS
+
+
 def _finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """bool [len(tensors)] on the device, whether each tensor's values are all finite (one dtype):
-    isfinite of their 2-norms, or with tensor_finite_triton.FINITE_KERNEL on, that kernel's exact flags."""
-    if tensor_finite_triton.FINITE_KERNEL and tensor_finite_triton.checkable(tensors):
+    with tensor_finite_triton.FINITE_KERNEL on (the default), that kernel's exact flags; else (or
+    where it cannot read them) isfinite of their 2-norms."""
+    if tensor_finite_triton.FINITE_KERNEL and _kernels_run(tensors[0]) and tensor_finite_triton.checkable(tensors):
         return tensor_finite_triton.nonfinite_flags(tensors) == 0
     return torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
 
@@ -328,7 +338,7 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
 def _copy(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
     """dest.copy_(source) for every pair: one multi-tensor copy, or with tensor_copy_triton.WRITE_KERNEL
     on, the pairs it can copy as bytes in one Triton launch and the rest (casts) by torch."""
-    if tensor_copy_triton.WRITE_KERNEL:
+    if tensor_copy_triton.WRITE_KERNEL and _kernels_run(dests[0]):
         by_kernel = [tensor_copy_triton.copyable(d, s) for d, s in zip(dests, sources)]
         tensor_copy_triton.copy_many([d for d, k in zip(dests, by_kernel) if k],
                                      [s for s, k in zip(sources, by_kernel) if k])

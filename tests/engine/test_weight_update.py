@@ -319,12 +319,15 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     alignment (the tiny config has odd-sized tensors), the same bytes as _foreach_copy_ writes."""
     pytest.importorskip("triton")
     from lockstep import tensor_copy_triton as tc
+    from lockstep.engine import weight_update as wu
     from launches import count_launches
 
     weights = trainer_weights(41)
     off, on = make_engine(seed=40), make_engine(seed=40)
+    monkeypatch.setattr(tc, "WRITE_KERNEL", False)
     off.update_weights(weights, version=1)
     monkeypatch.setattr(tc, "WRITE_KERNEL", True)
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
     launches = count_launches(monkeypatch, tc, "_copy_kernel")
     on.update_weights(weights, version=1)
     assert len(launches) == 2
@@ -337,9 +340,11 @@ def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(mon
     named with its count as before, and a clean update is written the same."""
     pytest.importorskip("triton")
     from lockstep import tensor_finite_triton as tf
+    from lockstep.engine import weight_update as wu
     from launches import count_launches
 
     monkeypatch.setattr(tf, "FINITE_KERNEL", True)
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
     launches = count_launches(monkeypatch, tf, "_nonfinite_kernel")
     weights = trainer_weights(43)
     engine, reference = make_engine(seed=42), make_engine(seed=42)
