@@ -44,25 +44,29 @@ def checkable(tensors: list[torch.Tensor]) -> bool:
             and (tensors[0].is_cuda or interpreted()))
 
 
-def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+def nonfinite_flags(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
     """int32 [len(tensors)] on their device, 1 where a tensor holds a NaN or an inf, else 0; launched,
-    not waited for (each `checkable` together)."""
+    not waited for (each `checkable` together). `layout`: a key the caller vouches fixes every
+    tensor's dtype and shape (tensor_copy_triton.copy_many's, likewise)."""
     flags = torch.zeros(len(tensors), dtype=torch.int32, device=tensors[0].device)
-    live = [i for i, t in enumerate(tensors) if t.numel()]
-    if live:
-        _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), [tensors[i] for i in live], []),
-                         lambda: _launches([tensors[i] for i in live], live), extra=(flags,))
+    if layout is None:
+        key = call_key((interpreted(),), tensors, [])
+    else:
+        key = (interpreted(), layout, *[t.data_ptr() for t in tensors])
+    _PREPARED.launch(_nonfinite_kernel, key, lambda: _launches(tensors), extra=(flags,))
     return flags
 
 
 _PREPARED = PreparedLaunches()
 
 
-def _launches(tensors, positions) -> tuple[list, list]:
+def _launches(tensors) -> tuple[list, list]:
     """The launches without their flags (nonfinite_flags passes a zeroed buffer each call), one per
-    alignment group (tensor_tables.alignment_groups)."""
+    alignment group (tensor_tables.alignment_groups); an empty tensor is read by none."""
+    positions = [i for i, t in enumerate(tensors) if t.numel()]
+    tensors = [tensors[i] for i in positions]
     sizes = [t.numel() for t in tensors]
-    device = tensors[0].device
+    device = tensors[0].device if tensors else None
     launches = []
     for align, group in sorted(alignment_groups([[t.data_ptr()] for t in tensors], sizes).items(), reverse=True):
         tensor, local = chunk_table([sizes[i] for i in group], CHUNK, device)

@@ -77,10 +77,12 @@ def _check_one(name: str, t, dest: torch.Tensor) -> None:
         raise WeightUpdateError(f"{name}: expected an integer tensor like the model's {dest.dtype}, got {t.dtype}")
 
 
-def _launch_expert_extremes(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None) -> tuple[list, list]:
-    """Start the range check of every hash table (tid2eid) without waiting for it: (the tables' names,
-    [their (min, max) pairs as one tensor on the device]); `_read_device_checks` reads it."""
-    tables = [(name, t) for name, t in pairs if name.endswith("tid2eid") and isinstance(t, torch.Tensor) and t.numel()]
+def _launch_expert_extremes(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None,
+                            tables: list[int] | None = None) -> tuple[list, list]:
+    """Start the range check of every hash table (tid2eid; `tables`: their positions in pairs, where a
+    ValuePlan knows them) without waiting for it: (the tables' names, [their (min, max) pairs as one
+    tensor on the device]); `_read_device_checks` reads it."""
+    tables = [pairs[i] for i in (tables if tables is not None else ValuePlan.hash_tables(pairs))]
     if n_experts is None or not tables:
         return [], []
     device = tables[0][1].device
@@ -110,18 +112,46 @@ def _read_device_checks(parts: list[torch.Tensor]) -> list[list]:
     return out
 
 
-def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]]) -> tuple[list, list]:
+@dataclass(frozen=True)
+class ValuePlan:
+    """What validate_update's value checks read in one layout of an update (`layout_key`), by position:
+    the floating tensors in order (`floats`) and by (device, dtype) group (`groups`: one launch or
+    multi-tensor call each), and the hash tables (`tables`). Kept per layout in the UpdateTargets
+    once its name / shape / dtype checks passed: sorting 242 tensors by dtype each update was host
+    time the device waited on."""
+
+    floats: list[int]
+    groups: list[list[int]]
+    tables: list[int]
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, torch.Tensor]]) -> "ValuePlan":
+        floats = [i for i, (_, t) in enumerate(pairs)
+                  if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
+        groups: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+        for i in floats:
+            groups[pairs[i][1].device, pairs[i][1].dtype].append(i)
+        return cls(floats, list(groups.values()), cls.hash_tables(pairs))
+
+    @staticmethod
+    def hash_tables(pairs: list[tuple[str, torch.Tensor]]) -> list[int]:
+        return [i for i, (name, t) in enumerate(pairs)
+                if name.endswith("tid2eid") and isinstance(t, torch.Tensor) and t.numel()]
+
+
+def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan | None = None,
+                       layout: tuple | None = None) -> tuple[list, list]:
     """Start the finiteness check of every floating tensor of `pairs` without waiting for it: (the
-    floating pairs, [(a group's pairs, isfinite of each one's 2-norm, on the device)]). One 2-norm per
-    tensor (NaN and inf reach the norm), one multi-tensor call per (device, dtype) group: CUDA's
-    multi-tensor norm takes one dtype, a mixed list fell back to a kernel per tensor (240 launches,
-    5.6 ms of validation on gpu-848m). validate_update launches it first, so that the device reads
-    the tensors while the host checks names and shapes."""
-    floats = [(n, t) for n, t in pairs if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel()]
-    groups: dict[tuple[torch.device, torch.dtype], list[tuple[str, torch.Tensor]]] = defaultdict(list)
-    for name, t in floats:
-        groups[t.device, t.dtype].append((name, t))
-    return floats, [(items, _finite([t for _, t in items])) for items in groups.values()]
+    floating pairs, [(a group's pairs, whether each one is finite, on the device)]). One launch per
+    (device, dtype) group (`plan`'s, where the caller keeps one for `layout`): torch's multi-tensor
+    norm takes one dtype, a mixed list fell back to a kernel per tensor (240 launches, 5.6 ms of
+    validation on gpu-848m)."""
+    plan = plan or ValuePlan.of(pairs)
+    launched = []
+    for g, positions in enumerate(plan.groups):
+        items = [pairs[i] for i in positions]
+        launched.append((items, _finite([t for _, t in items], None if layout is None else (layout, g))))
+    return [pairs[i] for i in plan.floats], launched
 
 
 INTERPRETED_KERNELS = False  # the update's copy / finiteness kernels under TRITON_INTERPRET=1 too (a test's)
@@ -133,12 +163,16 @@ def _kernels_run(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRETED_KERNELS
 
 
-def _finite(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _finite(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
     """bool [len(tensors)] on the device, whether each tensor's values are all finite (one dtype):
     with tensor_finite_triton.FINITE_KERNEL on (the default), that kernel's exact flags; else (or
-    where it cannot read them) isfinite of their 2-norms."""
-    if tensor_finite_triton.FINITE_KERNEL and _kernels_run(tensors[0]) and tensor_finite_triton.checkable(tensors):
-        return tensor_finite_triton.nonfinite_flags(tensors) == 0
+    where it cannot read them) isfinite of their 2-norms. `layout`: a key fixing the tensors' dtypes
+    and shapes (ValuePlan's), so that only their contiguity is checked each call."""
+    tf = tensor_finite_triton
+    if tf.FINITE_KERNEL and _kernels_run(tensors[0]) and (
+            tf.checkable(tensors) if layout is None
+            else tf.checkable(tensors[:1]) and all(t.is_contiguous() for t in tensors)):
+        return tf.nonfinite_flags(tensors, layout) == 0
     return torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
 
 
@@ -186,7 +220,9 @@ class UpdateTargets:
     n_experts: int | None
     keys: dict[str, tuple]  # storage_keys(dest): ties, for the missing-tensor check
     plans: dict = field(default_factory=dict)  # write_served's WritePlan per layout of an update
-    checked: set = field(default_factory=set)  # (layout_key, partial) whose name / shape / dtype checks passed
+    checked: dict = field(default_factory=dict)  # (layout_key, partial) -> ValuePlan, once its name / shape /
+    # dtype checks passed
+    layouts: dict = field(default_factory=dict)  # each Layout seen, kept (layout_key)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "UpdateTargets":
@@ -239,12 +275,31 @@ def _check_names(model: torch.nn.Module, targets: UpdateTargets, names: list[str
 MAX_PLANS = 64  # layouts an UpdateTargets keeps checks and WritePlans for (a push's buckets: one each)
 
 
-def layout_key(pairs: list[tuple[str, torch.Tensor]]) -> tuple:
-    """All the name, shape and dtype checks of an update depend on (and write_served's WritePlan)."""
+class Layout(tuple):
+    """layout_key's value: its hash computed once, since one update's layout keys several tables
+    (its checks, its WritePlan, the kernels' prepared launches); a table hit on the kept object
+    compares by identity (hashing 242 tensors' entries was ~12 us a lookup, this project's CPU)."""
+
+    _hash = None
+
+    def __hash__(self) -> int:
+        if self._hash is None:
+            self._hash = tuple.__hash__(self)
+        return self._hash
+
+
+def layout_key(pairs: list[tuple[str, torch.Tensor]], targets: "UpdateTargets | None" = None) -> Layout:
+    """All the name, shape and dtype checks of an update depend on (and write_served's WritePlan); the
+    targets' kept Layout object where they have seen it."""
     try:
-        return tuple([(name, t.dtype, t.device, t.shape) for name, t in pairs])
+        key = Layout([(name, t.dtype, t.device, t.shape) for name, t in pairs])
     except AttributeError:  # not a tensor: _check_one names it
-        return tuple((name, type(t)) for name, t in pairs)
+        key = Layout((name, type(t)) for name, t in pairs)
+    if targets is None:
+        return key
+    if len(targets.layouts) >= MAX_PLANS:
+        targets.layouts.clear()
+    return targets.layouts.setdefault(key, key)
 
 
 def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False,
@@ -256,16 +311,17 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     CPU machine); the values' checks (finiteness, expert ids) run on the device, read in one wait."""
     pairs = _pairs(named_tensors)
     targets = targets or UpdateTargets.of(model)
-    finiteness = _launch_finiteness(pairs)  # the device reads every value while the host checks the rest
-    tables, extremes = _launch_expert_extremes(pairs, targets.n_experts)
-    layout = layout_key(pairs)
-    if (layout, partial) not in targets.checked:
+    layout = layout_key(pairs, targets)
+    plan = targets.checked.get((layout, partial))
+    if plan is None:
         _check_names(model, targets, [name for name, _ in pairs], partial)
         for name, t in pairs:
             _check_one(name, t, targets.expected[name])
         if len(targets.checked) >= MAX_PLANS:
             targets.checked.clear()
-        targets.checked.add((layout, partial))
+        plan = targets.checked[layout, partial] = ValuePlan.of(pairs)
+    finiteness = _launch_finiteness(pairs, plan, layout)
+    tables, extremes = _launch_expert_extremes(pairs, targets.n_experts, plan.tables)
     flags = _read_device_checks([finite for _, finite in finiteness[1]] + extremes)
     _check_expert_ids(tables, flags.pop() if extremes else [], targets.n_experts)
     nonfinite = _first_nonfinite(*finiteness, flags)
@@ -277,12 +333,15 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
 @dataclass(frozen=True)
 class WritePlan:
     """How write_served writes one layout of an update (`layout_key`: names, dtypes, devices, shapes), by
-    position: the unquantised tensors' destinations (one multi-tensor copy), the packed weights'
-    storage per format (fp8 / fp4: one quantisation call each) and the rest (an emulated quantised
-    value), one at a time. Made once per layout and kept in the UpdateTargets: the decisions per
-    tensor were ~0.27 ms of host time per update of gpu-848m's 242 tensors (this project's CPU
-    machine)."""
+    position: the unquantised tensors' destinations, those the byte copy may take (`kernel`:
+    tensor_copy_triton.copyable_but_source_strides; the sources' contiguity is checked each write) apart from
+    those that cast (`copy`: one multi-tensor copy), the packed weights' storage per format (fp8 /
+    fp4: one quantisation call each) and the rest (an emulated quantised value), one at a time.
+    Made once per layout and kept in the UpdateTargets: the decisions per tensor were ~0.27 ms of
+    host time per update of gpu-848m's 242 tensors (this project's CPU machine)."""
 
+    kernel: list[int]
+    kernel_dests: list[torch.Tensor]
     copy: list[int]
     copy_dests: list[torch.Tensor]
     packed: dict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # format -> (positions, storage)
@@ -290,7 +349,7 @@ class WritePlan:
 
     @classmethod
     def of(cls, targets: "UpdateTargets", pairs: list[tuple[str, torch.Tensor]], fmt: str) -> "WritePlan":
-        copy, packed, other = [], {}, []
+        kernel, copy, packed, other = [], [], {}, []
         for i, (name, t) in enumerate(pairs):
             d = targets.dest[name]
             if name in targets.packed:
@@ -299,10 +358,11 @@ class WritePlan:
                 positions.append(i)
                 storages.append(storage)
             elif copied_unchanged(name, t, fmt, d.dtype) and t.device == d.device:
-                copy.append(i)
+                (kernel if tensor_copy_triton.copyable_but_source_strides(d, t) else copy).append(i)
             else:
                 other.append(i)
-        return cls(copy, [targets.dest[pairs[i][0]] for i in copy], packed, other)
+        dests = lambda positions: [targets.dest[pairs[i][0]] for i in positions]  # noqa: E731
+        return cls(kernel, dests(kernel), copy, dests(copy), packed, other)
 
 
 @torch.no_grad()
@@ -319,14 +379,13 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         key = (fmt, pairs.layout)
     else:
         pairs = list(pairs)
-        key = (fmt, layout_key(pairs))
+        key = (fmt, layout_key(pairs, targets))
     plan = targets.plans.get(key)
     if plan is None:
         if len(targets.plans) >= MAX_PLANS:  # e.g. many partial updates of different tensors
             targets.plans.clear()
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
-    if plan.copy:
-        _copy(plan.copy_dests, [pairs[i][1] for i in plan.copy])
+    _copy(plan, pairs, key)
     for kind, (positions, storages) in plan.packed.items():
         quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages)
     for i in plan.other:
@@ -335,15 +394,17 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
 
 
-def _copy(dests: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """dest.copy_(source) for every pair: one multi-tensor copy, or with tensor_copy_triton.WRITE_KERNEL
-    on, the pairs it can copy as bytes in one Triton launch and the rest (casts) by torch."""
-    if tensor_copy_triton.WRITE_KERNEL and _kernels_run(dests[0]):
-        by_kernel = [tensor_copy_triton.copyable(d, s) for d, s in zip(dests, sources)]
-        tensor_copy_triton.copy_many([d for d, k in zip(dests, by_kernel) if k],
-                                     [s for s, k in zip(sources, by_kernel) if k])
-        dests = [d for d, k in zip(dests, by_kernel) if not k]
-        sources = [s for s, k in zip(sources, by_kernel) if not k]
+def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
+    """Every unquantised tensor of the plan copied: those the byte copy may take in one Triton launch
+    per alignment (tensor_copy_triton.WRITE_KERNEL, on CUDA, where every source is contiguous), the
+    rest by one multi-tensor copy (which casts)."""
+    dests, sources = plan.copy_dests, [pairs[i][1] for i in plan.copy]
+    by_kernel = [pairs[i][1] for i in plan.kernel]
+    if (by_kernel and tensor_copy_triton.WRITE_KERNEL and _kernels_run(plan.kernel_dests[0])
+            and all(t.is_contiguous() for t in by_kernel)):
+        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key)
+    else:
+        dests, sources = dests + plan.kernel_dests, sources + by_kernel
     if dests:
         torch._foreach_copy_(dests, sources)
 

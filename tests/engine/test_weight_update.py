@@ -252,7 +252,7 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
     reference.update_weights(dict(weights), version=1)
     reads = []
     launch = wu._launch_finiteness
-    monkeypatch.setattr(wu, "_launch_finiteness", lambda pairs: reads.append(len(pairs)) or launch(pairs))
+    monkeypatch.setattr(wu, "_launch_finiteness", lambda pairs, *plan: reads.append(len(pairs)) or launch(pairs, *plan))
     engine.update_weights(wu.ValidatedUpdate.joined(parts, partial=False), version=1)
     assert reads == []  # no value read twice
     assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in engine.model.state_dict().items())
@@ -358,5 +358,38 @@ def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(mon
     engine.update_weights(weights, version=1)
     monkeypatch.setattr(tf, "FINITE_KERNEL", False)
     reference.update_weights(weights, version=1)
+    ref = reference.model.state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
+
+
+def _strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values in a view of the same shape whose storage is not dense: every other column of
+    a wider buffer (a byte copy or a linear read of it would take the wrong values)."""
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    view = wide[..., ::2]
+    view.copy_(t)
+    return view
+
+
+def test_a_layout_seen_contiguous_then_strided_is_still_copied_and_checked(monkeypatch):
+    """The kept plans fix names, dtypes and shapes, not strides: a later update of the same layout
+    whose sources are strided views (same shapes) is checked and written by torch, the same values."""
+    pytest.importorskip("triton")
+    from lockstep.engine import weight_update as wu
+
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    engine, reference = make_engine(seed=44), make_engine(seed=44)
+    engine.update_weights(trainer_weights(45), version=1)  # the plans made on contiguous sources
+    second = trainer_weights(46)
+    dest = engine.model.state_dict()
+    copied = next(n for n, t in second.items() if t.is_floating_point() and t.numel() > 1 and t.dtype == dest[n].dtype)
+    checked = [n for n, t in second.items() if t.dim() == 2 and t.dtype == torch.bfloat16][-1]  # not its group's first
+    bad = {**second, checked: second[checked].clone()}
+    bad[checked][-1, -1] = float("inf")  # past what a linear read of the strided view's first numel values sees
+    bad[checked] = _strided(bad[checked])
+    with pytest.raises(WeightUpdateError, match=rf"{checked}: 1 non-finite values"):
+        engine.update_weights(bad, version=2)
+    engine.update_weights({**second, copied: _strided(second[copied]), checked: _strided(second[checked])}, version=2)
+    reference.update_weights(second, version=1)
     ref = reference.model.state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
