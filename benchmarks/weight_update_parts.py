@@ -12,11 +12,12 @@ ratio to that bound, measured in the same run (one flat copy of the same bytes):
     python benchmarks/weight_update_parts.py --config gpu-848m --serving-format fp8 --packed
     python benchmarks/weight_update_parts.py --config cpu-tiny
 
-Parts: the walk; the finiteness check alone (`_foreach_norm` per dtype group) and with its host
-read, and by one Triton launch per dtype (tensor_finite_triton.py, where Triton runs);
-validate_update; the write (`_foreach_copy_`), and the same bytes copied tensor by tensor, in one
-Triton launch (tensor_copy_triton.py, where Triton runs) and as one flat copy (what a flat weight
-buffer would cost); the whole update with the walk. On a GPU the device time of each part (CUDA
+Parts: the walk; the finiteness check as the update makes it (tensor_finite_triton.py's kernel on
+CUDA) alone and with its host read, and by torch's norms (`_foreach_norm` per dtype group);
+validate_update; the same bytes copied by `_foreach_copy_`, tensor by tensor and by
+tensor_copy_triton.py's byte copy (where Triton runs), beside one flat copy (the bound: what a flat
+weight buffer would cost); the update's write; the whole update with the walk, and the same with
+both kernels off. On a GPU the device time of each part (CUDA
 events) is printed beside its wall time: a wall time far above the device time is host work the
 device waits on.
 """
@@ -74,6 +75,19 @@ def _args():
     return p.parse_args()
 
 
+def without_kernels(fn):
+    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL off (the update's
+    torch form against its kernels, same run)."""
+    def run():
+        saved = tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL
+        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = False
+        try:
+            return fn()
+        finally:
+            tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL = saved
+    return run
+
+
 def _finiteness_rows(pairs) -> dict:
     """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -82,9 +96,11 @@ def _finiteness_rows(pairs) -> dict:
             by_dtype.setdefault(t.dtype, []).append(t)
     groups = [g for g in by_dtype.values() if checkable(g)]
     rows = {"finiteness, launched": lambda: wu._launch_finiteness(pairs),
-            "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs))}
+            "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
+            "finiteness by torch's norms + host read": without_kernels(
+                lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)))}
     if groups:
-        rows[f"finiteness: one Triton launch per dtype ({sum(map(len, groups))} tensors), read"] = lambda: [
+        rows[f"finiteness kernel alone ({sum(map(len, groups))} tensors), read"] = lambda: [
             nonfinite_flags(g).tolist() for g in groups]
     return rows
 
@@ -97,22 +113,9 @@ def _copy_rows(pairs, targets) -> dict:
     rows = {"write: _foreach_copy_": lambda: torch._foreach_copy_(dests, sources),
             "write: copy_ per tensor": lambda: [d.copy_(s) for d, s in zip(dests, sources)]}
     if by_kernel:
-        rows[f"write: one Triton launch ({len(by_kernel)} of {len(pairs)} tensors)"] = lambda: copy_many(
+        rows[f"write: Triton byte copy ({len(by_kernel)} of {len(pairs)} tensors)"] = lambda: copy_many(
             [d for d, _ in by_kernel], [s for _, s in by_kernel])
     return rows
-
-
-def without_kernels(fn):
-    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL off (the update's
-    torch form against its kernels, same run)."""
-    def run():
-        saved = tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL
-        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = False
-        try:
-            return fn()
-        finally:
-            tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL = saved
-    return run
 
 
 def main() -> None:
