@@ -17,9 +17,10 @@ CUDA) alone and with its host read, and by torch's norms (`_foreach_norm` per dt
 validate_update; the same bytes copied by `_foreach_copy_`, tensor by tensor and by
 tensor_copy_triton.py's byte copy (where Triton runs), beside one flat copy (the bound: what a flat
 weight buffer would cost); the update's write; the whole update with the walk, and the same with
-both kernels off. On a GPU the device time of each part (CUDA
-events) is printed beside its wall time: a wall time far above the device time is host work the
-device waits on.
+both kernels off. On a GPU the device time of each part (CUDA events) is printed beside its wall
+time: a wall time far above the device time is host work the device waits on. The parts without a
+host read are also replayed from a CUDA graph ("graphed": their kernels alone, the host's
+preparation gone), as is the flat copy.
 """
 
 from __future__ import annotations
@@ -65,6 +66,34 @@ def timed(fn, device: torch.device, repeats: int) -> tuple[float, float | None]:
     return wall, (dev if cuda else None)
 
 
+def graphed(fn, repeats: int) -> float | None:
+    """Best device s of fn replayed from a CUDA graph over `repeats` replays: its kernels alone, the
+    host's preparation gone; None where fn cannot be captured (a host read, a pageable copy)."""
+    fn()  # warm: the kernels' launches prepared and kept (tensor_tables.PreparedLaunches)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as e:
+        print(f"  (not captured: {str(e).splitlines()[0][:100]})", flush=True)
+        torch.cuda.synchronize()
+        return None
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return best
+
+
+# the parts whose kernels are timed replayed from a CUDA graph too (no host read in them)
+GRAPHED = ("finiteness, launched", "finiteness kernel alone", "write: ", "write_served")
+
+
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="cpu-tiny", choices=sorted(_configs()))
@@ -100,8 +129,8 @@ def _finiteness_rows(pairs) -> dict:
             "finiteness by torch's norms + host read": without_kernels(
                 lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)))}
     if groups:
-        rows[f"finiteness kernel alone ({sum(map(len, groups))} tensors), read"] = lambda: [
-            nonfinite_flags(g).tolist() for g in groups]
+        rows[f"finiteness kernel alone ({sum(map(len, groups))} tensors)"] = lambda: [
+            nonfinite_flags(g) for g in groups]
     return rows
 
 
@@ -153,9 +182,16 @@ def main() -> None:
     if tensor_copy_triton.triton is not None:
         parts["the same, torch's copy and norms (kernels off)"] = without_kernels(
             parts["Engine.update_weights with the walk"])
+    if device.type == "cuda":
+        flat = graphed(lambda: flat_dst.copy_(flat_src), args.repeats)
+        print(f"flat copy from a CUDA graph {flat * 1e3:.3f} ms", flush=True)
     for label, fn in parts.items():
         wall, dev = timed(fn, device, args.repeats)
         on_device = f", device {dev * 1e3:8.3f} ms ({dev / bound:5.2f} of the bound)" if dev is not None else ""
+        kernels = (graphed(fn, args.repeats) if device.type == "cuda" and label.startswith(GRAPHED)
+                   and not (args.packed and label.startswith("write_served")) else None)
+        if kernels is not None:
+            on_device += f", graphed {kernels * 1e3:8.3f} ms ({kernels / bound:5.2f})"
         print(f"{label:50s} wall {wall * 1e3:8.3f} ms ({wall / bound:5.2f} of the bound){on_device}", flush=True)
 
 
