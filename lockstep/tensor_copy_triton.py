@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
+from lockstep.tensor_tables import PreparedLaunches, address_key, address_table, alignment_groups, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -58,7 +58,7 @@ def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout=None) -
     if layout is None:
         key = call_key((interpreted(),), srcs, [(d,) for d in dsts])
     else:
-        key = (interpreted(), layout, *[s.data_ptr() for s in srcs], *[d.data_ptr() for d in dsts])
+        key = address_key((interpreted(),), layout, [*srcs, *dsts])
     _PREPARED.launch(_copy_kernel, key, lambda: _launches([(d, s) for d, s in zip(dsts, srcs) if s.numel()]))
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment_groups, call_key,
+                                   chunk_table)
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -52,7 +53,7 @@ def nonfinite_flags(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
     if layout is None:
         key = call_key((interpreted(),), tensors, [])
     else:
-        key = (interpreted(), layout, *[t.data_ptr() for t in tensors])
+        key = address_key((interpreted(),), layout, tensors)
     _PREPARED.launch(_nonfinite_kernel, key, lambda: _launches(tensors), extra=(flags,))
     return flags
 

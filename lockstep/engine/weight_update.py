@@ -387,7 +387,7 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
     _copy(plan, pairs, key)
     for kind, (positions, storages) in plan.packed.items():
-        quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages)
+        quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages, (key, kind))
     for i in plan.other:
         name, t = pairs[i]
         d = targets.dest[name]

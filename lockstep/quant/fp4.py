@@ -186,10 +186,12 @@ def quantize_fp4_block(
 
 
 def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                             block: int = FP4_BLOCK) -> None:
+                             block: int = FP4_BLOCK, layout=None) -> None:
     """quantize_fp4_block(w, block, out=out) for every pair, those the kernel takes
     (`fp8_triton.eligible`) in one launch per group (fp4_triton.quantize_fp4_many_into): a weight
-    push writes all of an engine's fp4 experts at once."""
+    push writes all of an engine's fp4 experts at once. `layout`: as quantize_fp8_blocks_into's."""
+    if layout is not None and fp4_triton.launch_kept(ws, outs, block, layout):
+        return  # this layout's checks passed before (the weight update's kept WritePlan)
     batch = []
     for w, out in zip(ws, outs):
         if _kernel_takes(w, block):
@@ -198,7 +200,8 @@ def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
         else:
             quantize_fp4_block(w, block, out=out)
     if batch:
-        fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block)
+        fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block,
+                     layout if len(batch) == len(ws) else None)
 
 
 def _kernel_takes(w: torch.Tensor, block: int) -> bool:

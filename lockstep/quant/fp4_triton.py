@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, triton
-from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table,
+from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, _many_key, triton
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, launch_table,
                                     unit_stride)
 
 if triton is not None:
@@ -91,13 +91,21 @@ def _tiles(cols: int, block: int) -> tuple[int, int]:
     return max(1, 4096 // block_k), block_k
 
 
-def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> None:
+def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int,
+                           layout=None) -> None:
     """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage, one
     tile shape and one alignment (an fp8-fp4 engine's push: its routed experts in one launch, where a
     launch per tensor cost ~60 us of host time each), prepared once per set of tensors
     (tensor_tables.PreparedLaunches). w [..., K] (K even), packed [..., K/2] bytes (uint8 / int8 /
-    float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32)."""
-    _PREPARED.launch(_fp4_many_kernel, call_key((block,), ws, outs), lambda: _fp4_launches(ws, outs, block))
+    float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32). `layout`: as
+    fp8_triton.quantize_fp8_many_into's."""
+    _PREPARED.launch(_fp4_many_kernel, _many_key(ws, outs, (block,), layout), lambda: _fp4_launches(ws, outs, block))
+
+
+def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int, layout) -> bool:
+    """quantize_fp4_many_into's launch where one is kept for this `layout` and these addresses (the
+    caller's checks passed on them before): whether it was launched."""
+    return _PREPARED.launch_kept(_fp4_many_kernel, _many_key(ws, outs, (block,), layout))
 
 
 _PREPARED = PreparedLaunches()
@@ -113,7 +121,7 @@ def _fp4_launches(ws, outs, block: int) -> tuple[list, list[torch.Tensor]]:
         if not (packed.is_contiguous() and scale.is_contiguous()):
             raise ValueError("the Triton fp4 kernel writes contiguous packed bytes and scales")
         if w.numel():
-            w2 = unit_stride(w.reshape(-1, w.shape[-1]), copies)
+            w2 = unit_stride(w, (-1, w.shape[-1]), copies)
             scale_bytes = scale.dtype in BYTE_DTYPES
             p2 = _bytes(packed).view(-1, packed.shape[-1])
             align = alignment([w2.data_ptr(), p2.data_ptr()], [w2.stride(0), w2.shape[1]])

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key, launch_table,
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment, call_key, launch_table,
                                     unit_stride)
 from lockstep.triton_support import interpreted, load_triton
 
@@ -209,13 +209,30 @@ def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int
 
 
 def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                           block: tuple[int, int], scale_fmt: str) -> None:
+                           block: tuple[int, int], scale_fmt: str, layout=None) -> None:
     """quantize_fp8_into for many tensors: one launch per group of one w dtype, one scale storage and
     one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor
     cost ~60 us of host time each, ~80 tensors on gpu-848m), prepared once per set of tensors
-    (`PreparedLaunches`). Block and scale rules as quantize_fp8_into."""
-    _PREPARED.launch(_fp8_many_kernel, call_key((tuple(block), scale_fmt, interpreted()), ws, outs),
+    (`PreparedLaunches`; by `layout` and addresses where given, `_many_key`). Block and scale rules as
+    quantize_fp8_into."""
+    _PREPARED.launch(_fp8_many_kernel, _many_key(ws, outs, (tuple(block), scale_fmt, interpreted()), layout),
                      lambda: _fp8_launches(ws, outs, block, scale_fmt))
+
+
+def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: tuple[int, int],
+                scale_fmt: str, layout) -> bool:
+    """quantize_fp8_many_into's launch where one is kept for this `layout` and these addresses (the
+    caller's checks passed on them before): whether it was launched."""
+    return _PREPARED.launch_kept(_fp8_many_kernel, _many_key(ws, outs, (tuple(block), scale_fmt, interpreted()), layout))
+
+
+def _many_key(ws, outs, settings: tuple, layout) -> tuple:
+    """A many-tensor quantisation's PreparedLaunches key: by the layout and the addresses where the
+    caller gives a layout (it fixes every dtype and shape) and every w is contiguous, else by every
+    tensor's full key. fp4_triton's too."""
+    if layout is not None and all(w.is_contiguous() for w in ws):
+        return address_key(settings, layout, [*ws, *(t for out in outs for t in out)])
+    return call_key(settings, ws, outs)
 
 
 _PREPARED = PreparedLaunches()
@@ -235,7 +252,7 @@ def _fp8_launches(ws, outs, block, scale_fmt) -> tuple[list, list[torch.Tensor]]
             raise ValueError("the Triton fp8 kernel writes contiguous q and scale")
         if w.numel():
             *_, rows, cols = w.shape
-            w3 = unit_stride(w.reshape(-1, rows, cols), copies)
+            w3 = unit_stride(w, (-1, rows, cols), copies)
             groups.setdefault((w.dtype, scale.dtype in BYTE_DTYPES,
                                alignment([w3.data_ptr(), q.data_ptr()], [*w3.stride()[:2], cols])), []).append(
                 (w3, _bytes(q), _bytes(scale) if scale.dtype in BYTE_DTYPES else scale))

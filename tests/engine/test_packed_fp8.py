@@ -121,6 +121,48 @@ def test_update_quantises_every_packed_weight_in_few_kernel_launches(monkeypatch
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
+def test_a_second_update_of_a_layout_takes_its_kept_launch(monkeypatch, fmt):
+    """A push every step sends one layout from the same tensors (the trainer's): from the second update
+    on, the packed weights' per-weight checks are skipped and the kept launch is found by the layout
+    and the addresses (host time the device waits on). Its bytes are the reference's; a strided
+    source (same address and shape) takes the full path, whose launch reads its strides."""
+    pytest.importorskip("triton")
+    from lockstep.quant import fp4, fp8, fp8_triton
+
+    def bf16(seed):
+        return {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
+                for k, v in tiny_dsv4(seed).state_dict().items()}
+
+    second = bf16(49)
+    reference = make_engine(model=tiny_dsv4(47), serving_format=fmt, packed_fp8=True, packed_experts=True)
+    reference.update_weights(second, version=1)  # the per-weight path (no kernel on the CPU)
+    engine = make_engine(model=tiny_dsv4(47), serving_format=fmt, packed_fp8=True, packed_experts=True)
+    monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
+    source = bf16(48)
+    engine.update_weights(source, version=1)
+    checks = []
+    for module in (fp8, fp4):
+        monkeypatch.setattr(module, "_check_out", lambda *a, real=module._check_out: checks.append(a) or real(*a))
+    for name, t in source.items():  # the trainer's step: new values in the same tensors
+        t.copy_(second[name])
+    engine.update_weights(source, version=2)
+    assert checks == []
+    stores, ref_stores = packed_weights(engine.model), packed_weights(reference.model)
+
+    def same_bytes():
+        return all(torch.equal(got.view(torch.uint8), want.view(torch.uint8)) for name, p in stores.items()
+                   for got, want in zip(p.packed_target()[1], ref_stores[name].packed_target()[1]))
+
+    assert same_bytes()
+    name = next(n for n in stores if second[n].dim() >= 2 and second[n].shape[-1] == second[n].shape[-2])
+    strided = source[name].transpose(-1, -2)  # the kept launch's address and shape, not its strides
+    reference.update_weights({**second, name: strided.contiguous()}, version=2)
+    engine.update_weights({**source, name: strided}, version=3)
+    assert checks  # the full path
+    assert same_bytes()
+
+
 def test_partial_update_of_one_packed_weight():
     """A bucket holding one fused fp8 weight rewrites that weight's rows and scales only."""
     engine = make_engine(seed=45, serving_format="fp8", packed_fp8=True)

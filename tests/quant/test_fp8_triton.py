@@ -260,6 +260,13 @@ def test_a_repeated_call_launches_what_it_prepared_once(monkeypatch, fmt):
         call(transposed, out)
         _same(out[0], reference(transposed[0].cpu()))
     assert len(prepared) == 4
+    # transposed experts: fp4's rows by reshape are a copy (read after it was freed, they were garbage)
+    experts = [_wide((2, 128, 128), torch.bfloat16, seed=43).to(DEVICE).transpose(-1, -2)]
+    for _ in range(2):
+        out = outputs(experts)
+        call(experts, out)
+        _same(out[0], reference(experts[0].cpu()))
+    assert len(prepared) == 6  # each call reads its own copy: not kept
 
 
 def test_quantize_functions_route_cuda_tensors_to_the_kernels(monkeypatch):

@@ -57,15 +57,17 @@ BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 
 @torch.no_grad()
-def quantise_packed(kind: str, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def quantise_packed(kind: str, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
+                    layout=None) -> None:
     """ws into packed storage outs [(bytes, scales)] of `kind`, in place: "fp8", e4m3 with FP8_SCALE_FMT
     128x128 block scales; "fp4", e2m1 with e8m0 scales per FP4_BLOCK. Many weights at once (on CUDA
     one kernel launch per group): the one rule for every packed weight's load_ and for a weight
-    update's writes (engine/weight_update.write_served)."""
+    update's writes (engine/weight_update.write_served, which passes its plan's `layout`:
+    quant/fp8.quantize_fp8_blocks_into says what for)."""
     if kind == "fp8":
-        quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT)
+        quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT, layout=layout)
     elif kind == "fp4":
-        quantize_fp4_blocks_into(ws, outs)
+        quantize_fp4_blocks_into(ws, outs, layout=layout)
     else:
         raise ValueError(f"packed storage is fp8 or fp4, got {kind!r}")
 
