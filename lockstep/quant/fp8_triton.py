@@ -43,8 +43,8 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment, call_key, launch_table,
-                                    unit_stride)
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment, call_key,
+                                    launch_table, unit_stride)
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
@@ -223,7 +223,8 @@ def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Ten
                 scale_fmt: str, layout) -> bool:
     """quantize_fp8_many_into's launch where one is kept for this `layout` and these addresses (the
     caller's checks passed on them before): whether it was launched."""
-    return _PREPARED.launch_kept(_fp8_many_kernel, _many_key(ws, outs, (tuple(block), scale_fmt, interpreted()), layout))
+    settings = (tuple(block), scale_fmt, interpreted())
+    return _PREPARED.launch_kept(_fp8_many_kernel, _many_key(ws, outs, settings, layout))
 
 
 def _many_key(ws, outs, settings: tuple, layout) -> tuple:
