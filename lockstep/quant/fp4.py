@@ -201,7 +201,7 @@ def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
             quantize_fp4_block(w, block, out=out)
     if batch:
         fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block,
-                     layout if len(batch) == len(ws) else None)
+                                          layout if len(batch) == len(ws) else None)
 
 
 def _kernel_takes(w: torch.Tensor, block: int) -> bool:

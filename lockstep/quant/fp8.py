@@ -171,7 +171,7 @@ def quantize_fp8_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
             quantize_fp8_block(w, block, scale_fmt, out=out)
     if batch:
         fp8_triton.quantize_fp8_many_into([w for w, _ in batch], [out for _, out in batch], block, scale_fmt,
-                     layout if len(batch) == len(ws) else None)
+                                          layout if len(batch) == len(ws) else None)
 
 
 def _kernel_takes(w: torch.Tensor, block: tuple[int, int]) -> bool:
