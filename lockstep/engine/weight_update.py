@@ -16,10 +16,15 @@ keeps serving the previous version. What passed is a `ValidatedUpdate`, which up
 writes without checking again (a bucketed push validates each bucket as it stages it, then joins
 them: weight_push.py). Then each tensor is replaced by its served value
 (`serving_format.served_value`: dequant(quant(w)) in the destination's dtype) and copied in
-place: the unquantised ones in one multi-tensor copy, the others one at a time, so the peak extra
-memory is one tensor's served value. Quantisation cannot fail halfway:
-the shapes equal the model's, which were quantised when the engine was built. A weight held packed
-(packed_weights.py: fp8 bytes + block scales) is quantised straight into its storage instead.
+place: the unquantised ones together (on CUDA a byte copy of the same-dtype ones,
+tensor_copy_triton.py, and one multi-tensor copy of those that cast), the others one at a time, so
+the peak extra memory is one tensor's served value. Quantisation cannot fail halfway: the shapes
+equal the model's, which were quantised when the engine was built. A weight held packed
+(packed_weights.py: fp8 bytes + block scales) is quantised straight into its storage instead. On
+CUDA the finiteness check is tensor_finite_triton.py's kernel. What depends only on an update's
+layout (names, dtypes, shapes: the checks, which tensor goes where) is decided once per layout and
+kept in the engine's UpdateTargets: a push sends one layout every step, and per-tensor host work
+before the launches is time the device waits on.
 
 What depends on the weights (the rollout caches) is the engine's to flush afterwards.
 """
