@@ -119,11 +119,8 @@ def without_kernels(fn):
 
 def _finiteness_rows(pairs) -> dict:
     """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for _, t in pairs:
-        if t.is_floating_point() and t.numel():
-            by_dtype.setdefault(t.dtype, []).append(t)
-    groups = [g for g in by_dtype.values() if checkable(g)]
+    groups = [g for g in ([pairs[i][1] for i in positions] for positions in wu.ValuePlan.of(pairs).groups)
+              if checkable(g)]
     rows = {"finiteness, launched": lambda: wu._launch_finiteness(pairs),
             "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
             "finiteness by torch's norms + host read": without_kernels(

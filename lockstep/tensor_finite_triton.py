@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment_groups, call_key,
-                                   chunk_table)
+from lockstep.tensor_tables import W_DTYPES, PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -50,11 +49,8 @@ def nonfinite_flags(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
     not waited for (each `checkable` together). `layout`: a key the caller vouches fixes every
     tensor's dtype and shape (tensor_copy_triton.copy_many's, likewise)."""
     flags = torch.zeros(len(tensors), dtype=torch.int32, device=tensors[0].device)
-    if layout is None:
-        key = call_key((interpreted(),), tensors, [])
-    else:
-        key = address_key((interpreted(),), layout, tensors)
-    _PREPARED.launch(_nonfinite_kernel, key, lambda: _launches(tensors), extra=(flags,))
+    _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), tensors, [], layout), lambda: _launches(tensors),
+                     extra=(flags,))
     return flags
 
 

@@ -258,7 +258,7 @@ class ValidatedUpdate(list):
             raise ValueError("ValidatedUpdate.joined takes one or more parts validated against the same targets")
         pairs = [pair for part in parts for pair in part]
         _check_names(parts[0].model, parts[0].targets, [name for name, _ in pairs], partial)
-        return cls(pairs, parts[0].model, parts[0].targets, partial, sum((part.layout for part in parts), ()))
+        return cls(pairs, parts[0].model, parts[0].targets, partial, Layout(sum((part.layout for part in parts), ())))
 
 
 def _check_names(model: torch.nn.Module, targets: UpdateTargets, names: list[str], partial: bool) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_key, address_table, alignment, call_key,
+from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key,
                                     launch_table, unit_stride)
 from lockstep.triton_support import interpreted, load_triton
 
@@ -228,12 +228,10 @@ def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Ten
 
 
 def _many_key(ws, outs, settings: tuple, layout) -> tuple:
-    """A many-tensor quantisation's PreparedLaunches key: by the layout and the addresses where the
-    caller gives a layout (it fixes every dtype and shape) and every w is contiguous, else by every
-    tensor's full key. fp4_triton's too."""
-    if layout is not None and all(w.is_contiguous() for w in ws):
-        return address_key(settings, layout, [*ws, *(t for out in outs for t in out)])
-    return call_key(settings, ws, outs)
+    """A many-tensor quantisation's PreparedLaunches key (`call_key`): by the layout and the addresses
+    where the caller gives a layout (it fixes every dtype and shape) and every w is contiguous (the
+    layout fixes no strides). fp4_triton's too."""
+    return call_key(settings, ws, outs, layout if layout is not None and all(w.is_contiguous() for w in ws) else None)
 
 
 _PREPARED = PreparedLaunches()
