@@ -16,8 +16,9 @@ Parts: the walk; the finiteness check as the update makes it (tensor_finite_trit
 CUDA) alone and with its host read, and by torch's norms (`_foreach_norm` per dtype group);
 validate_update; the same bytes copied by `_foreach_copy_`, tensor by tensor and by
 tensor_copy_triton.py's byte copy (where Triton runs), beside one flat copy (the bound: what a flat
-weight buffer would cost); the update's write; the whole update with the walk, and the same with
-both kernels off. On a GPU the device time of each part (CUDA events) is printed beside its wall
+weight buffer would cost); the update's write; the whole update with the walk, the same with
+both kernels off, and with its checks read before the write is launched (no gate:
+weight_update.DeviceChecks). On a GPU the device time of each part (CUDA events) is printed beside its wall
 time: a wall time far above the device time is host work the device waits on. The parts without a
 host read are also replayed from a CUDA graph ("graphed": their kernels alone, the host's
 preparation gone), as is the flat copy.
@@ -117,6 +118,17 @@ def without_kernels(fn):
     return run
 
 
+def ungated(fn):
+    """fn with weight_update.GATED_WRITE off: the update's checks read before its write is launched."""
+    def run():
+        wu.GATED_WRITE = False
+        try:
+            return fn()
+        finally:
+            wu.GATED_WRITE = True
+    return run
+
+
 def _finiteness_rows(pairs) -> dict:
     """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
     groups = [g for g in ([pairs[i][1] for i in positions] for positions in wu.ValuePlan.of(pairs).groups)
@@ -178,6 +190,8 @@ def main() -> None:
     }
     if tensor_copy_triton.triton is not None:
         parts["the same, torch's copy and norms (kernels off)"] = without_kernels(
+            parts["Engine.update_weights with the walk"])
+        parts["the same, checks read before the write (no gate)"] = ungated(
             parts["Engine.update_weights with the walk"])
     if device.type == "cuda":
         flat = graphed(lambda: flat_dst.copy_(flat_src), args.repeats)

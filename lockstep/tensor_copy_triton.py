@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from lockstep.tensor_tables import PreparedLaunches, address_table, alignment_groups, call_key, chunk_table
+from lockstep.tensor_tables import (PreparedLaunches, address_table, alignment_groups, call_key, chunk_table,
+                                    open_gate)
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()
@@ -50,13 +51,18 @@ def copyable_but_source_strides(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and (dst.is_cuda or interpreted()) and dst.is_contiguous() and not torch.compiler.is_compiling())
 
 
-def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout=None) -> None:
+def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout=None,
+              gate: torch.Tensor | None = None) -> None:
     """dst.copy_(src) for every pair (each `copyable`), in a launch per alignment, prepared once per set
     of tensors (tensor_tables.PreparedLaunches). `layout`: a key the caller vouches fixes every
     pair's dtype and shape (weight_update's WritePlan), so that only the addresses are read per call
-    (each tensor's full key was ~0.15 ms of host time for gpu-848m's 242 pairs, the device idle)."""
+    (each tensor's full key was ~0.15 ms of host time for gpu-848m's 242 pairs, the device idle).
+    `gate`: an int32 [1] on the device; where it holds anything but 0 when the launch runs, nothing
+    is written (a weight update's checks close it: tensor_finite_triton.nonfinite_flags' gate)."""
     key = call_key((interpreted(),), srcs, [(d,) for d in dsts], layout)
-    _PREPARED.launch(_copy_kernel, key, lambda: _launches([(d, s) for d, s in zip(dsts, srcs) if s.numel()]))
+    gate = open_gate(dsts[0].device) if gate is None else gate
+    _PREPARED.launch(_copy_kernel, key, lambda: _launches([(d, s) for d, s in zip(dsts, srcs) if s.numel()]),
+                     extra=(gate,))
 
 
 _PREPARED = PreparedLaunches()
@@ -85,17 +91,19 @@ def _launches(pairs) -> tuple[list, list]:
 if triton is not None:
 
     @triton.jit
-    def _copy_kernel(addr_ptr, tensor_ptr, local_ptr, T, CHUNK: tl.constexpr, TILE: tl.constexpr,
+    def _copy_kernel(addr_ptr, tensor_ptr, local_ptr, T, gate_ptr, CHUNK: tl.constexpr, TILE: tl.constexpr,
                      ALIGN: tl.constexpr):
         """Bytes [local * CHUNK, (local + 1) * CHUNK) of pair `tensor`: addr rows are the sources,
-        the destinations and the sizes in bytes, T pairs each. The offsets within the chunk are int32
-        (the chunk's start is added to the pointers once): int64 offsets took a register each."""
+        the destinations and the sizes in bytes, T pairs each; none where the gate is closed (its
+        bytes masked, left 0). The offsets within the chunk are int32 (the chunk's start is added
+        to the pointers once): int64 offsets took a register each."""
         pid = tl.program_id(0)
         t = tl.load(tensor_ptr + pid)
         start = tl.load(local_ptr + pid).to(tl.int64) * CHUNK
         src = table_pointer(addr_ptr + t, 3, ALIGN) + start
         dst = table_pointer(addr_ptr + T + t, 3, ALIGN) + start
         left = tl.minimum(table_int(addr_ptr + 2 * T + t, ALIGN) - start, CHUNK).to(tl.int32)
+        left = tl.where(tl.load(gate_ptr) == 0, left, 0)
         for step in tl.static_range(CHUNK // TILE):
             offs = step * TILE + tl.arange(0, TILE)
             mask = offs < left

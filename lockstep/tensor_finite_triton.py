@@ -44,14 +44,17 @@ def checkable(tensors: list[torch.Tensor]) -> bool:
             and (tensors[0].is_cuda or interpreted()))
 
 
-def nonfinite_flags(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
+def nonfinite_flags(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """int32 [len(tensors)] on their device, 1 where a tensor holds a NaN or an inf, else 0; launched,
     not waited for (each `checkable` together). `layout`: a key the caller vouches fixes every
-    tensor's dtype and shape (tensor_copy_triton.copy_many's, likewise)."""
-    flags = torch.zeros(len(tensors), dtype=torch.int32, device=tensors[0].device)
+    tensor's dtype and shape (tensor_copy_triton.copy_many's, likewise). `gate`: an int32 [1] the
+    kernel raises to 1 where any value is not finite, so that a write gated on it (copy_many's
+    `gate`) writes nothing, with no wait for the flags in between (engine/weight_update.py)."""
+    flags = torch.zeros(len(tensors) + (gate is None), dtype=torch.int32, device=tensors[0].device)
+    gate = flags[-1:] if gate is None else gate
     _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), tensors, [], layout), lambda: _launches(tensors),
-                     extra=(flags,))
-    return flags
+                     extra=(flags, gate))
+    return flags[:len(tensors)]
 
 
 _PREPARED = PreparedLaunches()
@@ -77,8 +80,8 @@ def _launches(tensors) -> tuple[list, list]:
 if triton is not None:
 
     @triton.jit
-    def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, T, flags_ptr, KIND: tl.constexpr, CHUNK: tl.constexpr,
-                          TILE: tl.constexpr, ALIGN: tl.constexpr):
+    def _nonfinite_kernel(addr_ptr, tensor_ptr, local_ptr, T, flags_ptr, gate_ptr, KIND: tl.constexpr,
+                          CHUNK: tl.constexpr, TILE: tl.constexpr, ALIGN: tl.constexpr):
         """Values [local * CHUNK, (local + 1) * CHUNK) of tensor `tensor`: addr rows are the addresses,
         the sizes in values and each tensor's flag index, T tensors each. Offsets within the chunk
         are int32, its start added to the pointer once (as tensor_copy_triton's)."""
@@ -94,3 +97,4 @@ if triton is not None:
             bad = tl.maximum(bad, ((x - x) != 0.0).to(tl.int32))
         if tl.max(bad, axis=0) > 0:
             tl.atomic_max(flags_ptr + tl.load(addr_ptr + 2 * T + t), 1)
+            tl.atomic_max(gate_ptr, 1)

@@ -44,6 +44,13 @@ def alignment_groups(addresses: list[list[int]], sizes: list[int]) -> dict[int, 
     return groups
 
 
+@functools.lru_cache(maxsize=8)
+def open_gate(device: torch.device) -> torch.Tensor:
+    """A write gate that stays 0, never written: the `gate` of a many-tensor write no check gates (a
+    gated write, engine/weight_update.DeviceChecks, writes nothing where its gate is not 0)."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def unit_stride(t: torch.Tensor, shape: tuple, copies: list[torch.Tensor]) -> torch.Tensor:
     """t as `shape` with its last stride 1 (the kernels read rows): a view of t where one is, else a
     copy, noted in `copies` (kept alive for the launch, which is then not kept: PreparedLaunches).

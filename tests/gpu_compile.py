@@ -225,7 +225,7 @@ def quantise_ptx(fmt: str, align: int, scale_bytes: bool = True) -> str:
     from lockstep.quant import fp4_triton as q4
     from lockstep.quant import fp8_triton as q8
 
-    tables = dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32")
+    tables = dict(addr_ptr=I64, meta_ptr=I64, tensor_ptr="*i32", local_ptr="*i32", gate_ptr="*i32")
     if fmt == "fp8":
         return ptx(q8._fp8_many_kernel, tables, {"T"}, num_warps=4, W_DTYPE=0, BLOCK_R=128, BLOCK_C=128,
                    CHUNK_R=q8.CHUNK_ROWS, UE8M0=True, SCALE_BYTES=scale_bytes, ALIGN=align, HW=True)
@@ -248,7 +248,7 @@ def copy_ptx(align: int) -> str:
     """The weight update's many-tensor byte copy (tensor_copy_triton.py) with ALIGN `align`."""
     from lockstep import tensor_copy_triton as tc
 
-    return ptx(tc._copy_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32"), {"T"},
+    return ptx(tc._copy_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32", gate_ptr="*i32"), {"T"},
                CHUNK=tc.CHUNK if align > 1 else tc.BYTE_CHUNK,
                TILE=tc.TILE if align > 1 else tc.BYTE_TILE, ALIGN=align)
 
@@ -257,8 +257,8 @@ def nonfinite_ptx(align: int) -> str:
     """The weight update's many-tensor finiteness check (tensor_finite_triton.py) on bf16, ALIGN `align`."""
     from lockstep import tensor_finite_triton as tf
 
-    return ptx(tf._nonfinite_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32", flags_ptr="*i32"),
-               {"T"}, KIND=0, CHUNK=tf.CHUNK, TILE=tf.TILE, ALIGN=align)
+    return ptx(tf._nonfinite_kernel, dict(addr_ptr=I64, tensor_ptr="*i32", local_ptr="*i32", flags_ptr="*i32",
+                                          gate_ptr="*i32"), {"T"}, KIND=0, CHUNK=tf.CHUNK, TILE=tf.TILE, ALIGN=align)
 
 
 def vector_accesses(kernel: str, align: int) -> str:

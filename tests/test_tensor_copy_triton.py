@@ -52,3 +52,14 @@ def test_what_it_cannot_copy_is_refused():
     assert not tc.copyable(a, torch.zeros(4, 4, device=DEVICE).t())  # not contiguous
     assert not tc.copyable(a, torch.zeros(16, device=DEVICE))  # another shape
 
+
+
+def test_a_closed_gate_writes_nothing_and_is_read_when_the_launch_runs():
+    srcs = [s.to(DEVICE) for s in _sources()]
+    dsts = [torch.full_like(s, 7) for s in srcs]
+    gate = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    tc.copy_many(dsts, srcs, gate=gate)
+    assert all(torch.equal(d, torch.full_like(d, 7)) for d in dsts)
+    gate.zero_()  # the kept launch again: the gate's value when it runs decides
+    tc.copy_many(dsts, srcs, gate=gate)
+    assert all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in zip(dsts, srcs) if s.numel())

@@ -49,3 +49,13 @@ def test_the_launch_is_prepared_once_for_the_same_tensors():
     for _ in range(3):
         assert tf.nonfinite_flags(tensors).tolist() == [0, 0]
     assert len(tf._PREPARED._entries) == 1
+
+
+def test_the_gate_is_closed_by_any_tensor_holding_nan_or_inf():
+    tensors = [torch.ones(40, device=DEVICE), torch.ones(tf.CHUNK + 3, device=DEVICE)]
+    gate = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert tf.nonfinite_flags(tensors, gate=gate).tolist() == [0, 0] and gate.item() == 0
+    tensors[1][-1] = float("inf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the interpreter's numpy on inf - inf
+        assert tf.nonfinite_flags(tensors, gate=gate).tolist() == [0, 1] and gate.item() == 1

@@ -21,10 +21,12 @@ tensor_copy_triton.py, and one multi-tensor copy of those that cast), the others
 the peak extra memory is one tensor's served value. Quantisation cannot fail halfway: the shapes
 equal the model's, which were quantised when the engine was built. A weight held packed
 (packed_weights.py: fp8 bytes + block scales) is quantised straight into its storage instead. On
-CUDA the finiteness check is tensor_finite_triton.py's kernel. What depends only on an update's
-layout (names, dtypes, shapes: the checks, which tensor goes where) is decided once per layout and
-kept in the engine's UpdateTargets: a push sends one layout every step, and per-tensor host work
-before the launches is time the device waits on.
+CUDA the finiteness check is tensor_finite_triton.py's kernel, and where the byte copy is the whole
+write (a bf16 engine's), that write is launched before the checks are read, gated on them on the
+device (DeviceChecks): a failed check closes the gate and the copy writes nothing. What depends
+only on an update's layout (names, dtypes, shapes: the checks, which tensor goes where) is decided
+once per layout and kept in the engine's UpdateTargets: a push sends one layout every step, and
+per-tensor host work before the launches is time the device waits on.
 
 What depends on the weights (the rollout caches) is the engine's to flush afterwards.
 """
@@ -38,7 +40,7 @@ from typing import Iterable, Mapping
 import torch
 
 from lockstep import tensor_copy_triton, tensor_finite_triton
-from lockstep.models.layers.fp8_linear import packed_weights, quantise_packed
+from lockstep.models.layers.fp8_linear import gatable, packed_weights, quantise_packed
 from lockstep.quant.serving_format import copied_unchanged, served_value
 
 
@@ -83,16 +85,19 @@ def _check_one(name: str, t, dest: torch.Tensor) -> None:
 
 
 def _launch_expert_extremes(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None,
-                            tables: list[int] | None = None) -> tuple[list, list]:
+                            tables: list[int] | None = None, gate: torch.Tensor | None = None) -> tuple[list, list]:
     """Start the range check of every hash table (tid2eid; `tables`: their positions in pairs, where a
     ValuePlan knows them) without waiting for it: (the tables' names, [their (min, max) pairs as one
-    tensor on the device]); `_read_device_checks` reads it."""
+    tensor on the device]); `_read_device_checks` reads it. An id out of range closes `gate`."""
     tables = [pairs[i] for i in (tables if tables is not None else ValuePlan.hash_tables(pairs))]
     if n_experts is None or not tables:
         return [], []
     device = tables[0][1].device
-    extremes = torch.stack([torch.stack([t.min(), t.max()]).to(device, torch.long) for _, t in tables])
-    return [name for name, _ in tables], [extremes.flatten()]
+    # (min, max) of each table in turn: a launch a table and one stack (four a table were host time)
+    extremes = torch.stack([v.to(device, torch.long) for _, t in tables for v in torch.aminmax(t)])
+    if gate is not None:
+        gate.add_(((extremes[0::2] < 0) | (extremes[1::2] >= n_experts)).any().to(gate.device))
+    return [name for name, _ in tables], [extremes]
 
 
 def _check_expert_ids(names: list[str], extremes: list[int], n_experts: int | None) -> None:
@@ -145,17 +150,17 @@ class ValuePlan:
 
 
 def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan | None = None,
-                       layout: tuple | None = None) -> tuple[list, list]:
+                       layout: tuple | None = None, gate: torch.Tensor | None = None) -> tuple[list, list]:
     """Start the finiteness check of every floating tensor of `pairs` without waiting for it: (the
     floating pairs, [(a group's pairs, whether each one is finite, on the device)]). One launch per
     (device, dtype) group (`plan`'s, where the caller keeps one for `layout`): torch's multi-tensor
     norm takes one dtype, a mixed list fell back to a kernel per tensor (240 launches, 5.6 ms of
-    validation on gpu-848m)."""
+    validation on gpu-848m). A value that may not be finite closes `gate`."""
     plan = plan or ValuePlan.of(pairs)
     launched = []
     for g, positions in enumerate(plan.groups):
         items = [pairs[i] for i in positions]
-        launched.append((items, _finite([t for _, t in items], None if layout is None else (layout, g))))
+        launched.append((items, _finite([t for _, t in items], None if layout is None else (layout, g), gate)))
     return [pairs[i] for i in plan.floats], launched
 
 
@@ -168,17 +173,22 @@ def _kernels_run(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRETED_KERNELS
 
 
-def _finite(tensors: list[torch.Tensor], layout=None) -> torch.Tensor:
+def _finite(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None) -> torch.Tensor:
     """bool [len(tensors)] on the device, whether each tensor's values are all finite (one dtype):
     with tensor_finite_triton.FINITE_KERNEL on (the default), that kernel's exact flags; else (or
     where it cannot read them) isfinite of their 2-norms. `layout`: a key fixing the tensors' dtypes
-    and shapes (ValuePlan's), so that only their contiguity is checked each call."""
+    and shapes (ValuePlan's), so that only their contiguity is checked each call. `gate` is closed
+    where a flag is raised, or a norm is not finite (which finite values above ~1e19 can make:
+    DeviceChecks.confirm tells)."""
     tf = tensor_finite_triton
     if tf.FINITE_KERNEL and _kernels_run(tensors[0]) and (
             tf.checkable(tensors) if layout is None
             else tf.checkable(tensors[:1]) and all(t.is_contiguous() for t in tensors)):
-        return tf.nonfinite_flags(tensors, layout) == 0
-    return torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
+        return tf.nonfinite_flags(tensors, layout, gate) == 0
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
+    if gate is not None:
+        gate.add_((~finite).any().to(gate.device))
+    return finite
 
 
 def _first_nonfinite(floats: list, launched: list, flags: list[list] | None = None) -> tuple[str, int] | None:
@@ -239,23 +249,58 @@ class UpdateTargets:
                    storage_keys(dest))
 
 
+@dataclass
+class DeviceChecks:
+    """An update's value checks launched on the device and not yet read (validate_update's
+    `confirm=False`): the finiteness flags (_launch_finiteness), the hash tables' extremes and,
+    where every check can close it, `gate` (int32 [1] on the update's device: 0 while every check
+    passes). A write gated on it (write_served's `gate`) runs before the read and writes nothing
+    where a check failed, so the host's work on the write overlaps the checks' kernels instead of
+    waiting for their flags (gpu-848m's bf16 update: the read between them was ~0.4 ms of host
+    preparation the device waited on)."""
+
+    finiteness: tuple
+    tables: list[str]
+    extremes: list[torch.Tensor]
+    n_experts: int | None
+    gate: torch.Tensor | None
+
+    def confirm(self) -> bool:
+        """Read every check in one host read; raise WeightUpdateError naming the first failure. Returns
+        whether the gate was closed though every check passed (a norm overflowing on finite values,
+        only where the norms stand in for the kernel): a gated write then wrote nothing."""
+        parts = [finite for _, finite in self.finiteness[1]] + self.extremes
+        flags = _read_device_checks(parts + ([self.gate] if self.gate is not None else []))
+        closed = bool(flags.pop()[0]) if self.gate is not None else False
+        _check_expert_ids(self.tables, flags.pop() if self.extremes else [], self.n_experts)
+        nonfinite = _first_nonfinite(*self.finiteness, flags)
+        if nonfinite is not None:
+            raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")
+        return closed
+
+
 class ValidatedUpdate(list):
     """(name, tensor) pairs that passed validate_update's checks against `model` (made only by
     validate_update and `joined`): update_weights writes them without checking them again, which
     would read every value a second time (a bucketed push validates each bucket as it stages it).
-    Its tensors are not copied: whoever holds one must not change them before it is written."""
+    Its tensors are not copied: whoever holds one must not change them before it is written. Made
+    with `confirm=False`, `checks` holds its value checks still on the device: update_weights
+    writes it gated on them, then reads them (DeviceChecks)."""
 
-    def __init__(self, pairs, model: torch.nn.Module, targets: UpdateTargets, partial: bool, layout: tuple):
+    def __init__(self, pairs, model: torch.nn.Module, targets: UpdateTargets, partial: bool, layout: tuple,
+                 checks: DeviceChecks | None = None):
         super().__init__(pairs)
         self.model, self.targets, self.partial, self.layout = model, targets, partial, layout
+        self.checks = checks
 
     @classmethod
     def joined(cls, parts: "list[ValidatedUpdate]", partial: bool) -> "ValidatedUpdate":
         """Parts of one update validated apart (each partial, against the same targets): the names
         are checked across them (sent twice; missing, unless partial); their values were checked."""
         if not parts or any(part.model is not parts[0].model or part.targets is not parts[0].targets
-                            for part in parts):
-            raise ValueError("ValidatedUpdate.joined takes one or more parts validated against the same targets")
+                            or part.checks is not None for part in parts):
+            raise ValueError("ValidatedUpdate.joined takes one or more parts validated (and confirmed) against the "
+                             "same targets")
         pairs = [pair for part in parts for pair in part]
         _check_names(parts[0].model, parts[0].targets, [name for name, _ in pairs], partial)
         return cls(pairs, parts[0].model, parts[0].targets, partial, Layout(sum((part.layout for part in parts), ())))
@@ -308,12 +353,14 @@ def layout_key(pairs: list[tuple[str, torch.Tensor]], targets: "UpdateTargets | 
 
 
 def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False,
-                    targets: UpdateTargets | None = None) -> ValidatedUpdate:
+                    targets: UpdateTargets | None = None, confirm: bool = True) -> ValidatedUpdate:
     """All checks of the module docstring, for every tensor, before anything is written. `targets`:
     `UpdateTargets.of(model)` when the caller checks several parts of one update. The checks of
     names, shapes and dtypes are made once per layout and kept in the targets (a push sends the
     same layout every time: 0.45 ms of host time an update of gpu-848m's 242 tensors, this project's
-    CPU machine); the values' checks (finiteness, expert ids) run on the device, read in one wait."""
+    CPU machine); the values' checks (finiteness, expert ids) run on the device, read in one wait,
+    unless `confirm` is False: then they are left on the device in the update's `checks`
+    (DeviceChecks; update_weights' gated write)."""
     pairs = _pairs(named_tensors)
     targets = targets or UpdateTargets.of(model)
     layout = layout_key(pairs, targets)
@@ -325,14 +372,24 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
         if len(targets.checked) >= MAX_PLANS:
             targets.checked.clear()
         plan = targets.checked[layout, partial] = ValuePlan.of(pairs)
-    finiteness = _launch_finiteness(pairs, plan, layout)
-    tables, extremes = _launch_expert_extremes(pairs, targets.n_experts, plan.tables)
-    flags = _read_device_checks([finite for _, finite in finiteness[1]] + extremes)
-    _check_expert_ids(tables, flags.pop() if extremes else [], targets.n_experts)
-    nonfinite = _first_nonfinite(*finiteness, flags)
-    if nonfinite is not None:
-        raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")
-    return ValidatedUpdate(pairs, model, targets, partial, layout)
+    gate = None if confirm else _gate(pairs, plan)
+    finiteness = _launch_finiteness(pairs, plan, layout, gate)
+    tables, extremes = _launch_expert_extremes(pairs, targets.n_experts, plan.tables, gate)
+    checks = DeviceChecks(finiteness, tables, extremes, targets.n_experts, gate)
+    if confirm:
+        checks.confirm()
+    return ValidatedUpdate(pairs, model, targets, partial, layout, None if confirm else checks)
+
+
+def _gate(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan) -> torch.Tensor | None:
+    """A fresh open gate (DeviceChecks) where every floating tensor is on one device the update's
+    kernels run on (a write gated on it is a kernel's), else None."""
+    if not plan.floats:
+        return None
+    device = pairs[plan.floats[0]][1].device
+    if any(pairs[group[0]][1].device != device for group in plan.groups) or not _kernels_run(pairs[plan.floats[0]][1]):
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
@@ -372,13 +429,16 @@ class WritePlan:
 
 @torch.no_grad()
 def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor]], fmt: str,
-                 targets: UpdateTargets | None = None) -> None:
+                 targets: UpdateTargets | None = None, gate: torch.Tensor | None = None) -> bool:
     """Every tensor stored unquantised is copied in one multi-tensor copy (a copy casts exactly as
     served_value's `.to` does); a copy per tensor was ~240 launches, ~5 ms of gpu-848m's update.
     Likewise every packed weight (packed_weights.py: quantised straight into its storage) is
     quantised in one call per storage format (on CUDA one launch per dtype group, where a launch
     per weight cost ~60 us of host time each). Which tensor goes where is a WritePlan, kept per
-    layout."""
+    layout. With `gate` (DeviceChecks'), the write is made only where all of it can be gated (every
+    tensor by the byte copy or a packed weight's kernel: a bf16 engine's update, a packed fp8 one's)
+    and writes nothing if the gate is closed when it runs; returns whether it was made (without a
+    gate: True)."""
     targets = targets or UpdateTargets.of(model)
     if isinstance(pairs, ValidatedUpdate):
         key = (fmt, pairs.layout)
@@ -390,6 +450,8 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         if len(targets.plans) >= MAX_PLANS:  # e.g. many partial updates of different tensors
             targets.plans.clear()
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
+    if gate is not None:
+        return _gated_write(plan, pairs, key, gate)
     _copy(plan, pairs, key)
     for kind, (positions, storages) in plan.packed.items():
         quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages, (key, kind))
@@ -397,6 +459,7 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         name, t = pairs[i]
         d = targets.dest[name]
         d.copy_(served_value(name, t.to(d.device), fmt, d.dtype))
+    return True
 
 
 def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
@@ -405,8 +468,7 @@ def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
     rest by one multi-tensor copy (which casts)."""
     dests, sources = plan.copy_dests, [pairs[i][1] for i in plan.copy]
     by_kernel = [pairs[i][1] for i in plan.kernel]
-    if (by_kernel and tensor_copy_triton.WRITE_KERNEL and _kernels_run(plan.kernel_dests[0])
-            and all(t.is_contiguous() for t in by_kernel)):
+    if by_kernel and _byte_copy_takes(plan, by_kernel):
         tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key)
     else:
         dests, sources = dests + plan.kernel_dests, sources + by_kernel
@@ -414,15 +476,52 @@ def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
         torch._foreach_copy_(dests, sources)
 
 
+def _byte_copy_takes(plan: WritePlan, sources: list[torch.Tensor]) -> bool:
+    """The plan's byte-copy tensors go by tensor_copy_triton's kernel: on, running here, every source
+    contiguous (the plan fixes the rest)."""
+    return (tensor_copy_triton.WRITE_KERNEL and _kernels_run(plan.kernel_dests[0])
+            and all(t.is_contiguous() for t in sources))
+
+
+def _gated_write(plan: WritePlan, pairs: list, key: tuple, gate: torch.Tensor) -> bool:
+    """The whole write gated on `gate` where every part of the plan can be (the byte copy; the packed
+    weights' kernels, their sources and storage on the gate's device): whether it was made."""
+    sources = [pairs[i][1] for i in plan.kernel]
+    packed = {kind: [pairs[i][1] for i in positions] for kind, (positions, _) in plan.packed.items()}
+    if (plan.copy or plan.other or not (sources or packed)
+            or sources and not (plan.kernel_dests[0].device == gate.device and _byte_copy_takes(plan, sources))
+            or not all(storages[0][0].device == gate.device and all(w.device == gate.device for w in packed[kind])
+                       and gatable(kind, packed[kind]) for kind, (_, storages) in plan.packed.items())):
+        return False
+    if sources:
+        tensor_copy_triton.copy_many(plan.kernel_dests, sources, layout=key, gate=gate)
+    for kind, (_, storages) in plan.packed.items():
+        quantise_packed(kind, packed[kind], storages, (key, kind), gate)
+    return True
+
+
+GATED_WRITE = True  # update_weights writes gated on the checks where it can (DeviceChecks), before reading them
+
+
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,
                    targets: UpdateTargets | None = None) -> int:
     """Validate all, then write all; returns the number of tensors written. A ValidatedUpdate of this
     model (validated as a whole update, or partial where this one is) is not checked again.
-    `targets`: the model's UpdateTargets, where the caller keeps them (Engine.update_targets)."""
+    `targets`: the model's UpdateTargets, where the caller keeps them (Engine.update_targets).
+    Where the whole write can be gated on the value checks (DeviceChecks), it is launched before
+    they are read, and a failed check leaves it writing nothing; else the checks are read first."""
     pairs = named_tensors
     if not (isinstance(pairs, ValidatedUpdate) and pairs.model is model and (partial or not pairs.partial)):
-        pairs = validate_update(model, named_tensors, partial, targets)
-    write_served(model, pairs, fmt, pairs.targets)
+        pairs = validate_update(model, named_tensors, partial, targets, confirm=False)
+    checks = pairs.checks
+    written = GATED_WRITE and checks is not None and checks.gate is not None and write_served(
+        model, pairs, fmt, pairs.targets, gate=checks.gate)
+    if checks is not None:
+        closed = checks.confirm()  # raises where a check failed: nothing was written
+        pairs.checks = None
+        written = written and not closed  # closed by a norm's overflow on finite values: nothing written
+    if not written:
+        write_served(model, pairs, fmt, pairs.targets)
     return len(pairs)
 
 

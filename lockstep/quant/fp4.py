@@ -186,11 +186,13 @@ def quantize_fp4_block(
 
 
 def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                             block: int = FP4_BLOCK, layout=None) -> None:
+                             block: int = FP4_BLOCK, layout=None, gate: torch.Tensor | None = None) -> None:
     """quantize_fp4_block(w, block, out=out) for every pair, those the kernel takes
     (`fp8_triton.eligible`) in one launch per group (fp4_triton.quantize_fp4_many_into): a weight
-    push writes all of an engine's fp4 experts at once. `layout`: as quantize_fp8_blocks_into's."""
-    if layout is not None and fp4_triton.launch_kept(ws, outs, block, layout):
+    push writes all of an engine's fp4 experts at once. `layout`, `gate`: as quantize_fp8_blocks_into's."""
+    if gate is not None and not kernel_takes_all(ws, block):
+        raise ValueError("a gated quantisation needs the kernel to take every weight (kernel_takes_all)")
+    if layout is not None and fp4_triton.launch_kept(ws, outs, block, layout, gate):
         return  # this layout's checks passed before (the weight update's kept WritePlan)
     batch = []
     for w, out in zip(ws, outs):
@@ -201,7 +203,12 @@ def quantize_fp4_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
             quantize_fp4_block(w, block, out=out)
     if batch:
         fp4_triton.quantize_fp4_many_into([w for w, _ in batch], [out for _, out in batch], block,
-                                          layout if len(batch) == len(ws) else None)
+                                          layout if len(batch) == len(ws) else None, gate)
+
+
+def kernel_takes_all(ws: list[torch.Tensor], block: int = FP4_BLOCK) -> bool:
+    """quantize_fp4_blocks_into quantises every w by the kernel (so it may be gated)."""
+    return all(_kernel_takes(w, block) for w in ws)
 
 
 def _kernel_takes(w: torch.Tensor, block: int) -> bool:

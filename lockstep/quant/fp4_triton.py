@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from lockstep.quant.blocks import n_blocks
-from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, _many_key, triton
+from lockstep.quant.fp8_triton import BYTE_DTYPES, _bytes, _many_key, gate_argument, triton
 from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, launch_table,
                                     unit_stride)
 
@@ -69,13 +69,13 @@ if triton is not None:
             tl.store(s_ptrs, scale, mask=s_ok)
 
     @triton.jit
-    def _fp4_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+    def _fp4_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, gate_ptr, W_DTYPE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK: tl.constexpr,
                          SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
         """One BLOCK_R x BLOCK_K tile of a tensor: addresses w, packed, s and w's row stride; meta
         rows, cols, nb, column tiles."""
         t, local, rows, cols, nb, col_tiles, w_ptr, p_ptr, s_ptr = _many_tensor_program(
-            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, gate_ptr, W_DTYPE, SCALE_BYTES, ALIGN)
         _quantize_tile(w_ptr, p_ptr, s_ptr, local // col_tiles, local % col_tiles, rows, cols,
                        table_int(addr_ptr + 3 * T + t, ALIGN), nb, BLOCK_R, BLOCK_K, BLOCK, SCALE_BYTES)
 
@@ -92,20 +92,22 @@ def _tiles(cols: int, block: int) -> tuple[int, int]:
 
 
 def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int,
-                           layout=None) -> None:
+                           layout=None, gate: torch.Tensor | None = None) -> None:
     """quantize_fp4_into for many tensors: one launch per group of one w dtype, one scale storage, one
     tile shape and one alignment (an fp8-fp4 engine's push: its routed experts in one launch, where a
     launch per tensor cost ~60 us of host time each), prepared once per set of tensors
     (tensor_tables.PreparedLaunches). w [..., K] (K even), packed [..., K/2] bytes (uint8 / int8 /
-    float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32). `layout`: as
+    float4_e2m1fn_x2) and scale [..., ceil(K/block)] (e8m0 bytes, or float32). `layout`, `gate`: as
     fp8_triton.quantize_fp8_many_into's."""
-    _PREPARED.launch(_fp4_many_kernel, _many_key(ws, outs, (block,), layout), lambda: _fp4_launches(ws, outs, block))
+    _PREPARED.launch(_fp4_many_kernel, _many_key(ws, outs, (block,), layout), lambda: _fp4_launches(ws, outs, block),
+                     gate_argument(outs, gate))
 
 
-def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int, layout) -> bool:
+def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int, layout,
+                gate: torch.Tensor | None = None) -> bool:
     """quantize_fp4_many_into's launch where one is kept for this `layout` and these addresses (the
     caller's checks passed on them before): whether it was launched."""
-    return _PREPARED.launch_kept(_fp4_many_kernel, _many_key(ws, outs, (block,), layout))
+    return _PREPARED.launch_kept(_fp4_many_kernel, _many_key(ws, outs, (block,), layout), gate_argument(outs, gate))
 
 
 _PREPARED = PreparedLaunches()

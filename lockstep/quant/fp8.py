@@ -154,13 +154,17 @@ def quantize_fp8_block(
 
 
 def quantize_fp8_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                             block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "ue8m0", layout=None) -> None:
+                             block: tuple[int, int] = FP8_BLOCK, scale_fmt: str = "ue8m0", layout=None,
+                             gate: torch.Tensor | None = None) -> None:
     """quantize_fp8_block(w, block, scale_fmt, out=out) for every pair, those the kernel takes
     (`fp8_triton.eligible`) in one launch per group (fp8_triton.quantize_fp8_many_into): a weight
     push writes all of an engine's packed fp8 weights at once. `layout`: a key the caller vouches
     fixes every w's dtype and shape and every out (a weight update's WritePlan): where its launch is
-    kept for these addresses, the per-weight checks, which passed then, are skipped."""
-    if layout is not None and fp8_triton.launch_kept(ws, outs, block, scale_fmt, layout):
+    kept for these addresses, the per-weight checks, which passed then, are skipped. `gate`: the
+    kernel's (fp8_triton.quantize_fp8_many_into), where it takes every w (`kernel_takes_all`)."""
+    if gate is not None and not kernel_takes_all(ws, block):
+        raise ValueError("a gated quantisation needs the kernel to take every weight (kernel_takes_all)")
+    if layout is not None and fp8_triton.launch_kept(ws, outs, block, scale_fmt, layout, gate):
         return  # this layout's checks passed before (the weight update's kept WritePlan)
     batch = []
     for w, out in zip(ws, outs):
@@ -171,7 +175,12 @@ def quantize_fp8_blocks_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tens
             quantize_fp8_block(w, block, scale_fmt, out=out)
     if batch:
         fp8_triton.quantize_fp8_many_into([w for w, _ in batch], [out for _, out in batch], block, scale_fmt,
-                                          layout if len(batch) == len(ws) else None)
+                                          layout if len(batch) == len(ws) else None, gate)
+
+
+def kernel_takes_all(ws: list[torch.Tensor], block: tuple[int, int] = FP8_BLOCK) -> bool:
+    """quantize_fp8_blocks_into quantises every w by the kernel (so it may be gated)."""
+    return all(_kernel_takes(w, block) for w in ws)
 
 
 def _kernel_takes(w: torch.Tensor, block: tuple[int, int]) -> bool:

@@ -44,7 +44,7 @@ import torch
 
 from lockstep.quant.blocks import n_blocks
 from lockstep.tensor_tables import (W_DTYPES, PreparedLaunches, address_table, alignment, call_key,
-                                    launch_table, unit_stride)
+                                    launch_table, open_gate, unit_stride)
 from lockstep.triton_support import interpreted, load_triton
 
 triton = load_triton()  # None: fp8.py's PyTorch path is always there
@@ -159,22 +159,25 @@ if triton is not None:
             tl.store(q_ptr + mat * rows * cols + offs_r[:, None].to(tl.int64) * cols + offs_c[None, :],
                      code.to(tl.uint8), mask=mask)
         s_off = (mat * nbr + pid_r) * nbc + pid_c
+        s_ok = pid_r * BLOCK_R < rows  # always, but where a closed gate took the rows (_many_tensor_program)
         if SCALE_BYTES:
-            tl.store(s_ptr + s_off, byte.to(tl.uint8))
+            tl.store(s_ptr + s_off, byte.to(tl.uint8), mask=s_ok)
         else:
-            tl.store(s_ptr + s_off, scale)
+            tl.store(s_ptr + s_off, scale, mask=s_ok)
 
     @triton.jit
-    def _many_tensor_program(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+    def _many_tensor_program(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, gate_ptr, W_DTYPE: tl.constexpr,
                              SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr):
         """A many-tensor quantisation program's tensor t = tensor[program] (launch_table,
         address_table): (t, its index within t, meta [t, 0..3], w's typed pointer (bf16 / fp16 / fp32),
         the output bytes' pointer, the scales' pointer (e8m0 bytes or fp32)); addr_ptr holds rows w,
         out, s addresses of T tensors, then their strides. ALIGN: the w and out addresses (bytes) and
-        meta's columns are multiples of it (`alignment`)."""
+        meta's columns are multiples of it (`alignment`). A closed gate (not 0) reads as a tensor of
+        no rows: every load and store is masked (a gated write, engine/weight_update.DeviceChecks)."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
         m0, m1 = tl.load(meta_ptr + 4 * t), table_int(meta_ptr + 4 * t + 1, ALIGN)
+        m0 = tl.where(tl.load(gate_ptr) == 0, m0, 0)
         m2, m3 = tl.load(meta_ptr + 4 * t + 2), tl.load(meta_ptr + 4 * t + 3)
         w_ptr = table_pointer(addr_ptr + t, W_DTYPE, ALIGN)
         out_ptr = table_pointer(addr_ptr + T + t, 3, ALIGN)
@@ -182,12 +185,12 @@ if triton is not None:
         return t, local, m0, m1, m2, m3, w_ptr, out_ptr, s_ptr
 
     @triton.jit
-    def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE: tl.constexpr,
+    def _fp8_many_kernel(addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, gate_ptr, W_DTYPE: tl.constexpr,
                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, CHUNK_R: tl.constexpr, UE8M0: tl.constexpr,
                          SCALE_BYTES: tl.constexpr, ALIGN: tl.constexpr, HW: tl.constexpr):
         """One block of a tensor: addresses w, q, s and w's two strides; meta rows, cols, nbr, nbc."""
         t, local, rows, cols, nbr, nbc, w_ptr, q_ptr, s_ptr = _many_tensor_program(
-            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, W_DTYPE, SCALE_BYTES, ALIGN)
+            addr_ptr, meta_ptr, tensor_ptr, local_ptr, T, gate_ptr, W_DTYPE, SCALE_BYTES, ALIGN)
         per_mat = nbr * nbc
         rem = local % per_mat
         _quantize_block(w_ptr, q_ptr, s_ptr, local // per_mat, rem // nbc, rem % nbc, rows, cols,
@@ -209,22 +212,28 @@ def _block_table(shapes: tuple[tuple[int, int, int], ...], block: tuple[int, int
 
 
 def quantize_fp8_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                           block: tuple[int, int], scale_fmt: str, layout=None) -> None:
+                           block: tuple[int, int], scale_fmt: str, layout=None,
+                           gate: torch.Tensor | None = None) -> None:
     """quantize_fp8_into for many tensors: one launch per group of one w dtype, one scale storage and
     one alignment (`alignment`) (an fp8 engine's push: one or two launches where a launch per tensor
     cost ~60 us of host time each, ~80 tensors on gpu-848m), prepared once per set of tensors
     (`PreparedLaunches`; by `layout` and addresses where given, `_many_key`). Block and scale rules as
-    quantize_fp8_into."""
+    quantize_fp8_into. `gate`: as tensor_copy_triton.copy_many's (nothing written where it is closed)."""
     _PREPARED.launch(_fp8_many_kernel, _many_key(ws, outs, (tuple(block), scale_fmt, interpreted()), layout),
-                     lambda: _fp8_launches(ws, outs, block, scale_fmt))
+                     lambda: _fp8_launches(ws, outs, block, scale_fmt), gate_argument(outs, gate))
 
 
 def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: tuple[int, int],
-                scale_fmt: str, layout) -> bool:
+                scale_fmt: str, layout, gate: torch.Tensor | None = None) -> bool:
     """quantize_fp8_many_into's launch where one is kept for this `layout` and these addresses (the
     caller's checks passed on them before): whether it was launched."""
     settings = (tuple(block), scale_fmt, interpreted())
-    return _PREPARED.launch_kept(_fp8_many_kernel, _many_key(ws, outs, settings, layout))
+    return _PREPARED.launch_kept(_fp8_many_kernel, _many_key(ws, outs, settings, layout), gate_argument(outs, gate))
+
+
+def gate_argument(outs: list[tuple[torch.Tensor, ...]], gate: torch.Tensor | None) -> tuple:
+    """The many-tensor kernels' last argument: the caller's gate, else one always open (fp4_triton's too)."""
+    return (gate if gate is not None else open_gate(outs[0][0].device),) if outs else ()
 
 
 def _many_key(ws, outs, settings: tuple, layout) -> tuple:

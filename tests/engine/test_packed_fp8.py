@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from lockstep.dist.manifest import build_manifest
+from lockstep.engine import WeightUpdateError
 from lockstep.engine.packed_weights import unpacked_state_dict, weight_bytes
 from lockstep.models.layers.packed_experts import PackedExperts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
@@ -130,8 +131,8 @@ def test_a_second_update_of_a_layout_takes_its_kept_launch(monkeypatch, fmt):
     pytest.importorskip("triton")
     from lockstep.quant import fp4, fp8, fp8_triton
 
-    def bf16(seed):
-        return {k: v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()
+    def bf16(seed):  # on the engine's device, as a trainer's (a host tensor is copied to a new address each update)
+        return {k: (v.to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v.clone()).to(DEVICE)
                 for k, v in tiny_dsv4(seed).state_dict().items()}
 
     second = bf16(49)
@@ -286,3 +287,47 @@ def test_gpu_kernels_serve_the_emulated_policy(fmt, packing):
     print(f"{fmt}: max |packed engine - its full forward| {worst_self:.2e}, "
           f"max |packed - emulated full forward| {worst_emulated:.2e}")
     assert worst_self <= 2e-2 and worst_emulated <= 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8-fp4"])
+def test_a_packed_update_is_written_gated_on_its_checks(monkeypatch, fmt):
+    """Where the byte copy and the packed weights' kernels write every tensor of an update, the write
+    is launched gated on its value checks, before they are read: a NaN in one weight leaves every
+    byte as it was (each kernel saw the gate closed); a clean update then writes the bytes of the
+    per-weight path."""
+    pytest.importorskip("triton")
+    from lockstep.engine import weight_update as wu
+    from lockstep.quant import fp4_triton, fp8_triton
+    from launches import launch_arguments
+
+    reference = make_engine(model=tiny_dsv4(52), serving_format=fmt, packed_fp8=True, packed_experts=True)
+    engine = make_engine(model=tiny_dsv4(52), serving_format=fmt, packed_fp8=True, packed_experts=True)
+    targets = engine.update_targets()
+    weights = {n: (t.to(DEVICE) if n in targets.packed else t.to(targets.dest[n]))  # the engine's dtypes
+               for n, t in tiny_dsv4(53).state_dict().items()}
+    reference.update_weights(weights, version=1)  # the per-weight path (no kernel on the CPU)
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
+    launches = [launch_arguments(monkeypatch, fp8_triton, "_fp8_many_kernel"),
+                launch_arguments(monkeypatch, fp4_triton, "_fp4_many_kernel")]
+    name = next(n for n in targets.packed if n.endswith("q_a_proj.weight"))
+    bad = {**weights, name: weights[name].clone()}
+    bad[name][0, 0] = float("nan")
+    snapshot = _served_bytes(engine)
+    with pytest.raises(WeightUpdateError, match=rf"{name}: 1 non-finite"):
+        engine.update_weights(bad, version=1)
+    gates = [args[-1].item() for recorded in launches for args, _ in recorded]
+    assert gates and set(gates) == {1}  # every quantisation launched, its gate closed
+    assert all(torch.equal(t, snapshot[n]) for n, t in _served_bytes(engine).items())
+    engine.update_weights(weights, version=1)
+    ref = _served_bytes(reference)
+    assert all(torch.equal(t, ref[n]) for n, t in _served_bytes(engine).items())
+
+
+def _served_bytes(engine) -> dict[str, torch.Tensor]:
+    """The bytes of every tensor the engine serves from, its packed storage and scales included."""
+    out = {n: t.reshape(-1).view(torch.uint8).clone() for n, t in engine.model.state_dict().items()}
+    for name, p in packed_weights(engine.model).items():
+        for i, t in enumerate(p.packed_target()[1]):
+            out[f"{name} packed {i}"] = t.reshape(-1).view(torch.uint8).clone()
+    return out

@@ -8,7 +8,7 @@ from lockstep.engine import WeightUpdateError
 from lockstep.quant.serving_format import serving_storage
 from lockstep.quant.formats import Storage
 
-from conftest import greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
+from conftest import DEVICE, greedy, make_engine, prompts, requests, same_outputs, sampled, tiny_dsv4
 
 
 def trainer_weights(seed):
@@ -322,7 +322,7 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     from lockstep.engine import weight_update as wu
     from launches import count_launches
 
-    weights = trainer_weights(41)
+    weights = {n: t.to(DEVICE) for n, t in trainer_weights(41).items()}  # the kernels read the device's
     off, on = make_engine(seed=40), make_engine(seed=40)
     monkeypatch.setattr(tc, "WRITE_KERNEL", False)
     off.update_weights(weights, version=1)
@@ -346,7 +346,7 @@ def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(mon
     monkeypatch.setattr(tf, "FINITE_KERNEL", True)
     monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
     launches = count_launches(monkeypatch, tf, "_nonfinite_kernel")
-    weights = trainer_weights(43)
+    weights = {n: t.to(DEVICE) for n, t in trainer_weights(43).items()}
     engine, reference = make_engine(seed=42), make_engine(seed=42)
     name = next(n for n, t in weights.items() if t.dim() == 2)
     bad = {**weights, name: weights[name].clone()}
@@ -391,5 +391,53 @@ def test_a_layout_seen_contiguous_then_strided_is_still_copied_and_checked(monke
         engine.update_weights(bad, version=2)
     engine.update_weights({**second, copied: _strided(second[copied]), checked: _strided(second[checked])}, version=2)
     reference.update_weights(second, version=1)
+    ref = reference.model.state_dict()
+    assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
+
+
+@pytest.mark.parametrize("case", ["nan", "tid2eid", "norm overflow"])
+def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatch, case):
+    """An update every tensor of which the byte copy takes (the engine's own dtypes, bf16 format) is
+    written gated on its value checks, launched before they are read: a NaN (the kernel's flags) or
+    an expert id out of range leaves every byte as it was. Values whose norm overflows (the norms
+    standing in for the kernel) close the gate though finite: the update is then written ungated."""
+    pytest.importorskip("triton")
+    from lockstep import tensor_copy_triton as tc
+    from lockstep import tensor_finite_triton as tf
+    from lockstep.engine import weight_update as wu
+    from launches import launch_arguments
+
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    engine, reference = make_engine(seed=50), make_engine(seed=50)
+    dest = engine.model.state_dict()
+    weights = {n: t.to(dest[n]) for n, t in trainer_weights(51).items()}  # its device and dtype
+    name = next(n for n, t in weights.items() if t.dim() == 2 and t.is_floating_point())
+    sent = {**weights, name: weights[name].clone()}
+    if case == "nan":
+        sent[name][0, 0] = float("nan")
+    elif case == "tid2eid":
+        table = "model.layers.0.mlp.gate.tid2eid"
+        sent[table] = sent[table] + 100
+    else:
+        monkeypatch.setattr(tf, "FINITE_KERNEL", False)
+        sent[name][0] = 3e38  # fp32: its norm is inf, every value finite
+    snapshot = {k: v.clone() for k, v in dest.items()}
+    launches = launch_arguments(monkeypatch, tc, "_copy_kernel")
+    if case == "norm overflow":
+        engine.update_weights(sent, version=1)
+        gates = [args[-1].item() for args, _ in launches]  # the gated write's (closed), then the ungated one's
+        assert gates == sorted(gates, reverse=True) and set(gates) == {0, 1}
+        monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
+        reference.update_weights(sent, version=1)  # torch's norms and copy
+        ref = reference.model.state_dict()
+        assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
+        return
+    with pytest.raises(WeightUpdateError, match=name if case == "nan" else "expert ids"):
+        engine.update_weights(sent, version=1)
+    assert launches  # the write ran, gated: nothing of it landed
+    assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in snapshot.items())
+    engine.update_weights(weights, version=1)
+    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
+    reference.update_weights(weights, version=1)
     ref = reference.model.state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())

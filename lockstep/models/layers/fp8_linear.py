@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lockstep.quant import fp4, fp8
 from lockstep.quant.fp4 import quantize_fp4_blocks_into
 from lockstep.quant.fp8 import FP8_BLOCK, fp8_scale_shape, quantize_fp8_blocks_into
 from lockstep.quant.serving_format import FP8_SCALE_FMT
@@ -58,18 +59,23 @@ BLOCK_ROWS, BLOCK_COLS = FP8_BLOCK
 
 @torch.no_grad()
 def quantise_packed(kind: str, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]],
-                    layout=None) -> None:
+                    layout=None, gate: torch.Tensor | None = None) -> None:
     """ws into packed storage outs [(bytes, scales)] of `kind`, in place: "fp8", e4m3 with FP8_SCALE_FMT
     128x128 block scales; "fp4", e2m1 with e8m0 scales per FP4_BLOCK. Many weights at once (on CUDA
     one kernel launch per group): the one rule for every packed weight's load_ and for a weight
     update's writes (engine/weight_update.write_served, which passes its plan's `layout`:
-    quant/fp8.quantize_fp8_blocks_into says what for)."""
+    quant/fp8.quantize_fp8_blocks_into says what for, and a `gate` where `gatable`)."""
     if kind == "fp8":
-        quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT, layout=layout)
+        quantize_fp8_blocks_into(ws, outs, scale_fmt=FP8_SCALE_FMT, layout=layout, gate=gate)
     elif kind == "fp4":
-        quantize_fp4_blocks_into(ws, outs, layout=layout)
+        quantize_fp4_blocks_into(ws, outs, layout=layout, gate=gate)
     else:
         raise ValueError(f"packed storage is fp8 or fp4, got {kind!r}")
+
+
+def gatable(kind: str, ws: list[torch.Tensor]) -> bool:
+    """quantise_packed takes a `gate` for these weights: its kernel quantises every one."""
+    return (fp8 if kind == "fp8" else fp4).kernel_takes_all(ws)
 
 
 def block_scale_rows(out_features: int, first: int = 0) -> torch.Tensor:
