@@ -44,11 +44,19 @@ def alignment_groups(addresses: list[list[int]], sizes: list[int]) -> dict[int, 
     return groups
 
 
-@functools.lru_cache(maxsize=8)
 def open_gate(device: torch.device) -> torch.Tensor:
     """A write gate that stays 0, never written: the `gate` of a many-tensor write no check gates (a
-    gated write, engine/weight_update.DeviceChecks, writes nothing where its gate is not 0)."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
+    gated write, engine/weight_update.DeviceChecks, writes nothing where its gate is not 0). Kept per
+    device, except one made while a CUDA graph is captured: it lives in the graph's memory pool."""
+    gate = _OPEN_GATES.get(device)
+    if gate is None:
+        gate = torch.zeros(1, dtype=torch.int32, device=device)
+        if not (gate.is_cuda and torch.cuda.is_current_stream_capturing()):
+            _OPEN_GATES[device] = gate
+    return gate
+
+
+_OPEN_GATES: dict[torch.device, torch.Tensor] = {}
 
 
 def unit_stride(t: torch.Tensor, shape: tuple, copies: list[torch.Tensor]) -> torch.Tensor:

@@ -266,17 +266,20 @@ class DeviceChecks:
     gate: torch.Tensor | None
 
     def confirm(self) -> bool:
-        """Read every check in one host read; raise WeightUpdateError naming the first failure. Returns
-        whether the gate was closed though every check passed (a norm overflowing on finite values,
-        only where the norms stand in for the kernel): a gated write then wrote nothing."""
+        """Read the checks; raise WeightUpdateError naming the first failure. An open gate says every
+        check passed (each failure closes it), so where there is one it is read alone, the rest only
+        where it is closed. Returns whether the gate was closed though every check passed (a norm
+        overflowing on finite values, where the norms stand in for the kernel): a gated write then
+        wrote nothing."""
+        if self.gate is not None and not _read_device_checks([self.gate])[0][0]:
+            return False
         parts = [finite for _, finite in self.finiteness[1]] + self.extremes
-        flags = _read_device_checks(parts + ([self.gate] if self.gate is not None else []))
-        closed = bool(flags.pop()[0]) if self.gate is not None else False
+        flags = _read_device_checks(parts)
         _check_expert_ids(self.tables, flags.pop() if self.extremes else [], self.n_experts)
         nonfinite = _first_nonfinite(*self.finiteness, flags)
         if nonfinite is not None:
             raise WeightUpdateError(f"{nonfinite[0]}: {nonfinite[1]} non-finite values (NaN or inf)")
-        return closed
+        return self.gate is not None
 
 
 class ValidatedUpdate(list):

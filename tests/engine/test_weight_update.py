@@ -436,7 +436,11 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
         engine.update_weights(sent, version=1)
     assert launches  # the write ran, gated: nothing of it landed
     assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in snapshot.items())
+    reads = []
+    monkeypatch.setattr(wu, "_read_device_checks", lambda parts, real=wu._read_device_checks: reads.append(
+        len(parts)) or real(parts))
     engine.update_weights(weights, version=1)
+    assert reads == [1]  # the open gate alone: every check passed
     monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
     reference.update_weights(weights, version=1)
     ref = reference.model.state_dict()
