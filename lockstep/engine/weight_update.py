@@ -407,6 +407,7 @@ class WritePlan:
 
     kernel: list[int]
     kernel_dests: list[torch.Tensor]
+    kernel_dests_key: tuple  # their addresses, read once (copy_many's dsts_key: the engine's weights never move)
     copy: list[int]
     copy_dests: list[torch.Tensor]
     packed: dict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # format -> (positions, storage)
@@ -427,7 +428,8 @@ class WritePlan:
             else:
                 other.append(i)
         dests = lambda positions: [targets.dest[pairs[i][0]] for i in positions]  # noqa: E731
-        return cls(kernel, dests(kernel), copy, dests(copy), packed, other)
+        return cls(kernel, dests(kernel), tuple(d.data_ptr() for d in dests(kernel)), copy, dests(copy), packed,
+                   other)
 
 
 @torch.no_grad()
@@ -472,7 +474,7 @@ def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
     dests, sources = plan.copy_dests, [pairs[i][1] for i in plan.copy]
     by_kernel = [pairs[i][1] for i in plan.kernel]
     if by_kernel and _byte_copy_takes(plan, by_kernel):
-        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key)
+        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key, dsts_key=plan.kernel_dests_key)
     else:
         dests, sources = dests + plan.kernel_dests, sources + by_kernel
     if dests:
@@ -497,7 +499,8 @@ def _gated_write(plan: WritePlan, pairs: list, key: tuple, gate: torch.Tensor) -
                        and gatable(kind, packed[kind]) for kind, (_, storages) in plan.packed.items())):
         return False
     if sources:
-        tensor_copy_triton.copy_many(plan.kernel_dests, sources, layout=key, gate=gate)
+        tensor_copy_triton.copy_many(plan.kernel_dests, sources, layout=key, gate=gate,
+                                     dsts_key=plan.kernel_dests_key)
     for kind, (_, storages) in plan.packed.items():
         quantise_packed(kind, packed[kind], storages, (key, kind), gate)
     return True

@@ -441,6 +441,10 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
         len(parts)) or real(parts))
     engine.update_weights(weights, version=1)
     assert reads == [1]  # the open gate alone: every check passed
+    prepared = []
+    monkeypatch.setattr(tc, "_launches", lambda pairs, real=tc._launches: prepared.append(1) or real(pairs))
+    engine.update_weights(weights, version=2)
+    assert prepared == []  # the same tensors again: the copy's launches kept (by the plan's destinations' key)
     monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
     reference.update_weights(weights, version=1)
     ref = reference.model.state_dict()
