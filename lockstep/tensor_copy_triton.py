@@ -52,17 +52,17 @@ def copyable_but_source_strides(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def copy_many(dsts: list[torch.Tensor], srcs: list[torch.Tensor], layout=None,
-              gate: torch.Tensor | None = None, dsts_key: tuple | None = None) -> None:
+              gate: torch.Tensor | None = None, addresses: tuple | None = None) -> None:
     """dst.copy_(src) for every pair (each `copyable`), in a launch per alignment, prepared once per set
     of tensors (tensor_tables.PreparedLaunches). `layout`: a key the caller vouches fixes every
     pair's dtype and shape (weight_update's WritePlan), so that only the addresses are read per call
     (each tensor's full key was ~0.15 ms of host time for gpu-848m's 242 pairs, the device idle).
     `gate`: an int32 [1] on the device; where it holds anything but 0 when the launch runs, nothing
     is written (a weight update's checks close it: tensor_finite_triton.nonfinite_flags' gate).
-    `dsts_key`: with `layout`, a key the caller vouches stands for the same dsts at the same addresses
-    every call (a WritePlan's, made once: an engine's weights never move), read in place of theirs."""
-    key = (call_key((interpreted(),), srcs, [], (layout, dsts_key)) if layout is not None and dsts_key is not None
-           else call_key((interpreted(),), srcs, [(d,) for d in dsts], layout))
+    `addresses`: with `layout`, a key the caller vouches fixes every src's and dst's address
+    (`tensor_tables.call_key`; a weight update's: the sources' read once per update, the
+    destinations' once per WritePlan, as an engine's weights never move)."""
+    key = call_key((interpreted(),), srcs, [(d,) for d in dsts], layout, addresses)
     gate = open_gate(dsts[0].device) if gate is None else gate
     _PREPARED.launch(_copy_kernel, key, lambda: _launches([(d, s) for d, s in zip(dsts, srcs) if s.numel()]),
                      extra=(gate,))

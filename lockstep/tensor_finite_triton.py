@@ -44,16 +44,17 @@ def checkable(tensors: list[torch.Tensor]) -> bool:
             and (tensors[0].is_cuda or interpreted()))
 
 
-def nonfinite_flags(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None) -> torch.Tensor:
+def nonfinite_flags(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None,
+                    addresses: tuple | None = None) -> torch.Tensor:
     """int32 [len(tensors)] on their device, 1 where a tensor holds a NaN or an inf, else 0; launched,
-    not waited for (each `checkable` together). `layout`: a key the caller vouches fixes every
-    tensor's dtype and shape (tensor_copy_triton.copy_many's, likewise). `gate`: an int32 [1] the
-    kernel raises to 1 where any value is not finite, so that a write gated on it (copy_many's
-    `gate`) writes nothing, with no wait for the flags in between (engine/weight_update.py)."""
+    not waited for (each `checkable` together). `layout`, `addresses`: keys the caller vouches fix
+    every tensor's dtype and shape, and address (tensor_copy_triton.copy_many's, likewise). `gate`: an
+    int32 [1] the kernel raises to 1 where any value is not finite, so that a write gated on it
+    (copy_many's `gate`) writes nothing, with no wait for the flags in between (engine/weight_update.py)."""
     flags = torch.zeros(len(tensors) + (gate is None), dtype=torch.int32, device=tensors[0].device)
     gate = flags[-1:] if gate is None else gate
-    _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), tensors, [], layout), lambda: _launches(tensors),
-                     extra=(flags, gate))
+    _PREPARED.launch(_nonfinite_kernel, call_key((interpreted(),), tensors, [], layout, addresses),
+                     lambda: _launches(tensors), extra=(flags, gate))
     return flags[:len(tensors)]
 
 

@@ -77,11 +77,15 @@ def tensor_key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.dtype, t.shape, t.stride()
 
 
-def call_key(settings: tuple, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, ...]], layout=None) -> tuple:
+def call_key(settings: tuple, ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, ...]], layout=None,
+             addresses: tuple | None = None) -> tuple:
     """A many-tensor call's key for PreparedLaunches: its settings and every tensor's tensor_key; where
     the caller vouches (`layout`) that every tensor's dtype, shape and strides are fixed, the layout
     and the tensors' addresses only (a weight update's kept plans: each tensor's full key was ~0.15
-    ms of host time for gpu-848m's 242 tensors, the device idle)."""
+    ms of host time for gpu-848m's 242 tensors, the device idle), or with the layout a key the caller
+    vouches fixes every address (`addresses`: a weight update's, read once for all its launches)."""
+    if layout is not None and addresses is not None:
+        return (*settings, layout, addresses)
     if layout is not None:
         return (*settings, layout, *[t.data_ptr() for t in ws], *[t.data_ptr() for pair in outs for t in pair])
     return (*settings, *map(tensor_key, ws), *(tensor_key(t) for pair in outs for t in pair))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, NamedTuple
 
 import torch
 
@@ -122,6 +122,24 @@ def _read_device_checks(parts: list[torch.Tensor]) -> list[list]:
     return out
 
 
+class Sources(NamedTuple):
+    """An update's tensors' addresses and whether every one is contiguous, read once per update for
+    the kernels' kept launches (their keys: tensor_tables.call_key's `addresses`) and their
+    conditions: a pass over gpu-848m's 242 tensors per kernel was host time the device waited on."""
+
+    addresses: tuple
+    contiguous: bool
+
+    @classmethod
+    def of(cls, pairs: list[tuple[str, torch.Tensor]]) -> "Sources":
+        return cls(tuple([t.data_ptr() for _, t in pairs]), all(t.is_contiguous() for _, t in pairs))
+
+
+def _contiguous(tensors: list[torch.Tensor], sources: Sources | None) -> bool:
+    """Every tensor contiguous: known where the whole update's are (`sources`), else checked."""
+    return (sources is not None and sources.contiguous) or all(t.is_contiguous() for t in tensors)
+
+
 @dataclass(frozen=True)
 class ValuePlan:
     """What validate_update's value checks read in one layout of an update (`layout_key`), by position:
@@ -150,17 +168,20 @@ class ValuePlan:
 
 
 def _launch_finiteness(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan | None = None,
-                       layout: tuple | None = None, gate: torch.Tensor | None = None) -> tuple[list, list]:
+                       layout: tuple | None = None, gate: torch.Tensor | None = None,
+                       sources: Sources | None = None) -> tuple[list, list]:
     """Start the finiteness check of every floating tensor of `pairs` without waiting for it: (the
     floating pairs, [(a group's pairs, whether each one is finite, on the device)]). One launch per
     (device, dtype) group (`plan`'s, where the caller keeps one for `layout`): torch's multi-tensor
     norm takes one dtype, a mixed list fell back to a kernel per tensor (240 launches, 5.6 ms of
-    validation on gpu-848m). A value that may not be finite closes `gate`."""
+    validation on gpu-848m). A value that may not be finite closes `gate`. `sources`: the pairs'
+    addresses and contiguity, where the caller read them (with `layout`)."""
     plan = plan or ValuePlan.of(pairs)
     launched = []
     for g, positions in enumerate(plan.groups):
         items = [pairs[i] for i in positions]
-        launched.append((items, _finite([t for _, t in items], None if layout is None else (layout, g), gate)))
+        launched.append((items, _finite([t for _, t in items], None if layout is None else (layout, g), gate,
+                                        sources if layout is not None else None)))
     return [pairs[i] for i in plan.floats], launched
 
 
@@ -173,18 +194,19 @@ def _kernels_run(t: torch.Tensor) -> bool:
     return t.is_cuda or INTERPRETED_KERNELS
 
 
-def _finite(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None) -> torch.Tensor:
+def _finite(tensors: list[torch.Tensor], layout=None, gate: torch.Tensor | None = None,
+            sources: Sources | None = None) -> torch.Tensor:
     """bool [len(tensors)] on the device, whether each tensor's values are all finite (one dtype):
     with tensor_finite_triton.FINITE_KERNEL on (the default), that kernel's exact flags; else (or
     where it cannot read them) isfinite of their 2-norms. `layout`: a key fixing the tensors' dtypes
     and shapes (ValuePlan's), so that only their contiguity is checked each call. `gate` is closed
     where a flag is raised, or a norm is not finite (which finite values above ~1e19 can make:
-    DeviceChecks.confirm tells)."""
+    DeviceChecks.confirm tells). `sources` (with `layout`): the whole update's, read once."""
     tf = tensor_finite_triton
     if tf.FINITE_KERNEL and _kernels_run(tensors[0]) and (
             tf.checkable(tensors) if layout is None
-            else tf.checkable(tensors[:1]) and all(t.is_contiguous() for t in tensors)):
-        return tf.nonfinite_flags(tensors, layout, gate) == 0
+            else tf.checkable(tensors[:1]) and _contiguous(tensors, sources)):
+        return tf.nonfinite_flags(tensors, layout, gate, sources.addresses if sources is not None else None) == 0
     finite = torch.isfinite(torch.stack(torch._foreach_norm(tensors)))
     if gate is not None:
         gate.add_((~finite).any().to(gate.device))
@@ -291,10 +313,10 @@ class ValidatedUpdate(list):
     writes it gated on them, then reads them (DeviceChecks)."""
 
     def __init__(self, pairs, model: torch.nn.Module, targets: UpdateTargets, partial: bool, layout: tuple,
-                 checks: DeviceChecks | None = None):
+                 checks: DeviceChecks | None = None, sources: Sources | None = None):
         super().__init__(pairs)
         self.model, self.targets, self.partial, self.layout = model, targets, partial, layout
-        self.checks = checks
+        self.checks, self.sources = checks, sources
 
     @classmethod
     def joined(cls, parts: "list[ValidatedUpdate]", partial: bool) -> "ValidatedUpdate":
@@ -306,7 +328,10 @@ class ValidatedUpdate(list):
                              "same targets")
         pairs = [pair for part in parts for pair in part]
         _check_names(parts[0].model, parts[0].targets, [name for name, _ in pairs], partial)
-        return cls(pairs, parts[0].model, parts[0].targets, partial, Layout(sum((part.layout for part in parts), ())))
+        sources = None if any(part.sources is None for part in parts) else Sources(
+            sum((part.sources.addresses for part in parts), ()), all(part.sources.contiguous for part in parts))
+        return cls(pairs, parts[0].model, parts[0].targets, partial, Layout(sum((part.layout for part in parts), ())),
+                   sources=sources)
 
 
 def _check_names(model: torch.nn.Module, targets: UpdateTargets, names: list[str], partial: bool) -> None:
@@ -376,12 +401,13 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
             targets.checked.clear()
         plan = targets.checked[layout, partial] = ValuePlan.of(pairs)
     gate = None if confirm else _gate(pairs, plan)
-    finiteness = _launch_finiteness(pairs, plan, layout, gate)
+    sources = Sources.of(pairs)
+    finiteness = _launch_finiteness(pairs, plan, layout, gate, sources)
     tables, extremes = _launch_expert_extremes(pairs, targets.n_experts, plan.tables, gate)
     checks = DeviceChecks(finiteness, tables, extremes, targets.n_experts, gate)
     if confirm:
         checks.confirm()
-    return ValidatedUpdate(pairs, model, targets, partial, layout, None if confirm else checks)
+    return ValidatedUpdate(pairs, model, targets, partial, layout, None if confirm else checks, sources)
 
 
 def _gate(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan) -> torch.Tensor | None:
@@ -407,7 +433,7 @@ class WritePlan:
 
     kernel: list[int]
     kernel_dests: list[torch.Tensor]
-    kernel_dests_key: tuple  # their addresses, read once (copy_many's dsts_key: the engine's weights never move)
+    kernel_dests_key: tuple  # their addresses, read once (the engine's weights never move): copy_many's key
     copy: list[int]
     copy_dests: list[torch.Tensor]
     packed: dict[str, tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]]]]  # format -> (positions, storage)
@@ -455,9 +481,10 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
         if len(targets.plans) >= MAX_PLANS:  # e.g. many partial updates of different tensors
             targets.plans.clear()
         plan = targets.plans[key] = WritePlan.of(targets, pairs, fmt)
+    sources = pairs.sources if isinstance(pairs, ValidatedUpdate) else None
     if gate is not None:
-        return _gated_write(plan, pairs, key, gate)
-    _copy(plan, pairs, key)
+        return _gated_write(plan, pairs, key, gate, sources)
+    _copy(plan, pairs, key, sources)
     for kind, (positions, storages) in plan.packed.items():
         quantise_packed(kind, [pairs[i][1].to(storages[0][0].device) for i in positions], storages, (key, kind))
     for i in plan.other:
@@ -467,40 +494,47 @@ def write_served(model: torch.nn.Module, pairs: Iterable[tuple[str, torch.Tensor
     return True
 
 
-def _copy(plan: WritePlan, pairs: list, key: tuple) -> None:
+def _copy(plan: WritePlan, pairs: list, key: tuple, sources: Sources | None = None) -> None:
     """Every unquantised tensor of the plan copied: those the byte copy may take in one Triton launch
     per alignment (tensor_copy_triton.WRITE_KERNEL, on CUDA, where every source is contiguous), the
     rest by one multi-tensor copy (which casts)."""
-    dests, sources = plan.copy_dests, [pairs[i][1] for i in plan.copy]
+    dests, srcs = plan.copy_dests, [pairs[i][1] for i in plan.copy]
     by_kernel = [pairs[i][1] for i in plan.kernel]
-    if by_kernel and _byte_copy_takes(plan, by_kernel):
-        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key, dsts_key=plan.kernel_dests_key)
+    if by_kernel and _byte_copy_takes(plan, by_kernel, sources):
+        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key, addresses=_addresses(plan, sources))
     else:
-        dests, sources = dests + plan.kernel_dests, sources + by_kernel
+        dests, srcs = dests + plan.kernel_dests, srcs + by_kernel
     if dests:
-        torch._foreach_copy_(dests, sources)
+        torch._foreach_copy_(dests, srcs)
 
 
-def _byte_copy_takes(plan: WritePlan, sources: list[torch.Tensor]) -> bool:
+def _byte_copy_takes(plan: WritePlan, tensors: list[torch.Tensor], sources: Sources | None) -> bool:
     """The plan's byte-copy tensors go by tensor_copy_triton's kernel: on, running here, every source
     contiguous (the plan fixes the rest)."""
     return (tensor_copy_triton.WRITE_KERNEL and _kernels_run(plan.kernel_dests[0])
-            and all(t.is_contiguous() for t in sources))
+            and _contiguous(tensors, sources))
 
 
-def _gated_write(plan: WritePlan, pairs: list, key: tuple, gate: torch.Tensor) -> bool:
+def _addresses(plan: WritePlan, sources: Sources | None) -> tuple | None:
+    """copy_many's `addresses` key for the plan's byte copy: the update's sources', the plan's
+    destinations'."""
+    return None if sources is None else (sources.addresses, plan.kernel_dests_key)
+
+
+def _gated_write(plan: WritePlan, pairs: list, key: tuple, gate: torch.Tensor, sources: Sources | None) -> bool:
     """The whole write gated on `gate` where every part of the plan can be (the byte copy; the packed
     weights' kernels, their sources and storage on the gate's device): whether it was made."""
-    sources = [pairs[i][1] for i in plan.kernel]
+    by_kernel = [pairs[i][1] for i in plan.kernel]
     packed = {kind: [pairs[i][1] for i in positions] for kind, (positions, _) in plan.packed.items()}
-    if (plan.copy or plan.other or not (sources or packed)
-            or sources and not (plan.kernel_dests[0].device == gate.device and _byte_copy_takes(plan, sources))
+    if (plan.copy or plan.other or not (by_kernel or packed)
+            or by_kernel and not (plan.kernel_dests[0].device == gate.device
+                                  and _byte_copy_takes(plan, by_kernel, sources))
             or not all(storages[0][0].device == gate.device and all(w.device == gate.device for w in packed[kind])
                        and gatable(kind, packed[kind]) for kind, (_, storages) in plan.packed.items())):
         return False
-    if sources:
-        tensor_copy_triton.copy_many(plan.kernel_dests, sources, layout=key, gate=gate,
-                                     dsts_key=plan.kernel_dests_key)
+    if by_kernel:
+        tensor_copy_triton.copy_many(plan.kernel_dests, by_kernel, layout=key, gate=gate,
+                                     addresses=_addresses(plan, sources))
     for kind, (_, storages) in plan.packed.items():
         quantise_packed(kind, packed[kind], storages, (key, kind), gate)
     return True
