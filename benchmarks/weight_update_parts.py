@@ -14,14 +14,14 @@ ratio to that bound, measured in the same run (one flat copy of the same bytes):
 
 Parts: the walk; the finiteness check as the update makes it (tensor_finite_triton.py's kernel on
 CUDA) alone and with its host read, and by torch's norms (`_foreach_norm` per dtype group);
-validate_update; the same bytes copied by `_foreach_copy_`, tensor by tensor and by
-tensor_copy_triton.py's byte copy (where Triton runs), beside one flat copy (the bound: what a flat
-weight buffer would cost); the update's write; the whole update with the walk, the same with
-both kernels off, and with its checks read before the write is launched (no gate:
-weight_update.DeviceChecks). On a GPU the device time of each part (CUDA events) is printed beside its wall
-time: a wall time far above the device time is host work the device waits on. The parts without a
-host read are also replayed from a CUDA graph ("graphed": their kernels alone, the host's
-preparation gone), as is the flat copy.
+validate_update, and the same with its checks left on the device (the gated update's); the same
+bytes copied by `_foreach_copy_`, tensor by tensor and by tensor_copy_triton.py's byte copy (where
+Triton runs), beside one flat copy (the bound: what a flat weight buffer would cost); the update's
+write; the whole update with the walk, the same with both kernels off, and with its checks read
+before the write is launched (no gate: weight_update.DeviceChecks). On a GPU the device time of
+each part (CUDA events) is printed beside its wall time: a wall time far above the device time is
+host work the device waits on. The parts without a host read are also replayed from a CUDA graph
+("graphed": their kernels alone, the host's preparation gone), as is the flat copy.
 """
 
 from __future__ import annotations
@@ -182,6 +182,8 @@ def main() -> None:
         "walk (state_dict)": lambda: list(source.state_dict().items()),
         **_finiteness_rows(pairs),
         "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
+        "validate_update, its checks launched, not read": lambda: wu.validate_update(
+            engine.model, pairs, targets=targets, confirm=False),
         **(_copy_rows(pairs, targets) if args.serving_format == "bf16" else {}),
         "write_served (the update's write)": lambda: wu.write_served(engine.model, validated, args.serving_format,
                                                                      targets),
