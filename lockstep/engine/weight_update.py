@@ -293,7 +293,7 @@ class DeviceChecks:
         where it is closed. Returns whether the gate was closed though every check passed (a norm
         overflowing on finite values, where the norms stand in for the kernel): a gated write then
         wrote nothing."""
-        if self.gate is not None and not _read_device_checks([self.gate])[0][0]:
+        if self.gate is not None and not self.gate.item():  # one small read, the update's only wait
             return False
         parts = [finite for _, finite in self.finiteness[1]] + self.extremes
         flags = _read_device_checks(parts)
