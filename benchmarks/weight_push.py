@@ -150,7 +150,7 @@ def live_weights(live: LiveState):
     """The trainer's tensors, walked inside the push as the RL loop's Trainer.named_weights() walks
     them (through the LiveState it keeps), so that the source's time covers the walk and the
     engine's does not wait for it outside the push."""
-    yield from ((name, t.data) for name, t in live.items())
+    yield from live.items(detached=True)
 
 
 def best_times(ctx, pushes: list[dict]) -> list[float]:

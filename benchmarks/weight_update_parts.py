@@ -166,7 +166,7 @@ def main() -> None:
         serving_format=args.serving_format, packed_fp8=args.packed, packed_experts=args.packed, cuda_graph=False,
         true_on_policy=False))
     live, targets = LiveState.of(source), engine.update_targets()
-    pairs = [(name, t.data) for name, t in live.items()]
+    pairs = list(live.items(detached=True))
     nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
     flat_src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     flat_dst = torch.empty_like(flat_src)
@@ -178,7 +178,7 @@ def main() -> None:
     validated = wu.validate_update(engine.model, pairs, targets=targets)
     versions = iter(range(1, 10 ** 9))
     parts = {
-        "walk (LiveState)": lambda: [(n, t.data) for n, t in live.items()],
+        "walk (LiveState)": lambda: list(live.items(detached=True)),
         "walk (state_dict)": lambda: list(source.state_dict().items()),
         **_finiteness_rows(pairs),
         "validate_update": lambda: wu.validate_update(engine.model, pairs, targets=targets),
@@ -188,7 +188,7 @@ def main() -> None:
         "write_served (the update's write)": lambda: wu.write_served(engine.model, validated, args.serving_format,
                                                                      targets),
         "Engine.update_weights with the walk": lambda: engine.update_weights(
-            ((n, t.data) for n, t in live.items()), version=next(versions)),
+            live.items(detached=True), version=next(versions)),
     }
     if tensor_copy_triton.triton is not None:
         parts["the same, torch's copy and norms (kernels off)"] = without_kernels(

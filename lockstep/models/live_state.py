@@ -56,12 +56,15 @@ class LiveState:
             return None
         return cls([(name, *where[name]) for name in names])
 
-    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def items(self, detached: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as state_dict(keep_vars=True) gives them now (parameters as themselves), one
-        at a time (nothing held past its turn). Every kept attribute is checked first, so a stale
-        LiveState raises before anything is yielded."""
+        at a time (nothing held past its turn); `detached`: each tensor's `.data`, as state_dict()
+        gives them (in the same pass: a generator over this one was a third of a push's walk). Every
+        kept attribute is checked first, so a stale LiveState raises before anything is yielded."""
         for name, table, attr in self.slots:
             if attr not in table:
                 raise StaleLiveState(f"{name}: no longer an attribute of its module (the module tree changed "
                                      f"since LiveState.of)")
+        if detached:
+            return ((name, table[attr].data) for name, table, attr in self.slots if table[attr] is not None)
         return ((name, table[attr]) for name, table, attr in self.slots if table[attr] is not None)

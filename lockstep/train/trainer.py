@@ -425,17 +425,17 @@ class Trainer:
         (e.g. tid2eid, e_score_correction_bias), unquantised, in the model's dtype, detached, in the
         model's state-dict order."""
         for name, t in self._weights.items():  # `.data`: detached already
-            yield name, self._full(name, t)
+            yield name, self._full(name, t) if isinstance(t, DTensor) else t  # others as they are
 
     def weight_specs(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of each tensor `named_weights` yields, in its order, gathering nothing (a
         sharded tensor's shape is the full one): what a receiver allocates before the tensors come."""
         return [(name, tuple(t.shape), self._full_dtype(name, t)) for name, t in self._weights.items()]
 
-    def _full(self, name: str, t: torch.Tensor) -> torch.Tensor:
+    def _full(self, name: str, t: DTensor) -> torch.Tensor:
         """An FSDP / EP shard -> the full tensor (a collective: every rank iterates named_weights), in
-        `_full_dtype`; others as they are."""
-        return gather_full(t).to(self._full_dtype(name, t)) if isinstance(t, DTensor) else t
+        `_full_dtype`."""
+        return gather_full(t).to(self._full_dtype(name, t))
 
     def _full_dtype(self, name: str, t: torch.Tensor) -> torch.dtype:
         """A shard's full tensor is in the dtype it computes in (what cast_model gives a single-process

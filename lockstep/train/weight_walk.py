@@ -32,11 +32,10 @@ class WeightWalk:
             self._live = self._live_state() or False
         if self._live:
             try:
-                pairs = self._live.items()
+                return self._live.items(detached=True)
             except StaleLiveState:  # the module tree changed: walk it anew
                 self._live = self._live_state() or False
                 return self.items()
-            return ((name, t.data) for name, t in pairs)
         return self._state_dict_walk()
 
     def _state_dict_walk(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -38,6 +38,10 @@ def test_the_same_names_order_and_tensors_as_state_dict_and_it_reads_live():
     got = dict(live.items())
     assert got["a.weight"] is net.a.weight and torch.equal(got["b.1.weight"], torch.full((4,), 3.0))
     assert dict(live.items()).keys() == net.state_dict().keys()
+    detached = dict(live.items(detached=True))  # state_dict()'s tensors: `.data` of each
+    assert detached.keys() == got.keys() and all(
+        not t.requires_grad and t.data_ptr() == got[n].data_ptr() for n, t in detached.items())
+    assert any(t.requires_grad for t in got.values())
 
 
 def test_a_parametrization_registered_since_is_an_error_naming_the_weight():
