@@ -53,7 +53,6 @@ def test_what_it_cannot_copy_is_refused():
     assert not tc.copyable(a, torch.zeros(16, device=DEVICE))  # another shape
 
 
-
 def test_a_closed_gate_writes_nothing_and_is_read_when_the_launch_runs():
     srcs = [s.to(DEVICE) for s in _sources()]
     dsts = [torch.full_like(s, 7) for s in srcs]

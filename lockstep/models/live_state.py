@@ -59,7 +59,7 @@ class LiveState:
     def items(self, detached: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as state_dict(keep_vars=True) gives them now (parameters as themselves), one
         at a time (nothing held past its turn); `detached`: each tensor's `.data`, as state_dict()
-        gives them (in the same pass: a generator over this one was a third of a push's walk). Every
+        gives them (in the same pass: a second generator over this one was a fifth of the trainer's walk). Every
         kept attribute is checked first, so a stale LiveState raises before anything is yielded."""
         for name, table, attr in self.slots:
             if attr not in table:
