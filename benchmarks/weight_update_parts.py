@@ -18,7 +18,7 @@ validate_update, and the same with its checks left on the device (the gated upda
 bytes copied by `_foreach_copy_`, tensor by tensor and by tensor_copy_triton.py's byte copy (where
 Triton runs), beside one flat copy (the bound: what a flat weight buffer would cost); the update's
 write; the whole update with the walk, the same with both kernels off, and with its checks read
-before the write is launched (no gate: weight_update.DeviceChecks). On a GPU the device time of
+before the write is launched (no gate: value_checks.DeviceChecks). On a GPU the device time of
 each part (CUDA events) is printed beside its wall time: a wall time far above the device time is
 host work the device waits on. The parts without a host read are also replayed from a CUDA graph
 ("graphed": their kernels alone, the host's preparation gone), as is the flat copy.
@@ -35,6 +35,7 @@ from grpo_step import _configs, make_model
 
 from lockstep.config import EngineConfig
 from lockstep.engine import Engine
+from lockstep.engine import value_checks as vc
 from lockstep.engine import weight_update as wu
 from lockstep.models.live_state import LiveState
 from lockstep.models.precision import cast_model
@@ -131,12 +132,12 @@ def ungated(fn):
 
 def _finiteness_rows(pairs) -> dict:
     """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
-    groups = [g for g in ([pairs[i][1] for i in positions] for positions in wu.ValuePlan.of(pairs).groups)
+    groups = [g for g in ([pairs[i][1] for i in positions] for positions in vc.ValuePlan.of(pairs).groups)
               if checkable(g)]
-    rows = {"finiteness, launched": lambda: wu._launch_finiteness(pairs),
-            "finiteness + host read": lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)),
+    rows = {"finiteness, launched": lambda: vc.launch_finiteness(pairs),
+            "finiteness + host read": lambda: vc.first_nonfinite(*vc.launch_finiteness(pairs)),
             "finiteness by torch's norms + host read": without_kernels(
-                lambda: wu._first_nonfinite(*wu._launch_finiteness(pairs)))}
+                lambda: vc.first_nonfinite(*vc.launch_finiteness(pairs)))}
     if groups:
         rows[f"finiteness kernel alone ({sum(map(len, groups))} tensors)"] = lambda: [
             nonfinite_flags(g) for g in groups]

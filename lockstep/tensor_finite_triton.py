@@ -1,5 +1,5 @@
 """Which of many float tensors hold a NaN or an inf, in one Triton launch per dtype and alignment:
-the weight update's finiteness check (engine/weight_update._launch_finiteness, behind `FINITE_KERNEL`,
+the weight update's finiteness check (engine/value_checks.launch_finiteness, behind `FINITE_KERNEL`,
 on).
 
 Why: torch's form is one `_foreach_norm` per dtype group (then isfinite of the norms), a read of

@@ -46,7 +46,7 @@ def alignment_groups(addresses: list[list[int]], sizes: list[int]) -> dict[int, 
 
 def open_gate(device: torch.device) -> torch.Tensor:
     """A write gate that stays 0, never written: the `gate` of a many-tensor write no check gates (a
-    gated write, engine/weight_update.DeviceChecks, writes nothing where its gate is not 0). Kept per
+    gated write, engine/value_checks.DeviceChecks, writes nothing where its gate is not 0). Kept per
     device, except one made while a CUDA graph is captured: it lives in the graph's memory pool."""
     gate = _OPEN_GATES.get(device)
     if gate is None:

@@ -173,7 +173,7 @@ if triton is not None:
         the output bytes' pointer, the scales' pointer (e8m0 bytes or fp32)); addr_ptr holds rows w,
         out, s addresses of T tensors, then their strides. ALIGN: the w and out addresses (bytes) and
         meta's columns are multiples of it (`alignment`). A closed gate (not 0) reads as a tensor of
-        no rows: every load and store is masked (a gated write, engine/weight_update.DeviceChecks)."""
+        no rows: every load and store is masked (a gated write, engine/value_checks.DeviceChecks)."""
         t = tl.load(tensor_ptr + tl.program_id(0))
         local = tl.load(local_ptr + tl.program_id(0)).to(tl.int64)
         m0, m1 = tl.load(meta_ptr + 4 * t), table_int(meta_ptr + 4 * t + 1, ALIGN)

@@ -8,6 +8,7 @@ import torch
 
 from lockstep.dist.manifest import build_manifest
 from lockstep.engine import WeightUpdateError
+from lockstep.engine import value_checks as vc
 from lockstep.engine.packed_weights import unpacked_state_dict, weight_bytes
 from lockstep.models.layers.packed_experts import PackedExperts
 from lockstep.models.layers.fp8_linear import Fp8Linear, packed_weights
@@ -296,7 +297,6 @@ def test_a_packed_update_is_written_gated_on_its_checks(monkeypatch, fmt):
     byte as it was (each kernel saw the gate closed); a clean update then writes the bytes of the
     per-weight path."""
     pytest.importorskip("triton")
-    from lockstep.engine import weight_update as wu
     from lockstep.quant import fp4_triton, fp8_triton
     from launches import launch_arguments
 
@@ -306,7 +306,7 @@ def test_a_packed_update_is_written_gated_on_its_checks(monkeypatch, fmt):
     weights = {n: (t.to(DEVICE) if n in targets.packed else t.to(targets.dest[n]))  # the engine's dtypes
                for n, t in tiny_dsv4(53).state_dict().items()}
     reference.update_weights(weights, version=1)  # the per-weight path (no kernel on the CPU)
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
     monkeypatch.setattr(fp8_triton, "eligible", lambda t: True)
     launches = [launch_arguments(monkeypatch, fp8_triton, "_fp8_many_kernel"),
                 launch_arguments(monkeypatch, fp4_triton, "_fp4_many_kernel")]

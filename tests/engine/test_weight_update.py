@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from lockstep.engine import WeightUpdateError
+from lockstep.engine import value_checks as vc
 from lockstep.quant.serving_format import serving_storage
 from lockstep.quant.formats import Storage
 
@@ -222,10 +223,10 @@ def test_updates_cover_every_tensor_and_versions_only_increase():
 def test_first_nonfinite_over_mixed_dtypes_names_the_first_bad_tensor():
     """The finiteness check groups tensors by dtype (one multi-tensor norm each) and still names the
     first bad tensor in the update's order, with its count."""
-    from lockstep.engine.weight_update import _first_nonfinite as first, _launch_finiteness
+    from lockstep.engine.value_checks import first_nonfinite as first, launch_finiteness
 
     def _first_nonfinite(pairs):
-        return first(*_launch_finiteness(pairs))
+        return first(*launch_finiteness(pairs))
 
     bad16 = torch.ones(4, 4, dtype=torch.bfloat16)
     bad16[1, 2] = float("inf")
@@ -251,8 +252,8 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
     reference = make_engine(seed=37, serving_format="fp8")
     reference.update_weights(dict(weights), version=1)
     reads = []
-    launch = wu._launch_finiteness
-    monkeypatch.setattr(wu, "_launch_finiteness", lambda pairs, *plan: reads.append(len(pairs)) or launch(pairs, *plan))
+    launch = wu.launch_finiteness
+    monkeypatch.setattr(wu, "launch_finiteness", lambda pairs, *plan: reads.append(len(pairs)) or launch(pairs, *plan))
     engine.update_weights(wu.ValidatedUpdate.joined(parts, partial=False), version=1)
     assert reads == []  # no value read twice
     assert all(torch.equal(v, reference.model.state_dict()[k]) for k, v in engine.model.state_dict().items())
@@ -271,12 +272,11 @@ def test_a_validated_update_is_written_without_reading_its_values_again(monkeypa
 def test_every_hash_table_is_range_checked_and_the_bad_one_named():
     """The tables' extremes are read together; the table out of range is the one named, whatever
     the integer dtype of each."""
-    from lockstep.engine import weight_update as wu
-    from lockstep.engine.weight_update import _launch_expert_extremes, _read_device_checks
+    from lockstep.engine.value_checks import check_expert_ids, launch_expert_extremes, read_device_checks
 
     def _check_expert_ids(pairs, n_experts):
-        names, extremes = _launch_expert_extremes(pairs, n_experts)
-        wu._check_expert_ids(names, _read_device_checks(extremes)[0] if extremes else [], n_experts)
+        names, extremes = launch_expert_extremes(pairs, n_experts)
+        check_expert_ids(names, read_device_checks(extremes)[0] if extremes else [], n_experts)
 
     good = ("model.layers.0.mlp.gate.tid2eid", torch.tensor([[0, 7], [3, 1]], dtype=torch.int32))
     bad = ("model.layers.1.mlp.gate.tid2eid", torch.tensor([[2, -1], [3, 1]]))
@@ -319,7 +319,6 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     alignment (the tiny config has odd-sized tensors), the same bytes as _foreach_copy_ writes."""
     pytest.importorskip("triton")
     from lockstep import tensor_copy_triton as tc
-    from lockstep.engine import weight_update as wu
     from launches import count_launches
 
     weights = {n: t.to(DEVICE) for n, t in trainer_weights(41).items()}  # the kernels read the device's
@@ -327,7 +326,7 @@ def test_the_weight_update_writes_the_same_with_the_kernel(monkeypatch):
     monkeypatch.setattr(tc, "WRITE_KERNEL", False)
     off.update_weights(weights, version=1)
     monkeypatch.setattr(tc, "WRITE_KERNEL", True)
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
     launches = count_launches(monkeypatch, tc, "_copy_kernel")
     on.update_weights(weights, version=1)
     assert len(launches) == 2
@@ -340,11 +339,10 @@ def test_the_finiteness_check_by_the_kernel_rejects_and_accepts_as_the_norms(mon
     named with its count as before, and a clean update is written the same."""
     pytest.importorskip("triton")
     from lockstep import tensor_finite_triton as tf
-    from lockstep.engine import weight_update as wu
     from launches import count_launches
 
     monkeypatch.setattr(tf, "FINITE_KERNEL", True)
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
     launches = count_launches(monkeypatch, tf, "_nonfinite_kernel")
     weights = {n: t.to(DEVICE) for n, t in trainer_weights(43).items()}
     engine, reference = make_engine(seed=42), make_engine(seed=42)
@@ -375,9 +373,8 @@ def test_a_layout_seen_contiguous_then_strided_is_still_copied_and_checked(monke
     """The kept plans fix names, dtypes and shapes, not strides: a later update of the same layout
     whose sources are strided views (same shapes) is checked and written by torch, the same values."""
     pytest.importorskip("triton")
-    from lockstep.engine import weight_update as wu
 
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
     engine, reference = make_engine(seed=44), make_engine(seed=44)
     engine.update_weights(trainer_weights(45), version=1)  # the plans made on contiguous sources
     second = trainer_weights(46)
@@ -404,10 +401,9 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
     pytest.importorskip("triton")
     from lockstep import tensor_copy_triton as tc
     from lockstep import tensor_finite_triton as tf
-    from lockstep.engine import weight_update as wu
     from launches import launch_arguments
 
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
     engine, reference = make_engine(seed=50), make_engine(seed=50)
     dest = engine.model.state_dict()
     weights = {n: t.to(dest[n]) for n, t in trainer_weights(51).items()}  # its device and dtype
@@ -427,7 +423,7 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
         engine.update_weights(sent, version=1)
         gates = [args[-1].item() for args, _ in launches]  # the gated write's (closed), then the ungated one's
         assert gates == sorted(gates, reverse=True) and set(gates) == {0, 1}
-        monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
+        monkeypatch.setattr(vc, "INTERPRETED_KERNELS", False)
         reference.update_weights(sent, version=1)  # torch's norms and copy
         ref = reference.model.state_dict()
         assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
@@ -437,7 +433,7 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
     assert launches  # the write ran, gated: nothing of it landed
     assert all(torch.equal(v, engine.model.state_dict()[k]) for k, v in snapshot.items())
     reads = []
-    monkeypatch.setattr(wu, "_read_device_checks", lambda parts, real=wu._read_device_checks: reads.append(
+    monkeypatch.setattr(vc, "read_device_checks", lambda parts, real=vc.read_device_checks: reads.append(
         len(parts)) or real(parts))
     engine.update_weights(weights, version=1)
     assert reads == []  # the open gate alone (every check passed): no flag read
@@ -445,7 +441,7 @@ def test_the_write_gated_on_the_checks_writes_nothing_where_one_fails(monkeypatc
     monkeypatch.setattr(tc, "_launches", lambda pairs, real=tc._launches: prepared.append(1) or real(pairs))
     engine.update_weights(weights, version=2)
     assert prepared == []  # the same tensors again: the copy's launches kept (by the plan's destinations' key)
-    monkeypatch.setattr(wu, "INTERPRETED_KERNELS", False)
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", False)
     reference.update_weights(weights, version=1)
     ref = reference.model.state_dict()
     assert all(torch.equal(t, ref[n]) for n, t in engine.model.state_dict().items())
