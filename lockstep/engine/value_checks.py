@@ -21,7 +21,7 @@ from lockstep.engine.update_errors import WeightUpdateError
 
 
 def launch_expert_extremes(pairs: list[tuple[str, torch.Tensor]], n_experts: int | None,
-                            tables: list[int] | None = None, gate: torch.Tensor | None = None) -> tuple[list, list]:
+                           tables: list[int] | None = None, gate: torch.Tensor | None = None) -> tuple[list, list]:
     """Start the range check of every hash table (tid2eid; `tables`: their positions in pairs, where a
     ValuePlan knows them) without waiting for it: (the tables' names, [their (min, max) pairs as one
     tensor on the device]); `read_device_checks` reads it. An id out of range closes `gate`."""
@@ -104,7 +104,7 @@ class ValuePlan:
 
 
 def launch_finiteness(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan | None = None,
-                       layout: tuple | None = None, gate: torch.Tensor | None = None,
+                      layout: tuple | None = None, gate: torch.Tensor | None = None,
                        sources: Sources | None = None) -> tuple[list, list]:
     """Start the finiteness check of every floating tensor of `pairs` without waiting for it: (the
     floating pairs, [(a group's pairs, whether each one is finite, on the device)]). One launch per
