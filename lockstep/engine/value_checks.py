@@ -105,7 +105,7 @@ class ValuePlan:
 
 def launch_finiteness(pairs: list[tuple[str, torch.Tensor]], plan: ValuePlan | None = None,
                       layout: tuple | None = None, gate: torch.Tensor | None = None,
-                       sources: Sources | None = None) -> tuple[list, list]:
+                      sources: Sources | None = None) -> tuple[list, list]:
     """Start the finiteness check of every floating tensor of `pairs` without waiting for it: (the
     floating pairs, [(a group's pairs, whether each one is finite, on the device)]). One launch per
     (device, dtype) group (`plan`'s, where the caller keeps one for `layout`): torch's multi-tensor
