@@ -175,6 +175,10 @@ class EngineConfig:
     """The compressed entry a decode step's token closes is one Triton kernel reading the compressor's open
     block where it is cached, and only the token is written into it (CUDA; models/layers/compressor_step_triton.py);
     off: torch ops over both blocks the step spans. LOCKSTEP_TRITON_COMPRESSOR=0 / 1, when set, overrides."""
+    triton_sampler: bool = True
+    """A greedy draw at temperature 1 (the token and its logprob) is two Triton kernels reading the logits once
+    (CUDA; engine/greedy_draw_triton.py); off: torch's log_softmax, argmax and gather.
+    LOCKSTEP_TRITON_SAMPLER=0 / 1, when set, overrides."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the
     trainer). LOCKSTEP_COMPILE=0 / 1, when set, overrides."""
@@ -182,8 +186,8 @@ class EngineConfig:
     # the fields that choose the served path (its kernels, its scheduling), offered as flags by every command
     # that builds an engine (train, serve, generate), so the path a measurement used can always be named
     PATH_FIELDS = ("compile_decode", "compile_prefill", "compile_fallback", "cuda_graph", "triton_moe", "triton_hc",
-                   "triton_attention", "triton_router", "triton_compressor", "compile_hc", "true_on_policy",
-                   "async_scheduling")
+                   "triton_attention", "triton_router", "triton_compressor", "triton_sampler", "compile_hc",
+                   "true_on_policy", "async_scheduling")
 
     def __post_init__(self):
         name = "EngineConfig"

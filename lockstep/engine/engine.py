@@ -82,7 +82,8 @@ class Engine:
         # the model imports no config: its kernel switches are handed over (kernel_switch.py)
         self.kernels = KernelSwitches(triton_moe=config.triton_moe, triton_hc=config.triton_hc,
                                       triton_attention=config.triton_attention, triton_router=config.triton_router,
-                                      triton_compressor=config.triton_compressor, compile_hc=config.compile_hc,
+                                      triton_compressor=config.triton_compressor,
+                                      triton_sampler=config.triton_sampler, compile_hc=config.compile_hc,
                                       true_on_policy=config.true_on_policy)
         set_kernel_switches(self.model, self.kernels)
         if self.kernels.on("true_on_policy") and not hasattr(self.model, "true_on_policy"):
@@ -109,7 +110,7 @@ class Engine:
         self.serving_path = describe(self.adapter, self.kernels)  # what serves, for the log and the tests
         if on_cuda:
             print(f"lockstep engine: {self.serving_path}", file=sys.stderr)
-        self.sampler = Sampler()
+        self.sampler = Sampler(greedy_kernel=bool(self.kernels.on("triton_sampler")))
         self.stop = StopChecker(self._eos_ids(), tokenizer, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
         self._lock = threading.RLock()  # held for one step; weight updates etc. land between steps

@@ -135,7 +135,8 @@ class TrainConfig:
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled layers, as in the engine's prefill
     (models/layers/kernel_switch.py). LOCKSTEP_COMPILE=0 / 1, when set, overrides. (The engine's Triton
     switches, triton_moe, triton_hc, triton_attention, triton_router and triton_compressor, act on single-token
-    steps, which the trainer's forward never takes; the trainer's own are below.)"""
+    steps, which the trainer's forward never takes, and triton_sampler on the engine's draw; the trainer's own
+    are below.)"""
     # The trainer's Triton kernels (below), each with its backward. Measured on one H200 (1b config,
     # 8 x 2048 tokens, benchmarks/train_throughput.py, one run): each alone 0.99-1.13x of the eager ops'
     # step, all five 1.64x (58.5k -> 95.7k tok/s; 3.0x transformers), peak memory 49.3 -> 29.0 GiB.

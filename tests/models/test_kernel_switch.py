@@ -32,7 +32,8 @@ def test_the_environment_wins_when_set(monkeypatch):
     assert not KernelSwitches().on("compile_hc")
     assert KernelSwitches().describe() == (
         "triton_moe on (LOCKSTEP_TRITON_MOE=1), triton_hc off (LOCKSTEP_TRITON_HC=0), triton_attention on, "
-        "triton_router on, triton_compressor on, compile_hc off (LOCKSTEP_COMPILE=0), true_on_policy off, "
+        "triton_router on, triton_compressor on, triton_sampler on, compile_hc off (LOCKSTEP_COMPILE=0), "
+        "true_on_policy off, "
         "fixed_order on CUDA, triton_index off, "
         "compile_rows on CUDA, flash_attention on CUDA, triton_norm on CUDA, triton_rope on CUDA, "
         "triton_combine on CUDA, fused_logprobs on CUDA")
@@ -41,7 +42,8 @@ def test_the_environment_wins_when_set(monkeypatch):
 def test_true_on_policy_switches_the_side_specific_kernels_off(monkeypatch):
     on = KernelSwitches(true_on_policy=True)
     assert on.on("true_on_policy") and not any(on.on(k) for k in ("triton_moe", "triton_hc", "triton_attention",
-                                                                      "triton_compressor", "compile_hc"))
+                                                                      "triton_compressor", "triton_sampler",
+                                                                      "compile_hc"))
     assert not KernelSwitches(triton_router=True, true_on_policy=True).on("triton_router")
     monkeypatch.setenv("LOCKSTEP_TRITON_MOE", "1")  # the environment cannot bring one back either
     assert not on.on("triton_moe")

@@ -31,16 +31,16 @@ def _derope(o, cos, sin):
     return apply_rope(o, cos.unsqueeze(-2), -sin.unsqueeze(-2))
 
 
-@pytest.mark.parametrize("D,rope", [(128, 64), (128, 128)])
-def test_the_rotation_back_is_apply_ropes(D, rope):
+@pytest.mark.parametrize("D,rope,block_k", [(128, 64, 0), (128, 128, 0), (128, 64, 256)])
+def test_the_rotation_back_is_apply_ropes(D, rope, block_k):
     """With one-hot weights (row n reads input n) the kernel's output is its rotated input:
     apply_rope's bf16 values, bit for bit (on a GPU an fma may round a product and an add once, so
-    there within a bf16 ulp, rarely)."""
+    there within a bf16 ulp, rarely); also with a K step across two heads (block_k 256)."""
     M, H, G = 20, 4, 2
     o, cos, sin = _inputs(M, H, D, rope, D + rope)
     K = H * D // G
     weight = torch.eye(K).repeat(G, 1).bfloat16().to(DEVICE)  # [G K, K]: group g's row n reads input n
-    got = oa.derope_output_a(o, cos, sin, weight, G).reshape(M, H, D)
+    got = oa.derope_output_a(o, cos, sin, weight, G, block_k=block_k).reshape(M, H, D)
     want = _derope(o, cos, sin)
     diff = (got.float() - want.float()).abs()
     assert (diff <= BF16_ULP * want.float().abs()).all()
@@ -48,15 +48,18 @@ def test_the_rotation_back_is_apply_ropes(D, rope):
     assert torch.equal(got[..., : D - rope], o[..., : D - rope])  # the unrotated channels pass as they are
 
 
+@pytest.mark.parametrize("block_k", [0, 256], ids=["default", "k256"])
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
-def test_the_kernel_is_output_projection_a(packed):
+def test_the_kernel_is_output_projection_a(packed, block_k):
     """Against the torch form on a GroupedLinear (and its packed fp8 copy): the rotation, then the
-    grouped GEMM, to bf16 rounding (the sums go in another order); group widths not a power of two."""
+    grouped GEMM, to bf16 rounding (the sums go in another order); group widths not a power of two;
+    K steps of launch_config's 128 inputs or one of 256 (two heads, two fp8 scale columns)."""
     M, H, D, rope, G, N = 20, 8, 128, 64, 4, 160  # K = 256 a group: two steps
     o, cos, sin = _inputs(M, H, D, rope, 7)
     wo_a = GroupedLinear(H * D // G, G * N, G)
     with torch.no_grad():
         wo_a.weight.copy_(torch.randn(G * N, H * D // G, generator=torch.Generator().manual_seed(8)) * 0.05)
+        wo_a.weight[:, 128:] *= 8  # each group's second fp8 scale column apart from its first
     wo_a = wo_a.to(DEVICE, torch.bfloat16)
     rotated = _derope(o, cos, sin).reshape(M, G, -1)
     if packed:
@@ -66,12 +69,12 @@ def test_the_kernel_is_output_projection_a(packed):
     else:
         want = wo_a(rotated)
         weights = (wo_a.weight, G)
-    got = oa.derope_output_a(o, cos, sin, *weights)
+    got = oa.derope_output_a(o, cos, sin, *weights, block_k=block_k)
     assert got.shape == (M, G, N) and got.dtype == torch.bfloat16
     tol = 2 * BF16_ULP
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
     compiled = compile_op(oa.derope_output_a)
-    assert torch.equal(compiled(o, cos, sin, *weights), got)
+    assert torch.equal(compiled(o, cos, sin, *weights, block_k=block_k), got)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])

@@ -157,11 +157,17 @@ if triton is not None:
     _dot, _bf16 = _gt._dot, _gt._bf16
 
     @triton.jit
+    def _dequantize(qb, s):
+        """e4m3 bytes qb (as uint8) times their block scales s in fp32 (broadcast against qb) -- exact:
+        e4m3 times a power of two is a bf16 value -- as bf16 (the dequantisation of every fp8 weight
+        kernel: this one, grouped_gemm_fp8's, output_a_triton's)."""
+        return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s).to(tl.bfloat16)
+
+    @triton.jit
     def _dequantize_tile(qb, s):
-        """e4m3 bytes qb [BLOCK_K, BLOCK_N] (a tile of w^T, as uint8) times each column's block scale
-        s [BLOCK_N] in fp32 -- exact: e4m3 times a power of two is a bf16 value -- as bf16 (the
-        dequantisation of every fp8 weight kernel: this one, grouped_gemm_fp8's, output_a_triton's)."""
-        return (qb.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[None, :]).to(tl.bfloat16)
+        """_dequantize of a tile qb [BLOCK_K, BLOCK_N] of w^T within one scale column: s [BLOCK_N],
+        each weight row's scale."""
+        return _dequantize(qb, s[None, :])
 
     @triton.jit
     def _grouped_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -59,7 +59,7 @@ if triton is not None:
     # by name, not as _gt._dot: torch.compile re-creates a user kernel's source in a compile worker
     # from the JIT functions it references directly, so a module alias is undefined there
     _dot, _result, _row_tile = _gt._dot, _gt._result, _gt._row_tile
-    _dequantize_tile = fp8_linear._dequantize_tile
+    _dequantize, _dequantize_tile = fp8_linear._dequantize, fp8_linear._dequantize_tile  # the first: the second's
 
     @triton.jit
     def _dequant_tile(w_rows, s_rows, k0, k_ok, n_in, stride_wk, stride_sk, SCALE_BLOCK: tl.constexpr):

@@ -6,7 +6,7 @@ core attention at decode; router_triton.py: the top-k router at decode; compress
 entry a decode step closes) and the compiled mHC
 coefficients (hyper_connection.hc_coefficients) change the rounding of a token's logprob, so they are
 settings, not environment: `EngineConfig` carries one field each
-(triton_moe, triton_hc, triton_attention, triton_router, triton_compressor, compile_hc) and
+(triton_moe, triton_hc, triton_attention, triton_router, triton_compressor, triton_sampler, compile_hc) and
 `TrainConfig` compile_hc (the Triton kernels act on single-token steps, which the trainer's forward
 never takes); the engine and the trainer hand them to their model with `set_kernel_switches` at
 construction (the model imports neither config: DESIGN principle 3). A model nobody configured
@@ -18,7 +18,7 @@ kernels and the trainer's fused logprobs off, whatever their setting or environm
 None (their default) means `decide_true_on_policy`: on CUDA, where the model has that forward.
 
 The environment overrides a setting when set, for A/B runs without touching a config:
-LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_TRITON_ATTENTION, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY,
+LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_TRITON_ATTENTION, LOCKSTEP_TRITON_SAMPLER, LOCKSTEP_COMPILE, LOCKSTEP_TRUE_ON_POLICY,
 LOCKSTEP_FIXED_ORDER, LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM, LOCKSTEP_TRITON_ROPE,
 LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS, LOCKSTEP_TRITON_INDEX ("0" off, anything else on; LOCKSTEP_COMPILE also
 switches off the engine's compiled decoder layers). The engine's startup line says which kernels are on.
@@ -40,7 +40,8 @@ from torch import nn
 # each switch's environment override
 ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
        "triton_attention": "LOCKSTEP_TRITON_ATTENTION", "triton_router": "LOCKSTEP_TRITON_ROUTER",
-       "triton_compressor": "LOCKSTEP_TRITON_COMPRESSOR", "compile_hc": "LOCKSTEP_COMPILE",
+       "triton_compressor": "LOCKSTEP_TRITON_COMPRESSOR", "triton_sampler": "LOCKSTEP_TRITON_SAMPLER",
+       "compile_hc": "LOCKSTEP_COMPILE",
        "true_on_policy": "LOCKSTEP_TRUE_ON_POLICY", "fixed_order": "LOCKSTEP_FIXED_ORDER",
        "compile_rows": "LOCKSTEP_COMPILE_ROWS", "flash_attention": "LOCKSTEP_FLASH_ATTENTION",
        "triton_norm": "LOCKSTEP_TRITON_NORM", "triton_rope": "LOCKSTEP_TRITON_ROPE",
@@ -48,8 +49,8 @@ ENV = {"triton_moe": "LOCKSTEP_TRITON_MOE", "triton_hc": "LOCKSTEP_TRITON_HC",
        "triton_index": "LOCKSTEP_TRITON_INDEX"}
 # the kernels a decode step and a training forward run differently, and the trainer's fused logprobs
 # (the engine samples with torch's log_softmax): off in the true-on-policy forward
-_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "triton_compressor", "compile_hc",
-                  "fused_logprobs")
+_SIDE_SPECIFIC = ("triton_moe", "triton_hc", "triton_attention", "triton_router", "triton_compressor",
+                  "triton_sampler", "compile_hc", "fused_logprobs")
 # switches that act only where a gradient is wanted: the engine never runs them (its startup line omits them)
 TRAINER_ONLY = ("flash_attention", "triton_norm", "triton_rope", "triton_combine", "fused_logprobs")
 
@@ -84,11 +85,14 @@ class KernelSwitches:
     triton_compressor: bool = True
     """The entry a decode step's token closes is one Triton kernel reading the compressor's open block
     in place, and only the token is written to it (compressor_step_triton.py)."""
+    triton_sampler: bool = True
+    """The engine's greedy draw at temperature 1 (its token and logprob) is two Triton kernels reading the
+    logits once (engine/greedy_draw_triton.py); read by the engine's sampler, not the model."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False
     """The true-on-policy forward (deepseek_v4_rows.py): a token's logprob has the same bits in the
-    engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the four above off."""
+    engine (any batch, chunk or CUDA-graph bucket) and in the trainer. Switches the ones above off."""
     fixed_order: bool | None = None
     """In the true-on-policy forward, the mHC and norm steps run over all rows at once with the
     fixed-order kernels (whole_rows.py) instead of in row blocks. None: on CUDA (measured on an H200:

@@ -67,7 +67,8 @@ def launch_config(N: int, K: int) -> dict:
 if triton is not None:
     # by name: torch.compile's compile worker cannot resolve a module alias
     _dot, _bf16 = _gt._dot, _gt._bf16
-    _dequantize_tile, _grouped_tile = fp8_linear._dequantize_tile, fp8_linear._grouped_tile
+    _dequantize, _dequantize_tile = fp8_linear._dequantize, fp8_linear._dequantize_tile
+    _grouped_tile = fp8_linear._grouped_tile
     _rotate_pairs = rope_triton._rotate_pairs
 
     @triton.jit
@@ -106,8 +107,12 @@ if triton is not None:
             a = _derope_tile(o_tile + k0, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D, ROPE, BLOCK_M, BLOCK_K,
                              INTERPRETED)
             w = tl.load(w_tile + k0 * stride_wk, mask=n_ok[None, :] & k_ok[:, None], other=0)
-            if FP8:
+            if FP8 and BLOCK_K <= SCALE_COLS:  # the step within one scale column: one scale a weight row
                 w = _dequantize_tile(w, tl.load(s_rows + (k0 // SCALE_COLS) * stride_sc, mask=n_ok, other=0.0))
+            elif FP8:  # a step across scale columns: each input's own
+                s = tl.load(s_rows[None, :] + ((k0 + rk) // SCALE_COLS)[:, None] * stride_sc,
+                            mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+                w = _dequantize(w, s)
             acc = _dot(a, w, acc, INTERPRETED)
         tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_outm + g * stride_outg + rn[None, :] * stride_outn,
                  _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
@@ -128,7 +133,8 @@ if triton is not None:
         for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
                            ("num_stages", num_stages)):
             cfg[key] = value or cfg[key]
-        assert not fp8 or FP8_BLOCK[1] % cfg["BLOCK_K"] == 0, "a K step must lie within one scale column"
+        assert not fp8 or (FP8_BLOCK[1] % cfg["BLOCK_K"] == 0 or cfg["BLOCK_K"] % FP8_BLOCK[1] == 0), \
+            "a K step must lie within one scale column or span whole ones"
         x = o.reshape(M, G, K).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
         out = o.new_empty(M, G, N)
