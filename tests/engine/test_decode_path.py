@@ -92,7 +92,8 @@ def test_the_engine_hands_its_kernel_switches_to_the_model(monkeypatch):
     assert all(m.kernels is engine.kernels for m in switched)
     assert engine.sampler.greedy_kernel  # the engine's own switch, handed to its sampler
     assert engine.serving_path == ("decode: eager; prefill: eager; kernels: triton_moe off, triton_hc on, "
-                                   "triton_attention on, triton_router on, triton_compressor on, triton_sampler on, compile_hc off, "
+                                   "triton_attention on, triton_router on, triton_compressor on, triton_sampler on, "
+                                   "compile_hc off, "
                                    "true_on_policy off, fixed_order on CUDA, triton_index off, compile_rows on CUDA")
     monkeypatch.setenv("LOCKSTEP_TRITON_HC", "0")
     assert "triton_hc off (LOCKSTEP_TRITON_HC=0)" in describe(engine.adapter, engine.kernels)
