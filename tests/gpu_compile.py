@@ -187,13 +187,22 @@ def variants():
         do._decode_dispatch_kernel, dict(flat_ptr=I64, rows_ptr=I64, offs_ptr=I32, slot_rows_ptr=I64),
         {"M", "E", "T"}, (), K=6, SHARED_GROUPS=4, BLOCK=do.BLOCK, BLOCK_E=64)
     from lockstep.models.layers import output_a_triton as oa
-    for fp8 in (False, True):  # the rotation back and wo_a over bf16 or packed fp8 weights
-        yield f"decode output projection a fp8={fp8}", lambda fp8=fp8: ptx(
+    # the rotation back and wo_a over bf16 or packed fp8 weights; fp8 also with a K step across scale columns
+    for fp8, block_k in ((False, 0), (True, 0), (True, 512)):
+        yield f"decode output projection a fp8={fp8} block_k={block_k}", lambda fp8=fp8, block_k=block_k: ptx(
             oa._derope_output_a_kernel, dict(o_ptr=BF, cos_ptr=FP, sin_ptr=FP, w_ptr="*u8" if fp8 else BF, s_ptr=FP,
                                              srow_ptr=I32, out_ptr=BF),
             {"M", "N", "K", "stride_om", "stride_og", "stride_cm", "stride_wn", "stride_wk", "stride_sr", "stride_sc",
              "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8, SCALE_COLS=128,
-            INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **oa.launch_config(256, 512))
+            INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **{**oa.launch_config(256, 512), **({"BLOCK_K": block_k} if block_k
+                                                                                        else {})})
+    from lockstep.engine import greedy_draw_triton as gd
+    yield "greedy draw chunks", lambda: ptx(gd._chunk_kernel, dict(x_ptr=FP, part_max_ptr=FP, part_index_ptr=I32),
+                                            {"V", "stride_xm", "stride_xv", "PLANE", "CHUNKS"}, INTERPRETED=False,
+                                            BLOCK=gd.launch_config(32768)["BLOCK"])
+    yield "greedy draw rows", lambda: ptx(gd._row_kernel, dict(part_max_ptr=FP, part_index_ptr=I32, tokens_ptr=I64,
+                                                               logp_ptr=FP), {"PLANE", "CHUNKS"}, num_warps=1,
+                                          INTERPRETED=False, BLOCK_C=16)
     from lockstep.models.layers import qk_norm_rope_triton as qk
     yield "decode query / key norms, rotation and ring write", lambda: ptx(
         qk._qk_norm_rope_kernel, dict(q_ptr=BF, kv_ptr=BF, w_ptr=BF, inv_freq_ptr=FP, q_out_ptr=BF, cos_ptr=FP,
