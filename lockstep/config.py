@@ -176,8 +176,9 @@ class EngineConfig:
     block where it is cached, and only the token is written into it (CUDA; models/layers/compressor_step_triton.py);
     off: torch ops over both blocks the step spans. LOCKSTEP_TRITON_COMPRESSOR=0 / 1, when set, overrides."""
     triton_sampler: bool = True
-    """A greedy draw at temperature 1 (the token and its logprob) is two Triton kernels reading the logits once
-    (CUDA; engine/greedy_draw_triton.py); off: torch's log_softmax, argmax and gather.
+    """The draw of a batch whose rows share one temperature and truncate nothing (greedy or sampled: the token and
+    its logprob) is two or three Triton kernels reading the logits once or twice (CUDA; engine/draw_triton.py);
+    off: torch's log_softmax, argmax or exp, cumsum and search, and gather.
     LOCKSTEP_TRITON_SAMPLER=0 / 1, when set, overrides."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled where the layers around them are not (eager prefill, the

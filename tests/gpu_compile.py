@@ -196,13 +196,17 @@ def variants():
              "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8, SCALE_COLS=128,
             INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **{**oa.launch_config(256, 512), **({"BLOCK_K": block_k} if block_k
                                                                                         else {})})
-    from lockstep.engine import greedy_draw_triton as gd
-    yield "greedy draw chunks", lambda: ptx(gd._chunk_kernel, dict(x_ptr=FP, part_max_ptr=FP, part_index_ptr=I32),
-                                            {"V", "stride_xm", "stride_xv", "PLANE", "CHUNKS"}, INTERPRETED=False,
-                                            BLOCK=gd.launch_config(32768)["BLOCK"])
-    yield "greedy draw rows", lambda: ptx(gd._row_kernel, dict(part_max_ptr=FP, part_index_ptr=I32, tokens_ptr=I64,
-                                                               logp_ptr=FP), {"PLANE", "CHUNKS"}, num_warps=1,
-                                          INTERPRETED=False, BLOCK_C=16)
+    from lockstep.engine import draw_triton as dr
+    strides = {"V", "stride_xm", "stride_xv", "PLANE", "CHUNKS"}
+    yield "draw chunks", lambda: ptx(dr._chunk_kernel, dict(x_ptr=FP, part_ptr=FP, part_index_ptr=I32), strides,
+                                     {"inv_t"}, INTERPRETED=False, BLOCK=2048)
+    yield "draw chunk masses", lambda: ptx(dr._chunk_mass_kernel, dict(x_ptr=FP, part_ptr=FP, mass_ptr="*fp64"),
+                                           strides, {"inv_t"}, INTERPRETED=False, BLOCK=2048, BLOCK_C=16)
+    for sampled in (False, True):
+        yield f"draw rows sampled={sampled}", lambda sampled=sampled: ptx(
+            dr._row_kernel, dict(x_ptr=FP, part_ptr=FP, part_index_ptr=I32, mass_ptr="*fp64", u_ptr="*fp64",
+                                 tokens_ptr=I64, logp_ptr=FP), strides, {"inv_t"}, INTERPRETED=False, BLOCK=2048,
+            SAMPLED=sampled, BLOCK_C=16)
     from lockstep.models.layers import qk_norm_rope_triton as qk
     yield "decode query / key norms, rotation and ring write", lambda: ptx(
         qk._qk_norm_rope_kernel, dict(q_ptr=BF, kv_ptr=BF, w_ptr=BF, inv_freq_ptr=FP, q_out_ptr=BF, cos_ptr=FP,

@@ -110,7 +110,7 @@ class Engine:
         self.serving_path = describe(self.adapter, self.kernels)  # what serves, for the log and the tests
         if on_cuda:
             print(f"lockstep engine: {self.serving_path}", file=sys.stderr)
-        self.sampler = Sampler(greedy_kernel=bool(self.kernels.on("triton_sampler")))
+        self.sampler = Sampler(draw_kernels=bool(self.kernels.on("triton_sampler")))
         self.stop = StopChecker(self._eos_ids(), tokenizer, self.max_model_len)
         self._requests: dict[str, RequestState] = {}
         self._lock = threading.RLock()  # held for one step; weight updates etc. land between steps

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine import greedy_draw_triton
+from lockstep.engine import draw_triton
 from lockstep.transfer import to_device
 
 _GAMMA = 0x9E3779B97F4A7C15  # SplitMix64's increment (2^64 / golden ratio, odd)
@@ -107,11 +107,11 @@ def draw_plan(params: list[SamplingParams]) -> DrawPlan:
 class Sampler:
     """Samples one token for each (row, sequence) pair; several sequences may share a row
     (the n samples of a prompt all draw their first token from the leader's prefill logits).
-    greedy_kernel: an all-greedy draw at temperature 1 takes greedy_draw_triton's kernels where
-    they run (KernelSwitches.triton_sampler)."""
+    draw_kernels: a batch of one temperature that truncates nothing takes draw_triton's kernels
+    where they run (KernelSwitches.triton_sampler)."""
 
-    def __init__(self, greedy_kernel: bool = False):
-        self.greedy_kernel = greedy_kernel
+    def __init__(self, draw_kernels: bool = False):
+        self.draw_kernels = draw_kernels
 
     def __call__(self, logits_MV: torch.Tensor, rows: list[int], params: list[SamplingParams],
                  seeds: list[int], steps: list[int]) -> tuple[list[int], list[float]]:
@@ -144,8 +144,8 @@ class Sampler:
         identity_rows: table row i samples from logits row i (no gather needed)."""
         x = logits_MV if identity_rows else logits_MV.index_select(0, table[:, 0].long())
         x = x.float()
-        if not plan.sampled and plan.temperature == 1.0 and greedy_draw_triton.runs(x, self.greedy_kernel):
-            return greedy_draw_triton.greedy_draw(x)
+        if plan.temperature is not None and not plan.truncated and draw_triton.runs(x, self.draw_kernels):
+            return draw_triton.draw(x, plan.temperature, table[:, 2].contiguous() if plan.sampled else None)
         T = plan.temperature if plan.temperature is not None else table[:, 1:2].float()
         logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
         tokens = x.argmax(dim=-1) if plan.greedy else None  # a [M, V] reduction: only where a row wants it

@@ -90,7 +90,7 @@ def test_the_engine_hands_its_kernel_switches_to_the_model(monkeypatch):
     assert kinds == {"HyperConnection", "HyperHead", "DeepseekV4Attention", "Experts", "RMSNorm", "Compressor",
                      "CSACompressor", "Indexer", "Router"}, kinds
     assert all(m.kernels is engine.kernels for m in switched)
-    assert engine.sampler.greedy_kernel  # the engine's own switch, handed to its sampler
+    assert engine.sampler.draw_kernels  # the engine's own switch, handed to its sampler
     assert engine.serving_path == ("decode: eager; prefill: eager; kernels: triton_moe off, triton_hc on, "
                                    "triton_attention on, triton_router on, triton_compressor on, triton_sampler on, "
                                    "compile_hc off, "

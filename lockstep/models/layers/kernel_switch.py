@@ -86,8 +86,9 @@ class KernelSwitches:
     """The entry a decode step's token closes is one Triton kernel reading the compressor's open block
     in place, and only the token is written to it (compressor_step_triton.py)."""
     triton_sampler: bool = True
-    """The engine's greedy draw at temperature 1 (its token and logprob) is two Triton kernels reading the
-    logits once (engine/greedy_draw_triton.py); read by the engine's sampler, not the model."""
+    """The engine's draw of a batch of one temperature that truncates nothing (greedy or sampled, its tokens
+    and logprobs) is two or three Triton kernels (engine/draw_triton.py); read by the engine's sampler, not
+    the model."""
     compile_hc: bool = True
     """On CUDA, mHC's coefficients are compiled (fused) outside compiled regions."""
     true_on_policy: bool = False
