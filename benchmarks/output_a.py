@@ -74,8 +74,10 @@ def main(argv=None) -> None:
 
 
 def _sweep(kernel, xs, args) -> None:
-    # one pipeline stage: two were slower in every setting of the 2026-12-04 sweep (launch_config)
-    grid = {"block_n": [16, 32, 64], "block_k": [128, 256, 512], "num_warps": [2, 4, 8], "num_stages": [1]}
+    # one pipeline stage (two were slower in every setting of the 2026-12-04 sweep, launch_config), 16 or 32
+    # columns (64 was slower); larger K steps and split K (the same inputs over more programs) as of 2026-12-05
+    grid = {"block_n": [16, 32], "block_k": [128, 256, 512], "num_warps": [4, 8], "num_stages": [1],
+            "split_k": [1, 2, 4]}
 
     def timed(cfg):
         graph, _ = capture(lambda x: kernel(x, **cfg), xs)

@@ -188,14 +188,14 @@ def variants():
         {"M", "E", "T"}, (), K=6, SHARED_GROUPS=4, BLOCK=do.BLOCK, BLOCK_E=64)
     from lockstep.models.layers import output_a_triton as oa
     # the rotation back and wo_a over bf16 or packed fp8 weights; fp8 also with a K step across scale columns
-    for fp8, block_k in ((False, 0), (True, 0), (True, 512)):
-        yield f"decode output projection a fp8={fp8} block_k={block_k}", lambda fp8=fp8, block_k=block_k: ptx(
+    # and split K into fp32 partials
+    for fp8, setting in ((False, {}), (True, {}), (True, {"BLOCK_K": 512}), (False, {"SPLIT_K": 4})):
+        yield f"decode output projection a fp8={fp8} {setting}", lambda fp8=fp8, setting=setting: ptx(
             oa._derope_output_a_kernel, dict(o_ptr=BF, cos_ptr=FP, sin_ptr=FP, w_ptr="*u8" if fp8 else BF, s_ptr=FP,
-                                             srow_ptr=I32, out_ptr=BF),
-            {"M", "N", "K", "stride_om", "stride_og", "stride_cm", "stride_wn", "stride_wk", "stride_sr", "stride_sc",
-             "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8, SCALE_COLS=128,
-            INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **{**oa.launch_config(256, 512), **({"BLOCK_K": block_k} if block_k
-                                                                                        else {})})
+                                             srow_ptr=I32, out_ptr=FP if setting.get("SPLIT_K") else BF),
+            {"M", "N", "K", "K_SPLIT", "stride_om", "stride_og", "stride_cm", "stride_wn", "stride_wk", "stride_sr",
+             "stride_sc", "stride_split", "stride_outm", "stride_outg", "stride_outn"}, (), D=128, ROPE=64, FP8=fp8,
+            SCALE_COLS=128, INTERPRETED=False, BLOCK_M=oa.BLOCK_M, **{**oa.launch_config(256, 512), **setting})
     from lockstep.engine import draw_triton as dr
     strides = {"V", "stride_xm", "stride_xv", "PLANE", "CHUNKS"}
     yield "draw chunks", lambda: ptx(dr._chunk_kernel, dict(x_ptr=FP, part_ptr=FP, part_index_ptr=I32), strides,

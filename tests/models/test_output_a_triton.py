@@ -48,12 +48,13 @@ def test_the_rotation_back_is_apply_ropes(D, rope, block_k):
     assert torch.equal(got[..., : D - rope], o[..., : D - rope])  # the unrotated channels pass as they are
 
 
-@pytest.mark.parametrize("block_k", [0, 256], ids=["default", "k256"])
+@pytest.mark.parametrize("setting", [{}, {"block_k": 256}, {"split_k": 2}], ids=["default", "k256", "split2"])
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])
-def test_the_kernel_is_output_projection_a(packed, block_k):
+def test_the_kernel_is_output_projection_a(packed, setting):
     """Against the torch form on a GroupedLinear (and its packed fp8 copy): the rotation, then the
     grouped GEMM, to bf16 rounding (the sums go in another order); group widths not a power of two;
-    K steps of launch_config's 128 inputs or one of 256 (two heads, two fp8 scale columns)."""
+    K steps of launch_config's 128 inputs or one of 256 (two heads, two fp8 scale columns), or K in
+    two fp32 splits added after."""
     M, H, D, rope, G, N = 20, 8, 128, 64, 4, 160  # K = 256 a group: two steps
     o, cos, sin = _inputs(M, H, D, rope, 7)
     wo_a = GroupedLinear(H * D // G, G * N, G)
@@ -69,12 +70,12 @@ def test_the_kernel_is_output_projection_a(packed, block_k):
     else:
         want = wo_a(rotated)
         weights = (wo_a.weight, G)
-    got = oa.derope_output_a(o, cos, sin, *weights, block_k=block_k)
+    got = oa.derope_output_a(o, cos, sin, *weights, **setting)
     assert got.shape == (M, G, N) and got.dtype == torch.bfloat16
     tol = 2 * BF16_ULP
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.abs().max().item())
     compiled = compile_op(oa.derope_output_a)
-    assert torch.equal(compiled(o, cos, sin, *weights, block_k=block_k), got)
+    assert torch.equal(compiled(o, cos, sin, *weights, **setting), got)
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["bf16", "fp8"])

@@ -38,6 +38,7 @@ import torch
 from lockstep.quant.fp8 import FP8_BLOCK
 
 from . import fp8_linear, rope_triton
+from . import sum_splits_triton as _ss
 from . import grouped_gemm_triton as _gt
 from .kernel_switch import forward_kernel_allowed
 
@@ -59,9 +60,10 @@ def launch_config(N: int, K: int) -> dict:
     """32 output columns a program (the 1b config's 256 a group: 4 x 8 x 4 programs at 64 tokens),
     128 inputs a step, 4 warps, no pipelining. Swept on one H200 (benchmarks/output_a.py --sweep,
     1b shapes, batch 64, 24 settings, 2026-12-04): 6.9 us bf16 / 7.3 fp8 a call (2 stages: 10.1 /
-    10.6; 64 columns 7.1 / 7.8), where the compiled torch form took 10.9 / 8.8."""
+    10.6; 64 columns 7.1 / 7.8), where the compiled torch form took 10.9 / 8.8. One K split: K steps
+    spanning scale columns and split K (2026-12-05) are in the sweep, not yet timed on a GPU."""
     return dict(BLOCK_N=min(32, max(16, triton.next_power_of_2(N))),
-                BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=1)
+                BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=1, SPLIT_K=1)
 
 
 if triton is not None:
@@ -88,21 +90,25 @@ if triton is not None:
         return _bf16(_rotate_pairs(x, cos, sin, rotated, BLOCK_M, BLOCK_K), INTERPRETED)
 
     @triton.jit
-    def _derope_output_a_kernel(o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, M, N, K,
+    def _derope_output_a_kernel(o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, srow_ptr, out_ptr, M, N, K, K_SPLIT,
                                 stride_om, stride_og, stride_cm, stride_wn, stride_wk, stride_sr, stride_sc,
-                                stride_outm, stride_outg, stride_outn,
+                                stride_split, stride_outm, stride_outg, stride_outn,
                                 D: tl.constexpr, ROPE: tl.constexpr, FP8: tl.constexpr, SCALE_COLS: tl.constexpr,
                                 INTERPRETED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
+                                BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """out[m, g, n] = derope(o)[m, g, :] . w[g N + n, :] (times its block scale where FP8); o's
-        inputs contiguous (stride 1 along K)."""
+        inputs contiguous (stride 1 along K). SPLIT_K > 1: grid axis 2 runs over groups x splits, split s
+        sums inputs s K_SPLIT ... (s + 1) K_SPLIT into the fp32 partials out[s] (added in order after)."""
         rm, rn, g, rk, m_ok, n_ok, row = _grouped_tile(M, N, BLOCK_M, BLOCK_N, BLOCK_K)
+        split = g % SPLIT_K
+        g = g // SPLIT_K
+        row = g * N + rn
         o_tile = o_ptr + rm[:, None].to(tl.int64) * stride_om + g * stride_og + rk[None, :]
         w_tile = w_ptr + row[None, :].to(tl.int64) * stride_wn + rk[:, None] * stride_wk  # [BLOCK_K, BLOCK_N] of w^T
         if FP8:
             s_rows = s_ptr + tl.load(srow_ptr + row, mask=n_ok, other=0).to(tl.int64) * stride_sr
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(split * K_SPLIT, tl.minimum((split + 1) * K_SPLIT, K), BLOCK_K):
             k_ok = k0 + rk < K
             a = _derope_tile(o_tile + k0, cos_ptr, sin_ptr, rm, k0, K, m_ok, stride_cm, D, ROPE, BLOCK_M, BLOCK_K,
                              INTERPRETED)
@@ -114,39 +120,48 @@ if triton is not None:
                             mask=n_ok[None, :] & k_ok[:, None], other=0.0)
                 w = _dequantize(w, s)
             acc = _dot(a, w, acc, INTERPRETED)
-        tl.store(out_ptr + rm[:, None].to(tl.int64) * stride_outm + g * stride_outg + rn[None, :] * stride_outn,
-                 _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
+        out = out_ptr + split * stride_split + rm[:, None].to(tl.int64) * stride_outm + g * stride_outg \
+            + rn[None, :] * stride_outn
+        if SPLIT_K == 1:
+            tl.store(out, _bf16(acc, INTERPRETED), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            tl.store(out, acc, mask=m_ok[:, None] & n_ok[None, :])
 
     @torch.library.triton_op("lockstep::derope_output_a", mutates_args=())
     def derope_output_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                         n_groups: int, scale: torch.Tensor | None = None, scale_row: torch.Tensor | None = None,
-                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0) -> torch.Tensor:
+                        block_n: int = 0, block_k: int = 0, num_warps: int = 0, num_stages: int = 0,
+                        split_k: int = 0) -> torch.Tensor:
         """o [M, H, D] bf16 (the attention's output), cos / sin [M, ROPE / 2] fp32 (rope.rope_cos_sin of
         the tokens' positions), weight [G N, H D / G] (bf16, or e4m3 bytes as uint8 with scale [R,
         ceil(K / 128)] fp32 and scale_row [G N] int32, fp8_linear.py's storage), n_groups G ->
-        [M, G, N] bf16. Nonzero launch settings override launch_config's (benchmarks/output_a.py --sweep)."""
+        [M, G, N] bf16. Nonzero launch settings override launch_config's (benchmarks/output_a.py --sweep);
+        split_k > 1 sums K in that many fp32 parts, added in order by sum_splits_triton's kernel (fixed by
+        the setting, not the batch: a row's bits do not depend on it)."""
         M, H, D = o.shape
         G = n_groups
         N, K = weight.shape[0] // G, H * D // G
         fp8 = scale is not None
         cfg = launch_config(N, K)
         for key, value in (("BLOCK_N", block_n), ("BLOCK_K", block_k), ("num_warps", num_warps),
-                           ("num_stages", num_stages)):
+                           ("num_stages", num_stages), ("SPLIT_K", split_k)):
             cfg[key] = value or cfg[key]
         assert not fp8 or (FP8_BLOCK[1] % cfg["BLOCK_K"] == 0 or cfg["BLOCK_K"] % FP8_BLOCK[1] == 0), \
             "a K step must lie within one scale column or span whole ones"
         x = o.reshape(M, G, K).contiguous()
         cos, sin = cos.contiguous(), sin.contiguous()
-        out = o.new_empty(M, G, N)
+        k_split = triton.cdiv(triton.cdiv(K, cfg["SPLIT_K"]), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
+        cfg["SPLIT_K"] = splits = triton.cdiv(K, k_split)  # none empty
+        out = o.new_empty(M, G, N) if splits == 1 else o.new_empty(splits, M, G, N, dtype=torch.float32)
         if M:
             s_ptr, srow_ptr, stride_sr, stride_sc = (scale, scale_row, *scale.stride()) if fp8 else (cos, cos, 0, 0)
             torch.library.wrap_triton(_derope_output_a_kernel)[
-                (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]), G)](
-                x, cos, sin, weight, s_ptr, srow_ptr, out, M, N, K, x.stride(0), x.stride(1), cos.stride(0),
-                *weight.stride(), stride_sr, stride_sc, *out.stride(),
+                (triton.cdiv(M, BLOCK_M), triton.cdiv(N, cfg["BLOCK_N"]), G * splits)](
+                x, cos, sin, weight, s_ptr, srow_ptr, out, M, N, K, k_split, x.stride(0), x.stride(1), cos.stride(0),
+                *weight.stride(), stride_sr, stride_sc, out.stride(0) if splits > 1 else 0, *out.stride()[-3:],
                 D=D, ROPE=2 * cos.shape[1], FP8=fp8, SCALE_COLS=FP8_BLOCK[1], INTERPRETED=_gt.interpreted(),
                 BLOCK_M=BLOCK_M, **cfg)
-        return out
+        return out if splits == 1 else _ss.launch_sum_splits(out, out_bf16=True)
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @derope_output_a.register_fake

@@ -40,17 +40,21 @@ if triton is not None:
         else:
             tl.store(out_ptr + i, acc, mask=ok)
 
+    def launch_sum_splits(partials: torch.Tensor, out_bf16: bool) -> torch.Tensor:
+        """The kernel's launch, for this op and for the ops whose second stage it is inside them
+        (output_a_triton.py): partials [S, ...] fp32, contiguous."""
+        out = partials.new_empty(partials.shape[1:], dtype=torch.bfloat16 if out_bf16 else torch.float32)
+        n = out.numel()
+        if n:
+            torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(n, SUM_BLOCK),)](
+                partials, out, partials.shape[0], n, ROUND=out_bf16, INTERPRETED=_gt.interpreted(), BLOCK=SUM_BLOCK)
+        return out
+
     @torch.library.triton_op("lockstep::sum_splits_in_order", mutates_args=())
     def sum_splits_in_order(partials: torch.Tensor, out_bf16: bool = False) -> torch.Tensor:
         """partials [S, ...] fp32 -> [...] fp32 (out_bf16: bf16), each element's S terms added first
         to last."""
-        p = partials.contiguous()
-        out = p.new_empty(p.shape[1:], dtype=torch.bfloat16 if out_bf16 else torch.float32)
-        n = out.numel()
-        if n:
-            torch.library.wrap_triton(_sum_splits_kernel)[(triton.cdiv(n, SUM_BLOCK),)](
-                p, out, p.shape[0], n, ROUND=out_bf16, INTERPRETED=_gt.interpreted(), BLOCK=SUM_BLOCK)
-        return out
+        return launch_sum_splits(partials.contiguous(), out_bf16)
 
     # shapes for torch.compile's tracing, written out (grouped_gemm_triton.py says why)
     @sum_splits_in_order.register_fake
