@@ -10,7 +10,9 @@ A program owns BLOCK_M tokens x BLOCK_N columns of one group and walks the group
 D inputs in BLOCK_K steps; each step loads its o tile, splits it into even and odd channels (the
 rotation's pairs), rotates the ROPE channels in registers and runs a bf16 tl.dot with fp32
 accumulation (W8A16: e4m3 bytes times their 128 x 128 block's power-of-two scale first, exact in
-bf16, as fp8_linear.py's kernel does).
+bf16, as fp8_linear.py's kernel does). Launch settings (launch_config) may instead take steps across
+heads and scale columns, or split K over SPLIT_K programs whose fp32 partials sum_splits_triton's
+kernel adds in order (more programs, each with fewer dependent steps: the kernel is latency-bound).
 
 Why: compiled, the same is five kernels in the 1b decode step (the rotation with cos / sin
 recomputed, the concatenation of the rotated and plain channels, the einsum's permuted copy in,
@@ -47,7 +49,7 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_M = 16  # tokens per program: tl.dot's minimum
-BLOCK_K = 128  # inputs per step: within one head (D >= 128) and one fp8 scale column
+BLOCK_K = 128  # inputs per step by default: within one head (D >= 128) and one fp8 scale column
 
 
 def runs(o: torch.Tensor, enabled: bool) -> bool:
