@@ -205,8 +205,8 @@ def variants():
     for sampled in (False, True):
         yield f"draw rows sampled={sampled}", lambda sampled=sampled: ptx(
             dr._row_kernel, dict(x_ptr=FP, part_ptr=FP, part_index_ptr=I32, mass_ptr="*fp64", u_ptr="*fp64",
-                                 tokens_ptr=I64, logp_ptr=FP), strides, {"inv_t"}, INTERPRETED=False, BLOCK=2048,
-            SAMPLED=sampled, BLOCK_C=16)
+                                 tokens_ptr=I64, logp_ptr=FP), strides | {"stride_u"}, {"inv_t"}, INTERPRETED=False,
+            BLOCK=2048, SAMPLED=sampled, BLOCK_C=16)
     from lockstep.models.layers import qk_norm_rope_triton as qk
     yield "decode query / key norms, rotation and ring write", lambda: ptx(
         qk._qk_norm_rope_kernel, dict(q_ptr=BF, kv_ptr=BF, w_ptr=BF, inv_freq_ptr=FP, q_out_ptr=BF, cos_ptr=FP,

@@ -59,8 +59,8 @@ def inverse_temperature(T: float) -> float:
 
 def draw(x: torch.Tensor, T: float = 1.0, u: torch.Tensor | None = None,
          block: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, V] fp32 logits, one temperature T, u [M] fp64 uniforms (< 0: the row is greedy; None: all
-    are) -> (tokens [M] int64, logprobs [M] fp32). A nonzero block overrides the chunk width."""
+    """x [M, V] fp32 logits, one temperature T, u [M] fp64 uniforms, any stride (< 0: the row is greedy;
+    None: all are) -> (tokens [M] int64, logprobs [M] fp32). A nonzero block overrides the chunk width."""
     M, V = x.shape
     block = block or launch_config(V)["BLOCK"]
     chunks, inv_t = triton.cdiv(V, block), inverse_temperature(T)
@@ -78,7 +78,8 @@ def draw(x: torch.Tensor, T: float = 1.0, u: torch.Tensor | None = None,
         _chunk_mass_kernel[(M, chunks)](x, part, mass, inv_t, *strides, **common,
                                         BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     _row_kernel[(M,)](x, part, part_index, mass, u if u is not None else part, tokens, logp, inv_t, *strides,
-                      **common, SAMPLED=u is not None, BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
+                      u.stride(0) if u is not None else 0, **common, SAMPLED=u is not None,
+                      BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
     return tokens, logp
 
 
@@ -157,8 +158,8 @@ if triton is not None:
 
     @triton.jit
     def _row_kernel(x_ptr, part_ptr, part_index_ptr, mass_ptr, u_ptr, tokens_ptr, logp_ptr, inv_t, V, stride_xm,
-                    stride_xv, PLANE, CHUNKS, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, SAMPLED: tl.constexpr,
-                    BLOCK_C: tl.constexpr):
+                    stride_xv, PLANE, CHUNKS, stride_u, INTERPRETED: tl.constexpr, BLOCK: tl.constexpr,
+                    SAMPLED: tl.constexpr, BLOCK_C: tl.constexpr):
         """Row m's token (greedy: the first chunk holding the max; sampled: the inverse CDF) and logprob."""
         m = tl.program_id(0)
         c = tl.arange(0, BLOCK_C)
@@ -168,7 +169,7 @@ if triton is not None:
         at = tl.load(part_index_ptr + m * CHUNKS + c, mask=ok, other=_NO_INDEX)
         _, token = tl.reduce((tops, at), 0, _first_max)
         if SAMPLED:
-            u = tl.load(u_ptr + m)
+            u = tl.load(u_ptr + m * stride_u)
             if u >= 0:
                 token = _inverse_cdf(x_ptr, mass_ptr, inv_t, top, log_total, u, m, V, stride_xm, stride_xv, CHUNKS,
                                      INTERPRETED, BLOCK, BLOCK_C)

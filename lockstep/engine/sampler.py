@@ -145,7 +145,7 @@ class Sampler:
         x = logits_MV if identity_rows else logits_MV.index_select(0, table[:, 0].long())
         x = x.float()
         if plan.temperature is not None and not plan.truncated and draw_triton.runs(x, self.draw_kernels):
-            return draw_triton.draw(x, plan.temperature, table[:, 2].contiguous() if plan.sampled else None)
+            return draw_triton.draw(x, plan.temperature, table[:, 2] if plan.sampled else None)
         T = plan.temperature if plan.temperature is not None else table[:, 1:2].float()
         logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
         tokens = x.argmax(dim=-1) if plan.greedy else None  # a [M, V] reduction: only where a row wants it

@@ -67,8 +67,10 @@ def test_sampled_tokens_are_the_inverse_cdfs(T):
     x = _logits(M, V, 5, scale=2.0)
     u = torch.rand(M, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     u[0], u[1], u[2] = 1e-12, 1 - 1e-12, -1.0
-    u = u.to(DEVICE)
-    tokens, logp = dr.draw(x, T, u, block=128)  # eight chunks a row
+    table = torch.zeros(M, 5, dtype=torch.float64)
+    table[:, 2] = u
+    u = table[:, 2].to(DEVICE)  # a column of the sampler's table: strided
+    tokens, logp = dr.draw(x, T, table.to(DEVICE)[:, 2], block=128)  # eight chunks a row
     want_tokens, want_logp = _torch_draw(x, T, u)
     assert torch.equal(tokens, want_tokens)
     assert tokens[0].item() == 0 and tokens[1].item() == V - 1 and tokens[2].item() == x[2].argmax().item()
