@@ -17,8 +17,9 @@ CUDA) alone and with its host read, and by torch's norms (`_foreach_norm` per dt
 validate_update, and the same with its checks left on the device (the gated update's); the same
 bytes copied by `_foreach_copy_`, tensor by tensor and by tensor_copy_triton.py's byte copy (where
 Triton runs), beside one flat copy (the bound: what a flat weight buffer would cost); the update's
-write; the whole update with the walk, the same with both kernels off, and with its checks read
-before the write is launched (no gate: value_checks.DeviceChecks). On a GPU the device time of
+write; the whole update with the walk, the same with both kernels off, with its checks read
+before the write is launched (no gate: value_checks.DeviceChecks), and with its device work replayed
+from a CUDA graph from the third update on (engine/update_replay.py, REPLAY on). On a GPU the device time of
 each part (CUDA events) is printed beside its wall time: a wall time far above the device time is
 host work the device waits on. The parts without a host read are also replayed from a CUDA graph
 ("graphed": their kernels alone, the host's preparation gone), as is the flat copy.
@@ -35,6 +36,7 @@ from grpo_step import _configs, make_model
 
 from lockstep.config import EngineConfig
 from lockstep.engine import Engine
+from lockstep.engine import update_replay
 from lockstep.engine import value_checks as vc
 from lockstep.engine import weight_update as wu
 from lockstep.models.live_state import LiveState
@@ -130,6 +132,17 @@ def ungated(fn):
     return run
 
 
+def replayed(fn):
+    """fn with update_replay.REPLAY on: a repeated update's device work replayed from a CUDA graph."""
+    def run():
+        update_replay.REPLAY = True
+        try:
+            return fn()
+        finally:
+            update_replay.REPLAY = False
+    return run
+
+
 def _finiteness_rows(pairs) -> dict:
     """The check as the update makes it, and by tensor_finite_triton's kernel where Triton runs."""
     groups = [g for g in ([pairs[i][1] for i in positions] for positions in vc.ValuePlan.of(pairs).groups)
@@ -195,6 +208,8 @@ def main() -> None:
         parts["the same, torch's copy and norms (kernels off)"] = without_kernels(
             parts["Engine.update_weights with the walk"])
         parts["the same, checks read before the write (no gate)"] = ungated(
+            parts["Engine.update_weights with the walk"])
+        parts["the same, replayed from a CUDA graph (update_replay)"] = replayed(
             parts["Engine.update_weights with the walk"])
     if device.type == "cuda":
         flat = graphed(lambda: flat_dst.copy_(flat_src), args.repeats)

@@ -26,7 +26,8 @@ write (a bf16 engine's), that write is launched before the checks are read, gate
 device (DeviceChecks): a failed check closes the gate and the copy writes nothing. What depends
 only on an update's layout (names, dtypes, shapes: the checks, which tensor goes where) is decided
 once per layout and kept in the engine's UpdateTargets: a push sends one layout every step, and
-per-tensor host work before the launches is time the device waits on.
+per-tensor host work before the launches is time the device waits on. An update repeating the last
+ones' tensors (the same addresses) may replay their captured device work (update_replay.py, REPLAY).
 
 What depends on the weights (the rollout caches) is the engine's to flush afterwards.
 """
@@ -39,7 +40,9 @@ from typing import Iterable, Mapping
 import torch
 
 from lockstep import tensor_copy_triton
+from lockstep.engine import update_replay
 from lockstep.engine.update_errors import WeightUpdateError, WeightVersionError
+from lockstep.engine.update_replay import UpdateReplays, replay_key
 from lockstep.engine.value_checks import (DeviceChecks, Sources, ValuePlan, all_contiguous, kernels_run,
                                           launch_expert_extremes, launch_finiteness, new_gate)
 from lockstep.models.layers.fp8_linear import gatable, packed_weights, quantise_packed
@@ -108,6 +111,7 @@ class UpdateTargets:
     checked: dict = field(default_factory=dict)  # (layout_key, partial) -> ValuePlan, once its name / shape /
     # dtype checks passed
     layouts: dict = field(default_factory=dict)  # each Layout seen, kept (layout_key)
+    replays: UpdateReplays = field(default_factory=UpdateReplays)  # repeated updates' device work (REPLAY)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "UpdateTargets":
@@ -121,7 +125,7 @@ class UpdateTargets:
 
 class ValidatedUpdate(list):
     """(name, tensor) pairs that passed validate_update's checks against `model` (made only by
-    validate_update and `joined`): update_weights writes them without checking them again, which
+    validate_update, `joined` and update_weights' own validation): update_weights writes them without checking them again, which
     would read every value a second time (a bucketed push validates each bucket as it stages it).
     Its tensors are not copied: whoever holds one must not change them before it is written. Made
     with `confirm=False`, `checks` holds its value checks still on the device: update_weights
@@ -204,6 +208,19 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
     CPU machine); the values' checks (finiteness, expert ids) run on the device, read in one wait,
     unless `confirm` is False: then they are left on the device in the update's `checks`
     (DeviceChecks; update_weights' gated write)."""
+    update, plan = _checked(model, named_tensors, partial, targets)
+    checks = launch_value_checks(update, plan, gated=not confirm)
+    if confirm:
+        checks.confirm()
+    else:
+        update.checks = checks
+    return update
+
+
+def _checked(model: torch.nn.Module, named_tensors, partial: bool,
+             targets: UpdateTargets | None) -> tuple[ValidatedUpdate, ValuePlan]:
+    """The update with its name, shape and dtype checks passed (kept per layout) and its sources read;
+    its values not checked yet (launch_value_checks), and the layout's ValuePlan."""
     pairs = _pairs(named_tensors)
     targets = targets or UpdateTargets.of(model)
     layout = layout_key(pairs, targets)
@@ -215,14 +232,15 @@ def validate_update(model: torch.nn.Module, named_tensors, partial: bool = False
         if len(targets.checked) >= MAX_PLANS:
             targets.checked.clear()
         plan = targets.checked[layout, partial] = ValuePlan.of(pairs)
-    gate = None if confirm else new_gate(pairs, plan)
-    sources = Sources.of(pairs)
-    finiteness = launch_finiteness(pairs, plan, layout, gate, sources)
-    tables, extremes = launch_expert_extremes(pairs, targets.n_experts, plan.tables, gate)
-    checks = DeviceChecks(finiteness, tables, extremes, targets.n_experts, gate)
-    if confirm:
-        checks.confirm()
-    return ValidatedUpdate(pairs, model, targets, partial, layout, None if confirm else checks, sources)
+    return ValidatedUpdate(pairs, model, targets, partial, layout, sources=Sources.of(pairs)), plan
+
+
+def launch_value_checks(update: ValidatedUpdate, plan: ValuePlan, gated: bool) -> DeviceChecks:
+    """The update's value checks launched on the device, not read; `gated`: closing a fresh gate."""
+    gate = new_gate(update, plan) if gated else None
+    finiteness = launch_finiteness(update, plan, update.layout, gate, update.sources)
+    tables, extremes = launch_expert_extremes(update, update.targets.n_experts, plan.tables, gate)
+    return DeviceChecks(finiteness, tables, extremes, update.targets.n_experts, gate)
 
 
 @dataclass(frozen=True)
@@ -347,6 +365,12 @@ def _gated_write(plan: WritePlan, pairs: list, key: tuple, gate: torch.Tensor, s
 GATED_WRITE = True  # update_weights writes gated on the checks where it can (DeviceChecks), before reading them
 
 
+def _write_gated(update: ValidatedUpdate, checks: DeviceChecks, fmt: str) -> bool:
+    """write_served gated on `checks` where they have a gate and the whole write can be: whether it was made."""
+    return GATED_WRITE and checks.gate is not None and write_served(update.model, update, fmt, update.targets,
+                                                                     gate=checks.gate)
+
+
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,
                    targets: UpdateTargets | None = None) -> int:
     """Validate all, then write all; returns the number of tensors written. A ValidatedUpdate of this
@@ -355,11 +379,18 @@ def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: boo
     Where the whole write can be gated on the value checks (DeviceChecks), it is launched before
     they are read, and a failed check leaves it writing nothing; else the checks are read first."""
     pairs = named_tensors
-    if not (isinstance(pairs, ValidatedUpdate) and pairs.model is model and (partial or not pairs.partial)):
-        pairs = validate_update(model, named_tensors, partial, targets, confirm=False)
-    checks = pairs.checks
-    written = GATED_WRITE and checks is not None and checks.gate is not None and write_served(
-        model, pairs, fmt, pairs.targets, gate=checks.gate)
+    if isinstance(pairs, ValidatedUpdate) and pairs.model is model and (partial or not pairs.partial):
+        checks = pairs.checks
+        written = checks is not None and _write_gated(pairs, checks, fmt)
+    else:
+        pairs, plan = _checked(model, named_tensors, partial, targets)
+
+        def launch(update=pairs):  # the update's device work, replayed where it repeats (update_replay.py)
+            checks = launch_value_checks(update, plan, gated=True)
+            return checks, _write_gated(update, checks, fmt)
+
+        key = replay_key(fmt, pairs.layout, partial, pairs.sources)
+        checks, written = pairs.targets.replays.run(key, launch) if update_replay.REPLAY else launch()
     if checks is not None:
         closed = checks.confirm()  # raises where a check failed: nothing was written
         pairs.checks = None
