@@ -29,7 +29,7 @@ def _logits(M, V, seed, scale=4.0):
     return (torch.randn(M, V, generator=torch.Generator().manual_seed(seed)) * scale).to(DEVICE)
 
 
-@pytest.mark.parametrize("V,block", [(1000, 0), (300, 64), (5001, 256)])
+@pytest.mark.parametrize("V,block", [(1000, 0), (300, 64), (2001, 256)])
 def test_a_greedy_token_and_logprob_are_torchs(V, block):
     """Ties inside a chunk and across chunks go to the first maximum; a row of -inf but one entry; the
     logprob to fp32 rounding (the chunks' sums combine in another order)."""
@@ -63,19 +63,19 @@ def test_sampled_tokens_are_the_inverse_cdfs(T):
     """Rows sampled with their uniforms, greedy ones (u < 0) among them: the torch form's tokens (the
     masses summed in another order could differ only within fp64 rounding of a boundary) and logprobs;
     u near 0 and near 1 draw the first and the last token with mass."""
-    M, V = 24, 1000
+    M, V = 16, 600
     x = _logits(M, V, 5, scale=2.0)
     u = torch.rand(M, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     u[0], u[1], u[2] = 1e-12, 1 - 1e-12, -1.0
     table = torch.zeros(M, 5, dtype=torch.float64)
     table[:, 2] = u
     u = table[:, 2].to(DEVICE)  # a column of the sampler's table: strided
-    tokens, logp = dr.draw(x, T, table.to(DEVICE)[:, 2], block=128)  # eight chunks a row
+    tokens, logp = dr.draw(x, T, table.to(DEVICE)[:, 2], block=128)  # five chunks a row
     want_tokens, want_logp = _torch_draw(x, T, u)
     assert torch.equal(tokens, want_tokens)
     assert tokens[0].item() == 0 and tokens[1].item() == V - 1 and tokens[2].item() == x[2].argmax().item()
     torch.testing.assert_close(logp, want_logp, **TOL)
-    assert len(set(tokens[3:].tolist())) > 10  # the draws spread over the vocabulary
+    assert len(set(tokens[3:].tolist())) > 8  # the draws spread over the vocabulary
 
 
 def test_a_rows_bits_do_not_depend_on_the_batch():
