@@ -14,6 +14,7 @@ gpu-848m's push took 6.3 ms on an H200); with it, 16 bytes at a time (tests/gpu_
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -125,8 +126,28 @@ class PreparedLaunches:
 
 
 def _run(kernel, launches: list, extra: tuple) -> None:
+    if _HELD is not None:
+        _HELD.append((launches, extra))
     for grid, args, constexprs in launches:
         kernel[grid](*args, *extra, **constexprs)
+
+
+_HELD: list | None = None
+
+
+@contextlib.contextmanager
+def holding():
+    """Every launch made inside, its arguments (the device tables) kept in the yielded list: a CUDA
+    graph captured inside reads them by address, so they must live as long as it does, whatever
+    PreparedLaunches drops (engine/update_replay.py)."""
+    global _HELD
+    outer, _HELD = _HELD, []
+    try:
+        yield _HELD
+    finally:
+        if outer is not None:
+            outer.extend(_HELD)
+        _HELD = outer
 
 
 @functools.lru_cache(maxsize=64)

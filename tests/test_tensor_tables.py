@@ -1,6 +1,6 @@
 """tensor_tables' host side: a many-tensor launch's alignment groups and its kept launches."""
 
-from lockstep.tensor_tables import ALIGN, PreparedLaunches, alignment, alignment_groups
+from lockstep.tensor_tables import ALIGN, PreparedLaunches, alignment, alignment_groups, holding
 
 
 def test_one_odd_item_does_not_take_the_hint_from_the_others():
@@ -29,3 +29,17 @@ def test_prepared_launches_are_kept_by_key_and_a_temporary_is_not():
     for key in ("c", "d", "a"):  # two entries kept, the oldest dropped first
         cache.launch(kernel, key, prepare)
     assert len(prepared) == 6
+
+
+def test_launches_inside_holding_are_held_and_reach_an_outer_holding():
+    """What a CUDA graph captured inside `holding` reads (its launches' tables) is held with it."""
+    kernel = type("K", (), {"__getitem__": lambda self, grid: lambda *args, **kw: None})()
+    cache = PreparedLaunches()
+    prepare = lambda: ([((1,), ("table",), {})], [])  # noqa: E731
+    cache.launch(kernel, "a", prepare)  # outside: held by nobody
+    with holding() as outer:
+        cache.launch(kernel, "a", prepare, extra=("gate",))
+        with holding() as inner:
+            cache.launch(kernel, "b", prepare)
+        assert inner == [([((1,), ("table",), {})], ())]
+    assert [extra for _, extra in outer] == [("gate",), ()]

@@ -27,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from lockstep import tensor_tables
 from lockstep.engine.value_checks import DeviceChecks
 
 REPLAY = False  # update_weights replays repeated updates (UpdateTargets.replays); not yet timed on a GPU
@@ -50,8 +51,8 @@ class UpdateReplays:
     the checks the capture's launches fill."""
 
     def __init__(self):
-        self._seen: dict[tuple, int] = {}
-        self._kept: dict[tuple, tuple[torch.cuda.CUDAGraph | Launch, DeviceChecks]] = {}
+        self._seen: set[tuple] = set()
+        self._kept: dict[tuple, tuple] = {}  # key -> (a CUDA graph or the launch function, its checks, held)
         self.replays = 0  # updates replayed (the tests read it)
 
     def run(self, key: tuple, launch: Launch) -> tuple[DeviceChecks, bool]:
@@ -60,7 +61,7 @@ class UpdateReplays:
         kept = self._kept.get(key)
         if kept is not None:
             self.replays += 1
-            return self._replay(*kept), True
+            return self._replay(*kept[:2]), True
         checks, written = launch()
         if replayable(checks, written):
             self._note(key, launch, checks.gate.is_cuda)
@@ -73,20 +74,24 @@ class UpdateReplays:
         return graph()[0]  # the stand-in: the captured launches again, their fresh checks
 
     def _note(self, key: tuple, launch: Launch, on_cuda: bool) -> None:
-        if self._seen.get(key, 0) < 1:
+        """A replayable update launched: the second of its key is captured for the next (the first
+        compiled its kernels and kept their launches)."""
+        if key not in self._seen:
             if len(self._seen) >= MAX_KEYS:
                 self._seen.clear()
-            self._seen[key] = 1
+            self._seen.add(key)
             return
         if len(self._kept) >= MAX_KEYS:
             self._kept.pop(next(iter(self._kept)))
-        self._kept[key] = self._capture(launch) if on_cuda else (launch, None)
+        self._kept[key] = self._capture(launch) if on_cuda else (launch, None, [])
 
     @staticmethod
-    def _capture(launch: Launch) -> tuple[torch.cuda.CUDAGraph, DeviceChecks]:
-        """launch() recorded, not run (the update it stands for was just launched eagerly)."""
+    def _capture(launch: Launch) -> tuple[torch.cuda.CUDAGraph, DeviceChecks, list]:
+        """launch() recorded, not run (the update it stands for was just launched eagerly). What the
+        graph reads outside its own memory pool: the update's tensors (the key's addresses), the
+        engine's, and the kernels' device tables, held with the graph (tensor_tables.holding)."""
         graph = torch.cuda.CUDAGraph()
         # thread-local: another thread's CUDA calls (a server's) must not void the capture, nor it them
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        with tensor_tables.holding() as held, torch.cuda.graph(graph, capture_error_mode="thread_local"):
             checks, _ = launch()
-        return graph, checks
+        return graph, checks, held
