@@ -125,8 +125,9 @@ class UpdateTargets:
 
 class ValidatedUpdate(list):
     """(name, tensor) pairs that passed validate_update's checks against `model` (made only by
-    validate_update, `joined` and update_weights' own validation): update_weights writes them without checking them again, which
-    would read every value a second time (a bucketed push validates each bucket as it stages it).
+    validate_update, `joined` and update_weights' own validation): update_weights writes them without
+    checking them again, which would read every value a second time (a bucketed push validates each
+    bucket as it stages it).
     Its tensors are not copied: whoever holds one must not change them before it is written. Made
     with `confirm=False`, `checks` holds its value checks still on the device: update_weights
     writes it gated on them, then reads them (DeviceChecks)."""

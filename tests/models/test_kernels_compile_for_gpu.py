@@ -32,8 +32,8 @@ def test_every_trainer_kernel_compiles_for_sm90():
     # attention 3 (window, closed blocks, picked), mHC pre 1, partials 1, compressor entry 2, router 4 (two forms, from partials,
     # hash), dispatch order 2 (the order; rows, offsets and slot rows), combine with the shared rows 2 (and the
     # mHC combine), experts 4 (bf16 with and without SwiGLU, fp8 with and without), output projection a 4 (fp8
-    # with a K step across scale columns, bf16 in split K), the sampler's draw 4 (chunks, their masses, rows greedy or sampled); the
-    # weight update's byte copy 1 and finiteness check 1
+    # with a K step across scale columns, bf16 in split K), the sampler's draw 4 (chunks, their masses, rows
+    # greedy or sampled); the weight update's byte copy 1 and finiteness check 1
     assert len(lines) == 65
 
 

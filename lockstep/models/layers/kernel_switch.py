@@ -21,7 +21,8 @@ The environment overrides a setting when set, for A/B runs without touching a co
 LOCKSTEP_TRITON_MOE, LOCKSTEP_TRITON_HC, LOCKSTEP_TRITON_ATTENTION, LOCKSTEP_TRITON_SAMPLER, LOCKSTEP_COMPILE,
 LOCKSTEP_TRUE_ON_POLICY, LOCKSTEP_FIXED_ORDER, LOCKSTEP_COMPILE_ROWS, LOCKSTEP_FLASH_ATTENTION, LOCKSTEP_TRITON_NORM,
 LOCKSTEP_TRITON_ROPE, LOCKSTEP_TRITON_COMBINE, LOCKSTEP_FUSED_LOGPROBS, LOCKSTEP_TRITON_INDEX ("0" off, anything else
-on; LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup line says which kernels are on.
+on; LOCKSTEP_COMPILE also switches off the engine's compiled decoder layers). The engine's startup line says which
+kernels are on.
 
 A Triton kernel runs only where it can: on CUDA (under TRITON_INTERPRET=1 the tests run the
 kernels themselves, not this gate), with no gradient wanted (no backward), and where each caller's
