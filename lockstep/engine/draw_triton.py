@@ -28,6 +28,8 @@ true-on-policy forward, whose logprobs must be the trainer's bits, never takes t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from lockstep.triton_support import interpreted, load_triton
@@ -52,6 +54,7 @@ def launch_config(V: int) -> dict:
     return dict(BLOCK=min(2048, max(16, triton.next_power_of_2(V))), num_warps=4)
 
 
+@functools.lru_cache(maxsize=16)
 def inverse_temperature(T: float) -> float:
     """1 / T rounded to fp32, the factor torch's CUDA kernel multiplies by when dividing by a scalar."""
     return torch.tensor(1.0, dtype=torch.float32).div(torch.tensor(T, dtype=torch.float32)).item()
@@ -62,7 +65,8 @@ def draw(x: torch.Tensor, T: float = 1.0, u: torch.Tensor | None = None,
     """x [M, V] fp32 logits, one temperature T, u [M] fp64 uniforms, any stride (< 0: the row is greedy;
     None: all are) -> (tokens [M] int64, logprobs [M] fp32). A nonzero block overrides the chunk width."""
     M, V = x.shape
-    block = block or launch_config(V)["BLOCK"]
+    cfg = launch_config(V)
+    block = block or cfg["BLOCK"]
     chunks, inv_t = triton.cdiv(V, block), inverse_temperature(T)
     tokens = torch.empty(M, dtype=torch.int64, device=x.device)
     logp = torch.empty(M, dtype=torch.float32, device=x.device)
@@ -72,14 +76,14 @@ def draw(x: torch.Tensor, T: float = 1.0, u: torch.Tensor | None = None,
     part_index = torch.empty(M, chunks, dtype=torch.int32, device=x.device)
     mass = torch.empty(M, chunks, dtype=torch.float64, device=x.device) if u is not None else part
     strides = (V, x.stride(0), x.stride(1), M * chunks, chunks)
-    common = dict(INTERPRETED=interpreted(), BLOCK=block)
-    _chunk_kernel[(M, chunks)](x, part, part_index, inv_t, *strides, **common, num_warps=4)
+    common = dict(INTERPRETED=interpreted(), BLOCK=block, num_warps=cfg["num_warps"])
+    _chunk_kernel[(M, chunks)](x, part, part_index, inv_t, *strides, **common)
     if u is not None:
         _chunk_mass_kernel[(M, chunks)](x, part, mass, inv_t, *strides, **common,
-                                        BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
+                                        BLOCK_C=triton.next_power_of_2(chunks))
     _row_kernel[(M,)](x, part, part_index, mass, u if u is not None else part, tokens, logp, inv_t, *strides,
                       u.stride(0) if u is not None else 0, **common, SAMPLED=u is not None,
-                      BLOCK_C=triton.next_power_of_2(chunks), num_warps=4)
+                      BLOCK_C=triton.next_power_of_2(chunks))
     return tokens, logp
 
 
