@@ -108,39 +108,34 @@ def _args():
     return p.parse_args()
 
 
-def without_kernels(fn):
-    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL off (the update's
-    torch form against its kernels, same run)."""
+def switched(fn, *settings: tuple):
+    """fn with each (module, flag, value) of `settings` set for the call, restored after (a row's A/B)."""
     def run():
-        saved = tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL
-        tensor_copy_triton.WRITE_KERNEL = tensor_finite_triton.FINITE_KERNEL = False
+        saved = [getattr(module, flag) for module, flag, _ in settings]
+        for module, flag, value in settings:
+            setattr(module, flag, value)
         try:
             return fn()
         finally:
-            tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL = saved
+            for (module, flag, _), value in zip(settings, saved):
+                setattr(module, flag, value)
     return run
+
+
+def without_kernels(fn):
+    """fn with tensor_copy_triton.WRITE_KERNEL and tensor_finite_triton.FINITE_KERNEL off (the update's
+    torch form against its kernels, same run)."""
+    return switched(fn, (tensor_copy_triton, "WRITE_KERNEL", False), (tensor_finite_triton, "FINITE_KERNEL", False))
 
 
 def ungated(fn):
     """fn with weight_update.GATED_WRITE off: the update's checks read before its write is launched."""
-    def run():
-        wu.GATED_WRITE = False
-        try:
-            return fn()
-        finally:
-            wu.GATED_WRITE = True
-    return run
+    return switched(fn, (wu, "GATED_WRITE", False))
 
 
 def replayed(fn):
     """fn with update_replay.REPLAY on: a repeated update's device work replayed from a CUDA graph."""
-    def run():
-        update_replay.REPLAY = True
-        try:
-            return fn()
-        finally:
-            update_replay.REPLAY = False
-    return run
+    return switched(fn, (update_replay, "REPLAY", True))
 
 
 def _finiteness_rows(pairs) -> dict:
