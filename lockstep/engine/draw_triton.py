@@ -1,7 +1,7 @@
 """The sampler's draw (sampler.py defines it) as Triton kernels, for a batch whose rows share one
 temperature T and none truncates (top-k / top-p off: an RL rollout's rows, and greedy ones): each
 row's token and its logprob log_softmax(x / T)[token], from the fp32 logits x [M, V] read once
-(greedy rows) or twice (sampled rows).
+(greedy rows) or twice (sampled rows, and the chunk holding the token once more).
 
 Why: torch's form is log_softmax over all [M, V] (a read and a write), then argmax (another read)
 or exp, an fp64 cumsum and a search (three more passes, one of them writing 16 bytes a logit), and a
