@@ -32,18 +32,19 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     from lockstep.engine import draw_triton
-    from lockstep.engine.sampler import inverse_cdf
+    from lockstep.engine.sampler import DrawPlan, Sampler
 
     require_kernels("draw.py", draw_triton)
     torch.manual_seed(args.seed)
 
-    def torch_form(xu):
-        x, u = xu
-        logp = torch.log_softmax(x, dim=-1)
-        tokens = x.argmax(dim=-1) if u is None else inverse_cdf(logp.exp(), u.unsqueeze(1))
-        return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    torch_sampler = Sampler(draw_kernels=False)
+    greedy, sampled = DrawPlan(1.0, False, False, True), DrawPlan(1.0, True, False, False)
 
-    calls = {"kernels": lambda xu: draw_triton.draw(xu[0], 1.0, xu[1]), "torch": torch_form}
+    def torch_form(xut):  # the sampler's own torch form
+        x, u, table = xut
+        return torch_sampler.draw(x, table, greedy if u is None else sampled, identity_rows=True)
+
+    calls = {"kernels": lambda xut: draw_triton.draw(xut[0], 1.0, xut[1]), "torch": torch_form}
     gbps = copy_bandwidth("cuda", 1024) / 1e9
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {gbps:.0f} GB/s; {args.graph_calls} calls per graph, "
           f"{args.reps} reps; microseconds per call")
@@ -52,9 +53,7 @@ def main(argv=None) -> None:
             print(f"vocabulary {V}, {form}")
             print(table_header("batch", calls, "torch/kernels", ["tokens", "max|dlogp|", "of bound"]))
             for batch in args.batch:
-                xs = [(torch.randn(batch, V, device="cuda") * 4,
-                       torch.rand(batch, device="cuda", dtype=torch.float64) if form == "sampled" else None)
-                      for _ in range(args.graph_calls)]
+                xs = [_inputs(batch, V, form == "sampled") for _ in range(args.graph_calls)]
                 row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
                 (t1, lp1), (t2, lp2) = calls["kernels"](xs[0]), torch_form(xs[0])
                 same = "same" if torch.equal(t1, t2) else f"{(t1 != t2).sum().item()} differ"
@@ -62,6 +61,13 @@ def main(argv=None) -> None:
                 print(table_row(batch, row, calls, ("torch", "kernels"),
                                 [f"{same:>10}", f"{(lp1 - lp2).abs().max().item():10.2e}",
                                  f"{bound_us / row['kernels'][0]:10.2f}"]))
+
+
+def _inputs(batch: int, V: int, sampled: bool) -> tuple:
+    """Logits, the uniforms (None: greedy) and the sampler's table holding them (column 2)."""
+    table = torch.zeros(batch, 5, dtype=torch.float64, device="cuda")
+    table[:, 2] = torch.rand(batch, device="cuda", dtype=torch.float64) if sampled else -1.0
+    return torch.randn(batch, V, device="cuda") * 4, table[:, 2] if sampled else None, table
 
 
 if __name__ == "__main__":

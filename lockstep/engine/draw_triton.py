@@ -124,14 +124,15 @@ if triton is not None:
 
     @triton.jit
     def _row_stats(part_ptr, m, PLANE, CHUNKS, INTERPRETED: tl.constexpr, BLOCK_C: tl.constexpr):
-        """Row m's maximum and log sum exp(z - max) from its chunks' partials, in one fixed order."""
+        """Row m's maximum and log sum exp(z - max) from its chunks' partials, in one fixed order, and
+        the chunks' maxima."""
         c = tl.arange(0, BLOCK_C)
         ok = c < CHUNKS
         tops = tl.load(part_ptr + m * CHUNKS + c, mask=ok, other=float("-inf"))
         sums = tl.load(part_ptr + PLANE + m * CHUNKS + c, mask=ok, other=0.0)
         top = tl.max(tl.where(tops != tops, float("inf"), tops), axis=0)  # a NaN chunk: the row's sum is NaN
         total = tl.sum(sums * _exp(_offset(tops, top), INTERPRETED), axis=0)
-        return top, _log(total, INTERPRETED)
+        return top, _log(total, INTERPRETED), tops
 
     @triton.jit
     def _probs(z, top, log_total, INTERPRETED: tl.constexpr):
@@ -155,7 +156,7 @@ if triton is not None:
                            INTERPRETED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
         """Row m's chunk c: its probability mass in fp64 at [m, c]."""
         m, c = tl.program_id(0), tl.program_id(1)
-        top, log_total = _row_stats(part_ptr, m, PLANE, CHUNKS, INTERPRETED, BLOCK_C)
+        top, log_total, _ = _row_stats(part_ptr, m, PLANE, CHUNKS, INTERPRETED, BLOCK_C)
         z, cols = _chunk(x_ptr, inv_t, m, c, V, stride_xm, stride_xv, BLOCK)
         p = _probs(z, top, log_total, INTERPRETED).to(tl.float64)
         tl.store(mass_ptr + m * CHUNKS + c, tl.sum(p, axis=0))
@@ -167,10 +168,8 @@ if triton is not None:
         """Row m's token (greedy: the first chunk holding the max; sampled: the inverse CDF) and logprob."""
         m = tl.program_id(0)
         c = tl.arange(0, BLOCK_C)
-        ok = c < CHUNKS
-        top, log_total = _row_stats(part_ptr, m, PLANE, CHUNKS, INTERPRETED, BLOCK_C)
-        tops = tl.load(part_ptr + m * CHUNKS + c, mask=ok, other=float("-inf"))
-        at = tl.load(part_index_ptr + m * CHUNKS + c, mask=ok, other=_NO_INDEX)
+        top, log_total, tops = _row_stats(part_ptr, m, PLANE, CHUNKS, INTERPRETED, BLOCK_C)
+        at = tl.load(part_index_ptr + m * CHUNKS + c, mask=c < CHUNKS, other=_NO_INDEX)
         _, token = tl.reduce((tops, at), 0, _first_max)
         if SAMPLED:
             u = tl.load(u_ptr + m * stride_u)

@@ -390,8 +390,10 @@ def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: boo
             checks = launch_value_checks(update, plan, gated=True)
             return checks, _write_gated(update, checks, fmt)
 
-        key = replay_key(fmt, pairs.layout, partial, pairs.sources)
-        checks, written = pairs.targets.replays.run(key, launch) if update_replay.REPLAY else launch()
+        if update_replay.REPLAY:
+            checks, written = pairs.targets.replays.run(replay_key(fmt, pairs.layout, partial, pairs.sources), launch)
+        else:
+            checks, written = launch()
     if checks is not None:
         closed = checks.confirm()  # raises where a check failed: nothing was written
         pairs.checks = None

@@ -9,20 +9,19 @@ import torch
 from devices import DEVICE
 from lockstep.config import SamplingParams
 from lockstep.engine import draw_triton as dr
-from lockstep.engine.sampler import Sampler, inverse_cdf
+from lockstep.engine.sampler import DrawPlan, Sampler
 
 pytestmark = pytest.mark.skipif(dr.triton is None, reason="Triton is not installed")
 TOL = dict(rtol=1e-6, atol=2e-6)
 
 
 def _torch_draw(x, T=1.0, u=None):
-    """sampler.Sampler.draw's torch form for one temperature, nothing truncated."""
-    logp = torch.log_softmax(x if T == 1.0 else x / T, dim=-1)
-    tokens = x.argmax(dim=-1)
-    if u is not None:
-        drawn = inverse_cdf(logp.exp(), u.clamp(min=0).unsqueeze(1))
-        tokens = torch.where(u >= 0, drawn, tokens)
-    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    """sampler.Sampler.draw's torch form (the kernels off) for one temperature, nothing truncated."""
+    table = torch.zeros(x.shape[0], 5, dtype=torch.float64, device=x.device)
+    table[:, 2] = -1.0 if u is None else u
+    plan = DrawPlan(T, sampled=u is not None and bool((u >= 0).any()), truncated=False,
+                    greedy=u is None or bool((u < 0).any()))
+    return Sampler(draw_kernels=False).draw(x, table, plan, identity_rows=True)
 
 
 def _logits(M, V, seed, scale=4.0):
