@@ -18,8 +18,9 @@ validate_update, and the same with its checks left on the device (the gated upda
 bytes copied by `_foreach_copy_`, tensor by tensor and by tensor_copy_triton.py's byte copy (where
 Triton runs), beside one flat copy (the bound: what a flat weight buffer would cost); the update's
 write; the whole update with the walk, the same with both kernels off, with its checks read
-before the write is launched (no gate: value_checks.DeviceChecks), and with its device work replayed
-from a CUDA graph from the third update on (engine/update_replay.py, REPLAY on). On a GPU the device time of
+before the write is launched (no gate: value_checks.DeviceChecks), and with its device work launched
+each update (update_replay.REPLAY off; on, the default, it is replayed from a CUDA graph from the
+third update on). On a GPU the device time of
 each part (CUDA events) is printed beside its wall time: a wall time far above the device time is
 host work the device waits on. The parts without a host read are also replayed from a CUDA graph
 ("graphed": their kernels alone, the host's preparation gone), as is the flat copy.
@@ -133,9 +134,9 @@ def ungated(fn):
     return switched(fn, (wu, "GATED_WRITE", False))
 
 
-def replayed(fn):
-    """fn with update_replay.REPLAY on: a repeated update's device work replayed from a CUDA graph."""
-    return switched(fn, (update_replay, "REPLAY", True))
+def launched(fn):
+    """fn with update_replay.REPLAY off: a repeated update's device work launched anew, not replayed."""
+    return switched(fn, (update_replay, "REPLAY", False))
 
 
 def _finiteness_rows(pairs) -> dict:
@@ -204,7 +205,7 @@ def main() -> None:
             parts["Engine.update_weights with the walk"])
         parts["the same, checks read before the write (no gate)"] = ungated(
             parts["Engine.update_weights with the walk"])
-        parts["the same, replayed from a CUDA graph (update_replay)"] = replayed(
+        parts["the same, launched each update (REPLAY off)"] = launched(
             parts["Engine.update_weights with the walk"])
     if device.type == "cuda":
         flat = graphed(lambda: flat_dst.copy_(flat_src), args.repeats)

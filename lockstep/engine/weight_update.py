@@ -39,8 +39,8 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lockstep import tensor_copy_triton
-from lockstep.engine import update_replay
+from lockstep import tensor_copy_triton, tensor_finite_triton
+from lockstep.engine import update_replay, value_checks
 from lockstep.engine.update_errors import WeightUpdateError, WeightVersionError
 from lockstep.engine.update_replay import UpdateReplays, replay_key
 from lockstep.engine.value_checks import (DeviceChecks, Sources, ValuePlan, all_contiguous, kernels_run,
@@ -372,6 +372,12 @@ def _write_gated(update: ValidatedUpdate, checks: DeviceChecks, fmt: str) -> boo
                                                                      gate=checks.gate)
 
 
+def _launch_switches() -> tuple:
+    """The module flags that choose an update's launches (part of its replay key)."""
+    return (GATED_WRITE, tensor_copy_triton.WRITE_KERNEL, tensor_finite_triton.FINITE_KERNEL,
+            value_checks.INTERPRETED_KERNELS)
+
+
 def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: bool = False,
                    targets: UpdateTargets | None = None) -> int:
     """Validate all, then write all; returns the number of tensors written. A ValidatedUpdate of this
@@ -391,7 +397,8 @@ def update_weights(model: torch.nn.Module, named_tensors, fmt: str, partial: boo
             return checks, _write_gated(update, checks, fmt)
 
         if update_replay.REPLAY:
-            checks, written = pairs.targets.replays.run(replay_key(fmt, pairs.layout, partial, pairs.sources), launch)
+            key = replay_key(fmt, pairs.layout, partial, pairs.sources, _launch_switches())
+            checks, written = pairs.targets.replays.run(key, launch)
         else:
             checks, written = launch()
     if checks is not None:

@@ -60,3 +60,26 @@ def test_a_repeated_update_is_replayed_and_still_checked(monkeypatch):
     monkeypatch.setattr(vc, "INTERPRETED_KERNELS", False)
     reference.update_weights(moved, version=2)
     assert _same(engine, reference)
+
+
+def test_a_switch_turned_off_between_updates_is_not_replayed(monkeypatch):
+    """The switches choosing the launches are in the key: the byte copy turned off after a capture
+    (as weight_update_parts.py's rows do) runs torch's copy, and writes this step's values."""
+    pytest.importorskip("triton")
+    from lockstep import tensor_copy_triton
+
+    monkeypatch.setattr(vc, "INTERPRETED_KERNELS", True)
+    monkeypatch.setattr(update_replay, "REPLAY", True)
+    engine, reference = make_engine(seed=62), make_engine(seed=62)
+    dest = engine.model.state_dict()
+    weights = {n: t.to(dest[n]) for n, t in trainer_weights(63).items()}
+    replays = engine.update_targets().replays
+    for version in (1, 2):  # seen, captured
+        _step(weights, 1.5)
+        engine.update_weights(weights, version=version)
+    monkeypatch.setattr(tensor_copy_triton, "WRITE_KERNEL", False)
+    _step(weights, 0.5)
+    engine.update_weights(weights, version=3)
+    assert replays.replays == 0
+    reference.update_weights(weights, version=1)
+    assert _same(engine, reference)

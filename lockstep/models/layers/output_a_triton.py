@@ -10,9 +10,9 @@ A program owns BLOCK_M tokens x BLOCK_N columns of one group and walks the group
 D inputs in BLOCK_K steps; each step loads its o tile, splits it into even and odd channels (the
 rotation's pairs), rotates the ROPE channels in registers and runs a bf16 tl.dot with fp32
 accumulation (W8A16: e4m3 bytes times their 128 x 128 block's power-of-two scale first, exact in
-bf16, as fp8_linear.py's kernel does). Launch settings (launch_config) may instead take steps across
-heads and scale columns, or split K over SPLIT_K programs whose fp32 partials sum_splits_triton's
-kernel adds in order (more programs, each with fewer dependent steps: the kernel is latency-bound).
+bf16, as fp8_linear.py's kernel does). A step may span heads and scale columns (launch_config's
+default: 512 inputs, the 1b config's whole group in one step: the kernel is latency-bound), and K may
+be split over SPLIT_K programs whose fp32 partials sum_splits_triton's kernel adds in order.
 
 Why: compiled, the same is five kernels in the 1b decode step (the rotation with cos / sin
 recomputed, the concatenation of the rotated and plain channels, the einsum's permuted copy in,
@@ -49,7 +49,7 @@ if triton is not None:
     import triton.language as tl
 
 BLOCK_M = 16  # tokens per program: tl.dot's minimum
-BLOCK_K = 128  # inputs per step by default: within one head (D >= 128) and one fp8 scale column
+BLOCK_K = 512  # inputs per step by default (launch_config)
 
 
 def runs(o: torch.Tensor, enabled: bool) -> bool:
@@ -60,10 +60,11 @@ def runs(o: torch.Tensor, enabled: bool) -> bool:
 
 def launch_config(N: int, K: int) -> dict:
     """32 output columns a program (the 1b config's 256 a group: 4 x 8 x 4 programs at 64 tokens),
-    128 inputs a step, 4 warps, no pipelining. Swept on one H200 (benchmarks/output_a.py --sweep,
-    1b shapes, batch 64, 24 settings, 2026-12-04): 6.9 us bf16 / 7.3 fp8 a call (2 stages: 10.1 /
-    10.6; 64 columns 7.1 / 7.8), where the compiled torch form took 10.9 / 8.8. One K split: K steps
-    spanning scale columns and split K (2026-12-05) are in the sweep, not yet timed on a GPU."""
+    512 inputs a step (a group's whole K at the 1b config: 4 heads, 4 fp8 scale columns), 4 warps, no
+    pipelining, K not split. Swept on one H100 (benchmarks/output_a.py --sweep, 1b shapes, batch 64,
+    2026-12-05, us a call in CUDA graphs): bf16 5.58 against 6.48 with 128 inputs a step (split K 4:
+    5.54, not worth its second kernel), fp8 6.92 against 6.96; the compiled torch form 5.65 / 8.84.
+    An H200 sweep (2026-12-04, 128 inputs a step) gave 6.9 / 7.3 against the compiled form's 10.9 / 8.8."""
     return dict(BLOCK_N=min(32, max(16, triton.next_power_of_2(N))),
                 BLOCK_K=min(BLOCK_K, max(16, triton.next_power_of_2(K))), num_warps=4, num_stages=1, SPLIT_K=1)
 
