@@ -16,7 +16,8 @@ timed in microseconds per call:
 - eager: the same uncompiled;
 each two ways (cuda_graph_timing.py): graph (--graph-calls back-to-back calls on distinct inputs in
 one CUDA graph, replayed --reps times) and device (the calls' kernels' device time, CUPTI).
-Printed per batch: those timings (the kernel with each --block-t B in a column "kernel tB", with
+Printed per batch: those timings (the kernel with each --block-t B in a column "kernel tB" (and
+each --warps W: "kernel tB wW"), with
 each --split S, the logits first as S split-K partials, in "kernel sS"), the
 ratio compiled / kernel (graph), for the kernel and the partials form the rows whose chosen experts
 differ from the eager ops' and the largest weight difference among the rows that agree, then the
@@ -44,6 +45,9 @@ def main(argv=None) -> None:
     ap.add_argument("--block-h", type=int, nargs="*", default=[0],
                     help="with --block-t: hidden columns per step of the logits' loop, each timed with each "
                          "--block-t (0: router_triton.BLOCK_H)")
+    ap.add_argument("--warps", type=int, nargs="*", default=[0],
+                    help="with --block-t: the routing kernel's warps after the partials, each timed with each "
+                         "--block-t (0: router_triton.PARTIALS_WARPS)")
     ap.add_argument("--split", type=int, nargs="*", default=[],
                     help="also time the two-kernel form: the logits as S split-K partial sums, then the routing "
                          "(router_triton.SPLIT is the default form; 0 the one kernel)")
@@ -78,8 +82,11 @@ def main(argv=None) -> None:
     }
     for b in args.block_t:
         for h in args.block_h:
-            calls[f"kernel t{b}" + (f" h{h}" if h else "")] = lambda x, b=b, h=h: router_triton.route_step(
-                x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, block_t=b, block_h=h)
+            for w in args.warps:
+                calls[f"kernel t{b}" + (f" h{h}" if h else "") + (f" w{w}" if w else "")] = (
+                    lambda x, b=b, h=h, w=w: router_triton.route_step(
+                        x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5,
+                        block_t=b, block_h=h, warps=w))
     for s in args.split:
         calls[f"kernel s{s}"] = lambda x, s=s: router_triton.route_step(
             x, router.weight, router.e_score_correction_bias, args.top_k, "sqrtsoftplus", 1.5, split=s)

@@ -47,10 +47,10 @@ def _margins(router, x):
 # not powers of two (padding), logits large enough to take softplus's linear branch
 @pytest.mark.parametrize("T,E,H,k,spread", [(20, 64, 1024, 6, 1.0), (5, 40, 200, 3, 30.0)])
 # the one kernel at one token a program (broadcast products) and at the default 16 (tl.dot in
-# tf32x3 on a GPU; rows past T masked), and the logits as 4 or the default SPLIT split-K partial sums
-# (a first kernel, hc_projection_triton's)
-@pytest.mark.parametrize("form", [dict(block_t=1, split=0), dict(split=0), dict(split=4), dict()],
-                         ids=["t1", "t16", "split4", "default"])
+# tf32x3 on a GPU; rows past T masked), and the logits as 4 split-K partial sums (a first kernel,
+# hc_projection_triton's) routed 2 tokens a program, or the default SPLIT's routed PARTIALS_BLOCK_T a program
+@pytest.mark.parametrize("form", [dict(block_t=1, split=0), dict(split=0), dict(split=4, block_t=2), dict()],
+                         ids=["t1", "t16", "split4-t2", "default"])
 def test_the_kernel_equals_the_routers_torch_ops(scoring, dtype, T, E, H, k, spread, form):
     router, x = _router(E, H, k, scoring, T + E, spread), _x(T, H, dtype, H)
     with torch.no_grad():

@@ -61,6 +61,10 @@ BLOCK_H = 128
 # one kernel). On one H200 (router_step.py --split, 64 experts of 1024, device time a call, batch
 # 64 / 256): S = 4 12.6 / 12.7 us, 8 10.9 / 11.2, 16 10.6 / 11.8, the one kernel 14.6 / 14.6.
 SPLIT = 8
+# the routing kernel after the partials: tokens and warps a program (no tl.dot there, so any power of two
+# tokens); its k rounds of row max and lowest index are a chain of reductions across the program's warps
+PARTIALS_BLOCK_T = 16
+PARTIALS_WARPS = 4
 # A hash layer's router (its experts are a table's row for the token id): one program a token
 # computes only its k experts' logits, k x H products, where the torch ops compute all E (on one
 # H200, 1b config, batch 64: an fp32 sgemm 6.4 us, its split-K reduce 1.9 and two inductor kernels
@@ -189,23 +193,25 @@ if triton is not None:
 
     @torch.library.triton_op("lockstep::route_step", mutates_args=())
     def route_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int, scoring: str,
-                   scaling: float, block_t: int = 0, block_h: int = 0, split: int = -1
+                   scaling: float, block_t: int = 0, block_h: int = 0, split: int = -1, warps: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H], weight [E, H], bias [E] -> (experts [T, k] int64 ascending, weights [T, k] fp32).
-        block_t, block_h: nonzero, override BLOCK_T and BLOCK_H (benchmarks/router_step.py); from 16
-        tokens a program the logits take tl.dot (`_logits`). split: >= 0 overrides SPLIT."""
-        block_t, block_h = block_t or BLOCK_T, block_h or BLOCK_H
+        block_t, block_h: nonzero, override BLOCK_T (PARTIALS_BLOCK_T after the partials) and BLOCK_H
+        (benchmarks/router_step.py); from 16 tokens a program the logits take tl.dot (`_logits`). split:
+        >= 0 overrides SPLIT. warps: nonzero, the routing kernel's after the partials (PARTIALS_WARPS)."""
         split = SPLIT if split < 0 else split
         T, H = x.shape
         E = weight.shape[0]
         experts, weights = _routing_outputs(x, k)
         if T and split and E <= _hp.MAX_J:  # the partials kernel holds at most MAX_J columns
             partials = _hp.launch_partials(x, weight, split)
+            block_t = block_t or PARTIALS_BLOCK_T
             torch.library.wrap_triton(_route_partials_kernel)[(triton.cdiv(T, block_t),)](
                 partials, bias.contiguous(), experts, weights, T, E, split, partials.stride(0), partials.stride(1),
                 scaling, K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                num_warps=4)
+                num_warps=warps or PARTIALS_WARPS)
         elif T:
+            block_t, block_h = block_t or BLOCK_T, block_h or BLOCK_H
             torch.library.wrap_triton(_route_kernel)[(triton.cdiv(T, block_t),)](
                 x.contiguous(), weight.contiguous(), bias.contiguous(), experts, weights, T, H, E, scaling,
                 K=k, SCORING=SCORING[scoring], BLOCK_T=block_t, BLOCK_E=max(16, triton.next_power_of_2(E)),
@@ -214,7 +220,7 @@ if triton is not None:
 
     # shapes for torch.compile's tracing, written out (step_attention_triton.py says why)
     @route_step.register_fake
-    def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0, split=-1):
+    def _(x, weight, bias, k, scoring, scaling, block_t=0, block_h=0, split=-1, warps=0):
         return _routing_outputs(x, k)
 
     @triton.jit
