@@ -12,8 +12,9 @@ still leaves the model untouched (the graph's write is gated on its checks).
 The key (`replay_key`) is all the captured launches depend on: the serving format, the update's
 Layout (names, dtypes, devices, shapes: its host checks were made for it), whether it is partial,
 its Sources (every tensor's address, and whether all are contiguous: with the shapes, their
-strides) and the switches that choose its kernels. The engine's own tensors never move. A key is captured the second time it is seen (the
-first run compiled every kernel and kept their launches) and replayed from the third.
+strides) and the switches that choose its kernels. The engine's own tensors never move. A key is
+captured the second time it is seen (the first run compiled every kernel and kept their launches)
+and replayed from the third.
 
 Off CUDA (the CPU tests, the update's kernels under Triton's interpreter) the stand-in for the graph
 is the captured launch function itself, called again with the tensors it captured (as the graph reads
