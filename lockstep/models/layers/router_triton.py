@@ -62,8 +62,11 @@ BLOCK_H = 128
 # 64 / 256): S = 4 12.6 / 12.7 us, 8 10.9 / 11.2, 16 10.6 / 11.8, the one kernel 14.6 / 14.6.
 SPLIT = 8
 # the routing kernel after the partials: tokens and warps a program (no tl.dot there, so any power of two
-# tokens); its k rounds of row max and lowest index are a chain of reductions across the program's warps
-PARTIALS_BLOCK_T = 16
+# tokens); its k rounds of row max and lowest index are a chain of reductions, shorter on a narrower tile.
+# One H100 (2026-12-05, the partials and routing kernels, batch 64, CUDA graphs): one token a program
+# 7.08 us a call against 11.38 at 16 (2 tokens 7.10; one warp within 0.1 us but not bitwise the same
+# weights: another sum layout); the same experts and weight bits as 16 tokens at batch 8, 64 and 256
+PARTIALS_BLOCK_T = 1
 PARTIALS_WARPS = 4
 # A hash layer's router (its experts are a table's row for the token id): one program a token
 # computes only its k experts' logits, k x H products, where the torch ops compute all E (on one
