@@ -33,16 +33,16 @@ def test_the_kernel_is_the_stable_sort(slots, experts):
 
 
 @needs_triton
-# a decode step of the 1b config (64 tokens x 6 of 64 experts); tokens fewer than the shared groups;
-# a block boundary inside a run of equal experts
-@pytest.mark.parametrize("T,k,experts", [(64, 6, 64), (3, 2, 5), (65, 2, 40)])
+# a decode step of the 1b config (64 tokens x 6 of 64 experts), also 16 slots a program; tokens fewer
+# than the shared groups; a block boundary inside a run of equal experts
+@pytest.mark.parametrize("T,k,experts,block", [(64, 6, 64, 0), (64, 6, 64, 16), (3, 2, 5, 0), (65, 2, 40, 0)])
 @pytest.mark.parametrize("shared_groups", [0, gt.SHARED_GROUPS])
-def test_decode_dispatch_is_the_torch_ops_integers(T, k, experts, shared_groups):
+def test_decode_dispatch_is_the_torch_ops_integers(T, k, experts, block, shared_groups):
     """decode_dispatch: the gather's rows (order // k, then the tokens for the shared expert), the
     group offsets (cumulative counts, then with_shared_groups') and the combine's slot rows."""
     flat = torch.randint(0, experts, (T * k,), generator=torch.Generator().manual_seed(T))
     flat[: T * k // 3] = flat[0]
-    rows, offs, slot_rows = dt.decode_dispatch(flat.to(DEVICE), experts, k, shared_groups)
+    rows, offs, slot_rows = dt.decode_dispatch(flat.to(DEVICE), experts, k, shared_groups, block)
     order, counts = moe.dispatch_order(flat, experts)
     ref_offs = group_offsets(counts)
     ref_rows = order // k

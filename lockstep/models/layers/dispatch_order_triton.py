@@ -38,7 +38,7 @@ if triton is not None:
 ENABLED = True
 # past a decode step of 256 sequences at k = 6 the torch ops' sort is faster (docstring)
 MAX_SLOTS = 1536
-BLOCK = 64  # slots a program places, and slots compared per step of its loop
+BLOCK = 64  # slots a program places, and slots compared per step of its loop (decode_dispatch: not yet swept)
 
 
 def runs(flat: torch.Tensor) -> bool:
@@ -122,25 +122,27 @@ if triton is not None:
         return flat.new_empty(flat.shape[0]), flat.new_empty(n_experts)
 
     @torch.library.triton_op("lockstep::decode_dispatch", mutates_args=())
-    def decode_dispatch(flat: torch.Tensor, n_experts: int, k: int, shared_groups: int
+    def decode_dispatch(flat: torch.Tensor, n_experts: int, k: int, shared_groups: int, block: int = 0
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """flat [M = T k] int64 expert ids -> what the decode kernels and the combine read, from one
         kernel: rows [M (+ T)] int64, the row of x each expert-sorted row is (order // k; then the T
         tokens once more for the shared expert's groups when shared_groups > 0), offs [E (+
         shared_groups)] int32 (group_offsets of the counts, then with_shared_groups'), slot_rows [T, k]
-        int64 (the sorted row holding token t's slot j: moe_combine_triton.slot_rows of the order)."""
+        int64 (the sorted row holding token t's slot j: moe_combine_triton.slot_rows of the order).
+        block: nonzero, a power of two overriding BLOCK (benchmarks/dispatch_order.py --block)."""
+        block = block or BLOCK
         M = flat.shape[0]
         T = M // k
         rows = torch.empty(M + (T if shared_groups else 0), dtype=torch.long, device=flat.device)
         offs = torch.empty(n_experts + shared_groups, dtype=torch.int32, device=flat.device)
         slot_rows = torch.empty(T, k, dtype=torch.long, device=flat.device)
-        torch.library.wrap_triton(_decode_dispatch_kernel)[(triton.cdiv(M, BLOCK) + 1,)](
+        torch.library.wrap_triton(_decode_dispatch_kernel)[(triton.cdiv(M, block) + 1,)](
             flat.contiguous(), rows, offs, slot_rows, M, n_experts, T, K=k, SHARED_GROUPS=shared_groups,
-            BLOCK=BLOCK, BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
+            BLOCK=block, BLOCK_E=max(16, triton.next_power_of_2(n_experts)), num_warps=4)
         return rows, offs, slot_rows
 
     @decode_dispatch.register_fake
-    def _(flat, n_experts, k, shared_groups):
+    def _(flat, n_experts, k, shared_groups, block=0):
         M = flat.shape[0]
         T = M // k
         return (flat.new_empty(M + (T if shared_groups else 0)),
