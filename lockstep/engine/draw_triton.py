@@ -72,18 +72,18 @@ def draw(x: torch.Tensor, T: float = 1.0, u: torch.Tensor | None = None,
     logp = torch.empty(M, dtype=torch.float32, device=x.device)
     if M == 0:
         return tokens, logp
+    sampled, block_c = u is not None, triton.next_power_of_2(chunks)
     part = torch.empty(2, M, chunks, dtype=torch.float32, device=x.device)  # chunk max, chunk sum
     part_index = torch.empty(M, chunks, dtype=torch.int32, device=x.device)
-    mass = torch.empty(M, chunks, dtype=torch.float64, device=x.device) if u is not None else part
     strides = (V, x.stride(0), x.stride(1), M * chunks, chunks)
     common = dict(INTERPRETED=interpreted(), BLOCK=block, num_warps=cfg["num_warps"])
     _chunk_kernel[(M, chunks)](x, part, part_index, inv_t, *strides, **common)
-    if u is not None:
-        _chunk_mass_kernel[(M, chunks)](x, part, mass, inv_t, *strides, **common,
-                                        BLOCK_C=triton.next_power_of_2(chunks))
-    _row_kernel[(M,)](x, part, part_index, mass, u if u is not None else part, tokens, logp, inv_t, *strides,
-                      u.stride(0) if u is not None else 0, **common, SAMPLED=u is not None,
-                      BLOCK_C=triton.next_power_of_2(chunks))
+    mass = part  # greedy rows read no mass (nor u): any tensor stands in for the pointers
+    if sampled:
+        mass = torch.empty(M, chunks, dtype=torch.float64, device=x.device)
+        _chunk_mass_kernel[(M, chunks)](x, part, mass, inv_t, *strides, **common, BLOCK_C=block_c)
+    _row_kernel[(M,)](x, part, part_index, mass, u if sampled else part, tokens, logp, inv_t, *strides,
+                      u.stride(0) if sampled else 0, **common, SAMPLED=sampled, BLOCK_C=block_c)
     return tokens, logp
 
 
