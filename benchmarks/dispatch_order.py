@@ -32,7 +32,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top-k", type=int, default=6)
     ap.add_argument("--block", type=int, nargs="*", default=[],
                     help="also time the decode step's form (dispatch_order_triton.decode_dispatch, the shared "
-                         "expert's groups folded) with these slots a program (0: dispatch_order_triton.BLOCK)")
+                         "expert's groups folded) with these slots a program (0: dispatch_order_triton.DECODE_BLOCK)")
     add_timing_arguments(ap, 8, "calls per CUDA graph (decode step: one per MoE layer)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -51,8 +51,9 @@ def main(argv=None) -> None:
           f"{args.graph_calls} calls per graph, {args.reps} reps; microseconds per call")
     print(table_header("batch", calls, "compiled/kernel", ["equal"]))
     for batch in args.batch:
-        xs = [torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(batch)]).flatten().cuda()
-              for _ in range(args.graph_calls)]
+        def step_ids():  # a step's expert ids: top_k distinct experts a token
+            return torch.stack([torch.randperm(args.experts, generator=g)[:args.top_k] for _ in range(batch)])
+        xs = [step_ids().flatten().cuda() for _ in range(args.graph_calls)]
         row = time_calls(calls, xs, args.reps, args.warmup, args.profile_reps)
         same = all(torch.equal(a, b) for a, b in zip(calls["kernel"](xs[0]), torch_ops(xs[0])))
         decoded = dispatch_order_triton.decode_dispatch(xs[0], args.experts, args.top_k, shared)

@@ -58,11 +58,13 @@ def test_a_write_plan_is_made_once_per_layout():
     one tensor gets its own; the values are still the new ones (fp8: a packed weight, a copied one)."""
     engine = make_engine(seed=23, serving_format="fp8", packed_fp8=True)
     plans = engine.update_targets().plans
-    first, second = trainer_weights(24), trainer_weights(25)
+    # on the engine's device, as a colocated trainer's (a host tensor takes the per-tensor path: `other`)
+    first, second = ({k: v.to(DEVICE) for k, v in trainer_weights(seed).items()} for seed in (24, 25))
     engine.update_weights(first.items(), version=1)
     plan = next(iter(plans.values()))
     engine.update_weights(second.items(), version=2)
-    assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.copy and plan.packed["fp8"][0]
+    assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.packed["fp8"][0]
+    assert plan.kernel and plan.copy  # bf16 weights by the byte copy, fp32 ones cast by the multi-tensor copy
     reference = make_engine(seed=26, serving_format="fp8", packed_fp8=True)
     reference.update_weights(second.items(), version=1)
     for k, v in reference.model.state_dict().items():

@@ -38,7 +38,10 @@ if triton is not None:
 ENABLED = True
 # past a decode step of 256 sequences at k = 6 the torch ops' sort is faster (docstring)
 MAX_SLOTS = 1536
-BLOCK = 64  # slots a program places, and slots compared per step of its loop (decode_dispatch: not yet swept)
+BLOCK = 64  # slots a program places, and slots compared per step of its loop
+# decode_dispatch's: one H100 (2026-12-06, `dispatch_order.py --batch 64 --block 16 32 64 128`, device us
+# a call in CUDA graphs) 9.47 at 16, 5.02 at 32, 5.41 at 64, 41.55 at 128; the same integers at each
+DECODE_BLOCK = 32
 
 
 def runs(flat: torch.Tensor) -> bool:
@@ -129,8 +132,8 @@ if triton is not None:
         tokens once more for the shared expert's groups when shared_groups > 0), offs [E (+
         shared_groups)] int32 (group_offsets of the counts, then with_shared_groups'), slot_rows [T, k]
         int64 (the sorted row holding token t's slot j: moe_combine_triton.slot_rows of the order).
-        block: nonzero, a power of two overriding BLOCK (benchmarks/dispatch_order.py --block)."""
-        block = block or BLOCK
+        block: nonzero, a power of two overriding DECODE_BLOCK (benchmarks/dispatch_order.py --block)."""
+        block = block or DECODE_BLOCK
         M = flat.shape[0]
         T = M // k
         rows = torch.empty(M + (T if shared_groups else 0), dtype=torch.long, device=flat.device)
