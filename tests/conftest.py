@@ -27,6 +27,7 @@ XDIST_GROUPS = {
     "tests/dist/": "processes",
     "tests/engine/test_server_cli.py": "processes",
     "tests/engine/test_compile_cache.py": "processes",
+    "tests/engine/test_no_triton.py": "processes",
     "tests/test_process_start.py": "processes",
     "tests/models/test_gguf.py": "smollm2",
     "tests/test_readme_real_data.py": "smollm2",

@@ -106,7 +106,10 @@ def quantize_fp4_many_into(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor
 def launch_kept(ws: list[torch.Tensor], outs: list[tuple[torch.Tensor, torch.Tensor]], block: int, layout,
                 gate: torch.Tensor | None = None) -> bool:
     """quantize_fp4_many_into's launch where one is kept for this `layout` and these addresses (the
-    caller's checks passed on them before): whether it was launched."""
+    caller's checks passed on them before): whether it was launched (never without Triton: no kernel
+    to keep)."""
+    if triton is None:
+        return False
     return _PREPARED.launch_kept(_fp4_many_kernel, _many_key(ws, outs, (block,), layout), gate_argument(outs, gate))
 
 
