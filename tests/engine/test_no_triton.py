@@ -3,7 +3,7 @@ loads none) serving packed fp8 weights and fp4 experts takes weight updates. The
 runs Triton's interpreter (tests/conftest.py), where every kernel is defined; without Triton none is,
 and a weight update of packed storage asked fp8_triton / fp4_triton for a kept launch of a kernel that
 did not exist (NameError at the first update, until 2026-12-06). Here a child process without Triton
-and this process (interpreter loaded) push the same two versions and must sample the same tokens."""
+and this process (interpreter loaded) push the same two versions: the same served bytes, the same samples."""
 
 import subprocess
 import sys
@@ -11,6 +11,7 @@ import sys
 from processes import cli_env
 
 PUSH_AND_SAMPLE = """
+import hashlib
 import torch
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine import Engine, GenerateRequest
@@ -24,8 +25,12 @@ def push_and_sample():
         weights = {k: (v.float() * scale).to(torch.bfloat16) if v.is_floating_point() and v.dim() >= 2 else v
                    for k, v in trainer.state_dict().items()}
         engine.update_weights(weights.items(), version=version)
-    params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
-    return engine.generate([GenerateRequest([1, 2, 3, 4], params)])[0].response_ids
+    digest = hashlib.sha256()  # every served byte: the packed storage, its scales, the copied tensors
+    for name, t in sorted(engine.model.state_dict().items()):
+        digest.update(name.encode() + t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    params = [SamplingParams(temperature=1.0, seed=seed, max_new_tokens=8, ignore_eos=True) for seed in range(4)]
+    out = engine.generate([GenerateRequest([1, 2, 3, 4], p) for p in params])
+    return digest.hexdigest(), [o.response_ids.tolist() for o in out]
 """
 
 
