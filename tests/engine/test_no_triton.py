@@ -8,6 +8,9 @@ and this process (interpreter loaded) push the same two versions: the same serve
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from processes import cli_env
 
 PUSH_AND_SAMPLE = """
@@ -34,6 +37,8 @@ def push_and_sample():
 """
 
 
+@pytest.mark.skipif(torch.version.cuda is not None or torch.version.hip is not None,
+                    reason="a GPU build of torch loads Triton in every process (triton_support.load_triton)")
 def test_a_process_without_triton_pushes_into_packed_weights_as_one_with_it():
     child = PUSH_AND_SAMPLE + """
 from lockstep.quant import fp4_triton, fp8_triton
