@@ -64,7 +64,7 @@ def test_a_write_plan_is_made_once_per_layout():
     plan = next(iter(plans.values()))
     engine.update_weights(second.items(), version=2)
     assert len(plans) == 1 and next(iter(plans.values())) is plan and plan.packed["fp8"][0]
-    assert plan.kernel and plan.copy  # bf16 weights by the byte copy, fp32 ones cast by the multi-tensor copy
+    assert plan.kernel and plan.copy  # same-dtype tensors by the byte copy; bf16 ones served in fp32 cast
     reference = make_engine(seed=26, serving_format="fp8", packed_fp8=True)
     reference.update_weights(second.items(), version=1)
     for k, v in reference.model.state_dict().items():
