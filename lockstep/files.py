@@ -43,8 +43,11 @@ def _utf8(path: Path, data: bytes) -> str:
 
 
 def read_json(path: str | Path) -> Any:
-    """The parsed JSON of `path`; unreadable or malformed: FileError naming the file, line and column."""
+    """The parsed JSON of `path`; missing, unreadable or malformed: FileError naming the file (and the
+    line and column)."""
     path = Path(path)
+    if not path.is_file():
+        raise FileError(f"{path}: file not found" if not path.exists() else f"{path}: not a file")
     text = _utf8(path, path.read_bytes())
     try:
         return json.loads(text)

@@ -95,3 +95,13 @@ def test_truncated_gguf_names_the_file(capsys, tmp_path, keep_bytes):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch without usable CUDA")
 def test_device_cuda_without_cuda_is_one_line(capsys):
     _fails_naming(capsys, ["generate", "--device", "cuda", "--max-new-tokens", "1"], "--device cuda")
+
+
+@pytest.mark.parametrize("make", ["missing", "directory"])
+def test_layout_file_that_is_not_there_names_it(capsys, tmp_path, make):
+    # was "[Errno 2] No such file or directory", not saying which flag or what the file is
+    path = tmp_path / "plan.json"
+    if make == "directory":
+        path.mkdir()
+    why = "file not found" if make == "missing" else "not a file"
+    _fails_naming(capsys, ["train", "--layout", str(path), "--num-rollout", "1"], f"{path}: {why}")
