@@ -105,3 +105,8 @@ def test_layout_file_that_is_not_there_names_it(capsys, tmp_path, make):
         path.mkdir()
     why = "file not found" if make == "missing" else "not a file"
     _fails_naming(capsys, ["train", "--layout", str(path), "--num-rollout", "1"], f"{path}: {why}")
+
+
+def test_custom_reward_module_that_is_not_there_is_one_line(capsys):
+    _fails_naming(capsys, ["train", "--custom-reward-path", "no_such_module:score", "--num-rollout", "1"],
+                  "no_such_module:score", "cannot import no_such_module")

@@ -80,8 +80,10 @@ def test_registry_and_custom_loading(tmp_path):
     assert load_custom_reward("lockstep.rl.rewards.gsm8k:reward") is gsm8k.reward
     with pytest.raises(ValueError, match="module:function"):
         load_custom_reward("lockstep.rl.rewards.gsm8k")
-    with pytest.raises(AttributeError, match="no callable"):
+    with pytest.raises(ValueError, match="no callable"):
         load_custom_reward("lockstep.rl.rewards.gsm8k:missing")
+    with pytest.raises(ValueError, match="cannot import no_such_module"):  # was a traceback from the CLI
+        load_custom_reward("no_such_module:score")
 
 
 def test_safe_reward_counts_errors():

@@ -59,10 +59,13 @@ def load_custom_reward(spec: str) -> RewardFn:
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
     else:
-        module = importlib.import_module(module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as e:  # the module, or one it imports: a user's input, one line (lockstep/cli.py)
+            raise ValueError(f"custom reward {spec!r}: cannot import {module_name}: {e}") from e
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise AttributeError(f"custom reward {spec!r}: {module_name} has no callable {attr!r}")
+        raise ValueError(f"custom reward {spec!r}: {module_name} has no callable {attr!r}")
     return fn
 
 
