@@ -2,20 +2,24 @@
 
 JsonlSink (always on) appends one JSON object per `log` call to RUN_DIR/metrics.jsonl, with the step
 under "step", and flushes at once, so a crashed or killed run keeps every step it logged and a
-resumed run continues the same file. Values are converted to plain floats / ints (tensors, numpy
+resumed run continues the same file: `rewind(step)` first moves the records of the steps it will redo
+(those after its save) and a line cut short by a kill to metrics.jsonl.rewound, so each step is in
+the file once and nothing is deleted. Values are converted to plain floats / ints (tensors, numpy
 scalars); non-finite floats (NaN, inf) are written as null so that the file stays strict JSON.
 
 TensorBoardSink and WandbSink import their package only when constructed and raise a
 MissingDependencyError naming the pip package if it is absent; nothing else in lockstep imports them.
 
 `read_metrics(path)` reads the file back; a malformed line raises MetricsFileError naming the file
-and the 1-based line number.
+and the 1-based line number, except a last line without its newline (a write the kill cut short),
+which is left out.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -53,6 +57,25 @@ class JsonlSink:
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
 
+    def rewind(self, step: int) -> int:
+        """Before a resumed run logs: the file's tail of records after `step` and of lines a kill cut
+        short moves to RUN_DIR/metrics.jsonl.rewound (appended). Only the tail: earlier lines, e.g. an
+        earlier run's in the same directory, stay. Returns the number of lines moved."""
+        lines = _lines(self.path)
+        keep = len(lines)
+        while keep and not _at_or_before(lines[keep - 1], step):
+            keep -= 1
+        if keep == len(lines):
+            return 0
+        with open(f"{self.path}.rewound", "a", encoding="utf-8") as moved:
+            moved.writelines(line if line.endswith("\n") else line + "\n" for line in lines[keep:])
+        self._file.close()
+        partial = self.path.with_name(self.path.name + ".partial")
+        partial.write_text("".join(lines[:keep]), encoding="utf-8")
+        os.replace(partial, self.path)  # a kill now leaves the old file or the new one, never half of it
+        self._file = self.path.open("a", encoding="utf-8")
+        return len(lines) - keep
+
     def close(self) -> None:
         self._file.close()
 
@@ -61,6 +84,22 @@ class JsonlSink:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _lines(path: Path) -> list[str]:
+    """The file's lines, each with its "\n" but a last one cut short (split at "\n" only: str.splitlines
+    would also split inside a JSON string holding U+2028)."""
+    *whole, last = path.read_text(encoding="utf-8").split("\n")
+    return [line + "\n" for line in whole] + ([last] if last else [])
+
+
+def _at_or_before(line: str, step: int) -> bool:
+    """A whole line (newline-terminated) holding a record of a step <= `step`."""
+    try:
+        record = json.loads(line) if line.endswith("\n") else None
+    except json.JSONDecodeError:
+        return False
+    return isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step
 
 
 class TensorBoardSink:
@@ -113,6 +152,11 @@ class MultiSink:
         for sink in self.sinks:
             sink.log(metrics, step)
 
+    def rewind(self, step: int) -> int:
+        """JsonlSink.rewind (TensorBoard and W&B keep what they were sent: they show a step logged twice
+        by its latest value)."""
+        return sum(sink.rewind(step) for sink in self.sinks if isinstance(sink, JsonlSink))
+
     def close(self) -> None:
         for sink in self.sinks:
             sink.close()
@@ -128,20 +172,22 @@ def make_sinks(run_dir: str | Path, tensorboard: bool = False, wandb: bool = Fal
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Records of a metrics.jsonl file, in order; blank lines skipped."""
+    """Records of a metrics.jsonl file, in order; blank lines and a last line a kill cut short skipped."""
     path = Path(path)
     if not path.is_file():
         raise MetricsFileError(f"{path}: metrics file not found")
+    lines = _lines(path)
     records = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MetricsFileError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from e
-            if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                raise MetricsFileError(f"{path}, line {lineno}: expected an object with an integer 'step'")
-            records.append(record)
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if lineno == len(lines) and not line.endswith("\n"):
+                break  # the last write of a killed run, cut short
+            raise MetricsFileError(f"{path}, line {lineno}: not valid JSON ({e.msg})") from e
+        if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+            raise MetricsFileError(f"{path}, line {lineno}: expected an object with an integer 'step'")
+        records.append(record)
     return records

@@ -101,10 +101,12 @@ class RLRun:
             if self.eval_sets and (self.rollout_id % c.eval_interval == 0 or self.rollout_id == c.num_rollout):
                 with phase("eval"):
                     metrics.update(self.evaluate())
+            metrics.update(self.memory_metrics())
+            # logged before the save: a saved step always has its record (a kill between the two then
+            # leaves a record the resumed run rewinds and redoes, instead of a step with none)
+            self.log(metrics, step=self.rollout_id)
             if c.save and (c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout):
                 self.save(c.save)
-            metrics.update(self.memory_metrics())
-            self.log(metrics, step=self.rollout_id)
         if self.sinks is not None:
             self.sinks.close()
 
@@ -194,3 +196,5 @@ class RLRun:
         torch.set_rng_state(torch.load(d / "rng.pt")["torch_rng"])
         # the engine serves exactly the restored weights, under the saved version number
         self.engine.update_weights(self.trainer.named_weights(), version=int(state["weight_version"]))
+        if self.sinks is not None:  # the steps after the save are redone: their old records move aside
+            self.sinks.rewind(self.rollout_id)

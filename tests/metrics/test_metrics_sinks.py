@@ -40,6 +40,30 @@ def test_read_metrics_errors_name_file_and_line(tmp_path):
         read_metrics(f)
 
 
+def test_read_metrics_leaves_out_a_last_line_a_kill_cut_short(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    f.write_text('{"step": 0}\n{"step": 1, "a": 0.5}\n{"step": 2, "a": 0.')
+    assert [r["step"] for r in read_metrics(f)] == [0, 1]
+    f.write_text('{"step": 0}\n{"step": 1, "a": 0.\n')  # a whole line (newline written) is malformed
+    with pytest.raises(MetricsFileError, match="line 2: not valid JSON"):
+        read_metrics(f)
+
+
+def test_rewind_moves_the_redone_steps_and_a_cut_line_aside(tmp_path):
+    f = tmp_path / "metrics.jsonl"
+    # an earlier run in the same directory (steps 0-1), then this run: 0-3 and a write cut short
+    f.write_text("".join(f'{{"step": {s}, "run": {r}}}\n' for r, s in
+                         [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (1, 3)]) + '{"step": 4, "ru')
+    with JsonlSink(tmp_path) as sink:
+        assert sink.rewind(2) == 2  # resumed from the save after step 2
+        sink.log({"run": 2}, step=3)
+    assert [(r["run"], r["step"]) for r in read_metrics(f)] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2), (2, 3)]
+    assert (tmp_path / "metrics.jsonl.rewound").read_text() == '{"step": 3, "run": 1}\n{"step": 4, "ru\n'
+    with JsonlSink(tmp_path) as sink:
+        assert sink.rewind(3) == 0  # nothing after the step: the file is left as it is
+    assert len(read_metrics(f)) == 6
+
+
 def test_optional_sinks_give_clear_error_when_missing(tmp_path):
     for cls, package in [(TensorBoardSink, "tensorboard"), (WandbSink, "wandb")]:
         try:

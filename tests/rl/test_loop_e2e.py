@@ -55,6 +55,14 @@ def test_loop_runs_saves_and_resumes_identically(tiny_model_dir, tmp_path):
     for step in (3, 4):
         assert comparable(resumed[step]) == comparable(full[step])
 
+    # resumed in its own run directory, where a kill cut the step-3 record short: each step once
+    with open(tmp_path / "half" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "rollout/raw_reward": 0.')
+    train(tiny_model_dir, tmp_path / "half", "--load", str(tmp_path / "ckpt2"))
+    records = read_metrics(tmp_path / "half" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [comparable(r) for r in records] == [comparable(full[step]) for step in range(5)]
+
 
 def test_bad_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
