@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Mapping, Sequence
+
+from lockstep.files import write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -70,9 +71,7 @@ class JsonlSink:
         with open(f"{self.path}.rewound", "a", encoding="utf-8") as moved:
             moved.writelines(line if line.endswith("\n") else line + "\n" for line in lines[keep:])
         self._file.close()
-        partial = self.path.with_name(self.path.name + ".partial")
-        partial.write_text("".join(lines[:keep]), encoding="utf-8")
-        os.replace(partial, self.path)  # a kill now leaves the old file or the new one, never half of it
+        write_atomically(self.path, "".join(lines[:keep]).encode("utf-8"))  # a kill: the old file or the new
         self._file = self.path.open("a", encoding="utf-8")
         return len(lines) - keep
 

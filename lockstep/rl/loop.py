@@ -32,6 +32,7 @@ import torch
 
 from .evaluate import evaluate
 from ..metrics.phase_memory import PhaseMemory, per_rank
+from ..files import previous_directory, remove_stale_staging, replace_directory, staging_directory
 from ..metrics.sinks import make_sinks
 from .advantages import compute_advantages
 from .config import RunConfig
@@ -174,7 +175,12 @@ class RLRun:
     # ---- resume -------------------------------------------------------------------------
 
     def save(self, directory) -> None:
-        d = Path(directory)
+        """Written whole beside `directory`, then swapped in (lockstep/files.py replace_directory): a
+        run killed mid-save keeps its previous save, never half of each."""
+        final = Path(directory)
+        d = staging_directory(final, self.rollout_id)
+        if self.primary:
+            remove_stale_staging(final, self.rollout_id)
         d.mkdir(parents=True, exist_ok=True)
         self.trainer.save(d / "trainer")  # every rank: a data-parallel save gathers the shards
         if not self.primary:
@@ -183,10 +189,14 @@ class RLRun:
                  "data": self.source.state_dict()}
         torch.save({"torch_rng": torch.get_rng_state()}, d / "rng.pt")
         (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+        replace_directory(d, final)  # after trainer.save's closing barrier: every rank's files are in d
 
     def load(self, directory) -> None:
         d = Path(directory)
         state_path = d / STATE_FILE
+        if previous_directory(d) is not None:
+            raise FileNotFoundError(f"--load {d}: not there, but {previous_directory(d)} holds the save "
+                                    f"before it (a kill interrupted the next one's swap): rename it to {d}")
         if not state_path.is_file():
             raise FileNotFoundError(f"--load {d}: no {STATE_FILE} (not a lockstep save directory)")
         state = json.loads(state_path.read_text())

@@ -64,6 +64,29 @@ def test_loop_runs_saves_and_resumes_identically(tiny_model_dir, tmp_path):
     assert [comparable(r) for r in records] == [comparable(full[step]) for step in range(5)]
 
 
+def test_a_save_cut_short_leaves_the_previous_save_whole(tiny_model_dir, tmp_path, monkeypatch):
+    from lockstep.train import checkpointing
+
+    unbroken = train(tiny_model_dir, tmp_path / "unbroken", "--num-rollout", "2")
+    ckpt, real_save = tmp_path / "ckpt", checkpointing.save_weights
+
+    def dies_in_the_second_save(named, path):
+        if "saving-2" in str(path):  # the save after rollout 2: half a file, then the process dies
+            path.write_bytes(b"\0" * 64)
+            raise KeyboardInterrupt
+        real_save(named, path)
+
+    monkeypatch.setattr(checkpointing, "save_weights", dies_in_the_second_save)
+    with pytest.raises(KeyboardInterrupt):
+        train(tiny_model_dir, tmp_path / "killed", "--num-rollout", "2", "--save", str(ckpt), "--save-interval", "1")
+    monkeypatch.setattr(checkpointing, "save_weights", real_save)
+    # the save after rollout 1 is whole (in place it would hold rollout 2's half-written weights)
+    assert json.loads((ckpt / "loop_state.json").read_text())["rollout_id"] == 1
+    resumed = train(tiny_model_dir, tmp_path / "resumed", "--num-rollout", "2", "--load", str(ckpt), "--save", str(ckpt))
+    assert comparable(resumed[2]) == comparable(unbroken[2])
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+
+
 def test_bad_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "What is 1 + 1?", "label": "2"}\n{"prompt": "oops"\n')
