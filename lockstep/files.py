@@ -129,7 +129,7 @@ def staging_directory(final: Path, tag: int) -> Path:
 def replace_directory(staging: Path, final: Path) -> None:
     """Put the finished directory `staging` at `final`, the previous `final` kept until the new one
     is in place: a process killed mid-save leaves the last save whole (a kill between the two renames:
-    in FINAL.old, which `previous_directory` names). Then removes what killed saves left."""
+    in FINAL.old, which `previous_directory` names), then removes the previous one."""
     old = final.with_name(final.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():

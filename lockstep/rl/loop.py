@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from .evaluate import evaluate
-from ..metrics.phase_memory import PhaseMemory, per_rank
 from ..files import previous_directory, remove_stale_staging, replace_directory, staging_directory
+from ..metrics.phase_memory import PhaseMemory, per_rank
 from ..metrics.sinks import make_sinks
 from .advantages import compute_advantages
 from .config import RunConfig
