@@ -50,7 +50,7 @@ def run(args) -> int:
                        cfg.apply_chat_template, cfg.seed)
     data = {name: file for name, file, _ in cfg.eval_sets}
     metrics, warnings = {}, []
-    for name, eval_set in eval_sets(cfg).items():
+    for name, eval_set in eval_sets(cfg)[0].items():
         print(report.set_header(name, data.get(name, "the embedded task's held-out split"), eval_set, spec))
         result = evaluate_set(engine, name, eval_set, spec)
         print(report.set_footer(name, result))

@@ -17,6 +17,7 @@ from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
 from .embedded import ASSET_DIR, embedded_prompts
 from .evaluate import EvalSet
+from .held_out import without_training_prompts
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
@@ -55,18 +56,22 @@ def train_prompts(run: RunConfig):
     return embedded_prompts("train"), 0
 
 
-def eval_sets(run: RunConfig) -> dict[str, EvalSet]:
-    """name -> EvalSet: --eval-data's sets, or with neither --eval-data nor --prompt-data the embedded
-    task's "eval" split; each with its own reward (RunConfig.eval_reward)."""
+def eval_sets(run: RunConfig, train: list | None = None) -> tuple[dict[str, EvalSet], dict[str, int]]:
+    """(name -> EvalSet, name -> prompts left out): --eval-data's sets, or with neither --eval-data nor
+    --prompt-data the embedded task's "eval" split; each with its own reward (RunConfig.eval_reward).
+    `train`: the run's training prompts, left out of every set (held_out.py)."""
     files = {name: (path, reward) for name, path, reward in run.eval_sets}
     if not files and not run.prompt_data:
         files["arithmetic"] = (None, run.eval_reward("arithmetic"))
-    sets = {}
+    sets, overlap = {}, {}
     for name, (path, reward) in files.items():
         prompts = (embedded_prompts("eval") if path is None else
                    load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0])
+        prompts, overlap[name] = without_training_prompts(prompts, train or [])
+        if not prompts:
+            raise DataError(f"--eval-data {name} {path}: every prompt is also a training prompt")
         sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)
-    return sets
+    return sets, overlap
 
 
 def make_run_dir(run: RunConfig) -> Path:
@@ -142,12 +147,15 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     check_ref_load(run, train_cfg.kl_loss_coef)
     prompts, skipped = train_prompts(run)
     source = PromptSource(prompts, seed=run.seed)
-    held_out = eval_sets(run)
+    held_out, overlap = eval_sets(run, prompts)
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size, rollout_ep_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
     run_dir = shared_run_dir(run, dist_ctx)
     if primary:
+        for name, n in overlap.items():
+            if n:
+                print(f"{name}: {n} held-out prompts are training prompts too; left out of the set (rl/held_out.py)")
         (run_dir / "config.json").write_text(json.dumps(
             {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
              "eval_rewards": {name: s.reward for name, s in held_out.items()},
@@ -159,7 +167,9 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
         gather = gather_to_every_rank(dist_ctx)
     rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
                advantage_estimator=train_cfg.advantage_fn, progress=progress if primary else None,
-               start_metrics={"data/skipped_rows": float(skipped)}, primary=primary,
+               start_metrics={"data/skipped_rows": float(skipped),
+                              **{f"data/eval_overlap/{name}": float(n) for name, n in overlap.items() if n}},
+               primary=primary,
                device=str(dist_ctx.device) if dist_ctx is not None else engine_cfg.device, gather=gather)
     if run.load:
         rl.load(run.load)

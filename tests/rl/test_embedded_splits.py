@@ -34,7 +34,7 @@ def test_sft_selects_on_neither_train_nor_eval_prompts():
 def test_build_run_train_source_and_eval_sets_do_not_overlap():
     run = RunConfig()
     prompts, _ = train_prompts(run)
-    held_out = eval_sets(run)
+    held_out, _ = eval_sets(run, prompts)
     assert list(held_out) == ["arithmetic"] and len(held_out["arithmetic"].prompts) == SPLIT_SIZES["eval"]
     assert not questions(prompts) & questions(held_out["arithmetic"].prompts)
 

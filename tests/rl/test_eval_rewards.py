@@ -36,7 +36,7 @@ def math500_file(tmp_path):
 
 
 def pass_at_1(run: RunConfig) -> dict[str, float]:
-    metrics = evaluate(EchoEngine(), eval_sets(run), RolloutSpec(2, 1.0, 1.0, 8, False, 0))
+    metrics = evaluate(EchoEngine(), eval_sets(run)[0], RolloutSpec(2, 1.0, 1.0, 8, False, 0))
     return {k.split("/")[1]: v for k, v in metrics.items() if k.endswith("/pass@1")}
 
 
