@@ -110,3 +110,16 @@ def test_layout_file_that_is_not_there_names_it(capsys, tmp_path, make):
 def test_custom_reward_module_that_is_not_there_is_one_line(capsys):
     _fails_naming(capsys, ["train", "--custom-reward-path", "no_such_module:score", "--num-rollout", "1"],
                   "no_such_module:score", "cannot import no_such_module")
+
+
+@pytest.mark.parametrize("flag", ["--prompt-data", "--eval-data"])
+def test_a_prompt_longer_than_the_context_names_its_line(capsys, tmp_path, flag):
+    # was "prompt of N tokens does not fit max_model_len=M", not saying which prompt or what to change
+    data = tmp_path / "prompts.jsonl"
+    rows = [{"prompt": "What is 2 + 2?", "label": "4"}, {"prompt": "What is " + " + ".join(["1"] * 40) + "?",
+                                                        "label": "40"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = ["--prompt-data", str(data)] if flag == "--prompt-data" else ["--eval-data", "long", str(data)]
+    _fails_naming(capsys, ["train", *sets, "--num-rollout", "1", "--rollout-batch-size", "2", "--max-model-len", "48",
+                           "--run-dir", str(tmp_path / "run"), "--no-plot"],
+                  f"{data}, line 2: prompt of", "does not fit max_model_len=48", "--max-model-len")

@@ -38,7 +38,7 @@ from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import chain_window, finish_window, launch_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
-from lockstep.engine.request import GenerateRequest, RequestState
+from lockstep.engine.request import GenerateRequest, PromptTooLong, RequestState
 from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler
 from lockstep.engine.scheduler import Scheduler
@@ -173,10 +173,8 @@ class Engine:
 
     def _new_state(self, request: GenerateRequest, on_done=None) -> RequestState:
         """Check a request in the caller's thread (errors go to the caller, not the loop)."""
-        n = len(request.prompt_ids)
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt of {n} tokens does not fit max_model_len={self.max_model_len} "
-                             "(it must leave room for at least one new token)")
+        if len(request.prompt_ids) >= self.max_model_len:
+            raise PromptTooLong(request, self.max_model_len)
         vocab = self.model.config.vocab_size
         if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")

@@ -42,6 +42,16 @@ class GenerateRequest:
             self.request_id = uuid.uuid4().hex
 
 
+class PromptTooLong(ValueError):
+    """A request whose prompt leaves no room in max_model_len for one new token; `request` says which
+    (the RL loop names the prompt's data row from it)."""
+
+    def __init__(self, request: GenerateRequest, max_model_len: int):
+        super().__init__(f"prompt of {len(request.prompt_ids)} tokens does not fit max_model_len={max_model_len} "
+                         "(it must leave room for at least one new token)")
+        self.request = request
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued (new, or preempted: recompute from scratch)
     PARKED = "parked"  # a sibling waiting for its leader's prefill, to fork from it

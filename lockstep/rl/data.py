@@ -41,6 +41,10 @@ class Prompt:
     index: int  # row index in the source file (0-based), stable across shuffles
     source: str = ""  # data set name, e.g. the file stem or the row's data_source
     metadata: dict[str, Any] = field(default_factory=dict)
+    where: str = ""  # "FILE, line N" / "FILE, row index N": what an error about this prompt names
+
+    def location(self) -> str:
+        return self.where or f"{self.source or 'prompt set'} prompt {self.index}"
 
     def sample_metadata(self) -> dict[str, Any]:
         """What a Sample's metadata carries: label, data source, index (+ the row's metadata)."""
@@ -75,7 +79,8 @@ def _check_label(value: Any) -> str:
     return str(value)
 
 
-def row_to_prompt(row: Any, index: int, source: str, input_key: str, label_key: str, metadata_key: str | None) -> Prompt:
+def row_to_prompt(row: Any, index: int, source: str, input_key: str, label_key: str, metadata_key: str | None,
+                  where: str = "") -> Prompt:
     if not isinstance(row, dict):
         raise TypeError(f"row must be a JSON object, got {type(row).__name__}")
     prompt = _check_prompt(get_dotted(row, input_key))
@@ -87,7 +92,7 @@ def row_to_prompt(row: Any, index: int, source: str, input_key: str, label_key: 
             raise TypeError(f"metadata must be an object, got {type(metadata).__name__}")
     if isinstance(row.get("data_source"), str):
         source = row["data_source"]
-    return Prompt(prompt=prompt, label=label, index=index, source=source, metadata=dict(metadata))
+    return Prompt(prompt=prompt, label=label, index=index, source=source, metadata=dict(metadata), where=where)
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, int, Any]]:
@@ -158,7 +163,8 @@ class PromptDataset(Sequence[Prompt]):
             try:
                 if isinstance(row, Exception):
                     raise row
-                self.prompts.append(row_to_prompt(row, index, self.source, input_key, label_key, metadata_key))
+                self.prompts.append(row_to_prompt(row, index, self.source, input_key, label_key, metadata_key,
+                                                  where))
             except (KeyError, TypeError, ValueError) as e:  # ValueError: bad JSON or bytes
                 if not skip_bad_rows:
                     reason = f"missing key {e.args[0]!r}" if isinstance(e, KeyError) else str(e)

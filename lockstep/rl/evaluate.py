@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from .rollout import RolloutSpec, make_requests, score
+from .rollout import RolloutSpec, generate_for, score
 from ..eval.pass_at_k import pass_at_k_metrics
 
 
@@ -29,7 +29,7 @@ class SetResult:
 
 def evaluate_set(engine, name: str, eval_set: EvalSet, spec: RolloutSpec, tag=("eval",)) -> SetResult:
     start = time.perf_counter()
-    samples = engine.generate(make_requests(eval_set.prompts, engine.tokenizer, spec, (*tag, name), 0))
+    samples = generate_for(engine, eval_set.prompts, spec, (*tag, name), 0)
     errors = score(samples, eval_set.reward_fn)
     n = spec.n_samples
     groups = [samples[i * n:(i + 1) * n] for i in range(len(eval_set.prompts))]

@@ -13,8 +13,9 @@ import time
 from dataclasses import dataclass
 
 from ..config import SamplingParams
-from ..engine.request import GenerateRequest
+from ..engine.request import GenerateRequest, PromptTooLong
 from ..prompt_encoding import encode_prompt
+from .data import DataError
 from .filters import filter_zero_std, should_continue_sampling
 from .rewards import safe_reward
 from ..sample import Sample
@@ -47,6 +48,17 @@ def make_requests(prompts, tokenizer, spec: RolloutSpec, tag: tuple, group_base:
     return requests
 
 
+def generate_for(engine, prompts, spec: RolloutSpec, tag: tuple, group_base: int) -> list[Sample]:
+    """engine.generate of the prompts' requests (make_requests); a prompt too long for the engine's
+    context is an error naming its file and line."""
+    requests = make_requests(prompts, engine.tokenizer, spec, tag, group_base)
+    try:
+        return engine.generate(requests)
+    except PromptTooLong as e:
+        prompt = prompts[[r.request_id for r in requests].index(e.request.request_id)]
+        raise DataError(f"{prompt.location()}: {e}; raise --max-model-len or leave the prompt out") from None
+
+
 def score(samples: list[Sample], reward_fn) -> int:
     """Fill sample.reward from the decoded response; returns how many reward calls failed."""
     errors = 0
@@ -64,8 +76,7 @@ def generate_rollout(engine, source, reward_fn, *, batch_size: int, spec: Rollou
     rnd = 0
     while should_continue_sampling(len({s.group_id for s in kept}), batch_size, rnd * batch_size, max_groups):
         prompts = source.next_batch(batch_size)
-        requests = make_requests(prompts, engine.tokenizer, spec, (rollout_id, rnd), (rollout_id * max_rounds + rnd) * batch_size)
-        samples = engine.generate(requests)
+        samples = generate_for(engine, prompts, spec, (rollout_id, rnd), (rollout_id * max_rounds + rnd) * batch_size)
         errors += score(samples, reward_fn)
         drawn += samples
         filtered, m = filter_zero_std(samples)

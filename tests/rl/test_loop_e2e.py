@@ -100,8 +100,10 @@ def test_skip_bad_rows_counts_and_logs(tiny_model_dir, tmp_path):
     data = tmp_path / "prompts.jsonl"
     good = [f'{{"prompt": "What is {i} + {i}?", "label": "{2 * i}"}}' for i in range(10, 14)]
     data.write_text("\n".join(good[:2] + ['{"prompt": 5}', "not json"] + good[2:]) + "\n")
+    held = tmp_path / "held.jsonl"  # its own prompts: a held-out set loses those it shares with training
+    held.write_text('{"prompt": "What is 20 + 20?", "label": "40"}\n')
     metrics = train(tiny_model_dir, tmp_path / "run", "--prompt-data", str(data), "--skip-bad-rows",
-                    "--num-rollout", "1", "--eval-data", "held", str(data))
+                    "--num-rollout", "1", "--eval-data", "held", str(held))
     first = metrics[min(metrics)]
     assert first["data/skipped_rows"] == 2
 
