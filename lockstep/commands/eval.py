@@ -38,6 +38,7 @@ def run(args) -> int:
     from ..engine.engine import Engine
     from ..rl import eval_report as report
     from ..rl.evaluate import evaluate_set
+    from ..rl.progress import prompts_bar
     from ..rl.rollout import RolloutSpec
     from ..rl.setup import eval_sets, model_path
 
@@ -52,7 +53,8 @@ def run(args) -> int:
     metrics, warnings = {}, []
     for name, eval_set in eval_sets(cfg)[0].items():
         print(report.set_header(name, data.get(name, "the embedded task's held-out split"), eval_set, spec))
-        result = evaluate_set(engine, name, eval_set, spec)
+        with prompts_bar(name, len(eval_set.prompts)) as tick:
+            result = evaluate_set(engine, name, eval_set, spec, on_prompt_done=tick)
         print(report.set_footer(name, result))
         print("\n".join(report.sample_lines(eval_set, result, spec.n_samples)))
         metrics.update(result.metrics)

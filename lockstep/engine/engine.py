@@ -26,6 +26,7 @@ import dataclasses
 import sys
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -191,11 +192,14 @@ class Engine:
         self._requests[state.request_id] = state
         self.scheduler.add(state.sequences)
 
-    def generate(self, requests: list[GenerateRequest]) -> list[Sample]:
-        """Run requests to completion; samples in request order, n per request consecutive."""
+    def generate(self, requests: list[GenerateRequest],
+                 on_request_done: Callable[[], None] | None = None) -> list[Sample]:
+        """Run requests to completion; samples in request order, n per request consecutive.
+        `on_request_done`: called as each request finishes (a progress bar's tick)."""
         if self._loop.running:
-            return self._generate_via_loop(requests)
-        states = [self._new_state(r) for r in requests]
+            return self._generate_via_loop(requests, on_request_done)
+        done = None if on_request_done is None else (lambda _state: on_request_done())
+        states = [self._new_state(r, on_done=done) for r in requests]
         with self._lock:
             for s in states:
                 self._add(s)
@@ -213,9 +217,16 @@ class Engine:
                     raise
         return [x for s in states for x in s.result()]
 
-    def _generate_via_loop(self, requests: list[GenerateRequest]) -> list[Sample]:
+    def _generate_via_loop(self, requests: list[GenerateRequest], on_request_done=None) -> list[Sample]:
         events = [threading.Event() for _ in requests]
-        states = [self._new_state(r, on_done=lambda _s, e=e: e.set()) for r, e in zip(requests, events)]
+
+        def done(event):
+            def on_done(_state):
+                event.set()
+                on_request_done and on_request_done()
+            return on_done
+
+        states = [self._new_state(r, on_done=done(e)) for r, e in zip(requests, events)]
         for s in states:
             self._loop.submit(s)
         for e in events:

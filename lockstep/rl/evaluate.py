@@ -27,9 +27,11 @@ class SetResult:
     seconds: float
 
 
-def evaluate_set(engine, name: str, eval_set: EvalSet, spec: RolloutSpec, tag=("eval",)) -> SetResult:
+def evaluate_set(engine, name: str, eval_set: EvalSet, spec: RolloutSpec, tag=("eval",),
+                 on_prompt_done=None) -> SetResult:
+    """`on_prompt_done`: called as each prompt's samples finish (lockstep eval's progress bar)."""
     start = time.perf_counter()
-    samples = generate_for(engine, eval_set.prompts, spec, (*tag, name), 0)
+    samples = generate_for(engine, eval_set.prompts, spec, (*tag, name), 0, on_prompt_done)
     errors = score(samples, eval_set.reward_fn)
     n = spec.n_samples
     groups = [samples[i * n:(i + 1) * n] for i in range(len(eval_set.prompts))]

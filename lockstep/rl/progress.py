@@ -1,9 +1,11 @@
-"""A rich progress bar over rollouts: the latest reward and abs logprob diff, and the last eval line
+"""Progress bars: `prompts_bar`, the prompts of one set done (lockstep eval); `RunProgress`, a rich
+progress bar over rollouts: the latest reward and abs logprob diff, and the last eval line
 (also printed above the bar at each eval), per eval set: pass@1, pass@n (n = samples per eval prompt; a reference run's pass@1 / pass@8 with
 n = 8) and the truncated ratio (samples cut at the eval length limit, which score as wrong)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -59,3 +61,13 @@ class RunProgress:
         if self.last_eval:
             parts.append(f"eval {self.last_eval}")
         self.bar.update(self.task, completed=step, info="  ".join(parts))
+
+
+@contextlib.contextmanager
+def prompts_bar(name: str, total: int):
+    """A bar of the set's prompts done (all of a prompt's samples finished) while the block runs; yields
+    its tick. Transient: the set's summary line takes its place."""
+    with Progress(TextColumn(f"[bold]{name}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), transient=True) as bar:
+        task = bar.add_task(name, total=total)
+        yield lambda: bar.advance(task)

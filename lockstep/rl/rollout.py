@@ -48,11 +48,13 @@ def make_requests(prompts, tokenizer, spec: RolloutSpec, tag: tuple, group_base:
     return requests
 
 
-def generate_for(engine, prompts, spec: RolloutSpec, tag: tuple, group_base: int) -> list[Sample]:
+def generate_for(engine, prompts, spec: RolloutSpec, tag: tuple, group_base: int, on_prompt_done=None) -> list[Sample]:
     """engine.generate of the prompts' requests (make_requests); a prompt too long for the engine's
-    context is an error naming its file and line."""
+    context is an error naming its file and line. `on_prompt_done`: Engine.generate's on_request_done."""
     requests = make_requests(prompts, engine.tokenizer, spec, tag, group_base)
     try:
+        if on_prompt_done is not None:  # one Engine's (lockstep eval); replicas and EP engines take no callback
+            return engine.generate(requests, on_request_done=on_prompt_done)
         return engine.generate(requests)
     except PromptTooLong as e:
         prompt = prompts[[r.request_id for r in requests].index(e.request.request_id)]

@@ -147,6 +147,22 @@ def test_generate_routes_through_a_running_loop():
     assert not engine._loop.running
 
 
+def test_each_finished_request_ticks_once_inline_and_through_the_loop():
+    # lockstep eval's progress bar: one tick per request as it finishes, before generate returns
+    engine = make_engine(seed=49)
+    ps = prompts(5, seed=50)
+    for running in (False, True):
+        ticks = []
+        if running:
+            engine.start()
+        try:
+            out = engine.generate(requests(ps, lambda i: sampled(i, n=2, max_new_tokens=3 + i)),
+                                  on_request_done=lambda: ticks.append(threading.get_ident()))
+        finally:
+            engine.shutdown()
+        assert len(out) == 10 and len(ticks) == 5, running
+
+
 def test_abort_costs_time_linear_in_what_it_aborts():
     """5,000 samples of one prompt (most parked on the leader, some running, others queued): one
     abort frees them all in well under a second. Removing them one at a time scanned the queues

@@ -47,3 +47,24 @@ def test_weak_model_shows_summary_and_samples_without_warning(tmp_path, capsys):
     shown = [i for i, line in enumerate(lines) if line.startswith("  prompt ")]
     assert len(shown) == 3 and "label '1'" in lines[shown[0]]
     assert all(lines[i + 1].startswith("    completion (") and ", reward " in lines[i + 1] for i in shown)
+
+
+def test_eval_shows_a_bar_of_the_prompts_done(monkeypatch, capsys):
+    from lockstep.rl import progress
+
+    seen = []
+
+    class Counting:  # what prompts_bar yields, counted: one tick per prompt of the set, its total known
+        def __init__(self, name, total):
+            seen.append([name, total, 0])
+
+        def __enter__(self):
+            return lambda: seen[-1].__setitem__(2, seen[-1][2] + 1)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(progress, "prompts_bar", Counting)
+    assert main(["eval", "--n-samples-per-eval-prompt", "2", "--eval-max-response-len", "4",
+                 "--eval-prompts-limit", "6"]) == 0
+    assert seen == [["arithmetic", 6, 6]]
