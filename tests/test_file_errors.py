@@ -123,3 +123,11 @@ def test_a_prompt_longer_than_the_context_names_its_line(capsys, tmp_path, flag)
     _fails_naming(capsys, ["train", *sets, "--num-rollout", "1", "--rollout-batch-size", "2", "--max-model-len", "48",
                            "--run-dir", str(tmp_path / "run"), "--no-plot"],
                   f"{data}, line 2: prompt of", "does not fit max_model_len=48", "--max-model-len")
+
+
+def test_an_input_key_the_training_file_lacks_is_named(capsys, tmp_path):
+    # was read with another known layout's keys (here GSM8K's question / answer), the flag silently ignored
+    data = tmp_path / "gsm8k.jsonl"
+    data.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
+    _fails_naming(capsys, ["train", "--prompt-data", str(data), "--input-key", "query", "--label-key", "answer",
+                           "--num-rollout", "1"], f"{data}, line 1: missing key 'query'")

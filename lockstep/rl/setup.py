@@ -32,10 +32,11 @@ def model_path(run: RunConfig) -> Path:
     return path
 
 
-def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, skip_bad_rows: bool):
+def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, skip_bad_rows: bool,
+                 other_layouts: bool = True):
     """(prompts, rows skipped) of a prompt file with the given keys, or, if its rows use another
-    known layout (GSM8K, MATH-500, DAPO), that one. Errors name the file and the row."""
-    candidates = [(input_key, label_key)] + [k for k in KNOWN_KEYS if k != (input_key, label_key)]
+    known layout (GSM8K, MATH-500, DAPO) and `other_layouts`, that one. Errors name the file and the row."""
+    candidates = [(input_key, label_key)] + [k for k in KNOWN_KEYS if k != (input_key, label_key) and other_layouts]
     first_error = None
     for ik, lk in candidates:
         try:
@@ -52,7 +53,11 @@ def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, s
 def train_prompts(run: RunConfig):
     """(prompts, malformed rows skipped)."""
     if run.prompt_data:
-        return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)
+        # keys the user chose are the training file's: a file without them is an error, not another layout
+        # (eval sets, often of another layout than the training set's, still fall back to theirs)
+        chosen = (run.input_key, run.label_key) != (RunConfig.input_key, RunConfig.label_key)
+        return load_prompts(run.prompt_data, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows,
+                            other_layouts=not chosen)
     return embedded_prompts("train"), 0
 
 
