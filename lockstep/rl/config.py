@@ -24,7 +24,9 @@ class RunConfig:
     prompt_data: str = ""
     """Training prompts, jsonl or parquet; "": the synthetic arithmetic task."""
     input_key: str = "prompt"
-    """Column of the prompt in prompt_data and eval_data rows (a.b reads a nested key)."""
+    """Column of the prompt in prompt_data and eval_data rows (a.b reads a nested key). A file whose rows lack
+    it (and label_key) is read with its known layout (GSM8K, MATH-500, DAPO), except prompt_data when either key
+    was set: then it is an error."""
     label_key: str = "label"
     """Column of the reference answer the reward checks against (a.b reads a nested key)."""
     metadata_key: str = ""
