@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -119,34 +118,3 @@ def write_atomically(path: Path, data: bytes) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
 
-
-def staging_directory(final: Path, tag: int) -> Path:
-    """Where a save meant for directory `final` is written before `replace_directory` puts it there;
-    `tag` (e.g. the step) tells every process of a run the same name."""
-    return final.with_name(f"{final.name}.saving-{tag}")
-
-
-def replace_directory(staging: Path, final: Path) -> None:
-    """Put the finished directory `staging` at `final`, the previous `final` kept until the new one
-    is in place: a process killed mid-save leaves the last save whole (a kill between the two renames:
-    in FINAL.old, which `previous_directory` names), then removes the previous one."""
-    old = final.with_name(final.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.rename(final, old)
-    os.rename(staging, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def remove_stale_staging(final: Path, tag: int) -> None:
-    """Remove the staging directories of `final` other than `tag`'s: saves a kill interrupted. Another
-    process of the run may be writing `tag`'s already, so it stays."""
-    for stale in final.parent.glob(f"{final.name}.saving-*"):
-        if stale != staging_directory(final, tag):
-            shutil.rmtree(stale, ignore_errors=True)
-
-
-def previous_directory(final: Path) -> Path | None:
-    """FINAL.old when a kill came between `replace_directory`'s renames (no FINAL, the old one whole)."""
-    old = final.with_name(final.name + ".old")
-    return old if not final.exists() and old.is_dir() else None

@@ -23,7 +23,6 @@ largest over the ranks under the plain names).
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,14 +30,12 @@ from pathlib import Path
 import torch
 
 from .evaluate import evaluate
-from ..files import previous_directory, remove_stale_staging, replace_directory, staging_directory
 from ..metrics.phase_memory import PhaseMemory, per_rank
 from ..metrics.sinks import make_sinks
 from .advantages import compute_advantages
+from . import save_layout
 from .config import RunConfig
 from .rollout import RolloutSpec, generate_rollout
-
-STATE_FILE = "loop_state.json"
 
 
 def step_slices(num_samples: int, num_steps: int) -> list[slice]:
@@ -106,7 +103,8 @@ class RLRun:
             # logged before the save: a saved step always has its record (a kill between the two then
             # leaves a record the resumed run rewinds and redoes, instead of a step with none)
             self.log(metrics, step=self.rollout_id)
-            if c.save and (c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout):
+            due = c.save_interval and self.rollout_id % c.save_interval == 0 or self.rollout_id == c.num_rollout
+            if c.save and due:
                 self.save(c.save)
         if self.sinks is not None:
             self.sinks.close()
@@ -175,35 +173,23 @@ class RLRun:
     # ---- resume -------------------------------------------------------------------------
 
     def save(self, directory) -> None:
-        """Written whole beside `directory`, then swapped in (lockstep/files.py replace_directory): a
-        run killed mid-save keeps its previous save, never half of each."""
-        final = Path(directory)
-        d = staging_directory(final, self.rollout_id)
-        if self.primary:
-            remove_stale_staging(final, self.rollout_id)
-        d.mkdir(parents=True, exist_ok=True)
-        self.trainer.save(d / "trainer")  # every rank: a data-parallel save gathers the shards
+        """Staged, then committed (save_layout.py): a run killed mid-save keeps its previous save."""
+        d = Path(directory)
+        part = save_layout.begin(d, self.rollout_id, self.primary)
+        self.trainer.save(part / "trainer")  # every rank: a data-parallel save gathers the shards
         if not self.primary:
             return
+        torch.save({"torch_rng": torch.get_rng_state()}, part / "rng.pt")
         state = {"rollout_id": self.rollout_id, "weight_version": self.engine.weight_version,
                  "data": self.source.state_dict()}
-        torch.save({"torch_rng": torch.get_rng_state()}, d / "rng.pt")
-        (d / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
-        replace_directory(d, final)  # after trainer.save's closing barrier: every rank's files are in d
+        save_layout.commit(d, self.rollout_id, state)  # trainer.save ended in a barrier: every rank's files are in
 
     def load(self, directory) -> None:
-        d = Path(directory)
-        state_path = d / STATE_FILE
-        if previous_directory(d) is not None:
-            raise FileNotFoundError(f"--load {d}: not there, but {previous_directory(d)} holds the save "
-                                    f"before it (a kill interrupted the next one's swap): rename it to {d}")
-        if not state_path.is_file():
-            raise FileNotFoundError(f"--load {d}: no {STATE_FILE} (not a lockstep save directory)")
-        state = json.loads(state_path.read_text())
-        self.trainer.load(d / "trainer")
+        state, base = save_layout.read(Path(directory))
+        self.trainer.load(base / "trainer")
         self.source.load_state_dict(state["data"])
         self.rollout_id = int(state["rollout_id"])
-        torch.set_rng_state(torch.load(d / "rng.pt")["torch_rng"])
+        torch.set_rng_state(torch.load(base / "rng.pt")["torch_rng"])
         # the engine serves exactly the restored weights, under the saved version number
         self.engine.update_weights(self.trainer.named_weights(), version=int(state["weight_version"]))
         if self.sinks is not None:  # the steps after the save are redone: their old records move aside

@@ -70,6 +70,7 @@ import pytest
 from dist_world import free_port, run_world
 from lockstep.plan.measured import compare
 from lockstep.rl.embedded import ASSET_DIR  # lockstep train's default model
+from lockstep.rl import save_layout
 from processes import cli_env
 
 # 4 eval prompts: 2 a rank, still sharded (an eval of 8 cost ~1.6 s at step 0 and after the last rollout)
@@ -92,6 +93,11 @@ def _train(run_dir, *flags, stderr: list | None = None) -> list[dict]:
 
 # one_process and two_processes, the runs the others are compared with: tests/dist/conftest.py
 # (session-scoped: test_ray_launch.py and test_pipeline_expert_parallel.py compare with them too)
+
+
+def saved(directory):
+    """The directory of the save `directory` holds (lockstep/rl/save_layout.py)."""
+    return save_layout.read(directory)[1]
 
 
 def _perf_free(line: dict) -> dict:
@@ -251,7 +257,7 @@ def test_a_colocated_plan_gives_the_pipeline_run_its_flags(colocated_plan, pipel
 
 def test_pipeline_parallel_resume_continues_the_unbroken_run(one_process, pipeline_two):
     # the one-process files, written by stage 0, and stage 1's RNG states
-    assert sorted(p.name for p in (pipeline_two["save"] / "trainer").iterdir()) == \
+    assert sorted(p.name for p in (saved(pipeline_two["save"]) / "trainer").iterdir()) == \
         ["model.safetensors", "optimizer.pt", "trainer.pt", "trainer.rank1.pt"]
     resumed = dict(pipeline_two["resumed"][0])
     assert resumed.pop("data/skipped_rows") == 0.0  # each run's first line has it
@@ -292,7 +298,7 @@ def test_two_nodes_save_and_two_processes_resume_the_unbroken_run(tmp_path, two_
     halves = [first[0], _without_end_eval(first[1])]
     assert len(first) == 2 and _first_difference(two_processes[:2], halves) is None, \
         _first_difference(two_processes[:2], halves)
-    assert (save / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
+    assert (saved(save) / "trainer" / "trainer.rank1.pt").is_file()  # each rank's RNG state
     resumed = _train(tmp_path / "resumed", "--nproc-per-node", "2", "--load", str(save),
                      "--master-port", str(free_port()))
     assert len(resumed) == 1 and resumed[0].pop("data/skipped_rows") == 0.0  # each run's first line has it

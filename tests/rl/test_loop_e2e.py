@@ -71,7 +71,7 @@ def test_a_save_cut_short_leaves_the_previous_save_whole(tiny_model_dir, tmp_pat
     ckpt, real_save = tmp_path / "ckpt", checkpointing.save_weights
 
     def dies_in_the_second_save(named, path):
-        if "saving-2" in str(path):  # the save after rollout 2: half a file, then the process dies
+        if "step-2.saving" in str(path):  # the save after rollout 2: half a file, then the process dies
             path.write_bytes(b"\0" * 64)
             raise KeyboardInterrupt
         real_save(named, path)
@@ -84,7 +84,9 @@ def test_a_save_cut_short_leaves_the_previous_save_whole(tiny_model_dir, tmp_pat
     assert json.loads((ckpt / "loop_state.json").read_text())["rollout_id"] == 1
     resumed = train(tiny_model_dir, tmp_path / "resumed", "--num-rollout", "2", "--load", str(ckpt), "--save", str(ckpt))
     assert comparable(resumed[2]) == comparable(unbroken[2])
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")) == ["ckpt"]
+    state = json.loads((ckpt / "loop_state.json").read_text())
+    assert state["rollout_id"] == 2  # the killed save's staging reused, the step-1 save gone
+    assert sorted(p.name for p in ckpt.iterdir()) == sorted(["loop_state.json", state["step_dir"]])
 
 
 def test_bad_prompt_file_names_file_and_line(tiny_model_dir, tmp_path, capsys):
