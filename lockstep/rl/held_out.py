@@ -4,8 +4,9 @@ Public sets overlap: 4 of MATH-500's 500 problems are, word for word, DAPO-Math-
 README's real-data run trains on DAPO-Math and evaluates on MATH-500; measured 2026-12-06 on
 ../shared/data). A run leaves each held-out set's prompts that are also training prompts out of it
 before `--eval-prompts-limit` takes its first N, and says how many (printed, and as
-`data/eval_overlap/<set>` in the first metrics line, where any were). Two prompts are the same when their texts are equal up to whitespace (a chat
-prompt's text: its messages' contents, in order); a paraphrase is not caught.
+`data/eval_overlap/<set>` in the first metrics line, where any were). Two prompts are the same when
+their texts are equal up to whitespace (a chat prompt's text: its messages' contents, in order); a
+paraphrase is not caught.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def load_prompts(path: str, input_key: str, label_key: str, metadata_key: str, s
                  other_layouts: bool = True):
     """(prompts, rows skipped) of a prompt file with the given keys, or, if its rows use another
     known layout (GSM8K, MATH-500, DAPO) and `other_layouts`, that one. Errors name the file and the row."""
-    candidates = [(input_key, label_key)] + [k for k in KNOWN_KEYS if k != (input_key, label_key) and other_layouts]
+    others = [k for k in KNOWN_KEYS if k != (input_key, label_key)] if other_layouts else []
+    candidates = [(input_key, label_key)] + others
     first_error = None
     for ik, lk in candidates:
         try:
@@ -74,7 +75,7 @@ def eval_sets(run: RunConfig, train: list | None = None) -> tuple[dict[str, Eval
                    load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0])
         prompts, overlap[name] = without_training_prompts(prompts, train or [])
         if not prompts:
-            raise DataError(f"--eval-data {name} {path}: every prompt is also a training prompt")
+            raise DataError(f"--eval-data {name} {path or ''}: every prompt is also a training prompt")
         sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)
     return sets, overlap
 

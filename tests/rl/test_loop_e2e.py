@@ -82,7 +82,8 @@ def test_a_save_cut_short_leaves_the_previous_save_whole(tiny_model_dir, tmp_pat
     monkeypatch.setattr(checkpointing, "save_weights", real_save)
     # the save after rollout 1 is whole (in place it would hold rollout 2's half-written weights)
     assert json.loads((ckpt / "loop_state.json").read_text())["rollout_id"] == 1
-    resumed = train(tiny_model_dir, tmp_path / "resumed", "--num-rollout", "2", "--load", str(ckpt), "--save", str(ckpt))
+    resumed = train(tiny_model_dir, tmp_path / "resumed", "--num-rollout", "2", "--load", str(ckpt),
+                    "--save", str(ckpt))
     assert comparable(resumed[2]) == comparable(unbroken[2])
     state = json.loads((ckpt / "loop_state.json").read_text())
     assert state["rollout_id"] == 2  # the killed save's staging reused, the step-1 save gone
