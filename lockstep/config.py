@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from lockstep.files import FieldError
+
 # Above this temperature sampling is near uniform for any logit scale a model produces: the cap
 # catches typos and overflow (1e6, Infinity), not taste. OpenAI's API stops at 2.
 MAX_TEMPERATURE = 100.0
@@ -19,7 +21,7 @@ SERVING_FORMATS = ("bf16", "fp8", "fp8-fp4")
 
 
 def _fail(cls: str, field_name: str, why: str):
-    raise ValueError(f"{cls}.{field_name}: {why}")
+    raise FieldError(cls, field_name, why)  # a ValueError: "Cls.field: why"
 
 
 def check_choices(config) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ..config import check_choices
+from ..config import SamplingParams, check_choices
+from ..files import FieldError
 from .rewards import BUILTIN_REWARDS, natural_reward
 
 
@@ -120,6 +121,16 @@ class RunConfig:
             bad("num_steps_per_rollout", "must divide rollout_batch_size * n_samples_per_prompt")
         if self.custom_reward_path and ":" not in self.custom_reward_path:
             bad("custom_reward_path", f"expected module:function, got {self.custom_reward_path!r}")
+        for f in ("eval_prompts_limit", "save_interval"):  # 0: every prompt / only at the end
+            if getattr(self, f) < 0:
+                bad(f, f"must be >= 0, got {getattr(self, f)}")
+        # the rollout's and the eval's sampling, by SamplingParams' rule, before the run rather than at its first draw
+        for prefix, top_p in (("rollout", self.rollout_top_p), ("eval", 1.0)):
+            try:
+                SamplingParams(temperature=getattr(self, f"{prefix}_temperature"), top_p=top_p,
+                               max_new_tokens=getattr(self, f"{prefix}_max_response_len"))
+            except FieldError as e:
+                bad(f"{prefix}_" + {"max_new_tokens": "max_response_len"}.get(e.field, e.field), e.why)
 
     @property
     def eval_sets(self) -> list[tuple[str, str, str]]:
