@@ -4,6 +4,7 @@ SmolLM2 GGUF in tmp_path and runs it through `lockstep.cli.main`."""
 
 import json
 import shutil
+import socket
 
 import pytest
 import torch
@@ -131,3 +132,20 @@ def test_an_input_key_the_training_file_lacks_is_named(capsys, tmp_path):
     data.write_text(json.dumps({"question": "What is 2 + 2?", "answer": "#### 4"}) + "\n")
     _fails_naming(capsys, ["train", "--prompt-data", str(data), "--input-key", "query", "--label-key", "answer",
                            "--num-rollout", "1"], f"{data}, line 1: missing key 'query'")
+
+
+def test_serve_on_a_port_it_cannot_have_says_so_before_loading(capsys):
+    # was a traceback (OverflowError) or uvicorn's exit after the model had loaded
+    _fails_naming(capsys, ["serve", "--port", "99999"], "--port 99999: must be in [0, 65535]")
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        _fails_naming(capsys, ["serve", "--port", str(port)],
+                      f"--port {port}: cannot listen there (Address already in use)")
+
+
+@pytest.mark.parametrize("flag, value, least", [("--steps", "0", 1), ("--batch-size", "-4", 1), ("--lr", "-0.1", 0)])
+def test_sft_budget_below_its_least_is_refused_before_training(capsys, tmp_path, flag, value, least):
+    # --steps 0 trained nothing and saved the untrained model (without --output: over the bundled one)
+    _fails_naming(capsys, ["sft", flag, value, "--output", str(tmp_path / "out")],
+                  f"{flag} {value}: must be >= {least}")
+    assert not (tmp_path / "out").exists()

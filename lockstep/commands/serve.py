@@ -66,6 +66,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             group="served path")
 
 
+def check_port(host: str, port: int) -> None:
+    """Fail before the model loads (minutes for a large one) if the server could not listen there."""
+    import socket
+
+    if not 0 <= port <= 65535:
+        raise ValueError(f"--port {port}: must be in [0, 65535]")
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else str(e)
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({why})") from None
+
+
 def run(args) -> int:
     import uvicorn
 
@@ -82,6 +96,7 @@ def run(args) -> int:
     if beyond_loopback and not token:  # checked before the model loads: fail fast
         raise ValueError(f"--host {args.host} listens beyond loopback; refusing to start without an admin token "
                          f"(pass --admin-token or set {TOKEN_ENV}), or bind 127.0.0.1")
+    check_port(args.host, args.port)
     if args.weights_dir is not None and not Path(args.weights_dir).is_dir():
         raise ValueError(f"--weights-dir {args.weights_dir}: not a directory")
     path = Path(args.model) if args.model else DEFAULT_MODEL

@@ -128,8 +128,13 @@ BUDGET = dict(steps=3000, batch_size=64, lr=3e-3, seed=0)
 
 
 def _given_budget(args) -> dict:
-    """The budget flags given on the command line (argparse leaves the others None)."""
-    return {k: getattr(args, k) for k in BUDGET if getattr(args, k, None) is not None}
+    """The budget flags given on the command line (argparse leaves the others None); a step count or batch
+    size below 1, or a negative learning rate, is an error (0 steps saved the untrained model)."""
+    given = {k: getattr(args, k) for k in BUDGET if getattr(args, k, None) is not None}
+    for name, least in (("steps", 1), ("batch_size", 1), ("lr", 0)):
+        if name in given and not given[name] >= least:
+            raise ValueError(f"--{name.replace('_', '-')} {given[name]}: must be >= {least}")
+    return given
 
 
 def run_preset(name: str, out: Path, *, model_overrides: dict | None = None, device: str | None = None,
