@@ -73,7 +73,7 @@ def check_port(host: str, port: int) -> None:
     if not 0 <= port <= 65535:
         raise ValueError(f"--port {port}: must be in [0, 65535]")
     try:
-        with socket.create_server((host, port)):
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
             pass
     except OSError as e:
         why = os.strerror(e.errno) if e.errno else str(e)
