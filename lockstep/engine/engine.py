@@ -219,14 +219,8 @@ class Engine:
 
     def _generate_via_loop(self, requests: list[GenerateRequest], on_request_done=None) -> list[Sample]:
         events = [threading.Event() for _ in requests]
-
-        def done(event):
-            def on_done(_state):
-                event.set()
-                on_request_done and on_request_done()
-            return on_done
-
-        states = [self._new_state(r, on_done=done(e)) for r, e in zip(requests, events)]
+        tick = on_request_done or (lambda: None)
+        states = [self._new_state(r, on_done=lambda _s, e=e: (e.set(), tick())) for r, e in zip(requests, events)]
         for s in states:
             self._loop.submit(s)
         for e in events:

@@ -20,8 +20,12 @@ def prompt_text(prompt: Prompt) -> str:
     return " ".join(text.split())
 
 
-def without_training_prompts(held_out: list[Prompt], train: list[Prompt]) -> tuple[list[Prompt], int]:
-    """(the held-out prompts that are not training prompts, in order; how many were left out)."""
-    seen = {prompt_text(p) for p in train}
-    kept = [p for p in held_out if prompt_text(p) not in seen]
+def prompt_texts(prompts: list[Prompt]) -> set[str]:
+    """The texts of `prompts` (the training set's, made once for every held-out set)."""
+    return {prompt_text(p) for p in prompts}
+
+
+def without_training_prompts(held_out: list[Prompt], train_texts: set[str]) -> tuple[list[Prompt], int]:
+    """(the held-out prompts whose text is not in `train_texts`, in order; how many were left out)."""
+    kept = [p for p in held_out if prompt_text(p) not in train_texts]
     return kept, len(held_out) - len(kept)

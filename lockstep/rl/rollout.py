@@ -57,7 +57,7 @@ def generate_for(engine, prompts, spec: RolloutSpec, tag: tuple, group_base: int
             return engine.generate(requests, on_request_done=on_prompt_done)
         return engine.generate(requests)
     except PromptTooLong as e:
-        prompt = prompts[[r.request_id for r in requests].index(e.request.request_id)]
+        prompt = next(p for p, r in zip(prompts, requests) if r is e.request)
         raise DataError(f"{prompt.location()}: {e}; raise --max-model-len or leave the prompt out") from None
 
 

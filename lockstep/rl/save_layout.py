@@ -20,7 +20,7 @@ import secrets
 import shutil
 from pathlib import Path
 
-from ..files import FileError, write_atomically
+from ..files import FileError, read_json, write_atomically
 
 STATE_FILE = "loop_state.json"
 _SAVE = re.compile(r"step-\d+-[0-9a-f]{8}")
@@ -61,7 +61,7 @@ def read(directory: Path) -> tuple[dict, Path]:
     path = directory / STATE_FILE
     if not path.is_file():
         raise FileNotFoundError(f"--load {directory}: no {STATE_FILE} (not a lockstep save directory)")
-    state = json.loads(path.read_text())
+    state = read_json(path)
     base = directory / state.get("step_dir", ".")
     if not (base / "trainer").is_dir():
         raise FileError(f"{path}: field step_dir: {base} holds no trainer/ (the save's files were moved or removed)")

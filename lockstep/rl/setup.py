@@ -17,7 +17,7 @@ from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
 from .embedded import ASSET_DIR, embedded_prompts
 from .evaluate import EvalSet
-from .held_out import without_training_prompts
+from .held_out import prompt_texts, without_training_prompts
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
@@ -69,11 +69,11 @@ def eval_sets(run: RunConfig, train: list | None = None) -> tuple[dict[str, Eval
     files = {name: (path, reward) for name, path, reward in run.eval_sets}
     if not files and not run.prompt_data:
         files["arithmetic"] = (None, run.eval_reward("arithmetic"))
-    sets, overlap = {}, {}
+    sets, overlap, train_texts = {}, {}, prompt_texts(train or [])
     for name, (path, reward) in files.items():
         prompts = (embedded_prompts("eval") if path is None else
                    load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0])
-        prompts, overlap[name] = without_training_prompts(prompts, train or [])
+        prompts, overlap[name] = without_training_prompts(prompts, train_texts)
         if not prompts:
             raise DataError(f"--eval-data {name} {path or ''}: every prompt is also a training prompt")
         sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)

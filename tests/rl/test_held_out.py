@@ -13,7 +13,7 @@ from lockstep.cli import main
 from lockstep.metrics.sinks import read_metrics
 from lockstep.rl.config import RunConfig
 from lockstep.rl.data import DataError, Prompt
-from lockstep.rl.held_out import without_training_prompts
+from lockstep.rl.held_out import prompt_texts, without_training_prompts
 from lockstep.rl.setup import eval_sets, train_prompts
 
 SHARED = ["What is 12 + 30?", "What is 7 * 6?"]
@@ -40,7 +40,7 @@ def test_the_same_words_are_the_same_prompt():
                     label="4", index=0), Prompt(prompt="Solve x  + 1 = 3.", label="2", index=1)]
     held_out = [Prompt(prompt=p, label="", index=i) for i, p in enumerate(
         ["Be brief.\nWhat is 2+2?", "Solve x + 1 = 3.", "Solve x + 1 = 4.", "what is 2+2?"])]
-    kept, dropped = without_training_prompts(held_out, train)
+    kept, dropped = without_training_prompts(held_out, prompt_texts(train))
     assert [p.index for p in kept] == [2, 3] and dropped == 2  # case differs: another prompt
 
 
