@@ -16,6 +16,10 @@ from lockstep.files import FieldError
 # catches typos and overflow (1e6, Infinity), not taste. OpenAI's API stops at 2.
 MAX_TEMPERATURE = 100.0
 
+# Most alternatives a request may ask for per token (vLLM's default max_logprobs; OpenAI's chat API
+# also stops at 20): each costs a top-k over the vocabulary and a host copy per sampled token.
+MAX_TOP_LOGPROBS = 20
+
 # the engine's weight formats; quant/formats.py ServingFormat holds the storage rule of each
 SERVING_FORMATS = ("bf16", "fp8", "fp8-fp4")
 
@@ -40,6 +44,9 @@ class SamplingParams:
     Logprob definition (the trainer uses the same): the log-probability of each sampled token
     under softmax(logits / temperature) over the FULL vocabulary, i.e. before top-p / top-k
     truncation. temperature == 0 means greedy; its logprobs are those of temperature 1.
+    top_logprobs = k > 0 also records, at every sampled position, the k most likely tokens under
+    that same distribution with their logprobs (OpenAI's `top_logprobs`; for serving, the trainer
+    never reads them).
     """
 
     temperature: float = 1.0
@@ -52,6 +59,7 @@ class SamplingParams:
     n: int = 1
     return_routed_experts: bool = False
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self):
         name = "SamplingParams"
@@ -65,6 +73,8 @@ class SamplingParams:
             _fail(name, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         if self.n < 1:
             _fail(name, "n", f"must be >= 1, got {self.n}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            _fail(name, "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
         if "" in self.stop:  # it would match before the first token: every answer empty

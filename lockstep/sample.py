@@ -17,6 +17,10 @@ Shapes (P = prompt length, R = response length, L = number of MoE layers, K = ex
     reward            float              filled by the reward function (0.0 until then)
     advantages        float | [R]        filled by the advantage estimator (None until then): a scalar
                                          broadcast over the response, or one value per token
+    top_logprobs      [R][k]     list    (token id, logprob) pairs, most likely first: the k likeliest
+                                         tokens at each response position under rollout_logprobs'
+                                         distribution, where the request asked for them
+                                         (SamplingParams.top_logprobs = k, serving); else None
     finish_reason     "stop" | "length" | "abort"
     weight_version    int                version of the weights that sampled the (last) token
     group_id          int                samples drawn from the same prompt share it
@@ -67,6 +71,7 @@ class Sample:
     group_id: int = 0
     metadata: dict[str, Any] = field(default_factory=dict)
     advantages: float | torch.Tensor | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     def __post_init__(self) -> None:
         self.prompt_ids = _as_tensor(self.prompt_ids, torch.int64)

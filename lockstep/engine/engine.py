@@ -41,7 +41,7 @@ from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
 from lockstep.engine.request import GenerateRequest, PromptTooLong, RequestState
 from lockstep.engine.runner import ModelRunner, is_decode
-from lockstep.engine.sampler import Sampler
+from lockstep.engine.sampler import Sampler, top_alternatives
 from lockstep.engine.scheduler import Scheduler
 from lockstep.engine.weight_update import (UpdateTargets, WeightUpdateError, apply_serving_format, check_version,
                                            load_update_from_disk, update_weights)
@@ -273,10 +273,11 @@ class Engine:
                 for s in [seq, *self.scheduler.fork_parked(seq)]:
                     rows.append(r)
                     seqs.append(s)
-            tokens, logprobs = self.sampler(logits, rows, [s.sampling for s in seqs], [s.seed for s in seqs],
-                                            [s.num_output for s in seqs])
-            for seq, tok, lp in zip(seqs, tokens, logprobs):
-                seq.append_token(tok, lp, self.weight_version)
+            params = [s.sampling for s in seqs]
+            tokens, logprobs = self.sampler(logits, rows, params, [s.seed for s in seqs], [s.num_output for s in seqs])
+            alternatives = top_alternatives(logits, rows, params) or [None] * len(seqs)
+            for seq, tok, lp, alt in zip(seqs, tokens, logprobs, alternatives):
+                seq.append_token(tok, lp, self.weight_version, alt)
                 reason = self.stop.check(seq)
                 if reason is not None:
                     self._finish(seq, reason)
@@ -300,7 +301,8 @@ class Engine:
         """Decode steps to run before the next host round trip (multi_step.py); 1: one step."""
         graphs = getattr(self.adapter, "graphs", None)
         if (graphs is None or self.config.decode_steps == 1 or self.config.batch_invariant
-                or len(scheduled) > graphs.max_batch or not all(is_decode(s, n) for s, n in scheduled)):
+                or len(scheduled) > graphs.max_batch or not all(is_decode(s, n) for s, n in scheduled)
+                or any(s.sampling.top_logprobs for s, _ in scheduled)):  # alternatives: per step (step())
             return 1
         return window_steps([s for s, _ in scheduled], self.config.decode_steps, self.max_model_len)
 

@@ -80,5 +80,6 @@ def build_samples(state: RequestState, stop: StopChecker, routing_shape: tuple[i
         out.append(Sample(prompt_ids=list(req.prompt_ids), response_ids=seq.output_ids,
                           rollout_logprobs=seq.logprobs, finish_reason=seq.finish_reason or "abort",
                           weight_version=seq.weight_version, routed_experts=routed,
+                          top_logprobs=seq.top_logprobs if req.sampling.top_logprobs else None,
                           group_id=req.group_id, metadata=meta))
     return out

@@ -17,6 +17,7 @@ import uuid
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from lockstep.config import MAX_TOP_LOGPROBS
 from lockstep.sample import Sample
 
 Stop = str | list[str] | None
@@ -58,7 +59,8 @@ class _OpenAISampling(_Lenient):
 class CompletionIn(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default
-    logprobs: int | None = Field(default=None, ge=0)  # any value >= 0: the sampled token's logprob per token
+    # the sampled token's logprob per token, and the `logprobs` most likely tokens' at each position
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -87,7 +89,7 @@ class ChatCompletionIn(_OpenAISampling):
     max_tokens: int | None = None  # None: up to max_model_len
     max_completion_tokens: int | None = None  # OpenAI's newer name; wins over max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None  # accepted; alternatives are not computed, lists stay empty
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
     tools: list[dict] | None = None
 
     def unsupported(self) -> list[str]:
@@ -113,6 +115,7 @@ class GenerateIn(_Strict):
     text: str | list[str] | None = None
     sampling_params: NativeSamplingIn = Field(default_factory=NativeSamplingIn)
     return_logprob: bool = False
+    top_logprobs_num: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)  # with return_logprob
     return_routed_experts: bool = False
     rid: str | list[str] | None = None
     stream: bool = False
@@ -168,24 +171,32 @@ def native_output(sample: Sample, rid: str, return_logprob: bool, return_routed_
             "weight_version": sample.weight_version}
     if return_logprob:  # SGLang's (logprob, token_id, token_text) triples; the text is left null
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.rollout_logprobs.tolist(), ids)]
+        if sample.top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in alts] for alts in sample.top_logprobs]
     if return_routed_experts:  # [R][n_moe_layers][top_k]; null when the model records no routing
         re = sample.routed_experts
         meta["routed_experts"] = None if re is None else re.tolist()
     return {"text": sample.metadata.get("text"), "output_ids": ids, "meta_info": meta}
 
 
-def completion_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
-    """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start."""
+def completion_logprobs(pieces: list[str], logprobs: list[float], top: list[list[tuple[str, float]]] | None) -> dict:
+    """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start.
+    top: each position's alternatives as (text, logprob), or None (`top_logprobs` is then null)."""
     offsets, pos = [], 0
     for p in pieces:
         offsets.append(pos)
         pos += len(p)
-    return {"tokens": pieces, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": None}
+    alternatives = None if top is None else [dict(alts) for alts in top]  # texts that repeat keep one entry
+    return {"tokens": pieces, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": alternatives}
 
 
-def chat_logprobs(pieces: list[str], logprobs: list[float]) -> dict:
-    content = [{"token": p, "logprob": lp, "bytes": list(p.encode("utf-8")), "top_logprobs": []}
-               for p, lp in zip(pieces, logprobs)]
+def chat_logprobs(pieces: list[str], logprobs: list[float], top: list[list[tuple[str, float]]] | None) -> dict:
+    def entry(p: str, lp: float) -> dict:
+        return {"token": p, "logprob": lp, "bytes": list(p.encode("utf-8"))}
+
+    alternatives = top if top is not None else [[] for _ in pieces]
+    content = [{**entry(p, lp), "top_logprobs": [entry(*a) for a in alts]}
+               for p, lp, alts in zip(pieces, logprobs, alternatives)]
     return {"content": content, "refusal": None}
 
 

@@ -76,6 +76,7 @@ class Sequence:
         self.tokens: list[int] = list(request.prompt_ids)
         self.prompt_len = len(self.tokens)
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # per token, where sampling.top_logprobs > 0
         # routed experts as recorded: (first position, [S, L, k]) blocks of the positions from
         # prompt_len - 1 on, in the order computed (a recompute after preemption records again;
         # the later block wins). Row t of `routed_experts()` is position prompt_len - 1 + t,
@@ -112,9 +113,12 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token: int, logprob: float, version: int) -> None:
+    def append_token(self, token: int, logprob: float, version: int,
+                     alternatives: list[tuple[int, float]] | None = None) -> None:
         self.tokens.append(int(token))
         self.logprobs.append(float(logprob))
+        if alternatives is not None:
+            self.top_logprobs.append(alternatives)
         self.weight_version = version
 
     def extend_tokens(self, tokens: list[int], logprobs: list[float], version: int) -> None:

@@ -104,6 +104,34 @@ def draw_plan(params: list[SamplingParams]) -> DrawPlan:
                     any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), len(sampled) < len(params))
 
 
+def scaled_logprobs(x_MV: torch.Tensor, T: float | torch.Tensor) -> torch.Tensor:
+    """log_softmax(x / T) over the full vocabulary, fp32: the logprob definition (SamplingParams)."""
+    return torch.log_softmax(x_MV if isinstance(T, float) and T == 1.0 else x_MV / T, dim=-1)
+
+
+def top_alternatives(logits_MV: torch.Tensor, rows: list[int],
+                     params: list[SamplingParams]) -> list[list[tuple[int, float]]] | None:
+    """For each (row, sequence) pair that asks for `top_logprobs` = k: its k most likely tokens and
+    their logprobs under the distribution its logprob is taken from, most likely first ([] for
+    the others); None when no pair asks. One top-k over the asking rows and one host read."""
+    asking = [i for i, p in enumerate(params) if p.top_logprobs > 0]
+    if not asking:
+        return None
+    dev = logits_MV.device
+    x = logits_MV.index_select(0, to_device([rows[i] for i in asking], dev)).float()
+    temps = [_temperature(params[i]) for i in asking]
+    # one temperature divides by a float, as `draw` does: the sampled token's logprob reappears bit for bit
+    T = temps[0] if len(set(temps)) == 1 else to_device(temps, dev, torch.float32).view(-1, 1)
+    k = max(params[i].top_logprobs for i in asking)
+    values, ids = scaled_logprobs(x, T).topk(min(k, x.shape[-1]), dim=-1)
+    values, ids = torch.stack([values.double(), ids.double()]).tolist()
+    out: list[list[tuple[int, float]]] = [[] for _ in params]
+    for j, i in enumerate(asking):
+        n = params[i].top_logprobs
+        out[i] = [(int(t), lp) for t, lp in zip(ids[j][:n], values[j][:n])]
+    return out
+
+
 class Sampler:
     """Samples one token for each (row, sequence) pair; several sequences may share a row
     (the n samples of a prompt all draw their first token from the leader's prefill logits).
@@ -147,7 +175,7 @@ class Sampler:
         if plan.temperature is not None and not plan.truncated and draw_triton.runs(x, self.draw_kernels):
             return draw_triton.draw(x, plan.temperature, table[:, 2] if plan.sampled else None)
         T = plan.temperature if plan.temperature is not None else table[:, 1:2].float()
-        logp = torch.log_softmax(x if isinstance(T, float) and T == 1.0 else x / T, dim=-1)
+        logp = scaled_logprobs(x, T)
         tokens = x.argmax(dim=-1) if plan.greedy else None  # a [M, V] reduction: only where a row wants it
         if plan.sampled:
             probs = logp.exp()

@@ -7,17 +7,21 @@ Endpoints (names after SGLang; every answer is JSON; all answers are non-streami
 
     POST /v1/completions          OpenAI completions: prompt str | [ids] | [str] | [[ids]]; max_tokens (16),
                                   temperature, top_p, top_k*, n, seed, stop, stop_token_ids*, ignore_eos*,
-                                  logprobs (int: choices[i].logprobs = {tokens, token_logprobs, text_offset,
-                                  top_logprobs: null}); choice index = prompt * n + sample
+                                  logprobs (int k <= 20: choices[i].logprobs = {tokens, token_logprobs,
+                                  text_offset, top_logprobs: [{text: logprob}] of the k likeliest tokens a
+                                  position, null for k = 0}); choice index = prompt * n + sample
     POST /v1/chat/completions     OpenAI chat: messages through the tokenizer's chat template; max_tokens /
-                                  max_completion_tokens (default: up to max_model_len), logprobs: bool ->
-                                  choices[i].logprobs.content = [{token, logprob, bytes, top_logprobs: []}]
+                                  max_completion_tokens (default: up to max_model_len), logprobs: bool,
+                                  top_logprobs (k <= 20, needs logprobs) -> choices[i].logprobs.content =
+                                  [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] x k}]
     GET  /v1/models               the one served model
     POST /generate                native: {input_ids | text, sampling_params: {temperature, top_p, top_k,
                                   max_new_tokens, stop, stop_token_ids, seed, n, ignore_eos}, return_logprob,
-                                  return_routed_experts, rid} -> {text, output_ids, meta_info: {id,
-                                  finish_reason: {type}, prompt_tokens, completion_tokens, weight_version,
-                                  output_token_logprobs: [[logprob, id, null]], routed_experts: [R][L][k]}};
+                                  top_logprobs_num (k <= 20, with return_logprob), return_routed_experts,
+                                  rid} -> {text, output_ids, meta_info: {id, finish_reason: {type},
+                                  prompt_tokens, completion_tokens, weight_version, output_token_logprobs:
+                                  [[logprob, id, null]], output_top_logprobs: [[[logprob, id, null]] x k]
+                                  (k > 0), routed_experts: [R][L][k]}};
                                   a list of those for a batch (list of prompts) or n > 1
     POST /update_weights_from_disk  {model_path, weight_version?, partial?} (admin; only under --weights-dir);
                                   every tensor of the model unless partial: true (400), the version above the
@@ -31,16 +35,17 @@ Endpoints (names after SGLang; every answer is JSON; all answers are non-streami
 
 finish_reason is "stop", "length" or "abort". Logprobs are the engine's rollout logprobs (see
 protocol.py): one per sampled token, including tokens after a stop string that the text leaves out
-and a final EOS; OpenAI's alternatives (`top_logprobs`) are not computed (null / empty lists) and
-`text_offset` counts from the start of the completion. The request's `model` is not checked (one
-model is served). `stream: true` is refused with 400; a client that closes its connection has its
-request aborted. Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, every
-one of them (404 and 405 too), with no internals (a 500 says to read the server log): malformed JSON,
-missing or mistyped fields, prompts that do not fit max_model_len, a max_tokens that does not fit
-with the prompt ("This model's maximum context length is ..."), token ids outside the vocabulary and
-bad sampling values are 400 and name the field; the server keeps serving everything else. The
-OpenAPI schema (/openapi.json) documents these codes (400, not FastAPI's 422); api_errors.py holds
-that machinery.
+and a final EOS. The alternatives (`top_logprobs`) are the most likely tokens under that same
+distribution, most likely first (a request that asks for them decodes one step at a time, not in
+multi-step windows); `text_offset` counts from the start of the completion. The request's `model` is
+not checked (one model is served). `stream: true` is refused with 400; a client that closes its
+connection has its request aborted. Errors use OpenAI's shape `{"error": {"message", "type",
+"param", "code"}}`, every one of them (404 and 405 too), with no internals (a 500 says to read the
+server log): malformed JSON, missing or mistyped fields, prompts that do not fit max_model_len, a
+max_tokens that does not fit with the prompt ("This model's maximum context length is ..."), token
+ids outside the vocabulary and bad sampling values are 400 and name the field; the server keeps
+serving everything else. The OpenAPI schema (/openapi.json) documents these codes (400, not
+FastAPI's 422); api_errors.py holds that machinery.
 
 Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
 per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
@@ -188,6 +193,12 @@ class _Server:
             return [f"token_id:{t}" for t in ids]
         return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
+    def alternatives(self, sample) -> list[list[tuple[str, float]]] | None:
+        """Each position's alternatives as (text, logprob), or None where the request asked for none."""
+        if sample.top_logprobs is None:
+            return None
+        return [list(zip(self.pieces([t for t, _ in alts]), [lp for _, lp in alts])) for alts in sample.top_logprobs]
+
     def overloaded(self) -> str | None:
         if self.in_flight >= self.limits.max_queued_requests:
             return (f"the server is full: {self.in_flight} requests in flight, at most "
@@ -245,9 +256,10 @@ def _refuse(body) -> None:
         raise APIError(400, f"{bad[0]}: not supported by this server (leave it unset)", bad[0])
 
 
-def _openai_sampling(srv: _Server, body, max_new_tokens: int, max_tokens_field="max_tokens") -> SamplingParams:
+def _openai_sampling(srv: _Server, body, max_new_tokens: int, max_tokens_field="max_tokens",
+                     top_logprobs: int = 0) -> SamplingParams:
     return srv.sampling(
-        {"max_new_tokens": max_tokens_field},
+        {"max_new_tokens": max_tokens_field}, top_logprobs=top_logprobs,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
         n=body.n, seed=body.seed, max_new_tokens=max_new_tokens, ignore_eos=body.ignore_eos,
@@ -327,14 +339,15 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
                        for x in p]
         srv.check_work(prompts, body.n, "prompt")
         default = None if "max_tokens" in body.model_fields_set else 16  # OpenAI's default, when it fits
-        params = [_openai_sampling(srv, body, srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default))
-                  for ids in prompts]
+        params = [_openai_sampling(srv, body, srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default),
+                                   top_logprobs=body.logprobs or 0) for ids in prompts]
         results = await srv.run(request, prompts, params, [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))])
         choices, flat = [], [s for samples in results for s in samples]
         for i, s in enumerate(flat):
             lp = None
             if body.logprobs is not None:
-                lp = completion_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist())
+                lp = completion_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
+                                         srv.alternatives(s))
             choices.append({"index": i, "text": s.metadata.get("text", ""), "logprobs": lp,
                             "finish_reason": s.finish_reason})
         version = max(s.weight_version for s in flat)
@@ -344,15 +357,19 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
     async def chat_completions(body: ChatCompletionIn, request: Request):
         _refuse(body)
         srv.check_n(body.n, "n")
+        if body.top_logprobs and not body.logprobs:
+            raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
         ids = await srv.encode([{"role": m.role, "content": m.text()} for m in body.messages], "messages", chat=True)
         srv.check_work([ids], body.n, "messages")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        sp = _openai_sampling(srv, body, srv.max_new_tokens(limit, ids, field), field)
+        sp = _openai_sampling(srv, body, srv.max_new_tokens(limit, ids, field), field,
+                              top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0)
         (samples,) = await srv.run(request, [ids], [sp], [f"chatcmpl-{_uid()}"])
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
-                    "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist())
-                    if body.logprobs else None, "finish_reason": s.finish_reason} for i, s in enumerate(samples)]
+                    "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
+                                              srv.alternatives(s)) if body.logprobs else None,
+                    "finish_reason": s.finish_reason} for i, s in enumerate(samples)]
         version = max(s.weight_version for s in samples)
         return completion_response(name, choices, usage([len(ids)], samples), version, chat=True)
 
@@ -364,6 +381,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
             raise APIError(400, "input_ids: give exactly one of input_ids or text", "input_ids")
         spi = body.sampling_params
         srv.check_n(spi.n, "sampling_params.n")
+        if body.top_logprobs_num and not body.return_logprob:
+            raise APIError(400, "top_logprobs_num: needs return_logprob: true", "top_logprobs_num")
         field = "input_ids" if body.input_ids is not None else "text"
         if body.input_ids is not None:
             batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
@@ -385,7 +404,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         sp = srv.sampling(names, temperature=spi.temperature, top_p=spi.top_p, top_k=spi.top_k, seed=spi.seed,
                           max_new_tokens=max_new, n=spi.n, ignore_eos=spi.ignore_eos,
                           stop=[spi.stop] if isinstance(spi.stop, str) else (spi.stop or ()),
-                          stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts)
+                          stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts,
+                          top_logprobs=body.top_logprobs_num)
         results = await srv.run(request, prompts, [sp] * len(prompts), rids)
         outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
                 for rid, samples in zip(rids, results) for s in samples]

@@ -13,7 +13,8 @@ import torch
 
 from lockstep.config import SamplingParams
 from lockstep.engine import GenerateRequest
-from lockstep.engine.multi_step import window_steps
+from lockstep.engine import engine as engine_module
+from lockstep.engine.multi_step import launch_window, window_steps
 from lockstep.engine.request import RequestState
 from lockstep.engine.sync_audit import SyncAudit
 
@@ -188,3 +189,25 @@ def test_windows_through_the_background_loop_with_an_abort():
     assert aborted.finish_reason == "abort" and 10 <= aborted.response_len < 40
     assert aborted.response_ids.tolist() == ref[0].response_ids.tolist()[:aborted.response_len]
     identical(got[1:], ref[1:], atol=1e-5 if DEVICE == "cpu" else 2e-2)
+
+
+def test_a_request_for_alternatives_decodes_step_by_step_and_samples_the_same(monkeypatch):
+    # one sequence asks for top_logprobs: the batch leaves windows (each step's alternatives are read
+    # back), every token gets its 4, and what is sampled does not change
+    ps = prompts(5, lo=5, hi=6, seed=45)
+    params = lambda i: dataclasses.replace(mixed_params(i), max_new_tokens=12, stop_token_ids=(),  # noqa: E731
+                                           top_logprobs=4 if i == 1 else 0)
+    plain = graph_engine(42, decode_steps=8).generate(
+        requests(ps, lambda i: dataclasses.replace(params(i), top_logprobs=0)))
+    windows = []
+    monkeypatch.setattr(engine_module, "launch_window", lambda *a: windows.append(a) or launch_window(*a))
+    asked = graph_engine(42, decode_steps=8).generate(requests(ps, params))
+    identical(asked, plain)
+    assert windows == []  # all 5 ran to the end together: no window while the asking one ran
+    assert [len(a) for a in asked[1].top_logprobs] == [4] * 12
+    assert all(s.top_logprobs is None for i, s in enumerate(asked) if i != 1)
+    alts = asked[1].top_logprobs
+    assert all(a[j][1] >= a[j + 1][1] for a in alts for j in range(3))  # most likely first
+    # the sampled token is among its position's 4, or less likely than the 4th
+    assert all(t in [x for x, _ in a] or lp <= a[-1][1]
+               for a, t, lp in zip(alts, asked[1].response_ids.tolist(), asked[1].rollout_logprobs.tolist()))

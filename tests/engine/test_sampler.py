@@ -4,7 +4,7 @@ depend on the batch, and one device->host read per call."""
 import torch
 
 from lockstep.config import SamplingParams
-from lockstep.engine.sampler import Sampler, draw_plan, truncate_probs, uniform
+from lockstep.engine.sampler import Sampler, draw_plan, top_alternatives, truncate_probs, uniform
 from lockstep.engine.sync_audit import SyncAudit
 
 
@@ -119,3 +119,31 @@ def test_table_rows_for_k_draws():
     for k in range(4):
         assert table[k].tolist() == [[2, 1.0, -1.0, -1, 1.0], [0, 0.8, uniform(3, 7 + k), 4, 1.0],
                                      [1, 1.2, uniform(5, 2 + k), -1, 0.7]]
+
+
+def test_top_alternatives_are_the_likeliest_tokens_of_each_sequences_distribution():
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5)) * 3
+    # rows [0, 1, 1, 2]: two sequences share row 1 (a prompt's n samples); one asks for nothing
+    params = [SamplingParams(temperature=0.0, top_logprobs=3), SamplingParams(temperature=0.5, top_logprobs=1, seed=1),
+              SamplingParams(temperature=0.5), SamplingParams(temperature=1.7, top_k=2, top_logprobs=20, seed=2)]
+    rows = [0, 1, 1, 2]
+    with SyncAudit() as audit:
+        alts = top_alternatives(logits, rows, params)
+    assert audit.syncs == 1
+    assert alts[2] == [] and [len(a) for a in alts] == [3, 1, 0, 20]
+    for a, r, temp in ((alts[0], 0, 1.0), (alts[1], 1, 0.5), (alts[3], 2, 1.7)):
+        ref = torch.log_softmax(logits[r] / temp, -1).topk(len(a))  # before top-k truncation, as the logprob
+        assert [t for t, _ in a] == ref.indices.tolist()
+        assert torch.allclose(torch.tensor([lp for _, lp in a]), ref.values, atol=1e-6, rtol=0)
+    # greedy: the first alternative is the sampled token with its logprob, bit for bit
+    tokens, lps = draw(logits, params, [0, 1, 2, 3], rows=rows)
+    assert alts[0][0] == (tokens[0], lps[0])
+    assert top_alternatives(logits, rows, [SamplingParams()] * 4) is None
+
+
+def test_one_temperature_alternatives_hold_the_sampled_logprob_bitwise():
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(6)) * 2
+    params = [SamplingParams(temperature=0.8, seed=s, top_logprobs=20) for s in range(4)]
+    tokens, lps = draw(logits, params, list(range(4)))
+    for alts, tok, lp in zip(top_alternatives(logits, list(range(4)), params), tokens, lps):
+        assert (tok, lp) in alts  # 20 of 30 tokens: the sampled one is among them here

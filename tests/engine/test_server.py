@@ -90,7 +90,9 @@ def test_openai_completions_with_logprobs(served, engine, reference):
         assert c.text == ref.metadata["text"] and c.finish_reason == ref.finish_reason == "stop"
         assert c.logprobs.token_logprobs == ref.rollout_logprobs.tolist()
         assert c.logprobs.tokens == [engine.tokenizer.decode([t]) for t in ref.response_ids.tolist()]
-        assert c.logprobs.text_offset[0] == 0 and c.logprobs.top_logprobs is None
+        assert c.logprobs.text_offset[0] == 0
+        # logprobs=1: each position's likeliest token, which greedy decoding sampled
+        assert c.logprobs.top_logprobs == [{t: lp} for t, lp in zip(c.logprobs.tokens, c.logprobs.token_logprobs)]
         assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), ref.response_len)
         assert r.model == "tiny-dsv4" and r.id.startswith("cmpl-") and r.object == "text_completion"
     # two prompts, n = 2, seeded sampling: choice index = prompt * n + sample, sample i uses seed + i
@@ -114,7 +116,11 @@ def test_openai_chat_with_logprobs(served, engine, reference):
     assert c.finish_reason == "stop" and r.object == "chat.completion"
     assert [x.logprob for x in c.logprobs.content] == ref.rollout_logprobs.tolist()
     assert [x.token for x in c.logprobs.content] == [engine.tokenizer.decode([t]) for t in ref.response_ids.tolist()]
-    assert all(x.bytes == list(x.token.encode()) and x.top_logprobs == [] for x in c.logprobs.content)
+    assert all(x.bytes == list(x.token.encode()) for x in c.logprobs.content)
+    for x in c.logprobs.content:  # top_logprobs=2: the sampled (greedy) token, then the runner-up
+        first, second = x.top_logprobs
+        assert (first.token, first.logprob, first.bytes) == (x.token, x.logprob, x.bytes)
+        assert second.logprob <= first.logprob and second.bytes == list(second.token.encode())
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == ref.response_len
     # max_tokens cut: "length"; without logprobs, none come back
     r = client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=1)
@@ -133,8 +139,16 @@ def test_generate_equals_the_engine(served, engine, reference):
         assert [x[0] for x in meta["output_token_logprobs"]] == ref.rollout_logprobs.tolist()
         assert [x[1] for x in meta["output_token_logprobs"]] == out["output_ids"]
         assert meta["finish_reason"] == {"type": ref.finish_reason} and meta["weight_version"] == 0
+        assert "output_top_logprobs" not in meta
         assert meta["routed_experts"] == ref.routed_experts.tolist()
         assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), ref.response_len)
+    # top_logprobs_num: the engine's alternatives, [logprob, id, null] triples, most likely first
+    sp = {"temperature": 0.8, "seed": 3, "max_new_tokens": 10}
+    out = served.http.post("/generate", json={"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+                                              "top_logprobs_num": 3}).json()
+    (ref,) = ref_sample(reference, ids, top_logprobs=3, **sp)
+    assert out["output_ids"] == ref.response_ids.tolist()
+    assert out["meta_info"]["output_top_logprobs"] == [[[lp, t, None] for t, lp in a] for a in ref.top_logprobs]
     # text in, n = 3: a list; a batch of two prompts with rids: a list in prompt order
     outs = served.http.post("/generate", json={"text": "<|user|>What is 8 + 8?<|assistant|>",
                                                "sampling_params": {"n": 3, "seed": 5, "max_new_tokens": 4}}).json()
@@ -185,6 +199,9 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
     ("/generate", b'{"input_ids": [7], "sampling_params": {"n": 0}}', "sampling_params.n"),
     ("/generate", b'{"input_ids": [7], "sampling_params": {"typo": 1}}', "sampling_params.typo"),
     ("/generate", b'{"input_ids": [7], "stream": true}', "stream"),
+    ("/generate", b'{"input_ids": [7], "top_logprobs_num": 2}', "top_logprobs_num"),
+    ("/generate", b'{"input_ids": [7], "return_logprob": true, "top_logprobs_num": 21}', "top_logprobs_num"),
+    ("/v1/completions", b'{"prompt": "12", "logprobs": 21}', "logprobs"),
     ("/v1/completions", b'{"prompt": "12", "max_tokens": 0}', "max_tokens"),
     ("/v1/completions", b'{"prompt": "12", "stream": true}', "stream"),
     ("/v1/completions", b'{"prompt": "12", "echo": true}', "echo"),
@@ -192,6 +209,7 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', "messages.0.role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "top_p": 1.5}', "top_p"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}', "top_logprobs"),
 ])
 def test_bad_requests_are_4xx_and_name_the_field(served, path, body, param):
     r = served.http.post(path, content=body, headers={"content-type": "application/json"})
