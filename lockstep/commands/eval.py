@@ -20,7 +20,7 @@ from .presets import PROMPT_ROOM, default_text, engine_preset, preset
 
 RUN_FIELDS = ("model", "eval_data", "eval_temperature", "eval_max_response_len", "n_samples_per_eval_prompt",
               "eval_prompts_limit", "rm_type", "custom_reward_path", "input_key", "label_key", "apply_chat_template",
-              "skip_bad_rows", "seed")
+              "skip_bad_rows", "max_prompt_len", "seed")
 MAX_MODEL_LEN = f"{PROMPT_ROOM} + --eval-max-response-len"
 
 
@@ -40,18 +40,24 @@ def run(args) -> int:
     from ..rl.evaluate import evaluate_set
     from ..rl.progress import prompts_bar
     from ..rl.rollout import RolloutSpec
-    from ..rl.setup import eval_sets, model_path
+    from ..rl.long_prompts import check_room
+    from ..rl.setup import eval_sets, left_out_lines, model_path
 
     cfg = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
     engine_cfg = dataclass_from_args(EngineConfig, args, **engine_preset(args, cfg.eval_max_response_len))
     path = model_path(cfg)
+    if cfg.max_prompt_len:
+        check_room(cfg.max_prompt_len, engine_cfg.max_model_len)
     engine = Engine.from_pretrained(path, engine_cfg)
     print(f"model {path} ({engine_cfg.device}, {engine_cfg.dtype}, serving {engine_cfg.serving_format})")
     spec = RolloutSpec(cfg.n_samples_per_eval_prompt, cfg.eval_temperature, 1.0, cfg.eval_max_response_len,
                        cfg.apply_chat_template, cfg.seed)
     data = {name: file for name, file, _ in cfg.eval_sets}
     metrics, warnings = {}, []
-    for name, eval_set in eval_sets(cfg)[0].items():
+    sets, left_out = eval_sets(cfg, tokenizer=engine.tokenizer)
+    for line in left_out_lines(left_out):
+        print(line)
+    for name, eval_set in sets.items():
         print(report.set_header(name, data.get(name, "the embedded task's held-out split"), eval_set, spec))
         with prompts_bar(name, len(eval_set.prompts)) as tick:
             result = evaluate_set(engine, name, eval_set, spec, on_prompt_done=tick)

@@ -74,6 +74,9 @@ class RunConfig:
     """Longest response sampled in evaluation, in tokens."""
     eval_prompts_limit: int = 0
     """Evaluate on at most this many prompts per set; 0: all."""
+    max_prompt_len: int = 0
+    """Leave out training and held-out prompts longer than this many tokens (chat template included), counted
+    at the start; 0: keep every prompt (one too long for the engine's context stops the run when drawn)."""
     run_dir: str = ""
     """Directory for metrics.jsonl, config.json and plots; "": runs/<timestamp>."""
     layout: str = ""
@@ -121,7 +124,7 @@ class RunConfig:
             bad("num_steps_per_rollout", "must divide rollout_batch_size * n_samples_per_prompt")
         if self.custom_reward_path and ":" not in self.custom_reward_path:
             bad("custom_reward_path", f"expected module:function, got {self.custom_reward_path!r}")
-        for f in ("eval_prompts_limit", "save_interval"):  # 0: every prompt / only at the end
+        for f in ("eval_prompts_limit", "save_interval", "max_prompt_len"):  # 0: every prompt / at the end / off
             if getattr(self, f) < 0:
                 bad(f, f"must be >= 0, got {getattr(self, f)}")
         # the rollout's and the eval's sampling, by SamplingParams' rule, before the run rather than at its first draw

@@ -58,7 +58,8 @@ def generate_for(engine, prompts, spec: RolloutSpec, tag: tuple, group_base: int
         return engine.generate(requests)
     except PromptTooLong as e:
         prompt = next(p for p, r in zip(prompts, requests) if r is e.request)
-        raise DataError(f"{prompt.location()}: {e}; raise --max-model-len or leave the prompt out") from None
+        raise DataError(f"{prompt.location()}: {e}; raise --max-model-len, or leave such prompts out "
+                        f"(--max-prompt-len N drops those over N tokens at the start)") from None
 
 
 def score(samples: list[Sample], reward_fn) -> int:

@@ -13,11 +13,13 @@ from pathlib import Path
 from ..config import EngineConfig
 from ..dist.config import DistConfig
 from ..models import load_pretrained
+from ..models.tokenizer import load_tokenizer
 from .config import RunConfig
 from .data import DataError, PromptDataset, PromptSource
 from .embedded import ASSET_DIR, embedded_prompts
 from .evaluate import EvalSet
 from .held_out import prompt_texts, without_training_prompts
+from .long_prompts import check_room, without_long_prompts
 from .rewards import get_reward_fn
 
 # (input_key, label_key) of the data sets lockstep knows, tried when the run's keys don't fit
@@ -62,22 +64,48 @@ def train_prompts(run: RunConfig):
     return embedded_prompts("train"), 0
 
 
-def eval_sets(run: RunConfig, train: list | None = None) -> tuple[dict[str, EvalSet], dict[str, int]]:
-    """(name -> EvalSet, name -> prompts left out): --eval-data's sets, or with neither --eval-data nor
-    --prompt-data the embedded task's "eval" split; each with its own reward (RunConfig.eval_reward).
-    `train`: the run's training prompts, left out of every set (held_out.py)."""
+def eval_sets(run: RunConfig, train: list | None = None,
+              tokenizer=None) -> tuple[dict[str, EvalSet], dict[str, int]]:
+    """(name -> EvalSet, what was left out: {"eval_overlap/<set>" | "long_prompts/<set>": count}):
+    --eval-data's sets, or with neither --eval-data nor --prompt-data the embedded task's "eval" split;
+    each with its own reward (RunConfig.eval_reward). `train`: the run's training prompts, left out of
+    every set (held_out.py); with --max-prompt-len, prompts longer than it too (long_prompts.py;
+    `tokenizer`: the engine's)."""
     files = {name: (path, reward) for name, path, reward in run.eval_sets}
     if not files and not run.prompt_data:
         files["arithmetic"] = (None, run.eval_reward("arithmetic"))
-    sets, overlap, train_texts = {}, {}, prompt_texts(train or [])
+    sets, left_out, train_texts = {}, {}, prompt_texts(train or [])
     for name, (path, reward) in files.items():
         prompts = (embedded_prompts("eval") if path is None else
                    load_prompts(path, run.input_key, run.label_key, run.metadata_key, run.skip_bad_rows)[0])
-        prompts, overlap[name] = without_training_prompts(prompts, train_texts)
+        prompts, left_out[f"eval_overlap/{name}"] = without_training_prompts(prompts, train_texts)
         if not prompts:
             raise DataError(f"--eval-data {name} {path or ''}: every prompt is also a training prompt")
+        prompts, left_out[f"long_prompts/{name}"] = without_long_prompts(
+            prompts, tokenizer, run.apply_chat_template, run.max_prompt_len)
+        if not prompts:
+            raise DataError(f"--eval-data {name} {path or ''}: {_all_long(run)}")
         sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)
-    return sets, overlap
+    return sets, left_out
+
+
+def long_training_prompts_out(run: RunConfig, prompts: list, tokenizer) -> tuple[list, int]:
+    """(the training prompts within --max-prompt-len, how many were longer)."""
+    kept, dropped = without_long_prompts(prompts, tokenizer, run.apply_chat_template, run.max_prompt_len)
+    if not kept:
+        raise DataError(f"--prompt-data {run.prompt_data or '(embedded task)'}: {_all_long(run)}")
+    return kept, dropped
+
+
+def _all_long(run: RunConfig) -> str:
+    return f"every prompt is longer than --max-prompt-len {run.max_prompt_len} tokens"
+
+
+def left_out_lines(left_out: dict[str, int]) -> list[str]:
+    """What a run prints about the prompts it left out (the counts that are not 0)."""
+    why = {"eval_overlap": "held-out prompts are training prompts too; left out of the set (rl/held_out.py)",
+           "long_prompts": "prompts are longer than --max-prompt-len; left out (rl/long_prompts.py)"}
+    return [f"{key.partition('/')[2]}: {n} {why[key.partition('/')[0]]}" for key, n in left_out.items() if n]
 
 
 def make_run_dir(run: RunConfig) -> Path:
@@ -152,16 +180,21 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     path = model_path(run)
     check_ref_load(run, train_cfg.kl_loss_coef)
     prompts, skipped = train_prompts(run)
+    tokenizer = None
+    if run.max_prompt_len:
+        check_room(run.max_prompt_len, engine_cfg.max_model_len)
+        tokenizer = load_tokenizer(path)
+    prompts, long_train = long_training_prompts_out(run, prompts, tokenizer)
     source = PromptSource(prompts, seed=run.seed)
-    held_out, overlap = eval_sets(run, prompts)
+    held_out, left_out = eval_sets(run, prompts, tokenizer)
+    left_out["long_prompts/train"] = long_train
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size, rollout_ep_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
     run_dir = shared_run_dir(run, dist_ctx)
     if primary:
-        for name, n in overlap.items():
-            if n:
-                print(f"{name}: {n} held-out prompts are training prompts too; left out of the set (rl/held_out.py)")
+        for line in left_out_lines(left_out):
+            print(line)
         (run_dir / "config.json").write_text(json.dumps(
             {"run": run.__dict__, "train": train_cfg.__dict__, "engine": engine_cfg.__dict__,
              "eval_rewards": {name: s.reward for name, s in held_out.items()},
@@ -174,7 +207,7 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     rl = RLRun(run, engine, trainer, source, reward_fn, held_out, run_dir,
                advantage_estimator=train_cfg.advantage_fn, progress=progress if primary else None,
                start_metrics={"data/skipped_rows": float(skipped),
-                              **{f"data/eval_overlap/{name}": float(n) for name, n in overlap.items() if n}},
+                              **{f"data/{key}": float(n) for key, n in left_out.items() if n}},
                primary=primary,
                device=str(dist_ctx.device) if dist_ctx is not None else engine_cfg.device, gather=gather)
     if run.load:

@@ -48,8 +48,8 @@ def test_eval_sets_leave_training_prompts_out_before_the_limit(files):
     dapo, math500 = files
     run = RunConfig(prompt_data=str(dapo), eval_data=["math500", str(math500)], eval_prompts_limit=2)
     prompts, _ = train_prompts(run)
-    sets, overlap = eval_sets(run, prompts)
-    assert overlap == {"math500": 2}
+    sets, left_out = eval_sets(run, prompts)
+    assert left_out == {"eval_overlap/math500": 2, "long_prompts/math500": 0}
     assert [p.prompt for p in sets["math500"].prompts] == HELD_OUT[:2]  # the limit takes held-out ones
     every = RunConfig(prompt_data=str(math500), eval_data=["math500", str(math500)])
     with pytest.raises(DataError, match="every prompt is also a training prompt"):
