@@ -172,7 +172,7 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _new_state(self, request: GenerateRequest, on_done=None) -> RequestState:
+    def _new_state(self, request: GenerateRequest, on_done=None, on_tokens=None) -> RequestState:
         """Check a request in the caller's thread (errors go to the caller, not the loop)."""
         if len(request.prompt_ids) >= self.max_model_len:
             raise PromptTooLong(request, self.max_model_len)
@@ -181,7 +181,7 @@ class Engine:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        return RequestState(request, self.config.device, on_done)
+        return RequestState(request, self.config.device, on_done, on_tokens)
 
     def _add(self, state: RequestState) -> None:
         """Register a request with the scheduler (inside the step lock or the loop thread)."""
@@ -227,18 +227,25 @@ class Engine:
             e.wait()
         return [x for s in states for x in s.result()]
 
-    async def generate_async(self, request: GenerateRequest) -> list[Sample]:
-        """One request through the background loop (started on first use); n samples."""
+    async def generate_async(self, request: GenerateRequest,
+                             on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Sample]:
+        """One request through the background loop (started on first use); n samples.
+        `on_tokens(sample index, new token ids)`: called in the caller's event loop as tokens are
+        sampled (streaming; several at once after a multi-step window)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
-        def deliver(state: RequestState) -> None:
+        def call_soon(fn, *args) -> None:
             try:
-                loop.call_soon_threadsafe(_resolve, fut, state)
+                loop.call_soon_threadsafe(fn, *args)
             except RuntimeError:  # the caller's event loop has closed: nobody is waiting
                 pass
 
-        state = self._new_state(request, on_done=deliver)
+        def deliver(state: RequestState) -> None:
+            call_soon(_resolve, fut, state)
+
+        tokens = None if on_tokens is None else (lambda i, ids: call_soon(on_tokens, i, ids))
+        state = self._new_state(request, on_done=deliver, on_tokens=tokens)
         self.start()
         self._loop.submit(state)
         try:

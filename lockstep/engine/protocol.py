@@ -44,6 +44,7 @@ class _OpenAISampling(_Lenient):
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
     stream: bool = False
+    stream_options: dict | None = None  # {"include_usage": bool}: a last chunk with the usage
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
@@ -54,6 +55,9 @@ class _OpenAISampling(_Lenient):
         if self.logit_bias:
             bad.append("logit_bias")
         return bad
+
+    def include_usage(self) -> bool:
+        return bool((self.stream_options or {}).get("include_usage"))
 
 
 class CompletionIn(_OpenAISampling):
@@ -205,3 +209,22 @@ def completion_response(model: str, choices: list[dict], use: dict, weight_versi
     return {"id": new_id("chatcmpl" if chat else "cmpl"), "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": choices, "usage": use,
             "system_fingerprint": None, "weight_version": weight_version}
+
+
+def stream_chunk(cid: str, created: int, model: str, chat: bool, choices: list[dict], use: dict | None = None) -> dict:
+    """One streamed event's chunk (OpenAI's `chat.completion.chunk` / `text_completion` shape)."""
+    out = {"id": cid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+           "model": model, "choices": choices, "system_fingerprint": None}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: bool, role: bool = False) -> dict:
+    """One choice of a chunk: chat's `delta` (the first of a choice names the role), or completions' text."""
+    if not chat:
+        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    delta = {"role": "assistant"} if role else {}
+    if text is not None:
+        delta["content"] = text
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

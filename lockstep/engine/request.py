@@ -120,12 +120,14 @@ class Sequence:
         if alternatives is not None:
             self.top_logprobs.append(alternatives)
         self.weight_version = version
+        self.group.tokens_added(self, 1)
 
     def extend_tokens(self, tokens: list[int], logprobs: list[float], version: int) -> None:
         """append_token for several tokens at once (multi-step decode)."""
         self.tokens += tokens
         self.logprobs += logprobs
         self.weight_version = version
+        self.group.tokens_added(self, len(tokens))
 
     def record_routing(self, first_pos: int, experts_SLk: torch.Tensor) -> None:
         """experts [S, L, k] of positions first_pos .. first_pos + S - 1; keep the response-producing ones."""
@@ -154,13 +156,19 @@ class RequestState:
     """The n sequences of one request and who to tell when all of them have finished."""
 
     def __init__(self, request: GenerateRequest, device="cpu",
-                 on_done: Callable[["RequestState"], None] | None = None):
+                 on_done: Callable[["RequestState"], None] | None = None,
+                 on_tokens: Callable[[int, list[int]], None] | None = None):
         self.request = request
         self.on_done = on_done
+        self.on_tokens = on_tokens  # (sample index, its new token ids), in the engine's thread (streaming)
         self.sequences = [Sequence(request, i, self, device) for i in range(request.sampling.n)]
         self.samples: list | None = None  # filled by the engine when done
         self.error: BaseException | None = None  # or this, if the engine failed it
         self.num_finished = 0  # a count, not a scan: `finished` is asked once per finishing sequence
+
+    def tokens_added(self, seq: Sequence, n: int) -> None:
+        if self.on_tokens is not None and n:
+            self.on_tokens(seq.sample_index, seq.tokens[-n:])
 
     def mark_finished(self, seq: Sequence, reason: str | None) -> None:
         if not seq.is_finished:

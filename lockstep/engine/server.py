@@ -3,7 +3,8 @@
     app = create_app(engine, admin_token=None, weights_dir="/ckpts", require_admin=False)
     uvicorn.run(app, host="127.0.0.1", port=30000)          # or `lockstep serve`
 
-Endpoints (names after SGLang; every answer is JSON; all answers are non-streaming):
+Endpoints (names after SGLang; every answer is JSON, or server-sent events where the OpenAI ones ask
+for `stream: true`, streaming.py):
 
     POST /v1/completions          OpenAI completions: prompt str | [ids] | [str] | [[ids]]; max_tokens (16),
                                   temperature, top_p, top_k*, n, seed, stop, stop_token_ids*, ignore_eos*,
@@ -38,14 +39,15 @@ protocol.py): one per sampled token, including tokens after a stop string that t
 and a final EOS. The alternatives (`top_logprobs`) are the most likely tokens under that same
 distribution, most likely first (a request that asks for them decodes one step at a time, not in
 multi-step windows); `text_offset` counts from the start of the completion. The request's `model` is
-not checked (one model is served). `stream: true` is refused with 400; a client that closes its
-connection has its request aborted. Errors use OpenAI's shape `{"error": {"message", "type",
-"param", "code"}}`, every one of them (404 and 405 too), with no internals (a 500 says to read the
-server log): malformed JSON, missing or mistyped fields, prompts that do not fit max_model_len, a
-max_tokens that does not fit with the prompt ("This model's maximum context length is ..."), token
-ids outside the vocabulary and bad sampling values are 400 and name the field; the server keeps
-serving everything else. The OpenAPI schema (/openapi.json) documents these codes (400, not
-FastAPI's 422); api_errors.py holds that machinery.
+not checked (one model is served). `stream: true` streams the text (with
+`stream_options.include_usage`, a last usage chunk; logprobs are not streamed: 400); /generate does
+not stream (400); a client that closes its connection has its request aborted. Errors use OpenAI's
+shape `{"error": {"message", "type", "param", "code"}}`, every one of them (404 and 405 too), with
+no internals (a 500 says to read the server log): malformed JSON, missing or mistyped fields,
+prompts that do not fit max_model_len, a max_tokens that does not fit with the prompt ("This model's
+maximum context length is ..."), token ids outside the vocabulary and bad sampling values are 400
+and name the field; the server keeps serving everything else. The OpenAPI schema (/openapi.json)
+documents these codes (400, not FastAPI's 422); api_errors.py holds that machinery.
 
 Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
 per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
@@ -73,15 +75,18 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.responses import StreamingResponse
 
 from lockstep.config import SamplingParams
-from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, responses
+from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, log, responses
 from lockstep.engine.engine import Engine
 from lockstep.engine.limits import ServerLimits
 from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, GenerateIn,
                                       UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
-                                      completion_response, native_output, usage)
+                                      chunk_choice, completion_response, error_body, native_output, new_id,
+                                      stream_chunk, usage)
 from lockstep.engine.request import GenerateRequest
+from lockstep.engine.streaming import DONE, TextStream, event
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
 
 
@@ -213,6 +218,70 @@ class _Server:
                     f"(--stall-seconds {self.limits.stall_seconds:g})")
         return self.overloaded()
 
+    def stream(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
+               chat: bool, include_usage: bool) -> StreamingResponse:
+        """The answer as server-sent events (streaming.py), choice index = prompt * n + sample."""
+        full = self.overloaded()
+        if full:
+            raise APIError(429, full)
+        cid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
+        n = params[0].n
+        decode = self.engine.decode if self.engine.tokenizer is not None else None
+        texts = [TextStream(decode, sp.stop) for sp in params for _ in range(sp.n)]
+
+        def chunk(choices: list[dict], use: dict | None = None) -> str:
+            return event(stream_chunk(cid, created, self.model_name, chat, choices, use))
+
+        def delta_chunk(i: int, ids: list[int]) -> str:
+            delta = texts[i].add(ids)
+            return chunk([chunk_choice(i, delta, None, chat)]) if delta else ""
+
+        async def events():
+            queue: asyncio.Queue = asyncio.Queue()
+            self.active.update(rids)
+            self.in_flight += 1
+            tasks = {asyncio.ensure_future(self.engine.generate_async(
+                GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, ids, k=k: queue.put_nowait((k * n + i, ids))
+            )): k for k, (p, sp, r) in enumerate(zip(prompts, params, rids))}
+            samples: list = [None] * len(prompts)
+            try:
+                if chat:
+                    yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(texts))])
+                pending = set(tasks)
+                while pending or not queue.empty():
+                    getter = asyncio.ensure_future(queue.get())
+                    done, pending = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
+                    pending.discard(getter)
+                    if getter in done:
+                        yield delta_chunk(*getter.result())
+                    else:
+                        getter.cancel()
+                    ended = done - {getter}
+                    while ended and not queue.empty():  # a request ended: its tokens were queued before its samples
+                        yield delta_chunk(*queue.get_nowait())
+                    for t in ended:
+                        k = tasks[t]
+                        samples[k] = t.result()  # raises the engine's error
+                        yield chunk([chunk_choice(k * n + j, texts[k * n + j].finish(s.metadata.get("text", "")),
+                                                  s.finish_reason, chat) for j, s in enumerate(samples[k])])
+                if include_usage:
+                    flat = [s for group in samples for s in group]
+                    yield chunk([], usage([len(p) for p in prompts], flat))
+                yield DONE
+            except ValueError as e:  # the engine's checks; the status (200) is sent: the error is the last event
+                yield event(error_body(str(e)))
+            except Exception:
+                log.exception("internal error streaming %s", request.url.path)
+                yield event(error_body("internal error; see the server log", code=500, kind="internal_error"))
+            finally:  # done, failed, or the client went away (the generator is cancelled): free the rest
+                for t in tasks:
+                    t.cancel()  # generate_async aborts its request when cancelled
+                self.in_flight -= 1
+                self.active.subtract(rids)
+                self.active = +self.active
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     async def run(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
         """Every prompt through the engine at once; samples per prompt. A failure aborts the rest,
         and so does the client closing its connection (nobody would read the answer)."""
@@ -249,8 +318,11 @@ class _Server:
 
 
 def _refuse(body) -> None:
-    if body.stream:
-        raise APIError(400, "stream: streaming is not supported by this server; send stream=false", "stream")
+    if body.stream and body.logprobs not in (None, False):
+        raise APIError(400, "logprobs: streamed answers carry no logprobs here; send stream: false for them",
+                       "logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options: only with stream: true", "stream_options")
     bad = body.unsupported()
     if bad:
         raise APIError(400, f"{bad[0]}: not supported by this server (leave it unset)", bad[0])
@@ -306,6 +378,9 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
     admin = [Depends(_admin_guard(admin_token, require_admin))]
     install_error_handlers(app)
     gen, adm = responses(400, 413, 429), responses(400, 401, 413)
+    # stream: true answers server-sent events (streaming.py) beside the JSON answer
+    event_schema = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    streamed = {**gen, 200: {"content": {"text/event-stream": {"schema": event_schema}}}}  # per event
 
     @app.get("/health", responses=responses(503))
     async def health():
@@ -323,7 +398,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
                                             "owned_by": "lockstep", "max_model_len": engine.max_model_len}]}
 
-    @app.post("/v1/completions", responses=gen)
+    @app.post("/v1/completions", responses=streamed)
     async def completions(body: CompletionIn, request: Request):
         _refuse(body)
         srv.check_n(body.n, "n")
@@ -341,7 +416,10 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         default = None if "max_tokens" in body.model_fields_set else 16  # OpenAI's default, when it fits
         params = [_openai_sampling(srv, body, srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default),
                                    top_logprobs=body.logprobs or 0) for ids in prompts]
-        results = await srv.run(request, prompts, params, [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))])
+        rids = [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))]
+        if body.stream:
+            return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage())
+        results = await srv.run(request, prompts, params, rids)
         choices, flat = [], [s for samples in results for s in samples]
         for i, s in enumerate(flat):
             lp = None
@@ -353,7 +431,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         version = max(s.weight_version for s in flat)
         return completion_response(name, choices, usage([len(x) for x in prompts], flat), version, chat=False)
 
-    @app.post("/v1/chat/completions", responses=gen)
+    @app.post("/v1/chat/completions", responses=streamed)
     async def chat_completions(body: ChatCompletionIn, request: Request):
         _refuse(body)
         srv.check_n(body.n, "n")
@@ -365,7 +443,10 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         sp = _openai_sampling(srv, body, srv.max_new_tokens(limit, ids, field), field,
                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0)
-        (samples,) = await srv.run(request, [ids], [sp], [f"chatcmpl-{_uid()}"])
+        rids = [f"chatcmpl-{_uid()}"]
+        if body.stream:
+            return srv.stream(request, [ids], [sp], rids, chat=True, include_usage=body.include_usage())
+        (samples,) = await srv.run(request, [ids], [sp], rids)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
                     "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
                                               srv.alternatives(s)) if body.logprobs else None,

@@ -1,0 +1,96 @@
+"""`stream: true` (engine/streaming.py): a real uvicorn server and the real `openai` client; the
+streamed deltas of every choice add up to the non-streamed answer, each choice ends once with its
+finish reason, a stop string never shows, and a client that goes away has its request aborted."""
+
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from lockstep.engine.server import create_app
+from lockstep.engine.streaming import TextStream, sendable_end
+
+from test_server import Served, new_engine
+
+
+@pytest.fixture(scope="module")
+def served():
+    s = Served(create_app(new_engine(), admin_token=None, weights_dir=None, require_admin=False))
+    yield s
+    s.stop()
+
+
+def joined(chunks, index, chat):
+    return "".join((c.choices[0].delta.content or "") if chat else c.choices[0].text
+                   for c in chunks if c.choices and c.choices[0].index == index)
+
+
+def finishes(chunks):
+    return [(ch.index, ch.finish_reason) for c in chunks for ch in c.choices if ch.finish_reason is not None]
+
+
+def test_chat_stream_adds_up_to_the_answer(served):
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    kw = dict(model="m", messages=[{"role": "user", "content": "What is 40 + 41?"}], temperature=0.9, seed=4, n=3,
+              max_tokens=30)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert [ch.delta.role for ch in chunks[0].choices] == ["assistant"] * 3  # the first chunk names the role
+    assert sorted(finishes(chunks)) == [(i, c.finish_reason) for i, c in enumerate(full.choices)]
+    for i, c in enumerate(full.choices):
+        assert joined(chunks[1:], i, chat=True) == c.message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert len(chunks) > 6  # text came in pieces, not as one answer at the end
+
+
+def test_completion_stream_holds_back_a_stop_string(served):
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    prompts = ["<|user|>What is 23 + 58?<|assistant|>", "<|user|>What is 7 + 5?<|assistant|>"]
+    kw = dict(model="m", prompt=prompts, temperature=1.0, seed=2, max_tokens=24, stop=["1", "+ "])
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    assert all(c.object == "text_completion" for c in chunks)
+    assert sorted(finishes(chunks)) == [(i, c.finish_reason) for i, c in enumerate(full.choices)]
+    for i, c in enumerate(full.choices):
+        assert joined(chunks, i, chat=False) == c.text
+    assert not any("1" in ch.text or "+ " in ch.text for c in chunks for ch in c.choices)
+    assert "stop" in [c.finish_reason for c in full.choices]  # a stop string was met
+
+
+def test_the_text_sent_stops_short_of_what_may_change():
+    assert sendable_end("abc\ufffd", ()) == 3  # an unfinished UTF-8 character
+    assert sendable_end("the answer is\n\nQ", ("\n\nQuestion:",)) == len("the answer is")
+    assert sendable_end("x STOP y", ("STOP",)) == 2 and sendable_end("x ST", ("T",)) == 3
+    assert sendable_end("x ST", ("STOP", "T")) == 2  # the earliest of a whole stop and a stop's start
+    stream = TextStream(lambda ids: "".join(map(chr, ids)), ("##",))
+    assert [stream.add([ord(c) for c in part]) for part in ("ab", "c#", "d#", "#", "e")] == ["ab", "c", "#d", "", ""]
+    assert stream.finish("abc#d") == ""  # the answer ends before the stop string
+    assert TextStream(None, ()).add([1, 2]) == ""  # no tokenizer: no text
+
+
+def test_a_client_that_leaves_has_its_request_aborted(served, monkeypatch):
+    engine = served.server.config.app.state.server.engine
+    aborted = []
+    monkeypatch.setattr(engine, "abort", lambda rid, abort=engine.abort: aborted.append(rid) or abort(rid))
+    body = {"prompt": "What", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=served.url, timeout=60) as client:
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            first = next(r.iter_lines())
+            assert first.startswith("data: {")
+    deadline = time.time() + 30
+    while engine._requests and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine._requests and served.server.config.app.state.server.in_flight == 0
+    assert len(aborted) == 1 and aborted[0].startswith("cmpl-")  # not run to its 200 tokens
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "12", "stream": True, "logprobs": 1}, "logprobs"),
+    ({"prompt": "12", "stream_options": {"include_usage": True}}, "stream_options"),
+])
+def test_what_a_stream_cannot_carry_is_refused(served, body, param):
+    r = served.http.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
