@@ -30,8 +30,8 @@ from typing import Callable
 
 import torch
 
-from lockstep.config import EngineConfig
-from lockstep.engine import compile_cache
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.engine import compile_cache, scoring
 from lockstep.engine.compile_clock import CompileClock
 from lockstep.engine.background import BackgroundLoop
 from lockstep.engine.decode_path import compile_backend_for, describe, start_graphs
@@ -176,12 +176,15 @@ class Engine:
         """Check a request in the caller's thread (errors go to the caller, not the loop)."""
         if len(request.prompt_ids) >= self.max_model_len:
             raise PromptTooLong(request, self.max_model_len)
-        vocab = self.model.config.vocab_size
-        if min(request.prompt_ids) < 0 or max(request.prompt_ids) >= vocab:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        self._check_vocabulary(request.prompt_ids)
         if request.sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
         return RequestState(request, self.config.device, on_done, on_tokens)
+
+    def _check_vocabulary(self, ids: list[int]) -> None:
+        vocab = self.model.config.vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
 
     def _add(self, state: RequestState) -> None:
         """Register a request with the scheduler (inside the step lock or the loop thread)."""
@@ -459,6 +462,15 @@ class Engine:
     def unpacked_weight_bytes(self) -> int:
         """The same model's weights with nothing packed, in the engine's dtype: the bf16 format's bytes."""
         return unpacked_weight_bytes(self.model, self.dtype)
+
+    def prompt_logprobs(self, prompt_ids: list[int], sampling: SamplingParams):
+        """Each prompt token's logprob given the ones before it, [P - 1], and its `sampling.top_logprobs`
+        alternatives (or None), on the served weights between steps (scoring.py)."""
+        if len(prompt_ids) > self.max_model_len:
+            raise PromptTooLong(GenerateRequest(prompt_ids, sampling), self.max_model_len)
+        self._check_vocabulary(prompt_ids)
+        with self._lock:
+            return scoring.prompt_logprobs(self.model, self.adapter.device, prompt_ids, sampling)
 
     # ---- text helpers ----------------------------------------------------------------------
 

@@ -2,7 +2,7 @@
 
 OpenAI-compatible bodies (`CompletionIn`, `ChatCompletionIn`) ignore fields they do not know
 (clients send `user`, `metadata`, ...) but refuse the known ones this server cannot honour
-(`stream`, `echo`, penalties, `logit_bias`, `tools`, `best_of` != n) instead of silently dropping
+(penalties, `logit_bias`, `tools`, `best_of` != n) instead of silently dropping
 them. Native bodies (`GenerateIn`, SGLang's `/generate`) refuse every unknown field.
 
 Logprobs everywhere are the engine's rollout logprobs (lockstep.config.SamplingParams): the
@@ -71,7 +71,6 @@ class CompletionIn(_OpenAISampling):
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
-        bad += ["echo"] if self.echo else []
         bad += ["suffix"] if self.suffix else []
         bad += ["best_of"] if self.best_of not in (None, self.n) else []
         return bad
@@ -183,14 +182,16 @@ def native_output(sample: Sample, rid: str, return_logprob: bool, return_routed_
     return {"text": sample.metadata.get("text"), "output_ids": ids, "meta_info": meta}
 
 
-def completion_logprobs(pieces: list[str], logprobs: list[float], top: list[list[tuple[str, float]]] | None) -> dict:
+def completion_logprobs(pieces: list[str], logprobs: list[float | None],
+                        top: list[list[tuple[str, float]] | None] | None) -> dict:
     """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start.
     top: each position's alternatives as (text, logprob), or None (`top_logprobs` is then null)."""
     offsets, pos = [], 0
     for p in pieces:
         offsets.append(pos)
         pos += len(p)
-    alternatives = None if top is None else [dict(alts) for alts in top]  # texts that repeat keep one entry
+    # texts that repeat keep one entry; an echoed prompt's first token has none (None)
+    alternatives = None if top is None else [None if alts is None else dict(alts) for alts in top]
     return {"tokens": pieces, "token_logprobs": logprobs, "text_offset": offsets, "top_logprobs": alternatives}
 
 

@@ -98,7 +98,7 @@ class DrawPlan(NamedTuple):
 
 
 def draw_plan(params: list[SamplingParams]) -> DrawPlan:
-    temps = {_temperature(p) for p in params}
+    temps = {logprob_temperature(p) for p in params}
     sampled = [p for p in params if p.temperature > 0]
     return DrawPlan(temps.pop() if len(temps) == 1 else None, bool(sampled),
                     any(p.top_k > 0 or p.top_p < 1.0 for p in sampled), len(sampled) < len(params))
@@ -119,7 +119,7 @@ def top_alternatives(logits_MV: torch.Tensor, rows: list[int],
         return None
     dev = logits_MV.device
     x = logits_MV.index_select(0, to_device([rows[i] for i in asking], dev)).float()
-    temps = [_temperature(params[i]) for i in asking]
+    temps = [logprob_temperature(params[i]) for i in asking]
     # one temperature divides by a float, as `draw` does: the sampled token's logprob reappears bit for bit
     T = temps[0] if len(set(temps)) == 1 else to_device(temps, dev, torch.float32).view(-1, 1)
     k = max(params[i].top_logprobs for i in asking)
@@ -158,7 +158,7 @@ class Sampler:
               K: int = 1) -> np.ndarray:
         """[K, M, 5] per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p.
         Draw k of row i is the sequence's token first_steps[i] + k (K > 1: multi-step decode)."""
-        base = np.asarray([[r, _temperature(p), -1.0, p.top_k, p.top_p] for r, p in zip(rows, params)], np.float64)
+        base = np.asarray([[r, logprob_temperature(p), -1.0, p.top_k, p.top_p] for r, p in zip(rows, params)], np.float64)
         table = np.repeat(base[None], K, axis=0)
         sampled = np.asarray([p.temperature > 0 for p in params])
         if sampled.any():
@@ -187,5 +187,6 @@ class Sampler:
         return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
-def _temperature(p: SamplingParams) -> float:
+def logprob_temperature(p: SamplingParams) -> float:
+    """The T of a request's logprobs: its temperature, 1 for greedy (SamplingParams' definition)."""
     return p.temperature if p.temperature > 0 else 1.0

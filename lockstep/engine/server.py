@@ -10,7 +10,9 @@ for `stream: true`, streaming.py):
                                   temperature, top_p, top_k*, n, seed, stop, stop_token_ids*, ignore_eos*,
                                   logprobs (int k <= 20: choices[i].logprobs = {tokens, token_logprobs,
                                   text_offset, top_logprobs: [{text: logprob}] of the k likeliest tokens a
-                                  position, null for k = 0}); choice index = prompt * n + sample
+                                  position, null for k = 0}), echo (the prompt's text first and, with
+                                  logprobs, its tokens' too, the first null; max_tokens 0: the prompt
+                                  alone, scored: scoring.py); choice index = prompt * n + sample
     POST /v1/chat/completions     OpenAI chat: messages through the tokenizer's chat template; max_tokens /
                                   max_completion_tokens (default: up to max_model_len), logprobs: bool,
                                   top_logprobs (k <= 20, needs logprobs) -> choices[i].logprobs.content =
@@ -198,11 +200,23 @@ class _Server:
             return [f"token_id:{t}" for t in ids]
         return [tok.decode([t], skip_special_tokens=False) for t in ids]
 
-    def alternatives(self, sample) -> list[list[tuple[str, float]]] | None:
-        """Each position's alternatives as (text, logprob), or None where the request asked for none."""
-        if sample.top_logprobs is None:
+    def named_alternatives(self, alternatives) -> list[list[tuple[str, float]]] | None:
+        """Each position's (token id, logprob) alternatives as (text, logprob); None stays None."""
+        if alternatives is None:
             return None
-        return [list(zip(self.pieces([t for t, _ in alts]), [lp for _, lp in alts])) for alts in sample.top_logprobs]
+        return [list(zip(self.pieces([t for t, _ in alts]), [lp for _, lp in alts])) for alts in alternatives]
+
+    async def echoed(self, given, ids: list[int], sampling: SamplingParams, logprobs: bool) -> dict:
+        """What `echo` puts before a completion: the prompt's text (as given, or its ids decoded)
+        and, with logprobs, its tokens' (the first has none: nothing comes before it)."""
+        text = given if isinstance(given, str) else "" if self.engine.tokenizer is None else (
+            self.engine.tokenizer.decode(ids, skip_special_tokens=False))
+        out = {"text": text, "pieces": [], "logprobs": [], "alternatives": None}
+        if logprobs:
+            lps, alts = await asyncio.to_thread(self.engine.prompt_logprobs, ids, sampling)
+            out.update(pieces=self.pieces(ids), logprobs=[None] + lps,
+                       alternatives=None if alts is None else [None] + self.named_alternatives(alts))
+        return out
 
     def overloaded(self) -> str | None:
         if self.in_flight >= self.limits.max_queued_requests:
@@ -328,6 +342,23 @@ def _refuse(body) -> None:
         raise APIError(400, f"{bad[0]}: not supported by this server (leave it unset)", bad[0])
 
 
+def _completion_choice(srv: _Server, index: int, sample, echoed: dict | None, logprobs: bool) -> dict:
+    """One /v1/completions choice: the echoed prompt (_Server.echoed) where the request asked for echo,
+    then the sample (None: nothing generated, echo with max_tokens 0)."""
+    parts = [echoed] if echoed is not None else []
+    if sample is not None:
+        parts.append({"text": sample.metadata.get("text", ""), "pieces": srv.pieces(sample.response_ids.tolist()),
+                      "logprobs": sample.rollout_logprobs.tolist(),
+                      "alternatives": srv.named_alternatives(sample.top_logprobs)})
+    lp = None
+    if logprobs:
+        alts = [p["alternatives"] for p in parts]
+        lp = completion_logprobs(sum((p["pieces"] for p in parts), []), sum((p["logprobs"] for p in parts), []),
+                                 None if any(a is None for a in alts) else sum(alts, []))
+    return {"index": index, "text": "".join(p["text"] for p in parts), "logprobs": lp,
+            "finish_reason": "length" if sample is None else sample.finish_reason}
+
+
 def _openai_sampling(srv: _Server, body, max_new_tokens: int, max_tokens_field="max_tokens",
                      top_logprobs: int = 0) -> SamplingParams:
     return srv.sampling(
@@ -405,30 +436,26 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         p = body.prompt
         if not p:
             raise APIError(400, "prompt: the prompt is empty", "prompt")
-        if isinstance(p, str):
-            prompts = [await srv.encode(p, "prompt", chat=False)]
-        elif isinstance(p[0], int):
-            prompts = [srv.check_ids(list(p), "prompt")]
-        else:
-            prompts = [await srv.encode(x, "prompt", False) if isinstance(x, str) else srv.check_ids(x, "prompt")
-                       for x in p]
+        given = [p] if isinstance(p, str) or isinstance(p[0], int) else p  # each prompt as the request gave it
+        prompts = [await srv.encode(x, "prompt", False) if isinstance(x, str) else srv.check_ids(list(x), "prompt")
+                   for x in given]
         srv.check_work(prompts, body.n, "prompt")
+        if body.echo and body.stream:
+            raise APIError(400, "echo: not with stream: true", "echo")
+        score_only = body.echo and body.max_tokens == 0  # the prompt's logprobs, nothing generated
         default = None if "max_tokens" in body.model_fields_set else 16  # OpenAI's default, when it fits
-        params = [_openai_sampling(srv, body, srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default),
-                                   top_logprobs=body.logprobs or 0) for ids in prompts]
+        params = [_openai_sampling(srv, body, max(srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default),
+                                                  score_only), top_logprobs=body.logprobs or 0) for ids in prompts]
         rids = [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))]
         if body.stream:
             return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage())
-        results = await srv.run(request, prompts, params, rids)
-        choices, flat = [], [s for samples in results for s in samples]
-        for i, s in enumerate(flat):
-            lp = None
-            if body.logprobs is not None:
-                lp = completion_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
-                                         srv.alternatives(s))
-            choices.append({"index": i, "text": s.metadata.get("text", ""), "logprobs": lp,
-                            "finish_reason": s.finish_reason})
-        version = max(s.weight_version for s in flat)
+        results = [[None] * body.n for _ in prompts] if score_only else await srv.run(request, prompts, params, rids)
+        choices, flat = [], [s for samples in results for s in samples if s is not None]
+        for k, samples in enumerate(results):
+            echoed = await srv.echoed(given[k], prompts[k], params[k], body.logprobs is not None) if body.echo else None
+            for s in samples:
+                choices.append(_completion_choice(srv, len(choices), s, echoed, body.logprobs is not None))
+        version = max((s.weight_version for s in flat), default=engine.weight_version)
         return completion_response(name, choices, usage([len(x) for x in prompts], flat), version, chat=False)
 
     @app.post("/v1/chat/completions", responses=streamed)
@@ -449,7 +476,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         (samples,) = await srv.run(request, [ids], [sp], rids)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
                     "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
-                                              srv.alternatives(s)) if body.logprobs else None,
+                                              srv.named_alternatives(s.top_logprobs)) if body.logprobs else None,
                     "finish_reason": s.finish_reason} for i, s in enumerate(samples)]
         version = max(s.weight_version for s in samples)
         return completion_response(name, choices, usage([len(ids)], samples), version, chat=True)

@@ -203,7 +203,6 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
     ("/generate", b'{"input_ids": [7], "return_logprob": true, "top_logprobs_num": 21}', "top_logprobs_num"),
     ("/v1/completions", b'{"prompt": "12", "logprobs": 21}', "logprobs"),
     ("/v1/completions", b'{"prompt": "12", "max_tokens": 0}', "max_tokens"),
-    ("/v1/completions", b'{"prompt": "12", "echo": true}', "echo"),
     ("/v1/completions", b'{"max_tokens": 3}', "prompt"),
     ("/v1/chat/completions", b'{"messages": []}', "messages"),
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', "messages.0.role"),
