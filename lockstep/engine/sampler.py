@@ -158,7 +158,8 @@ class Sampler:
               K: int = 1) -> np.ndarray:
         """[K, M, 5] per drawn token: logits row, T, u (-1: greedy), top_k (<= 0: off), top_p.
         Draw k of row i is the sequence's token first_steps[i] + k (K > 1: multi-step decode)."""
-        base = np.asarray([[r, logprob_temperature(p), -1.0, p.top_k, p.top_p] for r, p in zip(rows, params)], np.float64)
+        base = np.asarray([[r, logprob_temperature(p), -1.0, p.top_k, p.top_p] for r, p in zip(rows, params)],
+                          np.float64)
         table = np.repeat(base[None], K, axis=0)
         sampled = np.asarray([p.temperature > 0 for p in params])
         if sampled.any():
