@@ -1,16 +1,18 @@
 """OpenAI completions' `echo` (engine/scoring.py): the prompt's text before the completion and, with
 logprobs, every prompt token's logprob given the ones before it, as evaluation harnesses score
 answers (`max_tokens: 0` scores the prompt alone). Scoring a prompt + an answer gives the answer the
-logprobs the engine recorded while sampling it (to fp32 rounding: a full forward, not decode steps)."""
+logprobs the engine recorded while sampling it: to fp32 rounding (a full forward, not decode steps), and
+bit for bit under the true-on-policy forward (on CUDA too: LOCKSTEP_TEST_DEVICE=cuda)."""
 
 import pytest
 import torch
 from openai import OpenAI
 
-from lockstep.config import SamplingParams
-from lockstep.engine import GenerateRequest
+from lockstep.config import EngineConfig, SamplingParams
+from lockstep.engine import Engine, GenerateRequest
 from lockstep.engine.server import create_app
 
+from conftest import DEVICE, tiny_dsv4
 from test_server import Served, new_engine
 
 TEXT = "<|user|>What is 23 + 58?<|assistant|>"
@@ -39,6 +41,19 @@ def test_scoring_an_answer_gives_the_logprobs_it_was_sampled_with():
         # the same positions by a full forward instead of prefill + decode steps: equal to fp32 rounding
         assert torch.allclose(torch.tensor(lps[len(ids) - 1:], dtype=torch.float32), s.rollout_logprobs,
                               atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_true_on_policy_scores_an_answer_with_the_bits_it_was_sampled_with(dtype):
+    # the true-on-policy forward (models/deepseek_v4_rows.py) gives every row the same bits whatever
+    # the batch and the path: a full forward reproduces the chunked prefill + decode steps exactly
+    engine = Engine(tiny_dsv4(3), EngineConfig(max_num_seqs=3, max_model_len=48, max_prefill_tokens=5, dtype=dtype,
+                                               device=DEVICE, true_on_policy=True))
+    prompt = list(range(3, 14))
+    sampling = SamplingParams(temperature=0.9, seed=3, max_new_tokens=16, ignore_eos=True)
+    (s,) = engine.generate([GenerateRequest(prompt, sampling)])
+    lps, _ = engine.prompt_logprobs(prompt + s.response_ids.tolist(), sampling)
+    assert torch.equal(torch.tensor(lps[len(prompt) - 1:], dtype=torch.float32), s.rollout_logprobs)
 
 
 def test_echo_scores_the_prompt_alone(served, engine):
