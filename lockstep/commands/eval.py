@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..cli_args import add_dataclass_arguments, dataclass_from_args
 from ..config import EngineConfig
+from ..files import FileError
 from ..rl.config import RunConfig
 from ..rl.embedded import ENGINE_RECIPE, RUN_RECIPE
 from .presets import PROMPT_ROOM, default_text, engine_preset, preset
@@ -32,6 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_arguments(parser, EngineConfig, skip=("eos_token_ids",), group="rollout engine",
                             default_text=default_text(EngineConfig, ENGINE_RECIPE, {"max_model_len": MAX_MODEL_LEN}))
     parser.add_argument("--output", help="also write the metrics as JSON to this file (default: print only)")
+    parser.add_argument("--plot", help="also draw each set's pass@k against k into this PNG file")
 
 
 def run(args) -> int:
@@ -43,6 +46,9 @@ def run(args) -> int:
     from ..rl.long_prompts import check_room
     from ..rl.setup import eval_sets, left_out_lines, model_path
 
+    for flag, out in (("--output", args.output), ("--plot", args.plot)):  # before the evaluation, not after it
+        if out and not Path(out).resolve().parent.is_dir():
+            raise FileError(f"{flag} {out}: its directory does not exist")
     cfg = dataclass_from_args(RunConfig, args, **preset(args, RUN_RECIPE))
     engine_cfg = dataclass_from_args(EngineConfig, args, **engine_preset(args, cfg.eval_max_response_len))
     path = model_path(cfg)
@@ -72,4 +78,8 @@ def run(args) -> int:
     if args.output:
         with open(args.output, "w") as f:
             json.dump(metrics, f, indent=1)
+    if args.plot:
+        from ..metrics.plots import plot_pass_at_k
+
+        print(f"pass@k plot: {plot_pass_at_k(metrics, args.plot)}")
     return 0

@@ -7,6 +7,9 @@
                                          the samples per eval prompt), and eval/<set>/truncated_ratio
                                          (dashed: answers cut at the length limit, scored as wrong)
 
+`lockstep eval --plot FILE` draws its sets' pass@k against k (log-2 axis) into one figure
+(`plot_pass_at_k`): how much more often k samples solve a problem than one.
+
 `compare` (`lockstep plot RUN_DIR --compare OTHER_DIR ...`) draws other runs' mismatch and reward
 moving average into the same two figures, each labelled by its directory name: e.g. a run with
 `--true-on-policy` (0 at every step) beside the same run without it (the gap it closes).
@@ -75,7 +78,30 @@ def eval_curves(records: Sequence[dict[str, Any]]) -> dict[str, dict[str, tuple[
     return out
 
 
-def _figure(title: str, ylabel: str):
+def pass_at_k_curves(metrics: dict[str, float]) -> dict[str, tuple[list[int], list[float]]]:
+    """{set: (every k, its pass@k), k ascending} of one evaluation's eval/<set>/pass@<k> metrics."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for m in sorted(filter(None, map(_EVAL_RE.match, metrics)), key=lambda m: (m.group(1), int(m.group(2)))):
+        ks, values = out.setdefault(m.group(1), ([], []))
+        ks.append(int(m.group(2)))
+        values.append(metrics[m.group(0)])
+    return out
+
+
+def plot_pass_at_k(metrics: dict[str, float], path: str | Path) -> Path:
+    """One evaluation's pass@k against k, a line per set (`lockstep eval --plot`)."""
+    plt, fig, ax = _figure("pass@k", "pass@k", xlabel="k (samples per problem)")
+    curves = pass_at_k_curves(metrics)
+    for set_name, (ks, values) in curves.items():
+        ax.plot(ks, values, marker="o", label=set_name)
+    ax.set_xscale("log", base=2)
+    ticks = sorted({k for ks, _ in curves.values() for k in ks})
+    ax.set_xticks(ticks, [str(k) for k in ticks])  # k itself, not 2^i
+    ax.set_ylim(0, 1)
+    return _save(plt, fig, ax, Path(path))
+
+
+def _figure(title: str, ylabel: str, xlabel: str = "step"):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -83,7 +109,7 @@ def _figure(title: str, ylabel: str):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.set_title(title)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     return plt, fig, ax

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from lockstep.cli import main
@@ -79,3 +81,29 @@ def test_compare_draws_other_runs_into_the_same_figures(tmp_path, monkeypatch):
     assert drawn["train_rollout_logprob_abs_diff.png"] == [("true-on-policy", [0.0] * 5), ("default", [2e-7] * 5)]
     assert drawn["raw_reward.png"][-1][0] == "default: moving average (10)"
     assert main(["plot", str(exact), "--compare", str(tmp_path / "missing")]) == 1  # the missing file is named
+
+
+def test_lockstep_eval_plots_pass_at_k_against_k(tmp_path, monkeypatch, capsys):
+    from lockstep.metrics import plots
+
+    metrics = {"eval/b/pass@2": 0.5, "eval/a/pass@4": 0.75, "eval/a/pass@1": 0.25, "eval/a/pass@2": 0.5,
+               "eval/a/truncated_ratio": 0.1, "eval/b/pass@1": 0.4}
+    assert plots.pass_at_k_curves(metrics) == {"a": ([1, 2, 4], [0.25, 0.5, 0.75]), "b": ([1, 2], [0.4, 0.5])}
+    drawn = {}
+    save = plots._save
+
+    def recording_save(plt, fig, ax, path):
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+        return save(plt, fig, ax, path)
+
+    monkeypatch.setattr(plots, "_save", recording_save)
+    png = tmp_path / "pass_at_k.png"
+    assert main(["eval", "--n-samples-per-eval-prompt", "4", "--eval-max-response-len", "4", "--eval-prompts-limit",
+                 "3", "--output", str(tmp_path / "m.json"), "--plot", str(png)]) == 0
+    written = json.loads((tmp_path / "m.json").read_text())
+    assert drawn["pass_at_k.png"] == [("arithmetic", [1, 2, 3, 4], [written[f"eval/arithmetic/pass@{k}"]
+                                                                    for k in range(1, 5)])]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"pass@k plot: {png}" in capsys.readouterr().out
+    # a path whose directory is missing is refused before the evaluation runs, not after it
+    assert main(["eval", "--plot", str(tmp_path / "no" / "p.png")]) == 2
+    assert "--plot" in capsys.readouterr().err and len(drawn) == 1
