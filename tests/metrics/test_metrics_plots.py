@@ -93,7 +93,8 @@ def test_lockstep_eval_plots_pass_at_k_against_k(tmp_path, monkeypatch, capsys):
     save = plots._save
 
     def recording_save(plt, fig, ax, path):
-        drawn[path.name] = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata())) for line in ax.get_lines()]
+        drawn[path.name] = [(line.get_label(), list(line.get_xdata()), list(line.get_ydata()))
+                            for line in ax.get_lines()]
         return save(plt, fig, ax, path)
 
     monkeypatch.setattr(plots, "_save", recording_save)
