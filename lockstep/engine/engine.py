@@ -467,7 +467,7 @@ class Engine:
         """Each prompt token's logprob given the ones before it, [P - 1], and its `sampling.top_logprobs`
         alternatives (or None), on the served weights between steps (scoring.py)."""
         if len(prompt_ids) > self.max_model_len:
-            raise PromptTooLong(GenerateRequest(prompt_ids, sampling), self.max_model_len)
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens does not fit max_model_len={self.max_model_len}")
         self._check_vocabulary(prompt_ids)
         with self._lock:
             return scoring.prompt_logprobs(self.model, self.adapter.device, prompt_ids, sampling)

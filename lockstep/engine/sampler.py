@@ -11,6 +11,7 @@ the response token being drawn:
              token = the first i with cumsum(p)[i] >= u * sum(p)   (inverse CDF, cumsum in fp64)
              u = uniform(seed, t): output t of SplitMix64 seeded with the sequence's seed
     returns (token, logp[token])  -- the logprob is taken BEFORE top-k / top-p truncation
+    alternatives (top_logprobs = k > 0): topk(logp, k) as (token, logprob) pairs (`top_alternatives`)
 
 u is a pure function of (seed, t), computed on the host (Steele, Lea & Flood 2014, "Fast
 splittable pseudorandom number generators": SplitMix64 is counter-based, output t needs no

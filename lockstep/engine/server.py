@@ -272,7 +272,7 @@ class _Server:
                         getter.cancel()
                     ended = done - {getter}
                     while ended and not queue.empty():  # a request ended: its tokens were queued before its samples
-                        yield delta_chunk(*queue.get_nowait())
+                        yield delta_chunk(*queue.get_nowait())  # ("" where no text can be sent yet: no event)
                     for t in ended:
                         k = tasks[t]
                         samples[k] = t.result()  # raises the engine's error
@@ -444,8 +444,9 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
             raise APIError(400, "echo: not with stream: true", "echo")
         score_only = body.echo and body.max_tokens == 0  # the prompt's logprobs, nothing generated
         default = None if "max_tokens" in body.model_fields_set else 16  # OpenAI's default, when it fits
-        params = [_openai_sampling(srv, body, max(srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default),
-                                                  score_only), top_logprobs=body.logprobs or 0) for ids in prompts]
+        lengths = [1 if score_only else srv.max_new_tokens(body.max_tokens, ids, "max_tokens", default)
+                   for ids in prompts]  # score_only: a length SamplingParams takes; nothing is generated
+        params = [_openai_sampling(srv, body, m, top_logprobs=body.logprobs or 0) for m in lengths]
         rids = [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))]
         if body.stream:
             return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage())
