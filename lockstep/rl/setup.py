@@ -187,7 +187,7 @@ def build_run(run: RunConfig, train_cfg, engine_cfg: EngineConfig, progress=None
     prompts, long_train = long_training_prompts_out(run, prompts, tokenizer)
     source = PromptSource(prompts, seed=run.seed)
     held_out, left_out = eval_sets(run, prompts, tokenizer)
-    left_out["long_prompts/train"] = long_train
+    left_out = {"long_prompts/train": long_train, **left_out}  # the training set's line first
     reward_fn = get_reward_fn(run.custom_reward_path or run.rm_type)
     engine, trainer = components(run, train_cfg, engine_cfg, path, dist_ctx, weight_buffer_size, rollout_ep_size)
     primary = dist_ctx is None or dist_ctx.rank == 0
