@@ -10,24 +10,11 @@ from openai import OpenAI
 
 from lockstep.config import EngineConfig, SamplingParams
 from lockstep.engine import Engine, GenerateRequest
-from lockstep.engine.server import create_app
 
 from conftest import DEVICE, tiny_dsv4
-from test_server import Served, new_engine
+from test_server import engine, new_engine, served  # noqa: F401 (the server's fixtures, one per module)
 
 TEXT = "<|user|>What is 23 + 58?<|assistant|>"
-
-
-@pytest.fixture(scope="module")
-def engine():
-    return new_engine()
-
-
-@pytest.fixture(scope="module")
-def served(engine):
-    s = Served(create_app(engine, admin_token=None, weights_dir=None, require_admin=False))
-    yield s
-    s.stop()
 
 
 def test_scoring_an_answer_gives_the_logprobs_it_was_sampled_with():

@@ -8,17 +8,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from lockstep.engine.server import create_app
 from lockstep.engine.streaming import TextStream, sendable_end
 
-from test_server import Served, new_engine
-
-
-@pytest.fixture(scope="module")
-def served():
-    s = Served(create_app(new_engine(), admin_token=None, weights_dir=None, require_admin=False))
-    yield s
-    s.stop()
+from test_server import engine, served  # noqa: F401 (the server's fixtures, one per module)
 
 
 def joined(chunks, index, chat):
