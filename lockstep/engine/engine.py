@@ -39,7 +39,7 @@ from lockstep.engine.model_adapter import make_adapter
 from lockstep.engine.multi_step import chain_window, finish_window, launch_window, window_steps
 from lockstep.engine.output import StopChecker, build_samples
 from lockstep.engine.packed_weights import install_packed_weights, unpacked_weight_bytes, weight_bytes
-from lockstep.engine.request import GenerateRequest, PromptTooLong, RequestState
+from lockstep.engine.request import GenerateRequest, PromptTooLong, RequestState, TokensAdded
 from lockstep.engine.runner import ModelRunner, is_decode
 from lockstep.engine.sampler import Sampler, top_alternatives
 from lockstep.engine.scheduler import Scheduler
@@ -231,9 +231,9 @@ class Engine:
         return [x for s in states for x in s.result()]
 
     async def generate_async(self, request: GenerateRequest,
-                             on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Sample]:
+                             on_tokens: Callable[[int, TokensAdded], None] | None = None) -> list[Sample]:
         """One request through the background loop (started on first use); n samples.
-        `on_tokens(sample index, new token ids)`: called in the caller's event loop as tokens are
+        `on_tokens(sample index, TokensAdded)`: called in the caller's event loop as tokens are
         sampled (streaming; several at once after a multi-step window)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
@@ -247,7 +247,7 @@ class Engine:
         def deliver(state: RequestState) -> None:
             call_soon(_resolve, fut, state)
 
-        tokens = None if on_tokens is None else (lambda i, ids: call_soon(on_tokens, i, ids))
+        tokens = None if on_tokens is None else (lambda i, added: call_soon(on_tokens, i, added))
         state = self._new_state(request, on_done=deliver, on_tokens=tokens)
         self.start()
         self._loop.submit(state)

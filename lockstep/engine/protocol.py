@@ -183,10 +183,11 @@ def native_output(sample: Sample, rid: str, return_logprob: bool, return_routed_
 
 
 def completion_logprobs(pieces: list[str], logprobs: list[float | None],
-                        top: list[list[tuple[str, float]] | None] | None) -> dict:
-    """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start.
-    top: each position's alternatives as (text, logprob), or None (`top_logprobs` is then null)."""
-    offsets, pos = [], 0
+                        top: list[list[tuple[str, float]] | None] | None, start: int = 0) -> dict:
+    """OpenAI's legacy completions logprobs object; `text_offset` counts from the completion's start
+    (`start`: where the first piece is, for a streamed chunk). top: each position's alternatives as
+    (text, logprob), or None (`top_logprobs` is then null)."""
+    offsets, pos = [], start
     for p in pieces:
         offsets.append(pos)
         pos += len(p)
@@ -221,11 +222,13 @@ def stream_chunk(cid: str, created: int, model: str, chat: bool, choices: list[d
     return out
 
 
-def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: bool, role: bool = False) -> dict:
-    """One choice of a chunk: chat's `delta` (the first of a choice names the role), or completions' text."""
+def chunk_choice(index: int, text: str | None, finish_reason: str | None, chat: bool, role: bool = False,
+                 logprobs: dict | None = None) -> dict:
+    """One choice of a chunk: chat's `delta` (the first of a choice names the role), or completions' text;
+    `logprobs`: its tokens' (completion_logprobs / chat_logprobs of those tokens)."""
     if not chat:
-        return {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
     delta = {"role": "assistant"} if role else {}
     if text is not None:
         delta["content"] = text
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -17,7 +17,7 @@ from __future__ import annotations
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -152,15 +152,23 @@ class Sequence:
                 f"computed={self.num_computed}, slot={self.slot})")
 
 
+class TokensAdded(NamedTuple):
+    """The tokens a sequence just sampled (copies: the engine's thread goes on appending)."""
+
+    ids: list[int]
+    logprobs: list[float]
+    alternatives: list[list[tuple[int, float]]] | None  # where the request asked for top_logprobs
+
+
 class RequestState:
     """The n sequences of one request and who to tell when all of them have finished."""
 
     def __init__(self, request: GenerateRequest, device="cpu",
                  on_done: Callable[["RequestState"], None] | None = None,
-                 on_tokens: Callable[[int, list[int]], None] | None = None):
+                 on_tokens: Callable[[int, "TokensAdded"], None] | None = None):
         self.request = request
         self.on_done = on_done
-        self.on_tokens = on_tokens  # (sample index, its new token ids), in the engine's thread (streaming)
+        self.on_tokens = on_tokens  # (sample index, TokensAdded), in the engine's thread (streaming)
         self.sequences = [Sequence(request, i, self, device) for i in range(request.sampling.n)]
         self.samples: list | None = None  # filled by the engine when done
         self.error: BaseException | None = None  # or this, if the engine failed it
@@ -168,7 +176,8 @@ class RequestState:
 
     def tokens_added(self, seq: Sequence, n: int) -> None:
         if self.on_tokens is not None and n:
-            self.on_tokens(seq.sample_index, seq.tokens[-n:])
+            alternatives = seq.top_logprobs[-n:] if seq.sampling.top_logprobs else None
+            self.on_tokens(seq.sample_index, TokensAdded(seq.tokens[-n:], seq.logprobs[-n:], alternatives))
 
     def mark_finished(self, seq: Sequence, reason: str | None) -> None:
         if not seq.is_finished:

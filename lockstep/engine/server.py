@@ -42,14 +42,14 @@ and a final EOS. The alternatives (`top_logprobs`) are the most likely tokens un
 distribution, most likely first (a request that asks for them decodes one step at a time, not in
 multi-step windows); `text_offset` counts from the start of the completion. The request's `model` is
 not checked (one model is served). `stream: true` streams the text (with
-`stream_options.include_usage`, a last usage chunk; logprobs are not streamed: 400); /generate does
-not stream (400); a client that closes its connection has its request aborted. Errors use OpenAI's
-shape `{"error": {"message", "type", "param", "code"}}`, every one of them (404 and 405 too), with
-no internals (a 500 says to read the server log): malformed JSON, missing or mistyped fields,
-prompts that do not fit max_model_len, a max_tokens that does not fit with the prompt ("This model's
-maximum context length is ..."), token ids outside the vocabulary and bad sampling values are 400
-and name the field; the server keeps serving everything else. The OpenAPI schema (/openapi.json)
-documents these codes (400, not FastAPI's 422); api_errors.py holds that machinery.
+`stream_options.include_usage`, a last usage chunk; with logprobs, each chunk carries its tokens');
+/generate does not stream (400); a client that closes its connection has its request aborted. Errors
+use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, every one of them (404 and 405
+too), with no internals (a 500 says to read the server log): malformed JSON, missing or mistyped
+fields, prompts that do not fit max_model_len, a max_tokens that does not fit with the prompt ("This
+model's maximum context length is ..."), token ids outside the vocabulary and bad sampling values
+are 400 and name the field; the server keeps serving everything else. The OpenAPI schema
+(/openapi.json) documents these codes (400, not FastAPI's 422); api_errors.py holds that machinery.
 
 Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
 per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
@@ -87,8 +87,8 @@ from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, G
                                       UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
                                       chunk_choice, completion_response, error_body, native_output, new_id,
                                       stream_chunk, usage)
-from lockstep.engine.request import GenerateRequest
-from lockstep.engine.streaming import DONE, TextStream, event
+from lockstep.engine.request import GenerateRequest, TokensAdded
+from lockstep.engine.streaming import DONE, StreamedChoices, event
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
 
 
@@ -233,7 +233,7 @@ class _Server:
         return self.overloaded()
 
     def stream(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-               chat: bool, include_usage: bool) -> StreamingResponse:
+               chat: bool, include_usage: bool, logprobs: bool) -> StreamingResponse:
         """The answer as server-sent events (streaming.py), choice index = prompt * n + sample."""
         full = self.overloaded()
         if full:
@@ -241,26 +241,27 @@ class _Server:
         cid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         n = params[0].n
         decode = self.engine.decode if self.engine.tokenizer is not None else None
-        texts = [TextStream(decode, sp.stop) for sp in params for _ in range(sp.n)]
+        streams = StreamedChoices(decode, self.pieces, self.named_alternatives,
+                                  [sp.stop for sp in params for _ in range(sp.n)], chat, logprobs)
 
         def chunk(choices: list[dict], use: dict | None = None) -> str:
             return event(stream_chunk(cid, created, self.model_name, chat, choices, use))
 
-        def delta_chunk(i: int, ids: list[int]) -> str:
-            delta = texts[i].add(ids)
-            return chunk([chunk_choice(i, delta, None, chat)]) if delta else ""
+        def delta_chunk(i: int, added: TokensAdded) -> str:
+            choice = streams.tokens(i, added)
+            return "" if choice is None else chunk([choice])
 
         async def events():
             queue: asyncio.Queue = asyncio.Queue()
             self.active.update(rids)
             self.in_flight += 1
             tasks = {asyncio.ensure_future(self.engine.generate_async(
-                GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, ids, k=k: queue.put_nowait((k * n + i, ids))
+                GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, got, k=k: queue.put_nowait((k * n + i, got))
             )): k for k, (p, sp, r) in enumerate(zip(prompts, params, rids))}
             samples: list = [None] * len(prompts)
             try:
                 if chat:
-                    yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(texts))])
+                    yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(prompts) * n)])
                 pending = set(tasks)
                 while pending or not queue.empty():
                     getter = asyncio.ensure_future(queue.get())
@@ -276,8 +277,7 @@ class _Server:
                     for t in ended:
                         k = tasks[t]
                         samples[k] = t.result()  # raises the engine's error
-                        yield chunk([chunk_choice(k * n + j, texts[k * n + j].finish(s.metadata.get("text", "")),
-                                                  s.finish_reason, chat) for j, s in enumerate(samples[k])])
+                        yield chunk([streams.finish(k * n + j, s) for j, s in enumerate(samples[k])])
                 if include_usage:
                     flat = [s for group in samples for s in group]
                     yield chunk([], usage([len(p) for p in prompts], flat))
@@ -332,9 +332,6 @@ class _Server:
 
 
 def _refuse(body) -> None:
-    if body.stream and body.logprobs not in (None, False):
-        raise APIError(400, "logprobs: streamed answers carry no logprobs here; send stream: false for them",
-                       "logprobs")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
     bad = body.unsupported()
@@ -449,7 +446,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         params = [_openai_sampling(srv, body, m, top_logprobs=body.logprobs or 0) for m in lengths]
         rids = [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))]
         if body.stream:
-            return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage())
+            return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage(),
+                              logprobs=body.logprobs is not None)
         results = [[None] * body.n for _ in prompts] if score_only else await srv.run(request, prompts, params, rids)
         choices, flat = [], [s for samples in results for s in samples if s is not None]
         for k, samples in enumerate(results):
@@ -473,7 +471,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0)
         rids = [f"chatcmpl-{_uid()}"]
         if body.stream:
-            return srv.stream(request, [ids], [sp], rids, chat=True, include_usage=body.include_usage())
+            return srv.stream(request, [ids], [sp], rids, chat=True, include_usage=body.include_usage(),
+                              logprobs=body.logprobs)
         (samples,) = await srv.run(request, [ids], [sp], rids)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
                     "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),

@@ -6,7 +6,9 @@ multi-step window's several) and what is new is sent, holding back two kinds of 
 - the start of a stop string ("\\n\\nQ" while "\\n\\nQuestion:" is a stop), and anything from a whole
   stop string on: the answer ends before it, as the non-streamed text does (output.StopChecker).
 When the request ends, the rest of the final text (the non-streamed answer's) follows with the
-finish reason, so the concatenated deltas equal the non-streamed text.
+finish reason, so the concatenated deltas equal the non-streamed text. Where the request asks for
+logprobs, each batch of tokens is one chunk carrying their logprobs (and alternatives), with whatever
+text can be sent (possibly none): the chunks' logprobs, joined, are the non-streamed answer's.
 
 Events: `data: {chunk}` per delta, then a chunk with each choice's finish_reason, then, where
 `stream_options.include_usage`, one with the usage and no choices, then `data: [DONE]`. A failure
@@ -16,6 +18,9 @@ after the first event is sent as a last `data: {"error": ...}` event (the status
 from __future__ import annotations
 
 import json
+
+from lockstep.engine.protocol import chat_logprobs, chunk_choice, completion_logprobs
+from lockstep.engine.request import TokensAdded
 
 UNFINISHED_CHARACTER = "\ufffd"
 
@@ -67,3 +72,30 @@ def event(payload: dict | str) -> str:
 
 
 DONE = event("[DONE]")
+
+
+class StreamedChoices:
+    """Every choice's stream of one answer: `tokens` turns a batch of sampled tokens into a choice
+    of a chunk (None: nothing to send yet), `finish` a finished sample into its last one.
+    pieces(ids) -> each token's own text; named(alternatives) -> (text, logprob) pairs."""
+
+    def __init__(self, decode, pieces, named, stops: list[tuple[str, ...]], chat: bool, logprobs: bool):
+        self.texts = [TextStream(decode, s) for s in stops]
+        self.pieces, self.named, self.chat, self.logprobs = pieces, named, chat, logprobs
+        self.offsets = [0] * len(stops)  # completions' text_offset of each choice's next token
+
+    def tokens(self, i: int, added: TokensAdded) -> dict | None:
+        delta = self.texts[i].add(added.ids)
+        lp = None
+        if self.logprobs:
+            pieces = self.pieces(added.ids)
+            alternatives = self.named(added.alternatives)
+            lp = (chat_logprobs(pieces, added.logprobs, alternatives) if self.chat else
+                  completion_logprobs(pieces, added.logprobs, alternatives, start=self.offsets[i]))
+            self.offsets[i] += sum(map(len, pieces))
+        elif not delta:
+            return None
+        return chunk_choice(i, delta, None, self.chat, logprobs=lp)
+
+    def finish(self, i: int, sample) -> dict:
+        return chunk_choice(i, self.texts[i].finish(sample.metadata.get("text", "")), sample.finish_reason, self.chat)

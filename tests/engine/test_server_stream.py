@@ -51,6 +51,27 @@ def test_completion_stream_holds_back_a_stop_string(served):
     assert "stop" in [c.finish_reason for c in full.choices]  # a stop string was met
 
 
+def test_streamed_logprobs_join_into_the_answers(served):
+    client = OpenAI(base_url=f"{served.url}/v1", api_key="x")
+    kw = dict(model="m", prompt="<|user|>What is 7 + 5?<|assistant|>", temperature=0.8, seed=6, n=2, max_tokens=12,
+              logprobs=2, stop=["1"])
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(**kw, stream=True))
+    for i, c in enumerate(full.choices):
+        mine = [ch.logprobs for x in chunks for ch in x.choices if ch.index == i and ch.logprobs is not None]
+        assert sum((lp.tokens for lp in mine), []) == c.logprobs.tokens
+        assert sum((lp.token_logprobs for lp in mine), []) == c.logprobs.token_logprobs
+        assert sum((lp.top_logprobs for lp in mine), []) == c.logprobs.top_logprobs
+        assert sum((lp.text_offset for lp in mine), []) == c.logprobs.text_offset  # from the completion's start
+        assert joined(chunks, i, chat=False) == c.text
+    chat = dict(model="m", messages=[{"role": "user", "content": "What is 40 + 41?"}], temperature=0, max_tokens=8,
+                logprobs=True, top_logprobs=1)
+    full = client.chat.completions.create(**chat)
+    chunks = list(client.chat.completions.create(**chat, stream=True))
+    content = [e for x in chunks for ch in x.choices if ch.logprobs is not None for e in ch.logprobs.content]
+    assert content == full.choices[0].logprobs.content
+
+
 def test_the_text_sent_stops_short_of_what_may_change():
     assert sendable_end("abc\ufffd", ()) == 3  # an unfinished UTF-8 character
     assert sendable_end("the answer is\n\nQ", ("\n\nQuestion:",)) == len("the answer is")
@@ -80,8 +101,8 @@ def test_a_client_that_leaves_has_its_request_aborted(served, monkeypatch):
 
 
 @pytest.mark.parametrize("body,param", [
-    ({"prompt": "12", "stream": True, "logprobs": 1}, "logprobs"),
     ({"prompt": "12", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "12", "stream": True, "echo": True}, "echo"),
 ])
 def test_what_a_stream_cannot_carry_is_refused(served, body, param):
     r = served.http.post("/v1/completions", json=body)
