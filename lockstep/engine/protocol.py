@@ -2,8 +2,8 @@
 
 OpenAI-compatible bodies (`CompletionIn`, `ChatCompletionIn`) ignore fields they do not know
 (clients send `user`, `metadata`, ...) but refuse the known ones this server cannot honour
-(penalties, `logit_bias`, `tools`, `best_of` != n) instead of silently dropping
-them. Native bodies (`GenerateIn`, SGLang's `/generate`) refuse every unknown field.
+(penalties, `logit_bias`, `tools` / `functions`, JSON `response_format`, audio, image parts of a
+message, `best_of` != n) instead of silently dropping them. Native bodies (`GenerateIn`, SGLang's `/generate`) refuse every unknown field.
 
 Logprobs everywhere are the engine's rollout logprobs (lockstep.config.SamplingParams): the
 log-probability of the sampled token under softmax(logits / temperature) over the full
@@ -80,8 +80,12 @@ class ChatMessage(_Lenient):
     role: str
     content: str | list[dict] | None = None
 
+    def has_other_parts(self) -> bool:
+        """Content parts other than text (images, audio, files): this server reads text only."""
+        return isinstance(self.content, list) and any(p.get("type", "text") != "text" for p in self.content)
+
     def text(self) -> str:
-        """Content as one string; a list of parts keeps its text parts, joined."""
+        """Content as one string: the text parts of a list of parts, joined."""
         if isinstance(self.content, list):
             return "".join(str(p.get("text", "")) for p in self.content if p.get("type", "text") == "text")
         return self.content or ""
@@ -94,9 +98,19 @@ class ChatCompletionIn(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs: true
     tools: list[dict] | None = None
+    functions: list[dict] | None = None  # the older name of tools
+    response_format: dict | None = None  # {"type": "text"} only: no JSON mode
+    modalities: list[str] | None = None  # ["text"] only
+    audio: dict | None = None
 
     def unsupported(self) -> list[str]:
-        return super().unsupported() + (["tools"] if self.tools else [])
+        bad = super().unsupported()
+        bad += [f for f in ("tools", "functions", "audio") if getattr(self, f)]
+        bad += ["response_format"] if (self.response_format or {}).get("type", "text") != "text" else []
+        bad += ["modalities"] if set(self.modalities or ()) - {"text"} else []
+        # an image or audio part would be dropped from the prompt without a word: refused instead
+        bad += [f"messages.{i}.content" for i, m in enumerate(self.messages) if m.has_other_parts()]
+        return bad
 
 
 class NativeSamplingIn(_Strict):

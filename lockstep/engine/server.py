@@ -336,7 +336,8 @@ def _refuse(body) -> None:
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
     bad = body.unsupported()
     if bad:
-        raise APIError(400, f"{bad[0]}: not supported by this server (leave it unset)", bad[0])
+        fix = "send text parts only" if bad[0].startswith("messages.") else "leave it unset"
+        raise APIError(400, f"{bad[0]}: not supported by this server ({fix})", bad[0])
 
 
 def _completion_choice(srv: _Server, index: int, sample, echoed: dict | None, logprobs: bool) -> dict:

@@ -208,6 +208,14 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
     ("/v1/chat/completions", b'{"messages": [{"content": "hi"}]}', "messages.0.role"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "top_p": 1.5}', "top_p"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "top_logprobs": 2}', "top_logprobs"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "response_format": '
+                             b'{"type": "json_object"}}', "response_format"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "functions": [{"name": "f"}]}',
+     "functions"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "1"}], "modalities": ["text", "audio"]}',
+     "modalities"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "what is"}, '
+                             b'{"type": "image_url", "image_url": {"url": "x"}}]}]}', "messages.0.content"),
 ])
 def test_bad_requests_are_4xx_and_name_the_field(served, path, body, param):
     r = served.http.post(path, content=body, headers={"content-type": "application/json"})
