@@ -14,15 +14,23 @@ from __future__ import annotations
 
 from ..prompt_encoding import encode_prompt
 from .data import Prompt
+from .progress import prompts_bar
 
 
-def without_long_prompts(prompts: list[Prompt], tokenizer, chat_template: bool,
-                         max_len: int) -> tuple[list[Prompt], int]:
-    """(the prompts of at most max_len tokens, in order; how many were longer). max_len 0: all kept."""
+def without_long_prompts(prompts: list[Prompt], tokenizer, chat_template: bool, max_len: int,
+                         name: str = "") -> tuple[list[Prompt], int]:
+    """(the prompts of at most max_len tokens, in order; how many were longer). max_len 0: all kept.
+    A transient bar counts the prompts encoded (`name`: the set's)."""
     if max_len <= 0:
         return prompts, 0
-    kept = [p for p in prompts if len(encode_prompt(tokenizer, p.prompt, chat_template)) <= max_len]
+    with prompts_bar(f"{name} prompt lengths".strip(), len(prompts)) as tick:
+        kept = [p for p in prompts if _fits(p, tokenizer, chat_template, max_len, tick)]
     return kept, len(prompts) - len(kept)
+
+
+def _fits(prompt: Prompt, tokenizer, chat_template: bool, max_len: int, tick) -> bool:
+    tick()
+    return len(encode_prompt(tokenizer, prompt.prompt, chat_template)) <= max_len
 
 
 def check_room(max_prompt_len: int, max_model_len: int) -> None:

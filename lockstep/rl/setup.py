@@ -82,7 +82,7 @@ def eval_sets(run: RunConfig, train: list | None = None,
         if not prompts:
             raise DataError(f"--eval-data {name} {path or ''}: every prompt is also a training prompt")
         prompts, left_out[f"long_prompts/{name}"] = without_long_prompts(
-            prompts, tokenizer, run.apply_chat_template, run.max_prompt_len)
+            prompts, tokenizer, run.apply_chat_template, run.max_prompt_len, name)
         if not prompts:
             raise DataError(f"--eval-data {name} {path or ''}: {_all_long(run)}")
         sets[name] = EvalSet(prompts[: run.eval_prompts_limit or None], get_reward_fn(reward), reward)
@@ -91,7 +91,7 @@ def eval_sets(run: RunConfig, train: list | None = None,
 
 def long_training_prompts_out(run: RunConfig, prompts: list, tokenizer) -> tuple[list, int]:
     """(the training prompts within --max-prompt-len, how many were longer)."""
-    kept, dropped = without_long_prompts(prompts, tokenizer, run.apply_chat_template, run.max_prompt_len)
+    kept, dropped = without_long_prompts(prompts, tokenizer, run.apply_chat_template, run.max_prompt_len, "train")
     if not kept:
         raise DataError(f"--prompt-data {run.prompt_data or '(embedded task)'}: {_all_long(run)}")
     return kept, dropped
