@@ -3,7 +3,8 @@
 OpenAI-compatible bodies (`CompletionIn`, `ChatCompletionIn`) ignore fields they do not know
 (clients send `user`, `metadata`, ...) but refuse the known ones this server cannot honour
 (penalties, `logit_bias`, `tools` / `functions`, JSON `response_format`, audio, image parts of a
-message, `best_of` != n) instead of silently dropping them. Native bodies (`GenerateIn`, SGLang's `/generate`) refuse every unknown field.
+message, `best_of` != n) instead of silently dropping them. Native bodies (`GenerateIn`, SGLang's
+`/generate`) refuse every unknown field.
 
 Logprobs everywhere are the engine's rollout logprobs (lockstep.config.SamplingParams): the
 log-probability of the sampled token under softmax(logits / temperature) over the full
@@ -111,6 +112,17 @@ class ChatCompletionIn(_OpenAISampling):
         # an image or audio part would be dropped from the prompt without a word: refused instead
         bad += [f"messages.{i}.content" for i, m in enumerate(self.messages) if m.has_other_parts()]
         return bad
+
+
+class TokenizeIn(_Lenient):
+    """vLLM's /tokenize: a text prompt, or chat messages through the chat template."""
+
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeIn(_Lenient):
+    tokens: list[int]
 
 
 class NativeSamplingIn(_Strict):

@@ -18,6 +18,9 @@ for `stream: true`, streaming.py):
                                   top_logprobs (k <= 20, needs logprobs) -> choices[i].logprobs.content =
                                   [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}] x k}]
     GET  /v1/models               the one served model
+    POST /tokenize                {prompt | messages (through the chat template)} -> {tokens, count,
+                                  max_model_len} (vLLM's; a prompt too long to serve is still counted)
+    POST /detokenize              {tokens} -> {prompt} (special tokens kept)
     POST /generate                native: {input_ids | text, sampling_params: {temperature, top_p, top_k,
                                   max_new_tokens, stop, stop_token_ids, seed, n, ignore_eos}, return_logprob,
                                   top_logprobs_num (k <= 20, with return_logprob), return_routed_experts,
@@ -83,7 +86,7 @@ from lockstep.config import SamplingParams
 from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, log, responses
 from lockstep.engine.engine import Engine
 from lockstep.engine.limits import ServerLimits
-from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, GenerateIn,
+from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, DetokenizeIn, GenerateIn, TokenizeIn,
                                       UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
                                       chunk_choice, completion_response, error_body, native_output, new_id,
                                       stream_chunk, usage)
@@ -148,15 +151,18 @@ class _Server:
         return ids
 
     async def encode(self, prompt, field: str, chat: bool) -> list[int]:
-        """Token ids of a text prompt, tokenised in a worker thread: a long text must not hold the
-        event loop (a 5M-character body held it, /health too, for 3 s)."""
+        """Token ids of a text prompt that the engine can take (check_ids)."""
+        return self.check_ids(await self.tokenize(prompt, field, chat), field)
+
+    async def tokenize(self, prompt, field: str, chat: bool) -> list[int]:
+        """Token ids of a text prompt (chat: messages through the chat template), tokenised in a worker
+        thread: a long text must not hold the event loop (a 5M-character body held it, /health too, for 3 s)."""
         if self.engine.tokenizer is None:
             raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
         try:
-            ids = await asyncio.to_thread(self.engine.tokenize_prompt, prompt, chat)
+            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt, chat)
         except ValueError as e:
             raise APIError(400, f"{field}: {e}", field) from e
-        return self.check_ids(ids, field)
 
     def check_n(self, n: int, field: str) -> None:
         if n > self.limits.max_n:
@@ -519,6 +525,30 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
                 for rid, samples in zip(rids, results) for s in samples]
         return outs if batch or sp.n > 1 else outs[0]
+
+    @app.post("/tokenize", responses=gen)
+    async def tokenize(body: TokenizeIn):
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            bad = next((i for i, m in enumerate(body.messages) if m.has_other_parts()), None)
+            if bad is not None:
+                raise APIError(400, f"messages.{bad}.content: not supported by this server (send text parts only)",
+                               f"messages.{bad}.content")
+            ids = await srv.tokenize([{"role": m.role, "content": m.text()} for m in body.messages], "messages", True)
+        else:
+            ids = await srv.tokenize(body.prompt, "prompt", chat=False)
+        return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=gen)
+    async def detokenize(body: DetokenizeIn):
+        if engine.tokenizer is None:
+            raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+        vocab = engine.model.config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/update_weights_from_disk", dependencies=admin, responses=responses(400, 401, 403, 409, 413))
     async def update_weights_from_disk(body: UpdateWeightsFromDiskIn):

@@ -344,3 +344,23 @@ def test_admin_token_required_beyond_loopback(engine):
         assert r.status_code == 200  # generation itself is open
     finally:
         s.stop()
+
+
+def test_tokenize_and_detokenize(served, engine):
+    text, messages = "What is 7 + 5?", [{"role": "user", "content": "What is 7 + 5?"}]
+    r = served.http.post("/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == engine.tokenize_prompt(text, chat_template=False) and r["count"] == len(r["tokens"])
+    assert r["max_model_len"] == engine.max_model_len
+    chat = served.http.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == engine.tokenize_prompt(messages) and chat["count"] > r["count"]  # the template's tokens
+    long = served.http.post("/tokenize", json={"prompt": "1 + " * 400}).json()
+    assert long["count"] > engine.max_model_len  # counted, though too long to serve
+    back = served.http.post("/detokenize", json={"tokens": chat["tokens"]}).json()
+    assert back["prompt"] == engine.tokenizer.decode(chat["tokens"], skip_special_tokens=False)
+    image = [{"role": "user", "content": [{"type": "image_url"}]}]
+    both = {"prompt": "a", "messages": messages}
+    for path, body, param in (("/tokenize", {}, "prompt"), ("/tokenize", both, "prompt"),
+                              ("/detokenize", {"tokens": [10 ** 6]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"messages": image}, "messages.0.content")):
+        err = served.http.post(path, json=body)
+        assert err.status_code == 400 and err.json()["error"]["param"] == param, (path, body, err.text)
