@@ -342,8 +342,12 @@ def _refuse(body) -> None:
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
     bad = body.unsupported()
     if bad:
-        fix = "send text parts only" if bad[0].startswith("messages.") else "leave it unset"
-        raise APIError(400, f"{bad[0]}: not supported by this server ({fix})", bad[0])
+        _not_supported(bad[0])
+
+
+def _not_supported(field: str):
+    fix = "send text parts only" if field.startswith("messages.") else "leave it unset"
+    raise APIError(400, f"{field}: not supported by this server ({fix})", field)
 
 
 def _completion_choice(srv: _Server, index: int, sample, echoed: dict | None, logprobs: bool) -> dict:
@@ -533,8 +537,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         if body.messages is not None:
             bad = next((i for i, m in enumerate(body.messages) if m.has_other_parts()), None)
             if bad is not None:
-                raise APIError(400, f"messages.{bad}.content: not supported by this server (send text parts only)",
-                               f"messages.{bad}.content")
+                _not_supported(f"messages.{bad}.content")
             ids = await srv.tokenize([{"role": m.role, "content": m.text()} for m in body.messages], "messages", True)
         else:
             ids = await srv.tokenize(body.prompt, "prompt", chat=False)
