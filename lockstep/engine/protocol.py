@@ -92,6 +92,11 @@ class ChatMessage(_Lenient):
         return self.content or ""
 
 
+def non_text_parts(messages: list[ChatMessage]) -> list[str]:
+    """The fields of messages holding parts other than text (this server reads text only)."""
+    return [f"messages.{i}.content" for i, m in enumerate(messages) if m.has_other_parts()]
+
+
 class ChatCompletionIn(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # None: up to max_model_len
@@ -110,8 +115,7 @@ class ChatCompletionIn(_OpenAISampling):
         bad += ["response_format"] if (self.response_format or {}).get("type", "text") != "text" else []
         bad += ["modalities"] if set(self.modalities or ()) - {"text"} else []
         # an image or audio part would be dropped from the prompt without a word: refused instead
-        bad += [f"messages.{i}.content" for i, m in enumerate(self.messages) if m.has_other_parts()]
-        return bad
+        return bad + non_text_parts(self.messages)
 
 
 class TokenizeIn(_Lenient):

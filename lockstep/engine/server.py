@@ -87,8 +87,8 @@ from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, ins
 from lockstep.engine.engine import Engine
 from lockstep.engine.limits import ServerLimits
 from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, DetokenizeIn, GenerateIn, TokenizeIn,
-                                      UpdateWeightsFromDiskIn, chat_logprobs, completion_logprobs,
-                                      chunk_choice, completion_response, error_body, native_output, new_id,
+                                      UpdateWeightsFromDiskIn, chat_logprobs, chunk_choice, completion_logprobs,
+                                      completion_response, error_body, native_output, new_id, non_text_parts,
                                       stream_chunk, usage)
 from lockstep.engine.request import GenerateRequest, TokensAdded
 from lockstep.engine.streaming import DONE, StreamedChoices, event
@@ -535,9 +535,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "prompt: give exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            bad = next((i for i, m in enumerate(body.messages) if m.has_other_parts()), None)
-            if bad is not None:
-                _not_supported(f"messages.{bad}.content")
+            for field in non_text_parts(body.messages)[:1]:
+                _not_supported(field)
             ids = await srv.tokenize([{"role": m.role, "content": m.text()} for m in body.messages], "messages", True)
         else:
             ids = await srv.tokenize(body.prompt, "prompt", chat=False)
