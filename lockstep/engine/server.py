@@ -46,13 +46,14 @@ distribution, most likely first (a request that asks for them decodes one step a
 multi-step windows); `text_offset` counts from the start of the completion. The request's `model` is
 not checked (one model is served). `stream: true` streams the text (with
 `stream_options.include_usage`, a last usage chunk; with logprobs, each chunk carries its tokens');
-/generate does not stream (400); a client that closes its connection has its request aborted. Errors
-use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, every one of them (404 and 405
-too), with no internals (a 500 says to read the server log): malformed JSON, missing or mistyped
-fields, prompts that do not fit max_model_len, a max_tokens that does not fit with the prompt ("This
-model's maximum context length is ..."), token ids outside the vocabulary and bad sampling values
-are 400 and name the field; the server keeps serving everything else. The OpenAPI schema
-(/openapi.json) documents these codes (400, not FastAPI's 422); api_errors.py holds that machinery.
+/generate streams SGLang's way (each event a sample's output so far, then its answer); a client that
+closes its connection has its request aborted. Errors use OpenAI's shape `{"error": {"message",
+"type", "param", "code"}}`, every one of them (404 and 405 too), with no internals (a 500 says to
+read the server log): malformed JSON, missing or mistyped fields, prompts that do not fit
+max_model_len, a max_tokens that does not fit with the prompt ("This model's maximum context length
+is ..."), token ids outside the vocabulary and bad sampling values are 400 and name the field; the
+server keeps serving everything else. The OpenAPI schema (/openapi.json) documents these codes (400,
+not FastAPI's 422); api_errors.py holds that machinery.
 
 Limits (`ServerLimits`, limits.py; each a `lockstep serve` flag): n per request, prompt tokens x n
 per request (400), requests held at once (429, and /health 503), body bytes (413, checked before the
@@ -90,8 +91,8 @@ from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, D
                                       UpdateWeightsFromDiskIn, chat_logprobs, chunk_choice, completion_logprobs,
                                       completion_response, error_body, native_output, new_id, non_text_parts,
                                       stream_chunk, usage)
-from lockstep.engine.request import GenerateRequest, TokensAdded
-from lockstep.engine.streaming import DONE, StreamedChoices, event
+from lockstep.engine.request import GenerateRequest
+from lockstep.engine.streaming import DONE, StreamedChoices, TextStream, event
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
 
 
@@ -238,12 +239,61 @@ class _Server:
                     f"(--stall-seconds {self.limits.stall_seconds:g})")
         return self.overloaded()
 
-    def stream(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-               chat: bool, include_usage: bool, logprobs: bool) -> StreamingResponse:
-        """The answer as server-sent events (streaming.py), choice index = prompt * n + sample."""
+    async def token_events(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
+        """Every prompt through the engine at once, as it goes: ("tokens", choice index, TokensAdded) as
+        tokens are sampled (choice index = prompt * n + sample), ("done", prompt index, its samples)
+        as a request ends (after its tokens). Closing the generator (the client left, a failure)
+        aborts what still runs."""
+        n = params[0].n
+        queue: asyncio.Queue = asyncio.Queue()
+        self.active.update(rids)
+        self.in_flight += 1
+        tasks = {asyncio.ensure_future(self.engine.generate_async(
+            GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, got, k=k: queue.put_nowait((k * n + i, got))
+        )): k for k, (p, sp, r) in enumerate(zip(prompts, params, rids))}
+        try:
+            pending = set(tasks)
+            while pending or not queue.empty():
+                getter = asyncio.ensure_future(queue.get())
+                done, pending = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
+                pending.discard(getter)
+                if getter in done:
+                    yield ("tokens", *getter.result())
+                else:
+                    getter.cancel()
+                ended = done - {getter}
+                while ended and not queue.empty():  # a request ended: its tokens were queued before its samples
+                    yield ("tokens", *queue.get_nowait())
+                for t in ended:
+                    yield "done", tasks[t], t.result()  # raises the engine's error
+        finally:
+            for t in tasks:
+                t.cancel()  # generate_async aborts its request when cancelled
+            self.in_flight -= 1
+            self.active.subtract(rids)
+            self.active = +self.active
+
+    def event_stream(self, request: Request, events) -> StreamingResponse:
+        """Server-sent events; a failure after the first (the status, 200, is sent) is the last event."""
         full = self.overloaded()
         if full:
             raise APIError(429, full)
+
+        async def guarded():
+            try:
+                async for e in events:
+                    yield e
+            except ValueError as e:  # the engine's checks
+                yield event(error_body(str(e)))
+            except Exception:
+                log.exception("internal error streaming %s", request.url.path)
+                yield event(error_body("internal error; see the server log", code=500, kind="internal_error"))
+
+        return StreamingResponse(guarded(), media_type="text/event-stream")
+
+    def stream(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
+               chat: bool, include_usage: bool, logprobs: bool) -> StreamingResponse:
+        """An OpenAI answer as server-sent events (streaming.py), choice index = prompt * n + sample."""
         cid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
         n = params[0].n
         decode = self.engine.decode if self.engine.tokenizer is not None else None
@@ -253,54 +303,55 @@ class _Server:
         def chunk(choices: list[dict], use: dict | None = None) -> str:
             return event(stream_chunk(cid, created, self.model_name, chat, choices, use))
 
-        def delta_chunk(i: int, added: TokensAdded) -> str:
-            choice = streams.tokens(i, added)
-            return "" if choice is None else chunk([choice])
+        async def events():
+            samples: list = [None] * len(prompts)
+            if chat:
+                yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(prompts) * n)])
+            async for kind, i, got in self.token_events(prompts, params, rids):
+                if kind == "tokens":
+                    choice = streams.tokens(i, got)
+                    if choice is not None:
+                        yield chunk([choice])
+                else:
+                    samples[i] = got
+                    yield chunk([streams.finish(i * n + j, s) for j, s in enumerate(got)])
+            if include_usage:
+                yield chunk([], usage([len(p) for p in prompts], [s for group in samples for s in group]))
+            yield DONE
+
+        return self.event_stream(request, events())
+
+    def native_stream(self, request: Request, prompts: list[list[int]], sp: SamplingParams, rids: list[str],
+                      return_logprob: bool, return_routed_experts: bool) -> StreamingResponse:
+        """SGLang's /generate with stream: for each token batch of a sample an event with its output so
+        far (text, output_ids, and with return_logprob output_token_logprobs; finish_reason null), then
+        its whole answer as /generate gives it; `index` = prompt * n + sample."""
+        n = sp.n
+        decode = self.engine.decode if self.engine.tokenizer is not None else None
+        texts = [TextStream(decode, sp.stop) for _ in range(len(prompts) * n)]
+        ids, logprobs = [[] for _ in texts], [[] for _ in texts]
+
+        def so_far(i: int) -> dict:
+            meta = {"id": rids[i // n], "finish_reason": None, "prompt_tokens": len(prompts[i // n]),
+                    "completion_tokens": len(ids[i])}
+            if return_logprob:
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs[i], ids[i])]
+            return {"text": texts[i].text, "output_ids": ids[i], "meta_info": meta, "index": i}
 
         async def events():
-            queue: asyncio.Queue = asyncio.Queue()
-            self.active.update(rids)
-            self.in_flight += 1
-            tasks = {asyncio.ensure_future(self.engine.generate_async(
-                GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, got, k=k: queue.put_nowait((k * n + i, got))
-            )): k for k, (p, sp, r) in enumerate(zip(prompts, params, rids))}
-            samples: list = [None] * len(prompts)
-            try:
-                if chat:
-                    yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(prompts) * n)])
-                pending = set(tasks)
-                while pending or not queue.empty():
-                    getter = asyncio.ensure_future(queue.get())
-                    done, pending = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
-                    pending.discard(getter)
-                    if getter in done:
-                        yield delta_chunk(*getter.result())
-                    else:
-                        getter.cancel()
-                    ended = done - {getter}
-                    while ended and not queue.empty():  # a request ended: its tokens were queued before its samples
-                        yield delta_chunk(*queue.get_nowait())  # ("" where no text can be sent yet: no event)
-                    for t in ended:
-                        k = tasks[t]
-                        samples[k] = t.result()  # raises the engine's error
-                        yield chunk([streams.finish(k * n + j, s) for j, s in enumerate(samples[k])])
-                if include_usage:
-                    flat = [s for group in samples for s in group]
-                    yield chunk([], usage([len(p) for p in prompts], flat))
-                yield DONE
-            except ValueError as e:  # the engine's checks; the status (200) is sent: the error is the last event
-                yield event(error_body(str(e)))
-            except Exception:
-                log.exception("internal error streaming %s", request.url.path)
-                yield event(error_body("internal error; see the server log", code=500, kind="internal_error"))
-            finally:  # done, failed, or the client went away (the generator is cancelled): free the rest
-                for t in tasks:
-                    t.cancel()  # generate_async aborts its request when cancelled
-                self.in_flight -= 1
-                self.active.subtract(rids)
-                self.active = +self.active
+            async for kind, i, got in self.token_events(prompts, [sp] * len(prompts), rids):
+                if kind == "tokens":
+                    texts[i].add(got.ids)
+                    ids[i] += got.ids
+                    logprobs[i] += got.logprobs
+                    yield event(so_far(i))
+                else:
+                    for j, s in enumerate(got):
+                        out = native_output(s, rids[i], return_logprob, return_routed_experts)
+                        yield event({**out, "index": i * n + j})
+            yield DONE
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return self.event_stream(request, events())
 
     async def run(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
         """Every prompt through the engine at once; samples per prompt. A failure aborts the rest,
@@ -492,10 +543,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         version = max(s.weight_version for s in samples)
         return completion_response(name, choices, usage([len(ids)], samples), version, chat=True)
 
-    @app.post("/generate", responses=gen)
+    @app.post("/generate", responses=streamed)
     async def generate(body: GenerateIn, request: Request):
-        if body.stream:
-            raise APIError(400, "stream: streaming is not supported by this server; send stream=false", "stream")
         if (body.input_ids is None) == (body.text is None):
             raise APIError(400, "input_ids: give exactly one of input_ids or text", "input_ids")
         spi = body.sampling_params
@@ -525,6 +574,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
                           stop=[spi.stop] if isinstance(spi.stop, str) else (spi.stop or ()),
                           stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts,
                           top_logprobs=body.top_logprobs_num)
+        if body.stream:
+            return srv.native_stream(request, prompts, sp, rids, body.return_logprob, body.return_routed_experts)
         results = await srv.run(request, prompts, [sp] * len(prompts), rids)
         outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
                 for rid, samples in zip(rids, results) for s in samples]

@@ -13,6 +13,8 @@ text can be sent (possibly none): the chunks' logprobs, joined, are the non-stre
 Events: `data: {chunk}` per delta, then a chunk with each choice's finish_reason, then, where
 `stream_options.include_usage`, one with the usage and no choices, then `data: [DONE]`. A failure
 after the first event is sent as a last `data: {"error": ...}` event (the status is already 200).
+SGLang's /generate streams the same text another way (server.native_stream): each event is a
+sample's output so far (text, ids, logprobs), the last its whole answer.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class TextStream:
     def __init__(self, decode, stops: tuple[str, ...]):
         self.decode, self.stops = decode, stops
         self.ids: list[int] = []
-        self.sent = 0  # characters of the text sent so far
+        self.text = ""  # what has been sent
 
     def add(self, ids: list[int]) -> str:
         self.ids += ids
@@ -56,13 +58,13 @@ class TextStream:
             return ""
         text = self.decode(self.ids)
         end = sendable_end(text, self.stops)
-        delta = text[self.sent:end] if end > self.sent else ""
-        self.sent += len(delta)
+        delta = text[len(self.text):end] if end > len(self.text) else ""
+        self.text += delta
         return delta
 
     def finish(self, final_text: str) -> str:
-        delta = final_text[self.sent:]
-        self.sent = len(final_text)
+        delta = final_text[len(self.text):]
+        self.text = final_text
         return delta
 
 

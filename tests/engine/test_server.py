@@ -198,7 +198,6 @@ def test_concurrent_requests_equal_one_at_a_time(served, engine, monkeypatch):
     ("/generate", b'{"input_ids": [7], "sampling_params": {"top_k": 0}}', "sampling_params.top_k"),
     ("/generate", b'{"input_ids": [7], "sampling_params": {"n": 0}}', "sampling_params.n"),
     ("/generate", b'{"input_ids": [7], "sampling_params": {"typo": 1}}', "sampling_params.typo"),
-    ("/generate", b'{"input_ids": [7], "stream": true}', "stream"),
     ("/generate", b'{"input_ids": [7], "top_logprobs_num": 2}', "top_logprobs_num"),
     ("/generate", b'{"input_ids": [7], "return_logprob": true, "top_logprobs_num": 21}', "top_logprobs_num"),
     ("/v1/completions", b'{"prompt": "12", "logprobs": 21}', "logprobs"),

@@ -2,6 +2,7 @@
 streamed deltas of every choice add up to the non-streamed answer, each choice ends once with its
 finish reason, a stop string never shows, and a client that goes away has its request aborted."""
 
+import json
 import time
 
 import httpx
@@ -70,6 +71,26 @@ def test_streamed_logprobs_join_into_the_answers(served):
     chunks = list(client.chat.completions.create(**chat, stream=True))
     content = [e for x in chunks for ch in x.choices if ch.logprobs is not None for e in ch.logprobs.content]
     assert content == full.choices[0].logprobs.content
+
+
+def test_generate_streams_each_samples_output_so_far(served, engine):
+    ids = [engine.tokenize_prompt(q) for q in ("What is 2 + 3?", "What is 9 + 9?")]
+    body = {"input_ids": ids, "rid": ["a", "b"], "return_logprob": True,
+            "sampling_params": {"n": 2, "seed": 8, "temperature": 0.9, "max_new_tokens": 12, "stop": ["= "],
+                                "ignore_eos": True}}
+    whole = served.http.post("/generate", json=body).json()
+    with served.http.stream("POST", "/generate", json={**body, "stream": True}) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(x.removeprefix("data: ")) for x in lines[:-1]]
+    for i, answer in enumerate(whole):  # index = prompt * n + sample, as the list without stream
+        mine = [e for e in events if e["index"] == i]
+        assert {k: v for k, v in mine[-1].items() if k != "index"} == answer  # the last: the whole answer
+        assert all(e["meta_info"]["finish_reason"] is None for e in mine[:-1]) and len(mine) > 2
+        for before, after in zip(mine, mine[1:]):  # each event: the output so far
+            assert after["text"].startswith(before["text"]) and answer["text"].startswith(before["text"])
+            assert after["output_ids"][:len(before["output_ids"])] == before["output_ids"]
+        assert mine[-2]["meta_info"]["output_token_logprobs"] == answer["meta_info"]["output_token_logprobs"]
 
 
 def test_the_text_sent_stops_short_of_what_may_change():
