@@ -34,12 +34,12 @@ def test_scoring_an_answer_gives_the_logprobs_it_was_sampled_with():
 def test_true_on_policy_scores_an_answer_with_the_bits_it_was_sampled_with(dtype):
     # the true-on-policy forward (models/deepseek_v4_rows.py) gives every row the same bits whatever
     # the batch and the path: a full forward reproduces the chunked prefill + decode steps exactly
-    engine = Engine(tiny_dsv4(3), EngineConfig(max_num_seqs=3, max_model_len=48, max_prefill_tokens=5, dtype=dtype,
-                                               device=DEVICE, true_on_policy=True))
+    exact = Engine(tiny_dsv4(3), EngineConfig(max_num_seqs=3, max_model_len=48, max_prefill_tokens=5, dtype=dtype,
+                                              device=DEVICE, true_on_policy=True))
     prompt = list(range(3, 14))
     sampling = SamplingParams(temperature=0.9, seed=3, max_new_tokens=16, ignore_eos=True)
-    (s,) = engine.generate([GenerateRequest(prompt, sampling)])
-    lps, _ = engine.prompt_logprobs(prompt + s.response_ids.tolist(), sampling)
+    (s,) = exact.generate([GenerateRequest(prompt, sampling)])
+    lps, _ = exact.prompt_logprobs(prompt + s.response_ids.tolist(), sampling)
     assert torch.equal(torch.tensor(lps[len(prompt) - 1:], dtype=torch.float32), s.rollout_logprobs)
 
 
