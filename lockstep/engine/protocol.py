@@ -196,16 +196,32 @@ def usage(prompt_lens: list[int], samples: list[Sample]) -> dict:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
+def native_logprobs(logprobs: list[float], ids: list[int]) -> list[list]:
+    """SGLang's (logprob, token_id, token_text) triples; the text is left null."""
+    return [[lp, t, None] for lp, t in zip(logprobs, ids)]
+
+
+def stop_strings(stop: Stop) -> list[str] | tuple:
+    """A request's `stop` (a string, a list of them, or null) as SamplingParams takes it."""
+    return [stop] if isinstance(stop, str) else (stop or ())
+
+
+def chat_turns(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """The messages as the chat template takes them: role and text."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
 def native_output(sample: Sample, rid: str, return_logprob: bool, return_routed_experts: bool) -> dict:
     """One sample in SGLang's /generate shape."""
     ids = sample.response_ids.tolist()
     meta = {"id": rid, "finish_reason": {"type": sample.finish_reason},
             "prompt_tokens": sample.prompt_ids.numel(), "completion_tokens": len(ids),
             "weight_version": sample.weight_version}
-    if return_logprob:  # SGLang's (logprob, token_id, token_text) triples; the text is left null
-        meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.rollout_logprobs.tolist(), ids)]
+    if return_logprob:
+        meta["output_token_logprobs"] = native_logprobs(sample.rollout_logprobs.tolist(), ids)
         if sample.top_logprobs is not None:
-            meta["output_top_logprobs"] = [[[lp, t, None] for t, lp in alts] for alts in sample.top_logprobs]
+            meta["output_top_logprobs"] = [native_logprobs([lp for _, lp in alts], [t for t, _ in alts])
+                                           for alts in sample.top_logprobs]
     if return_routed_experts:  # [R][n_moe_layers][top_k]; null when the model records no routing
         re = sample.routed_experts
         meta["routed_experts"] = None if re is None else re.tolist()

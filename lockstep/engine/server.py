@@ -3,8 +3,9 @@
     app = create_app(engine, admin_token=None, weights_dir="/ckpts", require_admin=False)
     uvicorn.run(app, host="127.0.0.1", port=30000)          # or `lockstep serve`
 
-Endpoints (names after SGLang; every answer is JSON, or server-sent events where the OpenAI ones ask
-for `stream: true`, streaming.py):
+Endpoints (names after SGLang; every answer is JSON, or server-sent events where a request asks for
+`stream: true`, streaming.py). This file holds the routes; what they share (checks, limits, the
+requests in flight) is server_state.py's:
 
     POST /v1/completions          OpenAI completions: prompt str | [ids] | [str] | [[ids]]; max_tokens (16),
                                   temperature, top_p, top_k*, n, seed, stop, stop_token_ids*, ignore_eos*,
@@ -73,26 +74,22 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
-import re
 import time
 import uuid
-from collections import Counter
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import StreamingResponse
 
 from lockstep.config import SamplingParams
-from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, log, responses
+from lockstep.engine.api_errors import APIError, BodyLimit, document_errors, install_error_handlers, responses
 from lockstep.engine.engine import Engine
 from lockstep.engine.limits import ServerLimits
 from lockstep.engine.protocol import (AbortIn, ChatCompletionIn, CompletionIn, DetokenizeIn, GenerateIn, TokenizeIn,
-                                      UpdateWeightsFromDiskIn, chat_logprobs, chunk_choice, completion_logprobs,
-                                      completion_response, error_body, native_output, new_id, non_text_parts,
-                                      stream_chunk, usage)
-from lockstep.engine.request import GenerateRequest
-from lockstep.engine.streaming import DONE, StreamedChoices, TextStream, event
+                                      UpdateWeightsFromDiskIn, chat_logprobs, chat_turns, completion_logprobs,
+                                      completion_response, native_output, non_text_parts, stop_strings, usage)
+from lockstep.engine.server_state import ServerState
+from lockstep.engine.streaming import native_stream, openai_stream
 from lockstep.engine.weight_update import WeightUpdateError, WeightVersionError
 
 
@@ -120,274 +117,6 @@ def resolve_weights_path(weights_dir: Path | None, model_path: str) -> Path:
     return path
 
 
-_SAMPLING_FIELD = re.compile(r"^SamplingParams\.(\w+):")
-
-
-
-async def _client_gone(request: Request) -> None:
-    """Returns once the client has closed the connection: with the body read, the next ASGI
-    message is `http.disconnect` (sent when the client goes, or after the response)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _Server:
-    """What the endpoints share: the engine, the limits, prompt checks, and the requests in flight."""
-
-    def __init__(self, engine: Engine, model_name: str, limits: ServerLimits):
-        self.engine, self.model_name, self.limits = engine, model_name, limits
-        self.active: Counter[str] = Counter()  # rid -> requests holding it (a duplicate rid is refused later)
-        self.in_flight = 0  # generation requests between admission and answer
-
-    def check_ids(self, ids: list[int], field: str) -> list[int]:
-        if not ids:
-            raise APIError(400, f"{field}: the prompt is empty", field)
-        vocab = self.engine.model.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"{field}: token id {bad} is outside the vocabulary [0, {vocab})", field)
-        if len(ids) >= self.engine.max_model_len:
-            raise APIError(400, f"{field}: the prompt has {len(ids)} tokens; it must be shorter than max_model_len="
-                                f"{self.engine.max_model_len} to leave room for a new token", field)
-        return ids
-
-    async def encode(self, prompt, field: str, chat: bool) -> list[int]:
-        """Token ids of a text prompt that the engine can take (check_ids)."""
-        return self.check_ids(await self.tokenize(prompt, field, chat), field)
-
-    async def tokenize(self, prompt, field: str, chat: bool) -> list[int]:
-        """Token ids of a text prompt (chat: messages through the chat template), tokenised in a worker
-        thread: a long text must not hold the event loop (a 5M-character body held it, /health too, for 3 s)."""
-        if self.engine.tokenizer is None:
-            raise APIError(400, f"{field}: this model has no tokenizer; send token ids", field)
-        try:
-            return await asyncio.to_thread(self.engine.tokenize_prompt, prompt, chat)
-        except ValueError as e:
-            raise APIError(400, f"{field}: {e}", field) from e
-
-    def check_n(self, n: int, field: str) -> None:
-        if n > self.limits.max_n:
-            raise APIError(400, f"{field}: {n} samples asked for; this server allows at most {self.limits.max_n} "
-                                "per request (--max-n)", field)
-
-    def check_work(self, prompts: list[list[int]], n: int, field: str) -> None:
-        tokens = sum(map(len, prompts)) * n
-        if tokens > self.limits.max_request_tokens:
-            raise APIError(400, f"{field}: prompt tokens x n = {tokens}; this server allows at most "
-                                f"{self.limits.max_request_tokens} per request (--max-request-tokens)", field)
-
-    def max_new_tokens(self, asked: int | None, ids: list[int], field: str, default: int | None = None) -> int:
-        """The completion length for a prompt. Asked for: it must fit max_model_len with the prompt
-        (400 in OpenAI's words otherwise; silently cutting it short looked like a real "length"
-        finish). Not asked for: `default`, or all the room left, capped by the room left."""
-        room = self.engine.max_model_len - len(ids)
-        if asked is None:
-            return room if default is None else min(default, room)
-        if asked > room:  # (below 1, SamplingParams names the field)
-            total = self.engine.max_model_len
-            raise APIError(400, f"{field}: this model's maximum context length is {total} tokens; the prompt has "
-                                f"{len(ids)} tokens and {field} asks for {asked} more ({len(ids) + asked} in all). "
-                                f"Ask for at most {room}, or shorten the prompt.", field)
-        return asked
-
-    def sampling(self, names: dict[str, str], **kw) -> SamplingParams:
-        """SamplingParams, with its ValueError turned into a 400 under the request's own field names."""
-        try:
-            return SamplingParams(**kw)
-        except ValueError as e:
-            m = _SAMPLING_FIELD.match(str(e))
-            field = names.get(m.group(1), m.group(1)) if m else None
-            msg = f"{field}:{str(e)[m.end():]}" if m else str(e)
-            raise APIError(400, msg, field) from e
-
-    def pieces(self, ids: list[int]) -> list[str]:
-        """Each token's own text (special tokens included), for logprobs."""
-        tok = self.engine.tokenizer
-        if tok is None:
-            return [f"token_id:{t}" for t in ids]
-        return [tok.decode([t], skip_special_tokens=False) for t in ids]
-
-    def named_alternatives(self, alternatives) -> list[list[tuple[str, float]]] | None:
-        """Each position's (token id, logprob) alternatives as (text, logprob); None stays None."""
-        if alternatives is None:
-            return None
-        return [list(zip(self.pieces([t for t, _ in alts]), [lp for _, lp in alts])) for alts in alternatives]
-
-    async def echoed(self, given, ids: list[int], sampling: SamplingParams, logprobs: bool) -> dict:
-        """What `echo` puts before a completion: the prompt's text (as given, or its ids decoded)
-        and, with logprobs, its tokens' (the first has none: nothing comes before it)."""
-        text = given if isinstance(given, str) else "" if self.engine.tokenizer is None else (
-            self.engine.tokenizer.decode(ids, skip_special_tokens=False))
-        out = {"text": text, "pieces": [], "logprobs": [], "alternatives": None}
-        if logprobs:
-            lps, alts = await asyncio.to_thread(self.engine.prompt_logprobs, ids, sampling)
-            out.update(pieces=self.pieces(ids), logprobs=[None] + lps,
-                       alternatives=None if alts is None else [None] + self.named_alternatives(alts))
-        return out
-
-    def overloaded(self) -> str | None:
-        if self.in_flight >= self.limits.max_queued_requests:
-            return (f"the server is full: {self.in_flight} requests in flight, at most "
-                    f"{self.limits.max_queued_requests} (--max-queued-requests); retry shortly")
-        return None
-
-    def health_problem(self) -> str | None:
-        """Why the server cannot take work now (/health answers 503), or None."""
-        stalled = self.engine.stalled_for()
-        if stalled > self.limits.stall_seconds:
-            return (f"the engine has finished no step for {stalled:.0f} s while requests wait "
-                    f"(--stall-seconds {self.limits.stall_seconds:g})")
-        return self.overloaded()
-
-    async def token_events(self, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
-        """Every prompt through the engine at once, as it goes: ("tokens", choice index, TokensAdded) as
-        tokens are sampled (choice index = prompt * n + sample), ("done", prompt index, its samples)
-        as a request ends (after its tokens). Closing the generator (the client left, a failure)
-        aborts what still runs."""
-        n = params[0].n
-        queue: asyncio.Queue = asyncio.Queue()
-        self.active.update(rids)
-        self.in_flight += 1
-        tasks = {asyncio.ensure_future(self.engine.generate_async(
-            GenerateRequest(p, sp, request_id=r), on_tokens=lambda i, got, k=k: queue.put_nowait((k * n + i, got))
-        )): k for k, (p, sp, r) in enumerate(zip(prompts, params, rids))}
-        try:
-            pending = set(tasks)
-            while pending or not queue.empty():
-                getter = asyncio.ensure_future(queue.get())
-                done, pending = await asyncio.wait(pending | {getter}, return_when=asyncio.FIRST_COMPLETED)
-                pending.discard(getter)
-                if getter in done:
-                    yield ("tokens", *getter.result())
-                else:
-                    getter.cancel()
-                ended = done - {getter}
-                while ended and not queue.empty():  # a request ended: its tokens were queued before its samples
-                    yield ("tokens", *queue.get_nowait())
-                for t in ended:
-                    yield "done", tasks[t], t.result()  # raises the engine's error
-        finally:
-            for t in tasks:
-                t.cancel()  # generate_async aborts its request when cancelled
-            self.in_flight -= 1
-            self.active.subtract(rids)
-            self.active = +self.active
-
-    def event_stream(self, request: Request, events) -> StreamingResponse:
-        """Server-sent events; a failure after the first (the status, 200, is sent) is the last event."""
-        full = self.overloaded()
-        if full:
-            raise APIError(429, full)
-
-        async def guarded():
-            try:
-                async for e in events:
-                    yield e
-            except ValueError as e:  # the engine's checks
-                yield event(error_body(str(e)))
-            except Exception:
-                log.exception("internal error streaming %s", request.url.path)
-                yield event(error_body("internal error; see the server log", code=500, kind="internal_error"))
-
-        return StreamingResponse(guarded(), media_type="text/event-stream")
-
-    def stream(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str],
-               chat: bool, include_usage: bool, logprobs: bool) -> StreamingResponse:
-        """An OpenAI answer as server-sent events (streaming.py), choice index = prompt * n + sample."""
-        cid, created = new_id("chatcmpl" if chat else "cmpl"), int(time.time())
-        n = params[0].n
-        decode = self.engine.decode if self.engine.tokenizer is not None else None
-        streams = StreamedChoices(decode, self.pieces, self.named_alternatives,
-                                  [sp.stop for sp in params for _ in range(sp.n)], chat, logprobs)
-
-        def chunk(choices: list[dict], use: dict | None = None) -> str:
-            return event(stream_chunk(cid, created, self.model_name, chat, choices, use))
-
-        async def events():
-            samples: list = [None] * len(prompts)
-            if chat:
-                yield chunk([chunk_choice(i, "", None, chat, role=True) for i in range(len(prompts) * n)])
-            async for kind, i, got in self.token_events(prompts, params, rids):
-                if kind == "tokens":
-                    choice = streams.tokens(i, got)
-                    if choice is not None:
-                        yield chunk([choice])
-                else:
-                    samples[i] = got
-                    yield chunk([streams.finish(i * n + j, s) for j, s in enumerate(got)])
-            if include_usage:
-                yield chunk([], usage([len(p) for p in prompts], [s for group in samples for s in group]))
-            yield DONE
-
-        return self.event_stream(request, events())
-
-    def native_stream(self, request: Request, prompts: list[list[int]], sp: SamplingParams, rids: list[str],
-                      return_logprob: bool, return_routed_experts: bool) -> StreamingResponse:
-        """SGLang's /generate with stream: for each token batch of a sample an event with its output so
-        far (text, output_ids, and with return_logprob output_token_logprobs; finish_reason null), then
-        its whole answer as /generate gives it; `index` = prompt * n + sample."""
-        n = sp.n
-        decode = self.engine.decode if self.engine.tokenizer is not None else None
-        texts = [TextStream(decode, sp.stop) for _ in range(len(prompts) * n)]
-        ids, logprobs = [[] for _ in texts], [[] for _ in texts]
-
-        def so_far(i: int) -> dict:
-            meta = {"id": rids[i // n], "finish_reason": None, "prompt_tokens": len(prompts[i // n]),
-                    "completion_tokens": len(ids[i])}
-            if return_logprob:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs[i], ids[i])]
-            return {"text": texts[i].text, "output_ids": ids[i], "meta_info": meta, "index": i}
-
-        async def events():
-            async for kind, i, got in self.token_events(prompts, [sp] * len(prompts), rids):
-                if kind == "tokens":
-                    texts[i].add(got.ids)
-                    ids[i] += got.ids
-                    logprobs[i] += got.logprobs
-                    yield event(so_far(i))
-                else:
-                    for j, s in enumerate(got):
-                        out = native_output(s, rids[i], return_logprob, return_routed_experts)
-                        yield event({**out, "index": i * n + j})
-            yield DONE
-
-        return self.event_stream(request, events())
-
-    async def run(self, request: Request, prompts: list[list[int]], params: list[SamplingParams], rids: list[str]):
-        """Every prompt through the engine at once; samples per prompt. A failure aborts the rest,
-        and so does the client closing its connection (nobody would read the answer)."""
-        full = self.overloaded()
-        if full:
-            raise APIError(429, full)
-        reqs = [GenerateRequest(p, sp, request_id=r) for p, sp, r in zip(prompts, params, rids)]
-        self.active.update(rids)
-        self.in_flight += 1
-        tasks = [asyncio.ensure_future(self.engine.generate_async(r)) for r in reqs]
-        work, gone = asyncio.gather(*tasks), asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait([work, gone], return_when=asyncio.FIRST_COMPLETED)
-            client_left = not work.done()
-            if client_left or work.exception() is not None:  # the rest of the answer is not wanted
-                for rid, t in zip(rids, tasks):
-                    if not t.done():
-                        self.engine.abort(rid)
-                await asyncio.wait(tasks)
-            if client_left:
-                raise APIError(499, "the client closed the connection; its request was aborted")
-            return work.result()  # raises the first failure
-        except ValueError as e:  # the engine's checks (e.g. a rid already running)
-            raise APIError(400, str(e)) from e
-        except asyncio.CancelledError:  # shutdown past its grace period: generate_async aborts on cancel
-            for t in tasks:
-                t.cancel()
-            raise
-        finally:
-            gone.cancel()
-            self.in_flight -= 1
-            self.active.subtract(rids)
-            self.active = +self.active  # drop the zeros
-
-
 def _refuse(body) -> None:
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options: only with stream: true", "stream_options")
@@ -401,8 +130,8 @@ def _not_supported(field: str):
     raise APIError(400, f"{field}: not supported by this server ({fix})", field)
 
 
-def _completion_choice(srv: _Server, index: int, sample, echoed: dict | None, logprobs: bool) -> dict:
-    """One /v1/completions choice: the echoed prompt (_Server.echoed) where the request asked for echo,
+def _completion_choice(srv: ServerState, index: int, sample, echoed: dict | None, logprobs: bool) -> dict:
+    """One /v1/completions choice: the echoed prompt (ServerState.echoed) where the request asked for echo,
     then the sample (None: nothing generated, echo with max_tokens 0)."""
     parts = [echoed] if echoed is not None else []
     if sample is not None:
@@ -418,14 +147,14 @@ def _completion_choice(srv: _Server, index: int, sample, echoed: dict | None, lo
             "finish_reason": "length" if sample is None else sample.finish_reason}
 
 
-def _openai_sampling(srv: _Server, body, max_new_tokens: int, max_tokens_field="max_tokens",
+def _openai_sampling(srv: ServerState, body, max_new_tokens: int, max_tokens_field="max_tokens",
                      top_logprobs: int = 0) -> SamplingParams:
     return srv.sampling(
         {"max_new_tokens": max_tokens_field}, top_logprobs=top_logprobs,
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
         n=body.n, seed=body.seed, max_new_tokens=max_new_tokens, ignore_eos=body.ignore_eos,
-        stop=[body.stop] if isinstance(body.stop, str) else (body.stop or ()), stop_token_ids=body.stop_token_ids or ())
+        stop=stop_strings(body.stop), stop_token_ids=body.stop_token_ids or ())
 
 
 def _admin_guard(admin_token: str | None, require_admin: bool):
@@ -452,7 +181,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
             raise ValueError(f"--weights-dir {weights_dir}: not a directory")
     name = model_name or Path(getattr(engine.model, "source_dir", "lockstep")).name
     limits = limits or ServerLimits()
-    srv = _Server(engine, name, limits)
+    srv = ServerState(engine, name, limits)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -508,8 +237,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         params = [_openai_sampling(srv, body, m, top_logprobs=body.logprobs or 0) for m in lengths]
         rids = [f"cmpl-{i}-{_uid()}" for i in range(len(prompts))]
         if body.stream:
-            return srv.stream(request, prompts, params, rids, chat=False, include_usage=body.include_usage(),
-                              logprobs=body.logprobs is not None)
+            return openai_stream(srv, request, prompts, params, rids, chat=False, include_usage=body.include_usage(),
+                                 logprobs=body.logprobs is not None)
         results = [[None] * body.n for _ in prompts] if score_only else await srv.run(request, prompts, params, rids)
         choices, flat = [], [s for samples in results for s in samples if s is not None]
         for k, samples in enumerate(results):
@@ -525,7 +254,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         srv.check_n(body.n, "n")
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
-        ids = await srv.encode([{"role": m.role, "content": m.text()} for m in body.messages], "messages", chat=True)
+        ids = await srv.encode(chat_turns(body.messages), "messages", chat=True)
         srv.check_work([ids], body.n, "messages")
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -533,8 +262,8 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
                               top_logprobs=(body.top_logprobs or 0) if body.logprobs else 0)
         rids = [f"chatcmpl-{_uid()}"]
         if body.stream:
-            return srv.stream(request, [ids], [sp], rids, chat=True, include_usage=body.include_usage(),
-                              logprobs=body.logprobs)
+            return openai_stream(srv, request, [ids], [sp], rids, chat=True, include_usage=body.include_usage(),
+                                 logprobs=body.logprobs)
         (samples,) = await srv.run(request, [ids], [sp], rids)
         choices = [{"index": i, "message": {"role": "assistant", "content": s.metadata.get("text", "")},
                     "logprobs": chat_logprobs(srv.pieces(s.response_ids.tolist()), s.rollout_logprobs.tolist(),
@@ -571,11 +300,11 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         max_new = srv.max_new_tokens(asked, longest, "sampling_params.max_new_tokens", spi.max_new_tokens)
         sp = srv.sampling(names, temperature=spi.temperature, top_p=spi.top_p, top_k=spi.top_k, seed=spi.seed,
                           max_new_tokens=max_new, n=spi.n, ignore_eos=spi.ignore_eos,
-                          stop=[spi.stop] if isinstance(spi.stop, str) else (spi.stop or ()),
+                          stop=stop_strings(spi.stop),
                           stop_token_ids=spi.stop_token_ids or (), return_routed_experts=body.return_routed_experts,
                           top_logprobs=body.top_logprobs_num)
         if body.stream:
-            return srv.native_stream(request, prompts, sp, rids, body.return_logprob, body.return_routed_experts)
+            return native_stream(srv, request, prompts, sp, rids, body.return_logprob, body.return_routed_experts)
         results = await srv.run(request, prompts, [sp] * len(prompts), rids)
         outs = [native_output(s, rid, body.return_logprob, body.return_routed_experts)
                 for rid, samples in zip(rids, results) for s in samples]
@@ -588,7 +317,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
         if body.messages is not None:
             for field in non_text_parts(body.messages)[:1]:
                 _not_supported(field)
-            ids = await srv.tokenize([{"role": m.role, "content": m.text()} for m in body.messages], "messages", True)
+            ids = await srv.tokenize(chat_turns(body.messages), "messages", chat=True)
         else:
             ids = await srv.tokenize(body.prompt, "prompt", chat=False)
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
@@ -597,11 +326,7 @@ def create_app(engine: Engine, *, admin_token: str | None, weights_dir: str | No
     async def detokenize(body: DetokenizeIn):
         if engine.tokenizer is None:
             raise APIError(400, "tokens: this model has no tokenizer", "tokens")
-        vocab = engine.model.config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens: token id {bad} is outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": srv.text(srv.check_vocabulary(body.tokens, "tokens"))}
 
     @app.post("/update_weights_from_disk", dependencies=admin, responses=responses(400, 401, 403, 409, 413))
     async def update_weights_from_disk(body: UpdateWeightsFromDiskIn):
